@@ -1,0 +1,23 @@
+"""pimm: a PyTorch training engine whose runs can always be stopped, resumed and exported.
+
+The heavy names (``Trainer``...) import torch, so they are loaded lazily: importing
+``pimm_core`` itself (as the scripting commands do) stays torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Trainer", "TrainState", "Config", "load_config"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Trainer", "TrainState"):
+        from . import trainer
+
+        return getattr(trainer, name)
+    if name in ("Config", "load_config"):
+        from . import config
+
+        return getattr(config, name)
+    raise AttributeError(f"module 'pimm_core' has no attribute {name!r}")

@@ -1,0 +1,76 @@
+"""Crash-safe file publishing (torch-free).
+
+The rule everywhere: write under a temporary name, ``fsync`` the file, rename it
+into place, ``fsync`` the directory. A crash at any instant leaves either the old
+file or the new one under the final name, never a partial one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+TMP_SUFFIX = ".tmp"
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory entry (renames, creations) to disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory below ``root`` (and ``root`` itself)."""
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            fsync_file(Path(dirpath) / name)
+        fsync_dir(Path(dirpath))
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` atomically.
+
+    The temporary file lives next to ``path`` (same filesystem, so ``os.replace``
+    is atomic) and is removed if the write fails.
+
+    Args:
+        durable: fsync the file and its directory. ``False`` is for frequently
+            replaced status files where atomicity matters but durability does not.
+
+    Raises:
+        OSError: the write, fsync or rename failed (the old ``path`` is untouched).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a file or directory tree if present."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        shutil.rmtree(path)

@@ -1,0 +1,97 @@
+"""``manifest.json``: the torch-free record of a checkpoint.
+
+A manifest lets scripts, ``pimm checkpoints`` and the console describe and verify
+a checkpoint without importing torch. Schema (``manifest_version`` 1)::
+
+    {
+      "manifest_version": 1,
+      "format": "standard",            # standard | legacy | single
+      "kind": "last",                  # last | best | iter
+      "step": 120, "epoch": 3, "iter": 0,   # next batch to run: epoch, iteration in epoch
+      "world_size": 2, "workers_per_rank": 0,
+      "metrics": {"val/acc": 0.97},
+      "selection_metric": {"name": "val/acc", "value": 0.97, "mode": "max", "split": "val", "epoch": 2},
+      "created": "2026-11-29T12:00:00+00:00",
+      "torch_version": "2.15.0", "code_version": "abc123",
+      "files": {"weights.pth": {"size": 123, "sha256": "..."}, ...}
+    }
+
+Paths in ``files`` are relative to the checkpoint directory (or, for a single-file
+checkpoint with a sidecar manifest, the file's directory).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .atomic import atomic_write_bytes
+
+MANIFEST = "manifest.json"
+COMPLETE = ".complete"
+MANIFEST_VERSION = 1
+
+
+def sha256_file(path: Path, bufsize: int = 1 << 22) -> str:
+    """Hex sha256 of a file's bytes, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def describe_files(root: Path, exclude: tuple[str, ...] = (MANIFEST, COMPLETE)) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every regular file under ``root`` (relative POSIX paths)."""
+    files = {}
+    for dirpath, _dirs, names in os.walk(root):
+        for name in sorted(names):
+            p = Path(dirpath) / name
+            rel = p.relative_to(root).as_posix()
+            if rel in exclude:
+                continue
+            files[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+    return dict(sorted(files.items()))
+
+
+def write_manifest(path: Path, record: dict[str, Any]) -> None:
+    """Write ``record`` (plus ``manifest_version``) as pretty JSON, atomically and durably."""
+    record = {"manifest_version": MANIFEST_VERSION, **record}
+    atomic_write_bytes(path, (json.dumps(record, indent=2, sort_keys=False) + "\n").encode())
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """Read a manifest.
+
+    Raises:
+        ValueError: the file is not a JSON object (corrupt or truncated).
+        OSError: the file cannot be read.
+    """
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return data
+
+
+def verify_files(root: Path, files: dict[str, dict[str, Any]]) -> list[str]:
+    """Compare files under ``root`` with a manifest's ``files`` table.
+
+    Returns:
+        One line per problem (missing file, size or sha256 mismatch); empty if all match.
+    """
+    problems = []
+    for rel, want in files.items():
+        p = root / rel
+        if not p.is_file():
+            problems.append(f"{rel}: missing")
+            continue
+        size = p.stat().st_size
+        if size != want.get("size"):
+            problems.append(f"{rel}: size {size} != {want.get('size')} in manifest")
+            continue
+        if sha256_file(p) != want.get("sha256"):
+            problems.append(f"{rel}: sha256 mismatch")
+    return problems

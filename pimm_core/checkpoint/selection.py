@@ -1,0 +1,202 @@
+"""Find, describe and select checkpoints in a ``model/`` directory (torch-free).
+
+One function, :func:`select_resume`, decides what a resume loads; every caller
+(``pimm launch --train.resume``, ``pimm checkpoints latest``, ``pimm checkpoints ls``,
+``python -m pimm_core.utils.path latest-checkpoint``, the console) goes through it.
+
+Preference order for resume: ``last``, then a complete ``last.prev`` (left by a
+rotation interrupted between its two renames), then a legacy ``model_last.pth``.
+Temporary ``*.tmp`` entries and anything lacking its ``.complete`` marker, weights,
+DCP metadata or manifest are rejected with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .manifest import COMPLETE, MANIFEST, read_manifest
+
+WEIGHTS = "weights.pth"
+TRAINER_DCP = "trainer.dcp"
+DCP_METADATA = ".metadata"
+LEGACY_LAST = "model_last.pth"
+BEST = "model_best.pth"
+ITER_RE = re.compile(r"^iter_(\d+)\.pth$")
+RESUME_ORDER = ("last", "last.prev", LEGACY_LAST)
+
+
+@dataclass
+class Candidate:
+    """One checkpoint (or leftover) found in a model directory.
+
+    Attributes:
+        name: entry name in the model directory (``last``, ``iter_40.pth``, ...).
+        kind: ``last`` | ``last.prev`` | ``legacy`` | ``best`` | ``iter`` | ``tmp``.
+        format: ``standard`` | ``legacy`` | ``weights`` (weights-only file) | ``unknown``.
+        resumable: holds trainer state, so ``--train.resume`` may pick it.
+        complete: every required part is present (not a checksum check; see verify).
+        reason: why it is incomplete, or ``None``.
+        step, epoch, iter: from the manifest when present (``iter`` is the next batch in ``epoch``).
+        size: bytes on disk (files summed for directories).
+    """
+
+    name: str
+    path: str
+    kind: str
+    format: str
+    resumable: bool
+    complete: bool
+    reason: str | None = None
+    step: int | None = None
+    epoch: int | None = None
+    iter: int | None = None
+    size: int = 0
+    created: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    manifest: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("manifest")
+        return d
+
+
+def _tree_size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for dirpath, _d, files in os.walk(path):
+        for f in files:
+            try:
+                total += (Path(dirpath) / f).stat().st_size
+            except OSError:
+                pass
+    return total
+
+
+def _apply_manifest(c: Candidate, manifest_path: Path) -> str | None:
+    """Fill step/epoch/metrics from a manifest; return a problem string or None."""
+    if not manifest_path.is_file():
+        return f"missing {manifest_path.name}"
+    try:
+        m = read_manifest(manifest_path)
+    except (OSError, ValueError) as e:
+        return f"unreadable {manifest_path.name} ({e.__class__.__name__})"
+    c.manifest = m
+    c.step, c.epoch, c.iter = m.get("step"), m.get("epoch"), m.get("iter")
+    c.created = m.get("created")
+    c.metrics = m.get("metrics") or {}
+    return None
+
+
+def _standard_dir(path: Path, kind: str) -> Candidate:
+    c = Candidate(path.name, str(path), kind, "standard", resumable=True, complete=False, size=_tree_size(path))
+    missing = []
+    if not (path / WEIGHTS).is_file():
+        missing.append(WEIGHTS)
+    dcp = path / TRAINER_DCP
+    if not (dcp / DCP_METADATA).is_file():
+        missing.append(f"{TRAINER_DCP}/{DCP_METADATA}")
+    if not (dcp / COMPLETE).is_file():
+        missing.append(f"{TRAINER_DCP}/{COMPLETE}")
+    problem = _apply_manifest(c, path / MANIFEST)
+    if problem and not problem.startswith("missing"):
+        missing.append(problem)
+    elif problem:
+        missing.append(MANIFEST)
+    if not (path / COMPLETE).is_file():
+        missing.append(COMPLETE)
+    if missing:
+        c.reason = "missing " + ", ".join(m.removeprefix("missing ") for m in missing)
+    else:
+        c.complete = True
+    return c
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def _weights_file(path: Path, kind: str, resumable: bool, fmt: str) -> Candidate:
+    c = Candidate(path.name, str(path), kind, fmt, resumable=resumable, complete=True, size=_tree_size(path))
+    side = _sidecar(path)
+    if side.exists():
+        problem = _apply_manifest(c, side)
+        if problem:
+            c.complete, c.reason = False, problem
+    if c.size == 0:
+        c.complete, c.reason = False, "empty file"
+    return c
+
+
+def list_candidates(model_dir: Path) -> list[Candidate]:
+    """Every checkpoint and leftover in ``model_dir``, resume candidates first.
+
+    Returns an empty list when ``model_dir`` does not exist.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        return []
+    out: list[Candidate] = []
+    iters: list[Candidate] = []
+    for entry in sorted(model_dir.iterdir(), key=lambda p: p.name):
+        name = entry.name
+        if name.endswith(".json") and not entry.is_dir():
+            continue  # sidecar manifests
+        if name.endswith(".tmp") or (name.startswith(".") and ".tmp" in name):
+            out.append(Candidate(name, str(entry), "tmp", "unknown", False, False,
+                                 reason="temporary leftover of an interrupted save", size=_tree_size(entry)))
+        elif name in ("last", "last.prev") and entry.is_dir():
+            out.append(_standard_dir(entry, name))
+        elif name == LEGACY_LAST and entry.is_file():
+            out.append(_weights_file(entry, "legacy", resumable=True, fmt="legacy"))
+        elif name == BEST and entry.is_file():
+            out.append(_weights_file(entry, "best", resumable=False, fmt="weights"))
+        elif (m := ITER_RE.match(name)) and entry.is_file():
+            c = _weights_file(entry, "iter", resumable=False, fmt="weights")
+            c.step = c.step if c.step is not None else int(m.group(1))
+            iters.append(c)
+    order = {n: i for i, n in enumerate(RESUME_ORDER)}
+    out.sort(key=lambda c: (order.get(c.name, len(order)), c.name))
+    return out + sorted(iters, key=lambda c: c.step or 0)
+
+
+def select_resume(model_dir: Path) -> tuple[Candidate | None, list[Candidate]]:
+    """Choose the checkpoint a resume loads.
+
+    Returns:
+        ``(chosen, candidates)``: ``chosen`` is the first complete resumable candidate
+        in :data:`RESUME_ORDER`, or ``None``; ``candidates`` is :func:`list_candidates`.
+    """
+    cands = list_candidates(model_dir)
+    for name in RESUME_ORDER:
+        for c in cands:
+            if c.name == name and c.complete and c.resumable:
+                return c, cands
+    return None, cands
+
+
+def explain(cands: list[Candidate], chosen: Candidate | None) -> list[str]:
+    """One human line per candidate: accepted/rejected and why."""
+    lines = []
+    for c in cands:
+        if chosen is not None and c.path == chosen.path:
+            verdict = "selected"
+        elif not c.resumable and c.complete:
+            verdict = "rejected: weights only, cannot resume"
+        elif not c.complete:
+            verdict = f"rejected: {c.reason}"
+        else:
+            verdict = "accepted (complete, lower preference)"
+        where = f" step={c.step} epoch={c.epoch}" if c.step is not None else ""
+        lines.append(f"{c.name}: {verdict}{where}")
+    return lines
+
+
+def has_checkpoints(model_dir: Path) -> bool:
+    """True when ``model_dir`` holds anything a run wrote (a checkpoint or a leftover)."""
+    return bool(list_candidates(model_dir))

@@ -1,0 +1,243 @@
+"""The ``standard`` checkpoint format: ``model/last/{weights.pth, trainer.dcp/, manifest.json, .complete}``.
+
+- ``weights.pth``: ``{"state_dict": ...}`` of the unwrapped model (no ``module.`` or
+  ``_orig_mod.`` prefixes), loadable with plain ``torch.load(weights_only=True)``.
+- ``trainer.dcp/``: written with ``torch.distributed.checkpoint`` by every rank.
+  Keys: ``optim/<fqn>/<state>`` tensors (FQN-keyed via DCP's ``get_optimizer_state_dict``,
+  so they reshard across world sizes), ``meta`` (packed optimizer structure,
+  scheduler, scaler, trainer counters and metric state) and ``rank_state/<rank>``
+  (packed per-rank RNG and loader cursor). Gets its own ``.complete``.
+- ``manifest.json``: torch-free description with sizes and sha256 of every file.
+- ``.complete``: written last.
+
+Publishing: everything is written under ``<name>.tmp/``, fsynced, then rotated in
+(``last`` -> ``last.prev``, ``last.tmp`` -> ``last``, ``last.prev`` removed), with a
+directory fsync after each rename.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from .. import dist
+from ..dist import DistInfo
+from ..errors import CheckpointError
+from .atomic import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, remove_tree
+from .manifest import COMPLETE, MANIFEST, describe_files, write_manifest
+from .selection import DCP_METADATA, TRAINER_DCP, WEIGHTS
+from .state import join_tensors, pack, split_tensors, unpack
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+    while True:
+        if hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _write_marker(path: Path) -> None:
+    atomic_write_bytes(path, b"")
+
+
+def save_torch_file(path: Path, obj: Any) -> None:
+    """``torch.save`` to ``path`` through a temporary file, fsync and rename (atomic)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        torch.save(obj, tmp)
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def rotate_into_place(tmp: Path, final: Path) -> None:
+    """Publish directory ``tmp`` as ``final`` keeping a complete candidate at every instant.
+
+    ``final`` -> ``final.prev``; ``tmp`` -> ``final``; ``final.prev`` removed. If a
+    previous rotation was interrupted after its first rename, ``final`` is absent and
+    ``final.prev`` is the complete one: it stays until the new ``final`` is in place.
+    """
+    prev = final.with_name(final.name + ".prev")
+    parent = final.parent
+    if final.exists():
+        if prev.exists():
+            remove_tree(prev)
+            fsync_dir(parent)
+        os.rename(final, prev)
+        fsync_dir(parent)
+    os.rename(tmp, final)
+    fsync_dir(parent)
+    if prev.exists():
+        remove_tree(prev)
+        fsync_dir(parent)
+
+
+def save_standard(
+    model_dir: Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    meta: dict[str, Any],
+    rank_state: dict[str, Any],
+    manifest: dict[str, Any],
+    info: DistInfo,
+    name: str = "last",
+) -> Path:
+    """Write and publish a standard checkpoint; every rank must call it.
+
+    Args:
+        model: the trained module (wrappers allowed; weights are saved unwrapped).
+        meta: replicated, non-tensor trainer state (scheduler, scaler, counters, metrics).
+        rank_state: this rank's state (RNG, loader cursor); stored under ``rank_state/<rank>``.
+        manifest: fields for ``manifest.json`` (step, epoch, iter, world size, metrics...);
+            ``format`` and ``files`` are added here.
+
+    Returns:
+        The published directory ``model_dir/<name>``.
+
+    Raises:
+        OSError: a write failed; the previously published checkpoint is untouched.
+    """
+    final = model_dir / name
+    tmp = model_dir / f"{name}.tmp"
+    if info.is_main:
+        remove_tree(tmp)  # leftover of an interrupted save of this run
+        (tmp / TRAINER_DCP).mkdir(parents=True)
+    dist.barrier()
+
+    plain = unwrap(model)
+    osd = get_optimizer_state_dict(plain, optimizer)
+    tensors, skeleton = split_tensors(osd, "optim")
+    state: dict[str, Any] = dict(tensors)
+    state["meta"] = pack({**meta, "optim": skeleton})
+    state[f"rank_state/{info.rank}"] = pack(rank_state)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
+             no_dist=not info.distributed)
+
+    if info.is_main:
+        _write_marker(tmp / TRAINER_DCP / COMPLETE)
+        save_torch_file(tmp / WEIGHTS, {"state_dict": plain.state_dict()})
+        fsync_tree(tmp)
+        write_manifest(tmp / MANIFEST, {"format": "standard", **manifest, "files": describe_files(tmp)})
+        _write_marker(tmp / COMPLETE)
+        fsync_dir(tmp)
+        rotate_into_place(tmp, final)
+    dist.barrier()
+    return final
+
+
+@dataclass
+class LoadedState:
+    """What :func:`load_standard` restored.
+
+    Attributes:
+        meta: the replicated trainer state saved as ``meta`` (optimizer structure removed).
+        rank_state: this rank's saved RNG/loader state, or None when the checkpoint has
+            no entry for this rank (world size grew).
+        saved_ranks: ranks that have a ``rank_state`` entry.
+    """
+
+    meta: dict[str, Any]
+    rank_state: dict[str, Any] | None
+    saved_ranks: list[int] = field(default_factory=list)
+
+
+def load_model_weights(model: nn.Module, path: Path) -> None:
+    """Load ``{"state_dict": ...}`` from ``path`` into ``model`` (unwrapped), strictly.
+
+    Raises:
+        CheckpointError: unreadable file, not a pimm weights file, or keys/shapes that
+            do not match the model (the message names them).
+    """
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError, RuntimeError (truncated zip), OSError
+        raise CheckpointError(f"cannot load {path}: {e.__class__.__name__}: {str(e).splitlines()[0]}") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("state_dict"), dict):
+        raise CheckpointError(f"{path} is not a pimm weights file (expected a dict with a 'state_dict' key)")
+    check_compatible(unwrap(model), obj["state_dict"], str(path))
+    unwrap(model).load_state_dict(obj["state_dict"])
+
+
+def check_compatible(model: nn.Module, sd: dict[str, torch.Tensor], source: str) -> None:
+    """Raise :class:`CheckpointError` naming missing, unexpected and shape-mismatched keys."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(sd))
+    unexpected = sorted(set(sd) - set(own))
+    shapes = sorted(f"{k} {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
+                    for k in set(own) & set(sd) if tuple(own[k].shape) != tuple(sd[k].shape))
+    if missing or unexpected or shapes:
+        parts = []
+        for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):
+            if items:
+                more = f" (+{len(items) - 3} more)" if len(items) > 3 else ""
+                parts.append(f"{label}: {', '.join(items[:3])}{more}")
+        raise CheckpointError(f"{source} does not match the model: " + "; ".join(parts))
+
+
+def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, info: DistInfo) -> LoadedState:
+    """Restore model weights and optimizer state from a standard checkpoint; every rank calls it.
+
+    Optimizer tensors are read through DCP, so a checkpoint written at another world
+    size reshards. The caller applies ``meta`` (scheduler, scaler, counters) and
+    ``rank_state`` according to the resume policy.
+
+    Raises:
+        CheckpointError: weights or optimizer state do not match (names the tensors).
+    """
+    load_model_weights(model, ckpt / WEIGHTS)
+    path = ckpt / TRAINER_DCP
+    reader = dcp.FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    saved_ranks = sorted(int(k.split("/", 1)[1]) for k in saved if k.startswith("rank_state/"))
+
+    request: dict[str, Any] = {"meta": torch.empty(saved["meta"].size, dtype=torch.uint8)}
+    rank_key = f"rank_state/{info.rank}"
+    if rank_key in saved:
+        request[rank_key] = torch.empty(saved[rank_key].size, dtype=torch.uint8)
+    plain = unwrap(model)
+    if optimizer is not None:
+        target, _ = split_tensors(get_optimizer_state_dict(plain, optimizer), "optim")
+        saved_optim = {k for k in saved if k.startswith("optim/")}
+        mismatched = sorted(k for k in set(target) & saved_optim if tuple(target[k].shape) != tuple(saved[k].size))
+        missing = sorted(set(target) - saved_optim)
+        if mismatched or missing:
+            names = (mismatched + missing)[:3]
+            raise CheckpointError(f"optimizer state in {path} does not match the model/optimizer: {', '.join(names)}")
+        request.update({k: torch.empty_like(target[k]) for k in saved_optim})
+    dcp.load(request, storage_reader=reader, no_dist=not info.distributed)
+
+    meta = unpack(request.pop("meta"))
+    skeleton = meta.pop("optim")
+    rank_state = unpack(request.pop(rank_key)) if rank_key in request else None
+    if optimizer is not None:
+        set_optimizer_state_dict(plain, optimizer, join_tensors(skeleton, request))
+    return LoadedState(meta=meta, rank_state=rank_state, saved_ranks=saved_ranks)
+
+
+def write_weights_file(path: Path, model: nn.Module, manifest: dict[str, Any]) -> None:
+    """Publish a weights-only file (``model_best.pth``, ``iter_<step>.pth``) with a sidecar manifest.
+
+    The sidecar ``<name>.json`` records step, metrics and the file's size and sha256.
+    """
+    save_torch_file(path, {"state_dict": unwrap(model).state_dict()})
+    from .manifest import sha256_file
+
+    write_manifest(path.with_name(path.name + ".json"), {
+        "format": "weights", **manifest,
+        "files": {path.name: {"size": path.stat().st_size, "sha256": sha256_file(path)}},
+    })

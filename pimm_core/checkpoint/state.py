@@ -1,0 +1,95 @@
+"""Turning trainer state into tensors that load with ``weights_only=True``.
+
+``torch.distributed.checkpoint`` stores non-tensor values as pickles and reads
+them back with ``weights_only=False``. pimm never does that: every non-tensor
+value (scheduler, scaler, counters, RNG, loader cursor) is serialised with
+``torch.save`` into a ``uint8`` tensor (:func:`pack`) and read back with
+``torch.load(weights_only=True)`` (:func:`unpack`), which refuses code execution.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+TENSOR_MARK = "__tensor__"
+
+
+def pack(obj: Any) -> torch.Tensor:
+    """Serialise ``obj`` (dicts/lists/tuples of tensors, numbers, strings, None) to a 1-D uint8 tensor."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def unpack(t: torch.Tensor) -> Any:
+    """Inverse of :func:`pack`, with ``weights_only=True``.
+
+    Raises:
+        pickle.UnpicklingError: the bytes hold anything but plain containers, numbers,
+            strings and tensors.
+    """
+    return torch.load(io.BytesIO(t.cpu().numpy().tobytes()), weights_only=True, map_location="cpu")
+
+
+def split_tensors(tree: Any, prefix: str) -> tuple[dict[str, torch.Tensor], Any]:
+    """Separate the tensors of a nested state from its structure.
+
+    Returns:
+        ``(tensors, skeleton)``: ``tensors`` maps a path (``prefix/key/...``) to each
+        tensor; ``skeleton`` is ``tree`` with every tensor replaced by
+        ``{"__tensor__": path}``, safe to :func:`pack`.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(node: Any, path: str) -> Any:
+        if isinstance(node, torch.Tensor):
+            tensors[path] = node
+            return {TENSOR_MARK: path}
+        if isinstance(node, dict):
+            return {k: walk(v, f"{path}/{k}") for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(walk(v, f"{path}/{i}") for i, v in enumerate(node))
+        return node
+
+    return tensors, walk(tree, prefix)
+
+
+def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`split_tensors`."""
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {TENSOR_MARK}:
+            return tensors[skeleton[TENSOR_MARK]]
+        return {k: join_tensors(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(join_tensors(v, tensors) for v in skeleton)
+    return skeleton
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: torch CPU, every CUDA device, numpy global, python ``random``."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured."""
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

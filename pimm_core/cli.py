@@ -1,0 +1,193 @@
+"""The ``pimm`` command line (Typer).
+
+Commands: ``launch`` (train), ``checkpoints ls|latest|verify`` (torch-free scripting).
+
+Errors a person can fix print one line, ``error: <what> ...<how to fix>``, and exit
+with 2 (usage, input) or 1 (an operation failed); never a traceback. Heavy modules
+(torch) are imported inside the commands that need them, so the scripting commands
+answer in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .errors import PimmError, UsageError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="pimm: a PyTorch training engine that never loses a run.")
+checkpoints_app = typer.Typer(no_args_is_help=True, help="Inspect checkpoints without importing torch.")
+app.add_typer(checkpoints_app, name="checkpoints")
+
+_ARGV: list[str] = []
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def launch(
+    config: Optional[Path] = typer.Option(None, "--train.config", help="TOML config file."),
+    name: Optional[str] = typer.Option(None, "--run.name", help="Run name (default: the config file's stem)."),
+    no_timestamp: bool = typer.Option(False, "--run.no-timestamp", help="Do not add -YYYYmmdd-HHMMSS to the name."),
+    root: Optional[str] = typer.Option(None, "--run.root", help="Root of run directories (default: exp)."),
+    resume: bool = typer.Option(False, "--train.resume", help="Resume this run from its newest complete checkpoint."),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Ranks on this node (torchrun)."),
+    nnodes: Optional[str] = typer.Option(None, "--nnodes", help="Nodes, or MIN:MAX (torchrun)."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's rank (torchrun)."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the rendezvous (torchrun)."),
+    rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend", help="Rendezvous backend, e.g. c10d (torchrun)."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Rank-0 host for static rendezvous (torchrun)."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", help="Rank-0 port for static rendezvous (torchrun)."),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Config overrides after --, e.g. -- train.epochs=3"),
+) -> None:
+    """Train a model from a config (one process, or many through torchrun)."""
+    from .config import load_config
+    from .launch import LaunchOptions, spawn, strip_launcher_flags, train_here
+
+    extra: dict[str, object] = {}
+    if name is not None:
+        extra["run.name"] = name
+    if no_timestamp:
+        extra["run.no_timestamp"] = True
+    if root is not None:
+        extra["run.root"] = root
+    if resume:
+        extra["train.resume"] = True
+    cfg = load_config(config, overrides or [], extra)
+    opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend, master_addr, master_port)
+    from .dist import under_launcher
+
+    if opts.wants_spawn() and not under_launcher():
+        argv = _ARGV[_ARGV.index("launch") + 1:] if "launch" in _ARGV else []
+        raise typer.Exit(spawn(cfg, config, strip_launcher_flags(argv), opts))
+    raise typer.Exit(train_here(cfg, config))
+
+
+def _model_dir(path: Path) -> Path:
+    """Accept a run directory or its model/ directory."""
+    if not path.exists():
+        raise UsageError(f"{path} does not exist; pass a run directory (exp/<group>/<run>) or its model/ directory")
+    if not path.is_dir():
+        raise UsageError(f"{path} is a file; pass a run directory (exp/<group>/<run>) or its model/ directory")
+    return path / "model" if (path / "model").is_dir() else path
+
+
+@checkpoints_app.command("latest")
+def checkpoints_latest(
+    model_dir: Path = typer.Argument(..., help="A run's model/ directory (or the run directory)."),
+    explain: bool = typer.Option(False, "--explain", help="List every candidate, accepted or rejected, and why."),
+) -> None:
+    """Print the checkpoint a resume would load (exit 1 if there is none)."""
+    from .checkpoint.selection import explain as explain_lines
+    from .checkpoint.selection import select_resume
+
+    chosen, cands = select_resume(_model_dir(model_dir))
+    if explain:
+        for line in explain_lines(cands, chosen) or ["(no candidates)"]:
+            print(line, file=sys.stderr)
+    if chosen is None:
+        raise PimmError(f"no complete checkpoint in {model_dir}; run `pimm checkpoints ls` to see what is there")
+    print(chosen.path)
+
+
+@checkpoints_app.command("ls")
+def checkpoints_ls(
+    run_dir: Path = typer.Argument(..., help="A run directory (or its model/ directory)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output (stable schema)."),
+) -> None:
+    """List every checkpoint candidate and leftover, and which one resume would pick."""
+    from .checkpoint.selection import select_resume
+
+    model_dir = _model_dir(run_dir)
+    chosen, cands = select_resume(model_dir)
+    if as_json:
+        rows = [{**c.to_json(), "selected": chosen is not None and c.path == chosen.path} for c in cands]
+        print(json.dumps({"schema_version": 1, "model_dir": str(model_dir),
+                          "selected": chosen.name if chosen else None, "candidates": rows}, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=str(model_dir))
+    for col in ("", "name", "format", "step", "epoch", "iter", "size", "status"):
+        table.add_column(col)
+    for c in cands:
+        mark = "*" if chosen is not None and c.path == chosen.path else ""
+        status = "complete" if c.complete else f"incomplete: {c.reason}"
+        table.add_row(mark, c.name, c.format, _s(c.step), _s(c.epoch), _s(c.iter), _size(c.size), status)
+    Console().print(table)
+    print(f"resume would select: {chosen.name if chosen else 'nothing (no complete candidate)'}")
+
+
+@checkpoints_app.command("verify")
+def checkpoints_verify(
+    target: Path = typer.Argument(..., help="A run directory, model/ directory, or one candidate."),
+) -> None:
+    """Check sizes and sha256 of checkpoint files against their manifests (exit 1 on mismatch)."""
+    from .checkpoint.manifest import verify_files
+    from .checkpoint.selection import list_candidates
+
+    if not target.exists():
+        raise UsageError(f"{target} does not exist; pass a run directory or a checkpoint")
+    if (target / "manifest.json").exists() or target.is_file():
+        cands = [c for c in list_candidates(target.parent) if Path(c.path) == target]
+    else:
+        cands = [c for c in list_candidates(_model_dir(target)) if c.kind != "tmp"]
+    if not cands:
+        raise UsageError(f"no checkpoint found at {target}")
+    bad = 0
+    for c in cands:
+        if c.manifest is None:
+            print(f"{c.name}: cannot verify ({c.reason or 'no manifest'})")
+            bad += 1
+            continue
+        root = Path(c.path) if Path(c.path).is_dir() else Path(c.path).parent
+        problems = verify_files(root, c.manifest.get("files", {}))
+        if not c.complete:
+            problems.insert(0, c.reason or "incomplete")
+        print(f"{c.name}: {'ok' if not problems else 'FAILED: ' + '; '.join(problems)}")
+        bad += bool(problems)
+    if bad:
+        raise typer.Exit(1)
+
+
+def _s(v: object) -> str:
+    return "-" if v is None else str(v)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``pimm`` console script; returns the exit code."""
+    global _ARGV
+    _ARGV = list(sys.argv[1:] if argv is None else argv)
+    try:
+        app(args=_ARGV, prog_name="pimm", standalone_mode=False)
+    except PimmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except typer.Exit as e:
+        return e.exit_code
+    except typer.TyperException as e:  # Typer's usage errors (unknown option, bad value)
+        print(f"error: {e.format_message()}; see `pimm --help`", file=sys.stderr)
+        return 2
+    except typer.Abort:
+        print("error: aborted", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Process-group setup from the launcher's environment, and rank helpers.
+
+pimm never spawns ranks itself: ``pimm launch --nproc-per-node N`` hands over to
+PyTorch's ``torch.distributed.run`` (torchrun/elastic), which sets ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. Under
+Slurm's ``srun`` the ``SLURM_*`` variables are mapped onto the same names
+(``MASTER_ADDR``/``MASTER_PORT`` must be exported by the job script).
+
+Backend: NCCL when the device is CUDA, gloo otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def env_world() -> DistInfo:
+    """Rank layout from torchrun's (or Slurm's) environment; a single process otherwise."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1 and "MASTER_ADDR" in env:
+        info = DistInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
+        env.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank))
+        env.setdefault("MASTER_PORT", "29500")
+        return info
+    return DistInfo()
+
+
+def under_launcher() -> bool:
+    """True inside a process started by torchrun/elastic or srun with several tasks."""
+    return env_world().distributed or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def pick_device(requested: str, info: DistInfo) -> torch.device:
+    """``auto`` -> ``cuda:<local_rank>`` when CUDA is available, else ``cpu``."""
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(info.local_rank)
+        return torch.device("cuda", info.local_rank)
+    return torch.device("cpu")
+
+
+def init(device: torch.device, info: DistInfo) -> None:
+    """Create the default process group when there is more than one rank."""
+    if info.distributed and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, rank=info.rank, world_size=info.world_size,
+                                device_id=device if device.type == "cuda" else None)
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (identity without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``[obj]`` without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """In-place sum over ranks (no-op without a process group)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t

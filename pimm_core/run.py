@@ -1,0 +1,133 @@
+"""The run directory: naming, layout, and the small files a run keeps up to date.
+
+Layout (``exp/<group>/<name>/``)::
+
+    config.toml       resolved config (tomli-w)
+    provenance.json   code/torch version, host, topology, data fingerprint, one entry per start
+    metrics.jsonl     append-only, one JSON object per logged step / evaluation
+    status.json       atomically replaced heartbeat (state, step, epoch, pids, stop_reason)
+    train.log         the rank-0 log
+    control/          requests to the trainer (control/stop)
+    model/            checkpoints
+
+Everything here is torch-free so readers (CLI, console) stay fast. Only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .checkpoint.atomic import atomic_write_bytes
+
+CONFIG = "config.toml"
+PROVENANCE = "provenance.json"
+METRICS = "metrics.jsonl"
+STATUS = "status.json"
+LOG = "train.log"
+MODEL = "model"
+CONTROL = "control"
+
+STATES = ("starting", "running", "stopping", "stopped", "finished", "failed")
+
+
+def now_iso() -> str:
+    """Current UTC time, ISO 8601 with offset (e.g. ``2026-11-29T12:00:00+00:00``)."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def run_name(base: str, *, timestamp: bool, when: float | None = None) -> str:
+    """``base`` plus a ``-YYYYmmdd-HHMMSS`` local-time suffix unless ``timestamp`` is False."""
+    if not timestamp:
+        return base
+    return f"{base}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(when))}"
+
+
+def run_dir_for(root: str | Path, group: str, name: str) -> Path:
+    """``<root>/<group>/<name>``."""
+    return Path(root) / group / name
+
+
+def code_version(start: Path | None = None) -> str | None:
+    """``git describe --always --dirty`` of the checkout holding pimm, or None outside git."""
+    start = start or Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=12"],
+            cwd=start, capture_output=True, text=True, timeout=5,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def write_status(run_dir: Path, state: str, **fields: Any) -> None:
+    """Atomically replace ``status.json``.
+
+    Args:
+        state: one of :data:`STATES`.
+        fields: extra keys (``step``, ``epoch``, ``stop_reason``, ...).
+    """
+    record = {"state": state, "host": socket.gethostname(), "pid": os.getpid(), "updated": now_iso(),
+              "heartbeat": time.time(), **fields}
+    atomic_write_bytes(run_dir / STATUS, (json.dumps(record) + "\n").encode(), durable=False)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object from ``path``, or None if missing or unreadable."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+class MetricsWriter:
+    """Append-only ``metrics.jsonl``; each record is one line, flushed at once.
+
+    Records carry ``step`` (global step), ``epoch``, ``iter`` (iteration in epoch),
+    ``split`` (``train``/``val``), ``time`` (UNIX seconds) plus metric values
+    (``loss``, ``lr``, ``samples_per_s``, ``acc``...).
+    """
+
+    def __init__(self, path: Path):
+        self._f = open(path, "a", encoding="utf-8", buffering=1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All complete records of a ``metrics.jsonl`` (a truncated last line is skipped)."""
+    out = []
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError:
+        return out
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def append_provenance(run_dir: Path, base: dict[str, Any], entry: dict[str, Any]) -> None:
+    """Merge ``base`` into ``provenance.json`` and append ``entry`` to its ``starts`` list."""
+    path = run_dir / PROVENANCE
+    data = read_json(path) or {}
+    data.update(base)
+    data.setdefault("starts", []).append(entry)
+    atomic_write_bytes(path, (json.dumps(data, indent=2) + "\n").encode())
