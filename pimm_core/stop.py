@@ -1,0 +1,105 @@
+"""Stop requests: signals, ``request(reason)`` from any thread, and the ``control/stop`` file.
+
+A stop is a transparent pause: the trainer finishes the current accumulation
+window, every rank agrees on the flag (an all-reduce in the training loop), ``last``
+is saved, the final evaluation is skipped, and ``train()`` returns with
+``state.stop_reason`` set. Signal handlers only set a flag; all saving and
+communication happen in the training loop.
+
+This module is torch-free: ``pimm stop`` and the console use :func:`write_stop_file`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+from .checkpoint.atomic import atomic_write_bytes
+
+CONTROL_DIR = "control"
+STOP_FILE = "stop"
+
+
+def stop_file(run_dir: Path) -> Path:
+    return Path(run_dir) / CONTROL_DIR / STOP_FILE
+
+
+def write_stop_file(run_dir: Path, reason: str = "operator") -> Path:
+    """Ask the trainer of ``run_dir`` to stop by writing ``control/stop`` atomically.
+
+    The file holds ``{"reason": ..., "time": UNIX seconds, "pid": writer pid}``. Rank 0
+    polls it at accumulation-window boundaries (at most every ``poll_interval`` seconds).
+
+    Returns:
+        The path written.
+    """
+    path = stop_file(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, json.dumps({"reason": reason, "time": time.time(), "pid": os.getpid()}).encode())
+    return path
+
+
+def read_stop_file(run_dir: Path) -> dict | None:
+    """The pending stop request of ``run_dir``, or None."""
+    try:
+        data = json.loads(stop_file(run_dir).read_text())
+    except (OSError, ValueError):
+        return None if not stop_file(run_dir).exists() else {"reason": "operator", "time": 0.0}
+    return data if isinstance(data, dict) else {"reason": "operator", "time": 0.0}
+
+
+class StopRequest:
+    """A thread-safe stop flag with a reason.
+
+    ``request(reason)`` may be called from any thread, a callback or a signal
+    handler; the first reason wins. The trainer reads :attr:`reason` at each
+    accumulation-window boundary and spreads it to every rank.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reason: str | None = None
+
+    def request(self, reason: str = "requested") -> None:
+        """Ask the run to stop at the next accumulation-window boundary."""
+        with self._lock:
+            if self._reason is None:
+                self._reason = reason
+
+    @property
+    def requested(self) -> bool:
+        return self._reason is not None
+
+    @property
+    def reason(self) -> str | None:
+        return self._reason
+
+    def clear(self) -> None:
+        with self._lock:
+            self._reason = None
+
+    @contextlib.contextmanager
+    def catch_signals(self, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator["StopRequest"]:
+        """Handle ``signals`` by requesting a stop (reason ``signal:<NAME>``) while inside.
+
+        Must be entered in the main thread (a Python rule for signal handlers). The
+        previous handlers are restored on exit.
+        """
+        previous = {}
+
+        def handler(signum: int, _frame: object) -> None:
+            self.request(f"signal:{signal.Signals(signum).name}")
+
+        for sig in signals:
+            previous[sig] = signal.signal(sig, handler)
+        try:
+            yield self
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
