@@ -23,6 +23,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="pimm: a PyTorch training engine that never loses a run.")
 checkpoints_app = typer.Typer(no_args_is_help=True, help="Inspect checkpoints without importing torch.")
 app.add_typer(checkpoints_app, name="checkpoints")
+from .cli_export import register as _register_export
+_register_export(app)
 
 _ARGV: list[str] = []
 

@@ -1,0 +1,300 @@
+"""Where weights come from: resolving a weight source to one file (torch-free).
+
+Warm start (``--train.weight``), :func:`~pimm_core.checkpoint.weights.load_weights`
+and ``pimm export`` all accept the same kinds of *weight source* and go through
+:func:`resolve_weight_source`, which turns one into a single file to read:
+
+=====================================  ===========================================
+source                                 file read
+=====================================  ===========================================
+``.../model/last`` (standard dir)      ``last/weights.pth`` (needs ``.complete``)
+``weights.pth``, ``model_best.pth``,   the file itself
+``iter_<step>.pth``, ``model_last.pth``
+a single-format file or a ``last`` /   the file (symlinks are followed)
+``best`` / ``final`` pointer symlink
+an export directory                    ``model.safetensors``, else ``model.bin``
+a run directory or its ``model/``      the checkpoint a resume would pick (``last``,
+                                       complete ``last.prev``, ``model_last.pth``),
+                                       else the ``last``/``final`` pointer
+``hf://org/repo[@rev][/file]``         downloaded with ``huggingface_hub``; without
+                                       ``file``: ``model.safetensors``, then
+                                       ``model.bin``, then ``weights.pth``
+``last`` | ``best`` | ``final`` |      with ``run_dir``: see :func:`resolve_run_checkpoint`
+``iter_<step>``
+=====================================  ===========================================
+
+Nothing here imports torch; reading the file is :mod:`.weights`' job.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError, UsageError
+from .manifest import COMPLETE, MANIFEST, read_manifest
+from .selection import BEST, LEGACY_LAST, TRAINER_DCP, WEIGHTS, select_resume
+
+HF_PREFIX = "hf://"
+SAFETENSORS = "model.safetensors"
+BIN = "model.bin"
+EXPORT_FILES = (SAFETENSORS, BIN)
+HF_DEFAULT_FILES = (SAFETENSORS, BIN, WEIGHTS)
+POINTERS = ("last", "best", "final")
+ITER_NAME_RE = re.compile(r"^iter_(\d+)(?:\.pth)?$")
+
+
+class WeightNotFoundError(CheckpointError):
+    """A non-empty weight source does not resolve to a file (exit code 2).
+
+    The message starts with ``No weight found:`` and names the source.
+    """
+
+    exit_code = 2
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """A checkpoint directory lacks a required part (exit code 2).
+
+    The message starts with ``Incomplete checkpoint directory`` and names what is missing.
+    """
+
+    exit_code = 2
+
+
+def is_remote(source: str | os.PathLike[str]) -> bool:
+    """True for ``hf://`` sources (warm start and export only; they cannot resume a run)."""
+    return str(source).startswith(HF_PREFIX)
+
+
+def resolve_weight_source(path: str | os.PathLike[str], *, run_dir: Path | None = None) -> Path:
+    """Turn a weight source (see the module docstring) into the one file to read.
+
+    Args:
+        path: a file, a directory, a pointer symlink, ``hf://org/repo[@rev][/file]``, or
+            (with ``run_dir``) one of ``last``, ``best``, ``final``, ``iter_<step>``.
+        run_dir: a run directory; names the keywords above, and relative paths that do
+            not exist from the working directory are also tried under it and under
+            its ``model/``.
+
+    Returns:
+        The path of an existing regular file (symlinks resolved). For ``hf://`` it is
+        the file in the local Hugging Face cache.
+
+    Raises:
+        UsageError: ``path`` is empty, or a keyword was given without ``run_dir``.
+        WeightNotFoundError: nothing resolves (``No weight found: <path> ...``).
+        IncompleteCheckpointError: a standard checkpoint directory without its
+            ``weights.pth`` or ``.complete`` marker, or a ``.tmp`` leftover.
+    """
+    text = os.fspath(path)
+    if not text.strip():
+        raise UsageError("no weight source given (empty path); pass a checkpoint, an export directory or hf://org/repo")
+    if is_remote(text):
+        return _resolve_hf(text)
+    p = Path(text).expanduser()
+    if run_dir is not None:
+        run_dir = Path(run_dir)
+        if text in POINTERS or ITER_NAME_RE.match(text):
+            p = resolve_run_checkpoint(run_dir, text)
+        elif not p.exists() and not p.is_absolute():
+            for base in (run_dir, run_dir / "model"):
+                if (base / p).exists():
+                    p = base / p
+                    break
+    elif text in POINTERS or ITER_NAME_RE.match(text):
+        if not p.exists():
+            raise UsageError(f"{text!r} names a checkpoint of a run; pass --run-dir RUN (or a path to the checkpoint)")
+    return _resolve_local(p, shown=text)
+
+
+def _resolve_local(p: Path, *, shown: str) -> Path:
+    if p.is_symlink() and not p.exists():
+        raise WeightNotFoundError(f"No weight found: {shown} is a pointer to {os.readlink(p)}, which does not exist")
+    if not p.exists():
+        raise WeightNotFoundError(f"No weight found: {shown} does not exist; check the run path and checkpoint name")
+    real = p.resolve()
+    if real.is_file():
+        if real.stat().st_size == 0:
+            raise WeightNotFoundError(f"No weight found: {shown} is an empty file")
+        return real
+    if not real.is_dir():
+        raise WeightNotFoundError(f"No weight found: {shown} is not a file or directory")
+    return _resolve_dir(real, shown=shown)
+
+
+def _looks_standard(d: Path) -> bool:
+    return any((d / n).exists() for n in (WEIGHTS, TRAINER_DCP, MANIFEST, COMPLETE))
+
+
+def _resolve_dir(d: Path, *, shown: str) -> Path:
+    """A standard checkpoint dir, an export dir, a run dir or a model dir -> one file."""
+    if d.name.endswith(".tmp"):
+        raise IncompleteCheckpointError(
+            f"Incomplete checkpoint directory {shown}: a temporary leftover of an interrupted save; "
+            "select a complete candidate (`pimm checkpoints ls RUN`)")
+    if _looks_standard(d):
+        missing = [n for n in (WEIGHTS, COMPLETE) if not (d / n).is_file()]
+        # A bare directory holding only weights.pth (copied by hand) is fine.
+        only_weights = (d / WEIGHTS).is_file() and not any((d / n).exists() for n in (TRAINER_DCP, MANIFEST, COMPLETE))
+        if missing and not only_weights:
+            raise IncompleteCheckpointError(
+                f"Incomplete checkpoint directory {shown}: missing {', '.join(missing)}; select a complete "
+                "candidate (`pimm checkpoints ls RUN`), do not add the marker by hand")
+        return d / WEIGHTS
+    for name in EXPORT_FILES:
+        if (d / name).is_file():
+            return d / name
+    model_dir = d / "model" if (d / "model").is_dir() else d
+    chosen = _model_dir_choice(model_dir)
+    if chosen is not None:
+        return _resolve_local(chosen, shown=f"{shown} ({chosen.name})")
+    raise WeightNotFoundError(
+        f"No weight found: {shown} is a directory without weights.pth, {SAFETENSORS}, {BIN} or checkpoints")
+
+
+def _model_dir_choice(model_dir: Path) -> Path | None:
+    """What a directory of checkpoints offers for weights: resume choice, else pointers, else best."""
+    last = model_dir / "last"
+    if last.is_symlink():
+        return last
+    chosen, _ = select_resume(model_dir)
+    if chosen is not None:
+        return Path(chosen.path)
+    for p in (model_dir / "final", model_dir / "last", model_dir / BEST, model_dir / "best"):
+        if p.exists() or p.is_symlink():
+            return p
+    return None
+
+
+def resolve_run_checkpoint(run_dir: Path, name: str) -> Path:
+    """The checkpoint of run ``run_dir`` that a keyword names (not yet checked for completeness).
+
+    - ``last``: ``model/last`` (standard directory, or the single-format pointer), else a
+      complete ``model/last.prev``, else legacy ``model/model_last.pth``.
+    - ``best``: ``model/model_best.pth``, else the ``model/best`` pointer.
+    - ``final``: the ``model/final`` pointer; for standard runs, ``model/last`` when
+      ``status.json`` says the run finished.
+    - ``iter_<step>``: ``model/iter_<step>.pth``.
+
+    Raises:
+        UsageError: ``run_dir`` does not exist.
+        WeightNotFoundError: the run has no such checkpoint (the message says what was looked for).
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UsageError(f"--run-dir {run_dir} does not exist or is not a directory; pass exp/<group>/<run>")
+    model = run_dir / "model" if (run_dir / "model").is_dir() else run_dir
+    if name == "last":
+        last = model / "last"
+        if last.is_symlink() or last.is_dir():
+            if last.is_dir() and not (last / COMPLETE).is_file():
+                chosen, _ = select_resume(model)
+                if chosen is not None:
+                    return Path(chosen.path)
+            return last
+        chosen, _ = select_resume(model)
+        if chosen is not None:
+            return Path(chosen.path)
+        if (model / LEGACY_LAST).exists():
+            return model / LEGACY_LAST
+        raise WeightNotFoundError(f"No weight found: last: {model} has no last/, last pointer or {LEGACY_LAST}")
+    if name == "best":
+        for p in (model / BEST, model / "best"):
+            if p.exists() or p.is_symlink():
+                return p
+        raise WeightNotFoundError(
+            f"No weight found: best: {model} has no {BEST} or best pointer (was an evaluator configured?)")
+    if name == "final":
+        final = model / "final"
+        if final.exists() or final.is_symlink():
+            return final
+        state = _run_state(run_dir)
+        if (model / "last").is_dir() and state == "finished":
+            return model / "last"
+        raise WeightNotFoundError(
+            f"No weight found: final: {model} has no final pointer and the run has not finished "
+            f"(status.json state: {state or 'unknown'}); use `last`")
+    m = ITER_NAME_RE.match(name)
+    if m:
+        p = model / f"iter_{m.group(1)}.pth"
+        if p.exists():
+            return p
+        have = sorted(x.name for x in model.glob("iter_*.pth")) if model.is_dir() else []
+        raise WeightNotFoundError(
+            f"No weight found: {name}: {p} does not exist (snapshots here: {', '.join(have) or 'none'})")
+    return Path(name)
+
+
+def _run_state(run_dir: Path) -> str | None:
+    try:
+        import json
+
+        data = json.loads((run_dir / "status.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data.get("state") if isinstance(data, dict) else None
+
+
+def _resolve_hf(text: str) -> Path:
+    """Download ``hf://org/repo[@revision][/path/in/repo]`` and return the cached file."""
+    rest = text[len(HF_PREFIX):].strip("/")
+    parts = rest.split("/")
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        raise UsageError(f"{text} is not a Hub source; use hf://org/repo or hf://org/repo/file")
+    repo_id, revision = f"{parts[0]}/{parts[1]}", None
+    if "@" in parts[1]:
+        name, revision = parts[1].split("@", 1)
+        repo_id = f"{parts[0]}/{name}"
+    filename = "/".join(parts[2:])
+    try:
+        import huggingface_hub
+        from huggingface_hub.errors import EntryNotFoundError
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise UsageError(f"{text} needs the huggingface_hub package (uv add huggingface_hub)") from None
+    names = [filename] if filename else list(HF_DEFAULT_FILES)
+    tried: list[str] = []
+    for name in names:
+        try:
+            local = huggingface_hub.hf_hub_download(repo_id, name, revision=revision)
+        except EntryNotFoundError as e:
+            tried.append(f"{name} ({e.__class__.__name__})")
+            continue
+        except Exception as e:  # network, auth, unknown repo or revision
+            raise WeightNotFoundError(
+                f"No weight found: {text}: {e.__class__.__name__}: {_first_line(e)}") from None
+        return Path(local).resolve()
+    raise WeightNotFoundError(f"No weight found: {text}: the repository has none of {', '.join(tried)}")
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else ""
+
+
+def find_run_dir(path: Path) -> Path | None:
+    """The nearest directory at or above ``path`` that holds ``config.toml`` (a run directory)."""
+    p = Path(path).absolute()
+    for d in (p, *p.parents) if p.is_dir() else p.parents:
+        if (d / "config.toml").is_file():
+            return d
+    return None
+
+
+def checkpoint_record(source: Path) -> dict[str, Any]:
+    """The manifest describing a weight file: ``manifest.json`` beside it, else the ``<file>.json`` sidecar.
+
+    Returns:
+        The manifest dict (``step``, ``epoch``, ``metrics``...), or ``{}`` when there is none
+        or it is unreadable.
+    """
+    source = Path(source)
+    for cand in (source.with_name(source.name + ".json"), source.parent / MANIFEST):
+        if cand.is_file():
+            try:
+                return read_manifest(cand)
+            except (OSError, ValueError):
+                return {}
+    return {}
