@@ -95,10 +95,12 @@ def resolve_weight_source(path: str | os.PathLike[str], *, run_dir: Path | None 
     if is_remote(text):
         return _resolve_hf(text)
     p = Path(text).expanduser()
+    shown = text
     if run_dir is not None:
         run_dir = Path(run_dir)
         if text in POINTERS or ITER_NAME_RE.match(text):
             p = resolve_run_checkpoint(run_dir, text)
+            shown = f"{text} ({p})"
         elif not p.exists() and not p.is_absolute():
             for base in (run_dir, run_dir / "model"):
                 if (base / p).exists():
@@ -107,7 +109,7 @@ def resolve_weight_source(path: str | os.PathLike[str], *, run_dir: Path | None 
     elif text in POINTERS or ITER_NAME_RE.match(text):
         if not p.exists():
             raise UsageError(f"{text!r} names a checkpoint of a run; pass --run-dir RUN (or a path to the checkpoint)")
-    return _resolve_local(p, shown=text)
+    return _resolve_local(p, shown=shown)
 
 
 def _resolve_local(p: Path, *, shown: str) -> Path:
