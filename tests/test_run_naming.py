@@ -1,0 +1,105 @@
+"""Run directory naming (resolve_run_dir) and the refusal to start over a run that has checkpoints."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from _helpers import DIGITS, describe, pimm, snapshot
+from pimm_core.config import load_config
+from pimm_core.launch import resolve_run_dir
+
+STAMP = re.compile(r"-\d{8}-\d{6}$")
+
+
+def test_default_name_is_config_stem_plus_timestamp():
+    cfg = load_config(DIGITS)
+    run_dir = resolve_run_dir(cfg, DIGITS)
+    assert run_dir.parent == Path("exp") / "digits"
+    assert run_dir.name.startswith("digits-")
+    assert STAMP.search(run_dir.name), run_dir.name
+
+
+def test_timestamp_is_local_time_of_when():
+    when = time.mktime((2026, 11, 29, 11, 41, 30, 0, 0, -1))
+    run_dir = resolve_run_dir(load_config(DIGITS), DIGITS, when=when)
+    assert run_dir.name == "digits-20261129-114130"
+
+
+def test_config_stem_names_the_run(tmp_path):
+    path = tmp_path / "my_exp.toml"
+    path.write_text("[train]\nepochs = 1\n")
+    cfg = load_config(path, ["run.no_timestamp=true"])
+    assert resolve_run_dir(cfg, path) == Path("exp") / "default" / "my_exp"
+
+
+def test_run_name_and_no_timestamp():
+    cfg = load_config(DIGITS, extra={"run.name": "baseline", "run.no_timestamp": True})
+    assert resolve_run_dir(cfg, DIGITS) == Path("exp") / "digits" / "baseline"
+
+
+def test_run_name_with_timestamp():
+    cfg = load_config(DIGITS, extra={"run.name": "baseline"})
+    name = resolve_run_dir(cfg, DIGITS).name
+    assert name.startswith("baseline-") and STAMP.search(name) and len(name) == len("baseline-YYYYmmdd-HHMMSS")
+
+
+def test_root_and_group(tmp_path):
+    cfg = load_config(DIGITS, ['run.group="ablation"'], {"run.root": str(tmp_path), "run.name": "a", "run.no_timestamp": True})
+    assert resolve_run_dir(cfg, DIGITS) == tmp_path / "ablation" / "a"
+
+
+def test_no_config_file_names_run_run():
+    cfg = load_config(None, extra={"run.no_timestamp": True})
+    assert resolve_run_dir(cfg, None) == Path("exp") / "default" / "run"
+
+
+# --------------------------------------------------------------------------- refusal
+def _refused(result, run_dir: Path) -> str:
+    assert result.returncode == 2, describe(result)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), describe(result)
+    assert "Traceback" not in result.stderr
+    assert str(run_dir) in lines[0] and "already has checkpoints" in lines[0] and "--train.resume" in lines[0]
+    return lines[0]
+
+
+def test_fresh_launch_refuses_run_with_checkpoints(trained_run, tmp_path):
+    run_dir = trained_run.copy_to(tmp_path)
+    before = snapshot(run_dir)
+    result = pimm("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "t", "--run.no-timestamp",
+                  "--", "train.epochs=1", timeout=120)
+    _refused(result, run_dir)
+    assert snapshot(run_dir) == before  # same files, bytes and mtimes
+
+
+def test_distributed_launch_refuses_before_spawning(trained_run, tmp_path):
+    run_dir = trained_run.copy_to(tmp_path)
+    before = snapshot(run_dir)
+    result = pimm("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "t", "--run.no-timestamp",
+                  "--nproc-per-node", "2", "--", "train.epochs=1", timeout=120)
+    _refused(result, run_dir)
+    assert snapshot(run_dir) == before
+
+
+def test_refuses_even_an_incomplete_leftover(tmp_path):
+    # a model/ with only an interrupted save still belongs to an earlier run
+    leftover = tmp_path / "digits" / "t" / "model" / "last.tmp"
+    leftover.mkdir(parents=True)
+    (leftover / "weights.pth").write_bytes(b"partial")
+    before = snapshot(tmp_path)
+    result = pimm("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "t", "--run.no-timestamp",
+                  "--nproc-per-node", "2", timeout=60)
+    _refused(result, tmp_path / "digits" / "t")
+    assert snapshot(tmp_path) == before
+
+
+def test_run_root_that_is_a_file_is_refused(tmp_path):
+    root = tmp_path / "root"
+    root.write_text("not a directory")
+    result = pimm("launch", "--train.config", DIGITS, "--run.root", root, "--nproc-per-node", "2", timeout=60)
+    assert result.returncode == 2, describe(result)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "is a file" in lines[0], describe(result)
+    assert root.read_text() == "not a directory"
