@@ -1,0 +1,152 @@
+"""Atomic publishing: atomic_write_bytes and the directory rotation used for model/last."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pimm_core.checkpoint import atomic
+from pimm_core.checkpoint.atomic import atomic_write_bytes
+from pimm_core.checkpoint.selection import select_resume
+from pimm_core.checkpoint.standard import rotate_into_place
+
+
+def names(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir())
+
+
+# ------------------------------------------------------------------ atomic_write_bytes
+@pytest.mark.parametrize("durable", [True, False])
+def test_write_creates_and_replaces_without_temporaries(tmp_path, durable):
+    target = tmp_path / "status.json"
+    atomic_write_bytes(target, b"one", durable=durable)
+    assert target.read_bytes() == b"one"
+    atomic_write_bytes(target, b"two", durable=durable)
+    assert target.read_bytes() == b"two"
+    assert names(tmp_path) == ["status.json"]
+
+
+def test_failed_rename_onto_nonempty_directory_leaves_it_and_no_temporary(tmp_path):
+    target = tmp_path / "taken"
+    target.mkdir()
+    (target / "keep").write_bytes(b"keep")
+    with pytest.raises(OSError):
+        atomic_write_bytes(target, b"new")
+    assert names(tmp_path) == ["taken"]
+    assert (target / "keep").read_bytes() == b"keep"
+
+
+def test_failed_replace_keeps_old_file_and_no_temporary(tmp_path, monkeypatch):
+    target = tmp_path / "config.toml"
+    target.write_bytes(b"old")
+
+    def refuse(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(atomic.os, "replace", refuse)
+    with pytest.raises(OSError):
+        atomic_write_bytes(target, b"new")
+    monkeypatch.undo()
+    assert target.read_bytes() == b"old"
+    assert names(tmp_path) == ["config.toml"]
+
+
+def test_failed_write_keeps_old_file_and_no_temporary(tmp_path):
+    target = tmp_path / "manifest.json"
+    target.write_bytes(b"old")
+    with pytest.raises(TypeError):
+        atomic_write_bytes(target, "not bytes")  # type: ignore[arg-type]
+    assert target.read_bytes() == b"old"
+    assert names(tmp_path) == ["manifest.json"]
+
+
+def test_interrupt_during_write_cleans_up(tmp_path, monkeypatch):
+    target = tmp_path / "f"
+    target.write_bytes(b"old")
+
+    def interrupted(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic.os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write_bytes(target, b"new")
+    monkeypatch.undo()
+    assert target.read_bytes() == b"old"
+    assert names(tmp_path) == ["f"]
+
+
+# ------------------------------------------------------------------- rotate_into_place
+def make_ckpt(path: Path, tag: str) -> Path:
+    path.mkdir()
+    (path / "weights.pth").write_text(tag)
+    (path / "trainer.dcp").mkdir()
+    (path / "trainer.dcp" / "__0_0.distcp").write_text(tag)
+    return path
+
+
+def tag_of(path: Path) -> str:
+    return (path / "weights.pth").read_text()
+
+
+def test_rotation_into_empty_dir(tmp_path):
+    rotate_into_place(make_ckpt(tmp_path / "last.tmp", "new"), tmp_path / "last")
+    assert names(tmp_path) == ["last"]
+    assert tag_of(tmp_path / "last") == "new"
+
+
+def test_rotation_replaces_last_and_removes_prev(tmp_path):
+    make_ckpt(tmp_path / "last", "old")
+    rotate_into_place(make_ckpt(tmp_path / "last.tmp", "new"), tmp_path / "last")
+    assert names(tmp_path) == ["last"]
+    assert tag_of(tmp_path / "last") == "new"
+    assert (tmp_path / "last" / "trainer.dcp" / "__0_0.distcp").read_text() == "new"
+
+
+def test_rotation_with_stale_prev_and_last(tmp_path):
+    make_ckpt(tmp_path / "last", "old")
+    make_ckpt(tmp_path / "last.prev", "older")
+    rotate_into_place(make_ckpt(tmp_path / "last.tmp", "new"), tmp_path / "last")
+    assert names(tmp_path) == ["last"]
+    assert tag_of(tmp_path / "last") == "new"
+
+
+def test_rotation_after_interrupted_rotation(tmp_path):
+    # a crash between the two renames leaves only last.prev: it must survive until the new last is in
+    make_ckpt(tmp_path / "last.prev", "old")
+    rotate_into_place(make_ckpt(tmp_path / "last.tmp", "new"), tmp_path / "last")
+    assert names(tmp_path) == ["last"]
+    assert tag_of(tmp_path / "last") == "new"
+
+
+def test_crash_between_renames_leaves_previous_checkpoint(tmp_path, monkeypatch):
+    make_ckpt(tmp_path / "last", "old")
+    tmp = make_ckpt(tmp_path / "last.tmp", "new")
+    real_rename = os.rename
+    calls = []
+
+    def crash_on_second(src, dst):
+        calls.append((Path(src).name, Path(dst).name))
+        if len(calls) == 2:
+            raise OSError(5, "simulated crash")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", crash_on_second)
+    with pytest.raises(OSError):
+        rotate_into_place(tmp, tmp_path / "last")
+    monkeypatch.undo()
+    assert calls == [("last", "last.prev"), ("last.tmp", "last")]
+    assert names(tmp_path) == ["last.prev", "last.tmp"]
+    assert tag_of(tmp_path / "last.prev") == "old"
+    # the next save publishes normally and drops the old copy
+    rotate_into_place(tmp, tmp_path / "last")
+    assert names(tmp_path) == ["last"] and tag_of(tmp_path / "last") == "new"
+
+
+def test_selection_prefers_last_prev_when_last_is_missing(tmp_path, trained_run):
+    # a real checkpoint whose rotation stopped after last -> last.prev
+    model = trained_run.copy_to(tmp_path) / "model"
+    os.rename(model / "last", model / "last.prev")
+    chosen, _ = select_resume(model)
+    assert chosen is not None and chosen.name == "last.prev" and chosen.complete
