@@ -1,0 +1,162 @@
+"""Trainer overhead: pimm's optimizer-step time vs a hand-written PyTorch loop, same process.
+
+Both loops train the same model (configs/digits.toml's MLP widened to ``model.hidden``)
+on the same data (the bundled digits train split), with the same per-rank batch size,
+the same AdamW (lr, weight decay), the same DataLoader settings (shuffled, batch_size,
+num_workers=0, drop_last=False) and the same initial weights (``train.seed``). Gradient
+clipping is off and the LR schedule constant in pimm so that the two do the same
+arithmetic; pimm's remaining extras (LambdaLR step, GradScaler no-ops, counters,
+periodic loss logging, the stateful loader) are the overhead being measured.
+
+Step time is the interval between consecutive optimizer steps, taken with an
+``optimizer.register_step_post_hook`` on each optimizer, so it includes loading the
+batch, forward, backward, the update and all per-step bookkeeping. The first interval
+of each repeat (loader start-up) is dropped. Repeats alternate pimm / hand loop; the
+first pair is a warm-up and is discarded.
+
+Prints one JSON object::
+
+    {"pimm_step_ms": ..., "hand_step_ms": ..., "ratio": pimm/hand, "machine": {...}, ...}
+
+Usage: ``uv run python benchmarks/trainer_overhead.py [--steps 60] [--repeats 5] [--hidden 2048] [--batch-size 64]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pimm_core.config import load_config  # noqa: E402
+from pimm_core.data import build_datasets  # noqa: E402
+from pimm_core.models import build_model  # noqa: E402
+from pimm_core.trainer import Trainer  # noqa: E402
+
+
+def step_timer(optimizer: torch.optim.Optimizer) -> list[float]:
+    """Record ``perf_counter`` after every optimizer step; returns the list it appends to."""
+    stamps: list[float] = []
+    optimizer.register_step_post_hook(lambda *_: stamps.append(time.perf_counter()))
+    return stamps
+
+
+def intervals(stamps: list[float]) -> list[float]:
+    return [b - a for a, b in zip(stamps[1:], stamps[2:])]  # drop the first (loader start-up)
+
+
+def run_pimm(cfg) -> tuple[list[float], float]:
+    trainer = Trainer(cfg)  # run_dir=None: nothing written
+    stamps = step_timer(trainer.optimizer)
+    start = time.perf_counter()
+    state = trainer.train()  # no checkpoint_dir: saves nothing
+    wall = time.perf_counter() - start
+    assert state.global_step == cfg.train.max_steps, state
+    return intervals(stamps), wall
+
+
+def run_hand(cfg) -> tuple[list[float], float]:
+    data = build_datasets(cfg.data)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model, data.in_features, data.in_shape, data.num_classes)
+    torch.manual_seed(cfg.train.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    loader = torch.utils.data.DataLoader(data.train, batch_size=cfg.data.batch_size, shuffle=True,
+                                         num_workers=cfg.data.num_workers, drop_last=False)
+    stamps = step_timer(optimizer)
+    steps = 0
+    model.train()
+    start = time.perf_counter()
+    while steps < cfg.train.max_steps:
+        for x, y, _ in loader:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            steps += 1
+            if steps % cfg.train.log_every_steps == 0:
+                loss.item()  # the same host sync pimm does when it logs
+            if steps == cfg.train.max_steps:
+                break
+    wall = time.perf_counter() - start
+    return intervals(stamps), wall
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(), "os": platform.platform()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60, help="optimizer steps per repeat")
+    ap.add_argument("--repeats", type=int, default=5, help="measured repeats of each loop (plus one warm-up)")
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--batch-size", type=int, default=64)
+    args = ap.parse_args()
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("pimm").setLevel(logging.WARNING)
+    cfg = load_config(REPO / "configs" / "digits.toml", [
+        f"model.hidden={args.hidden}", f"data.batch_size={args.batch_size}", "data.num_workers=0",
+        "train.epochs=1000", f"train.max_steps={args.steps}", "train.grad_clip=0", "train.scheduler=constant",
+        "train.warmup_steps=0", "train.amp=none", "train.device=cpu",
+        "eval.every_epochs=0", "checkpoint.every_epochs=0", "checkpoint.every_steps=0",
+    ])
+
+    pimm_steps: list[float] = []
+    hand_steps: list[float] = []
+    pimm_walls: list[float] = []
+    hand_walls: list[float] = []
+    for repeat in range(args.repeats + 1):
+        p, pw = run_pimm(cfg)
+        h, hw = run_hand(cfg)
+        if repeat == 0:
+            continue  # warm-up
+        pimm_steps += p
+        hand_steps += h
+        pimm_walls.append(pw / args.steps)
+        hand_walls.append(hw / args.steps)
+
+    pimm_ms = statistics.median(pimm_steps) * 1e3
+    hand_ms = statistics.median(hand_steps) * 1e3
+    print(json.dumps({
+        "pimm_step_ms": round(pimm_ms, 3),
+        "hand_step_ms": round(hand_ms, 3),
+        "ratio": round(pimm_ms / hand_ms, 4),
+        "pimm_step_ms_quartiles": [round(q * 1e3, 3) for q in statistics.quantiles(pimm_steps, n=4)],
+        "hand_step_ms_quartiles": [round(q * 1e3, 3) for q in statistics.quantiles(hand_steps, n=4)],
+        "pimm_wall_per_step_ms": round(statistics.median(pimm_walls) * 1e3, 3),
+        "hand_wall_per_step_ms": round(statistics.median(hand_walls) * 1e3, 3),
+        "steps_per_repeat": args.steps,
+        "repeats": args.repeats,
+        "intervals_per_loop": len(pimm_steps),
+        "model": {"name": cfg.model.name, "hidden": cfg.model.hidden,
+                  "params": sum(p.numel() for p in build_model(cfg.model, 64, (1, 8, 8), 10).parameters())},
+        "batch_size": cfg.data.batch_size,
+        "machine": machine(),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
