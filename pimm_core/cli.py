@@ -36,6 +36,9 @@ def launch(
     no_timestamp: bool = typer.Option(False, "--run.no-timestamp", help="Do not add -YYYYmmdd-HHMMSS to the name."),
     root: Optional[str] = typer.Option(None, "--run.root", help="Root of run directories (default: exp)."),
     resume: bool = typer.Option(False, "--train.resume", help="Resume this run from its newest complete checkpoint."),
+    resume_from: Optional[str] = typer.Option(None, "--train.resume-from",
+                                              help="Resume from this checkpoint directory (implies --train.resume)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what a (resumed) launch would do, then exit."),
     nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Ranks on this node (torchrun)."),
     nnodes: Optional[str] = typer.Option(None, "--nnodes", help="Nodes, or MIN:MAX (torchrun)."),
     node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's rank (torchrun)."),
@@ -47,7 +50,7 @@ def launch(
 ) -> None:
     """Train a model from a config (one process, or many through torchrun)."""
     from .config import load_config
-    from .launch import LaunchOptions, spawn, strip_launcher_flags, train_here
+    from .launch import LaunchOptions, dry_run as plan_only, spawn, strip_launcher_flags, train_here
 
     extra: dict[str, object] = {}
     if name is not None:
@@ -56,16 +59,38 @@ def launch(
         extra["run.no_timestamp"] = True
     if root is not None:
         extra["run.root"] = root
-    if resume:
+    if resume or resume_from:
         extra["train.resume"] = True
     cfg = load_config(config, overrides or [], extra)
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend, master_addr, master_port)
+    if dry_run:
+        world = (nproc_per_node or 1) * int(str(nnodes or "1").split(":")[-1])
+        raise typer.Exit(plan_only(cfg, config, resume_from, world))
     from .dist import under_launcher
 
     if opts.wants_spawn() and not under_launcher():
         argv = _ARGV[_ARGV.index("launch") + 1:] if "launch" in _ARGV else []
         raise typer.Exit(spawn(cfg, config, strip_launcher_flags(argv), opts))
-    raise typer.Exit(train_here(cfg, config))
+    raise typer.Exit(train_here(cfg, config, resume_from))
+
+
+@app.command()
+def stop(
+    run_dir: Path = typer.Argument(..., help="The run directory (exp/<group>/<run>)."),
+    reason: str = typer.Option("operator", "--reason", help="Recorded as the run's stop_reason."),
+) -> None:
+    """Ask a live run to stop cleanly: it saves `last` at the next accumulation window and exits 0."""
+    from .run import STATUS, read_json
+    from .stop import write_stop_file
+
+    if not run_dir.is_dir() or not ((run_dir / STATUS).exists() or (run_dir / "config.toml").exists()):
+        raise UsageError(f"{run_dir} is not a run directory (no status.json or config.toml); pass exp/<group>/<run>")
+    status = read_json(run_dir / STATUS) or {}
+    state = status.get("state")
+    if state in ("finished", "stopped", "failed"):
+        raise PimmError(f"{run_dir} is not live (state {state}); nothing to stop")
+    path = write_stop_file(run_dir, reason)
+    print(f"stop requested ({reason}): wrote {path}; the run saves last and exits at its next step")
 
 
 def _model_dir(path: Path) -> Path:
@@ -173,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     global _ARGV
     _ARGV = list(sys.argv[1:] if argv is None else argv)
     try:
-        app(args=_ARGV, prog_name="pimm", standalone_mode=False)
+        # With standalone_mode=False Typer returns (not raises) the code of typer.Exit.
+        rc = app(args=_ARGV, prog_name="pimm", standalone_mode=False)
     except PimmError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
@@ -188,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return rc if isinstance(rc, int) else 0
 
 
 if __name__ == "__main__":

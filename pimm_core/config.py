@@ -110,6 +110,9 @@ class Config:
         return _drop_none(dataclasses.asdict(self))
 
 
+# Metrics the evaluator produces (the selection metric must be one of them).
+EVAL_METRICS = ("val/acc", "val/loss")
+
 # Formats a later release writes; accepted by the schema so configs stay valid.
 _IMPLEMENTED_FORMATS = ("standard",)
 
@@ -165,6 +168,8 @@ def _line_of(source: str | None, dotted: str) -> int | None:
         m = re.match(r"\s*\[\s*([^\]]+?)\s*\]", line)
         if m:
             current = m.group(1)
+            if current == dotted:
+                return no
             continue
         m = re.match(r"\s*([A-Za-z0-9_.\-\"]+)\s*=", line)
         if m:
@@ -227,9 +232,13 @@ def _build(cls: type, data: dict[str, Any], origins: dict[str, str], where: _Whe
     for key in data:
         if key not in names:
             dotted = f"{prefix}{key}"
-            close = difflib.get_close_matches(dotted, all_keys(), n=1, cutoff=0.6)
+            is_table = isinstance(data[key], dict)
+            choices = sorted({k.rsplit(".", 1)[0] for k in all_keys() if "." in k}) if is_table else all_keys()
+            close = difflib.get_close_matches(dotted, choices, n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]}?" if close else "; see configs/digits.toml for the known keys"
-            raise ConfigError(f"{where(dotted, origins.get(dotted, 'file'))}: unknown key {dotted}{hint}")
+            origin = "override" if any(o == dotted or o.startswith(dotted + ".") for o in origins) else "file"
+            kind = "table" if is_table else "key"
+            raise ConfigError(f"{where(dotted, origin)}: unknown {kind} {dotted}{hint}")
     kwargs = {}
     for name in names:
         if name not in data:
@@ -255,6 +264,9 @@ def _validate_ranges(cfg: Config, where: _Where, origins: dict[str, str]) -> Non
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             bound = f">= {lo}" if hi is None else f"between {lo} and {hi}"
             raise ConfigError(f"{where(dotted, origins.get(dotted, 'file'))}: {dotted} = {value!r} is out of range; it must be {bound}")
+    if cfg.eval.metric not in EVAL_METRICS:
+        raise ConfigError(f"{where('eval.metric', origins.get('eval.metric', 'file'))}: eval.metric = "
+                          f"{cfg.eval.metric!r} is not produced by the evaluator; use one of {list(EVAL_METRICS)}")
     if cfg.checkpoint_format not in _IMPLEMENTED_FORMATS:
         raise ConfigError(
             f"{where('checkpoint_format', origins.get('checkpoint_format', 'file'))}: "

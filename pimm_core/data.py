@@ -93,13 +93,17 @@ class ShardSampler(Sampler[int]):
 def train_loader(ds: TensorDataset, cfg: DataConfig, info: DistInfo, seed: int) -> tuple[StatefulDataLoader, DistributedSampler]:
     """Shuffled, epoch-addressed training loader for this rank (``drop_last`` on the sampler off)."""
     sampler = DistributedSampler(ds, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed)
+    # The loader's own generator: creating an iterator must not draw from the global
+    # torch RNG, or a resumed run (which creates one mid-epoch) would shift the dropout stream.
     loader = StatefulDataLoader(ds, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
-                                drop_last=False, persistent_workers=False, worker_init_fn=ignore_stop_signals)
+                                drop_last=False, persistent_workers=False, worker_init_fn=ignore_stop_signals,
+                                generator=torch.Generator().manual_seed(seed + info.rank))
     return loader, sampler
 
 
 def eval_loader(ds: TensorDataset, cfg: DataConfig, info: DistInfo) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(ds, batch_size=max(cfg.batch_size, 256), sampler=ShardSampler(len(ds), info))
+    return torch.utils.data.DataLoader(ds, batch_size=max(cfg.batch_size, 256), sampler=ShardSampler(len(ds), info),
+                                       generator=torch.Generator().manual_seed(0))
 
 
 def ignore_stop_signals(_worker_id: int) -> None:

@@ -15,10 +15,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint.selection import list_candidates
+from .checkpoint.selection import explain, list_candidates, resolve_resume_path, select_resume
 from .config import Config
-from .errors import UsageError
-from .run import MODEL, run_dir_for, run_name
+from .errors import CheckpointError, UsageError
+from .run import MODEL, STATUS, read_json, run_dir_for, run_name
+from .stop import StopRequest
 
 
 @dataclass
@@ -66,7 +67,7 @@ def check_run_dir(cfg: Config, run_dir: Path) -> None:
             raise UsageError(f"{parent} is a file, not a directory; choose another --run.root or --run.name")
     found = list_candidates(run_dir / MODEL)
     if cfg.train.resume:
-        return  # the trainer selects and explains (see Trainer.train)
+        return
     if found:
         names = ", ".join(c.name for c in found[:4])
         raise UsageError(f"{run_dir} already has checkpoints ({names}); add --train.resume to continue it, "
@@ -84,7 +85,62 @@ def setup_logging(is_main: bool) -> None:
     logger.propagate = False
 
 
-def train_here(cfg: Config, config_path: Path | None) -> int:
+def resume_source(cfg: Config, run_dir: Path, resume_from: str | None) -> str | None:
+    """The checkpoint a resume loads: ``resume_from`` as given, else the run's newest complete one.
+
+    Raises:
+        CheckpointError: ``--train.resume`` on a run with no complete candidate (lists what was found).
+    """
+    if resume_from:
+        return resume_from
+    if not cfg.train.resume:
+        return None
+    chosen, cands = select_resume(run_dir / MODEL)
+    if chosen is None:
+        found = "; ".join(explain(cands, None)) if cands else "nothing"
+        hint = "" if cfg.run.no_timestamp else " (to resume a run, pass its --run.name and --run.no-timestamp)"
+        raise CheckpointError(f"cannot resume {run_dir}: no complete checkpoint; found: {found}{hint}", exit_code=2)
+    return chosen.path
+
+
+def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, world_size: int) -> int:
+    """Print what a resume would do (run path, candidate, restored/discarded, topology, replay) and exit."""
+    import tomllib
+
+    from .topology import config_diff, plan_resume
+
+    run_dir = resolve_run_dir(cfg, config_path)
+    check_run_dir(cfg, run_dir)
+    source = resume_source(cfg, run_dir, resume_from)
+    print(f"run: {run_dir}")
+    if source is None:
+        print("fresh start (no resume requested); nothing will be restored")
+        return 0
+    cand = resolve_resume_path(source)
+    plan = plan_resume(cand.manifest or {}, world_size=world_size, workers_per_rank=cfg.data.num_workers,
+                       strict=cfg.resume_strict_state, grad_accum=cfg.train.grad_accum, legacy=cand.format == "legacy")
+    t = plan.topology
+    print(f"checkpoint: {cand.path} (step {cand.step}, epoch {cand.epoch}, iter {cand.iter})")
+    print(f"policy: {plan.description}")
+    print(f"topology: world size {t['saved_world_size']} -> {t['world_size']}, "
+          f"per-rank workers {t['saved_workers_per_rank']} -> {t['workers_per_rank']}")
+    print(f"restore: {', '.join(plan.restored)}")
+    print(f"discard: {', '.join(plan.discarded) or 'nothing'}")
+    rb = plan.replay_boundary
+    print(f"continue at: step {plan.step}, epoch {plan.epoch}, iter {plan.iter}"
+          + (f" (replay boundary: epoch {rb['epoch']} start, step {rb['step']}; {rb['from_iter']} batches replay)" if rb else
+             " (exact continuation)" if plan.exact else ""))
+    saved_cfg = run_dir / "config.toml"
+    if saved_cfg.is_file():
+        diff = config_diff(tomllib.loads(saved_cfg.read_text()), cfg.to_dict())
+        print("config diff: " + ("none" if not diff else "; ".join(diff)))
+    for w in plan.warnings:
+        print(f"warning: {w}")
+    print("dry run: nothing was trained or written")
+    return 0
+
+
+def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = None) -> int:
     """Run this process as one rank of the run; returns the exit code."""
     from . import dist
 
@@ -93,18 +149,29 @@ def train_here(cfg: Config, config_path: Path | None) -> int:
     from .trainer import Trainer
 
     run_dir = resolve_run_dir(cfg, config_path)
-    if info.is_main:
-        check_run_dir(cfg, run_dir)
+    check_run_dir(cfg, run_dir)
+    source = resume_source(cfg, run_dir, resume_from)
     start = time.perf_counter()
-    trainer = Trainer(cfg, run_dir=run_dir)
-    try:
-        state = trainer.train(checkpoint_dir=run_dir / MODEL)
-    finally:
-        dist.shutdown()
+    stop = StopRequest()
+    # SIGINT/SIGTERM (Ctrl-C, a scheduler's pre-emption notice, torchrun forwarding either)
+    # become a clean stop: finish the accumulation window, save last, exit 0.
+    with stop.catch_signals():
+        try:
+            trainer = Trainer(cfg, run_dir=run_dir, stop=stop)
+            state = trainer.train(checkpoint_dir=run_dir / MODEL, resume_from=source)
+        finally:
+            dist.shutdown()
     if info.is_main:
         best = f"{state.best_metric:.4f}" if state.best_metric is not None else "n/a"
-        print(f"done: best {cfg.eval.metric} {best} (epoch {state.best_epoch}) | epochs {state.epoch} | "
-              f"steps {state.global_step} | {time.perf_counter() - start:.1f} s | run {run_dir}", flush=True)
+        took = f"{time.perf_counter() - start:.1f} s"
+        if state.stop_reason is not None:
+            print(f"stopped ({state.stop_reason}): last saved at step {state.global_step} "
+                  f"(epoch {state.epoch}, iter {state.iter}) | {took} | run {run_dir}\n"
+                  f"resume with: pimm launch --train.config {config_path} --run.name {run_dir.name} "
+                  f"--run.no-timestamp --run.root {cfg.run.root} --train.resume", flush=True)
+        else:
+            print(f"done: best {cfg.eval.metric} {best} (epoch {state.best_epoch}) | epochs {state.epoch} | "
+                  f"steps {state.global_step} | {took} | run {run_dir}", flush=True)
     return 0
 
 
@@ -126,8 +193,19 @@ def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOp
 
     args = get_args_parser().parse_args([*opts.torchrun_args(), "--module", "pimm_core.cli", *worker_args])
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         run(args)
+    except SignalException as e:
+        # torchrun forwarded the signal to the ranks; they stop cleanly and save `last`.
+        status = read_json(run_dir / STATUS) or {}
+        if status.get("state") == "stopped":
+            print(f"stopped ({status.get('stop_reason')}) at step {status.get('step')} | run {run_dir}", flush=True)
+            return 0
+        print(f"error: interrupted by signal {e.sigval.name} before the ranks could stop cleanly; "
+              f"see {run_dir / 'train.log'}", file=sys.stderr)
+        return 1
     except ChildFailedError as e:
         rank, failure = min(e.failures.items())
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1

@@ -20,6 +20,7 @@ import random
 import socket
 import sys
 import time
+import tomllib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -31,18 +32,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import dist
-from .checkpoint.selection import BEST, ITER_RE
-from .checkpoint.standard import save_standard, unwrap, write_weights_file
-from .checkpoint.state import rng_state
+from .checkpoint.selection import BEST, ITER_RE, resolve_resume_path
+from .checkpoint.standard import load_standard, save_standard, unwrap, write_weights_file
+from .checkpoint.state import rng_state, set_rng_state
 from .config import Config, TrainConfig, write_config
 from .data import build_datasets, eval_loader, train_loader
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 from .models import build_model
-from .run import CONFIG, LOG, METRICS, MODEL, MetricsWriter, append_provenance, code_version, now_iso, write_status
+from .stop import StopRequest, read_stop_file, stop_file
+from .run import CONFIG, LOG, METRICS, MetricsWriter, append_provenance, code_version, now_iso, read_metrics, write_status
+from .topology import config_diff, plan_resume
 
 log = logging.getLogger("pimm")
 
-EVAL_METRICS = ("val/acc", "val/loss")
 
 
 @dataclass
@@ -104,21 +106,23 @@ class Trainer:
         run_dir: where ``metrics.jsonl``, ``status.json``, ``provenance.json`` and
             ``train.log`` go (rank 0 only). None keeps the run in memory, unless
             :meth:`train` gets a ``checkpoint_dir``.
+        stop: the :class:`~pimm_core.stop.StopRequest` this trainer obeys (a new one
+            by default, reachable as ``trainer.stop``).
 
     Under torchrun the process group is created here (gloo on CPU, NCCL on CUDA) and
     the model is wrapped in DDP.
     """
 
-    def __init__(self, config: Config, run_dir: Path | None = None):
+    def __init__(self, config: Config, run_dir: Path | None = None, *, stop: StopRequest | None = None):
         self.config = config
+        self.stop = stop or StopRequest()
+        self._last_poll = 0.0
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.info = dist.env_world()
         self.device = dist.pick_device(config.train.device, self.info)
         dist.init(self.device, self.info)
         if config.train.amp == "fp16" and self.device.type != "cuda":
             raise ConfigError("train.amp = 'fp16' needs CUDA; use 'bf16' or 'none' on CPU")
-        if config.eval.metric not in EVAL_METRICS:
-            raise ConfigError(f"eval.metric = {config.eval.metric!r} is not produced by the evaluator; use one of {list(EVAL_METRICS)}")
 
         self.data = build_datasets(config.data)
         torch.manual_seed(config.train.seed)  # identical initial weights on every rank
@@ -132,6 +136,8 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.train.amp == "fp16")
         self.state = TrainState()
         self._metrics: MetricsWriter | None = None
+        self._pending_loader_state: dict[str, Any] | None = None
+        self._code_version = code_version() if self.info.is_main else None
 
     # ----------------------------------------------------------------- set-up
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -166,23 +172,24 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
 
     # ---------------------------------------------------------------- logging
-    def _setup_files(self, checkpoint_dir: Path | None) -> None:
+    def _setup_files(self, entry: dict[str, Any], fresh: bool) -> None:
         if self.run_dir is None or not self.info.is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_config(self.config, self.run_dir / CONFIG)
+        if fresh:
+            (self.run_dir / METRICS).unlink(missing_ok=True)  # a fresh start never mixes in an earlier attempt's log
         handler = logging.FileHandler(self.run_dir / LOG)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(handler)
         self._metrics = MetricsWriter(self.run_dir / METRICS)
         base = {
-            "code_version": code_version(), "torch_version": torch.__version__, "host": socket.gethostname(),
+            "code_version": self._code_version, "torch_version": torch.__version__, "host": socket.gethostname(),
             "world_size": self.info.world_size, "workers_per_rank": self.config.data.num_workers,
             "data_fingerprint": self.data.fingerprint, "python": sys.version.split()[0],
         }
-        append_provenance(self.run_dir, base, {"time": now_iso(), "kind": "start", "world_size": self.info.world_size,
-                                               "workers_per_rank": self.config.data.num_workers,
-                                               "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None})
+        append_provenance(self.run_dir, base, {"time": now_iso(), "world_size": self.info.world_size,
+                                               "workers_per_rank": self.config.data.num_workers, **entry})
 
     def _status(self, state: str, **extra: Any) -> None:
         if self.run_dir is not None and self.info.is_main:
@@ -224,9 +231,10 @@ class Trainer:
                 "scaler": self.scaler.state_dict(), "world_size": self.info.world_size,
                 "workers_per_rank": self.config.data.num_workers}
 
-    def _manifest(self, kind: str) -> dict[str, Any]:
+    def _manifest(self, kind: str, has_loader_state: bool = False) -> dict[str, Any]:
         s = self.state
         return {"kind": kind, "step": s.global_step, "epoch": s.epoch, "iter": s.iter,
+                "has_loader_state": has_loader_state, "code_version": self._code_version,
                 "world_size": self.info.world_size, "workers_per_rank": self.config.data.num_workers,
                 "metrics": s.last_eval, "created": now_iso(), "torch_version": torch.__version__,
                 "data_fingerprint": self.data.fingerprint}
@@ -235,7 +243,7 @@ class Trainer:
         """Publish ``checkpoint_dir/last`` (standard format); every rank must call it."""
         rank_state = {"rng": rng_state(), "loader": self.loader.state_dict() if mid_epoch else None}
         path = save_standard(checkpoint_dir, model=self.model, optimizer=self.optimizer, meta=self._meta(),
-                             rank_state=rank_state, manifest=self._manifest("last"), info=self.info)
+                             rank_state=rank_state, manifest=self._manifest("last", mid_epoch), info=self.info)
         log.info("saved %s (step %d, epoch %d, iter %d)", path, self.state.global_step, self.state.epoch, self.state.iter)
         return path
 
@@ -270,10 +278,16 @@ class Trainer:
             train_config: replaces ``config.train`` for this call (e.g. more epochs).
             checkpoint_dir: where checkpoints go (``<run_dir>/model`` from the CLI);
                 None saves nothing.
-            resume_from: reserved for resume (not available in this version).
+            resume_from: a checkpoint (``.../model/last``) to continue from, per the
+                resume policy in :mod:`pimm_core.topology`.
 
         Returns:
             The final :class:`TrainState`.
+
+        Raises:
+            CheckpointError: ``resume_from`` does not resolve ("No weight found"), is
+                incomplete ("Incomplete checkpoint directory"), is a Hub artifact, or its
+                state does not fit the model (names the tensors).
         """
         t = train_config or self.config.train
         self._t = t
@@ -282,13 +296,20 @@ class Trainer:
         checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         if checkpoint_dir is not None and self.info.is_main:
             checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        self._setup_files(checkpoint_dir)
+        entry: dict[str, Any] = {"kind": "start", "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
+        if resume_from is not None:
+            entry = self._resume(resume_from, checkpoint_dir)
+        self._setup_files(entry, fresh=resume_from is None)
+        self._discard_stale_stop_file()
+        self._stop_file_used = False
         self._status("running")
         try:
             self._loop(t, checkpoint_dir)
         except BaseException as e:
             self._status("failed", error=f"{e.__class__.__name__}: {e}")
             raise
+        if self.state.stop_reason is not None:
+            self._record_stop()
         self._status("finished" if self.state.finished else "stopped")
         if self._metrics is not None:
             self._metrics.close()
@@ -299,17 +320,20 @@ class Trainer:
         ckpt = self.config.checkpoint
         accum = t.grad_accum
         n_micro = self.micro_batches_per_epoch
-        batch = self.config.data.batch_size
         model, optimizer, scheduler, scaler = self.model, self.optimizer, self.scheduler, self.scaler
         model.train()
         progress = _Progress(self.info.is_main, total=self._total)
         progress.start(s.global_step)
         evaluated_at_end = False
+        stop_at_epoch_end = False
         last_log_time, last_log_samples, samples = time.perf_counter(), 0, 0
         try:
             while s.epoch < t.epochs and not self._at_max_steps(t):
                 epoch = s.epoch
                 self.sampler.set_epoch(epoch)
+                if self._pending_loader_state is not None:
+                    self.loader.load_state_dict(self._pending_loader_state)
+                    self._pending_loader_state = None
                 window_loss = torch.zeros((), device=self.device)
                 for x, y, _ in self.loader:
                     x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -346,14 +370,22 @@ class Trainer:
                         self._status("running")
                     progress.advance(s.global_step)
                     window_loss = torch.zeros((), device=self.device)
+                    reason = self._agreed_stop_reason()
+                    if reason is not None:
+                        s.stop_reason = reason
+                        if s.iter < n_micro:
+                            break  # mid-epoch: save below, no evaluation
+                        stop_at_epoch_end = True  # let this epoch's evaluation and save happen first
                     at_max = self._at_max_steps(t)
                     if checkpoint_dir is not None and ckpt.every_steps and s.global_step % ckpt.every_steps == 0 \
                             and s.iter < n_micro and not at_max:
                         self.save_checkpoint(checkpoint_dir, mid_epoch=True)
                         if ckpt.keep_iter:
                             self._save_iter_snapshot(checkpoint_dir)
-                    if at_max:
+                    if at_max or stop_at_epoch_end:
                         break
+                if s.stop_reason is not None and not stop_at_epoch_end:
+                    break
                 epoch_done = s.iter >= n_micro
                 if epoch_done:
                     s.epoch, s.iter = epoch + 1, 0
@@ -362,16 +394,170 @@ class Trainer:
                         (epoch + 1) % self.config.eval.every_epochs == 0 or is_end):
                     self._evaluate_and_record(epoch, checkpoint_dir)
                     evaluated_at_end = is_end
-                if checkpoint_dir is not None and not is_end and epoch_done and ckpt.every_epochs \
-                        and (epoch + 1) % ckpt.every_epochs == 0:
+                if stop_at_epoch_end:
+                    break
+                step_save = bool(ckpt.every_steps) and s.global_step % ckpt.every_steps == 0
+                epoch_save = bool(ckpt.every_epochs) and (epoch + 1) % ckpt.every_epochs == 0
+                if checkpoint_dir is not None and not is_end and epoch_done and (step_save or epoch_save):
                     self.save_checkpoint(checkpoint_dir, mid_epoch=False)
-            if not evaluated_at_end and self.config.eval.every_epochs:
-                self._evaluate_and_record(s.epoch - 1 if s.iter == 0 else s.epoch, checkpoint_dir)
-            s.finished = True
+                    if step_save and ckpt.keep_iter:
+                        self._save_iter_snapshot(checkpoint_dir)
+            if s.stop_reason is None:
+                if not evaluated_at_end and self.config.eval.every_epochs:
+                    self._evaluate_and_record(s.epoch - 1 if s.iter == 0 else s.epoch, checkpoint_dir)
+                s.finished = True
             if checkpoint_dir is not None:
                 self.save_checkpoint(checkpoint_dir, mid_epoch=0 < s.iter < n_micro)
+                if s.finished and ckpt.every_steps and ckpt.keep_iter and s.global_step % ckpt.every_steps == 0:
+                    self._save_iter_snapshot(checkpoint_dir)
         finally:
             progress.stop()
+
+    # ------------------------------------------------------------------- stop
+    def _poll_stop_file(self) -> None:
+        """Rank 0 looks for ``control/stop`` at most once a second (one stat, no per-sample I/O)."""
+        now = time.monotonic()
+        if self.run_dir is None or not self.info.is_main or now - self._last_poll < 1.0:
+            return
+        self._last_poll = now
+        if stop_file(self.run_dir).exists():
+            req = read_stop_file(self.run_dir) or {}
+            self._stop_file_used = True
+            self.stop.request(str(req.get("reason") or "operator"))
+
+    def _agreed_stop_reason(self) -> str | None:
+        """Every rank's verdict on stopping now; the same answer on all ranks (no deadlock).
+
+        One all-reduce (MAX) of a flag per accumulation window; only when some rank wants
+        to stop are the reasons gathered, and the lowest rank's reason wins.
+        """
+        if self.stop.reason is None:
+            self._poll_stop_file()
+        if not self.info.distributed:
+            return self.stop.reason
+        flag = torch.tensor([0 if self.stop.reason is None else 1], device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if not flag.item():
+            return None
+        reason = next(r for r in dist.all_gather_object(self.stop.reason) if r is not None)
+        self.stop.request(reason)
+        return reason
+
+    def _discard_stale_stop_file(self) -> None:
+        if self.run_dir is not None and self.info.is_main and stop_file(self.run_dir).exists():
+            req = read_stop_file(self.run_dir) or {}
+            log.warning("ignoring a stop request left from an earlier session (%s, reason %r); removed %s",
+                        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(req.get("time", 0))), req.get("reason"),
+                        stop_file(self.run_dir))
+            stop_file(self.run_dir).unlink(missing_ok=True)
+
+    # ----------------------------------------------------------------- resume
+    def _resume(self, source: Path | str, checkpoint_dir: Path | None) -> dict[str, Any]:
+        """Restore state from ``source`` following the resume policy; returns the provenance entry."""
+        cand = resolve_resume_path(source)
+        if cand.format != "standard":
+            raise CheckpointError(f"cannot resume from {cand.path}: {cand.format} checkpoints are not supported "
+                                  "in this version; use a standard model/last directory", exit_code=2)
+        manifest = cand.manifest or {}
+        strict = self.config.resume_strict_state
+        plan = plan_resume(manifest, world_size=self.info.world_size, workers_per_rank=self.config.data.num_workers,
+                           strict=strict, grad_accum=self._t.grad_accum)
+        warnings = list(plan.warnings) + self._provenance_diff(manifest)
+        loaded = load_standard(Path(cand.path), model=self.model, optimizer=self.optimizer, info=self.info,
+                               strict=strict)
+        warnings += loaded.skipped
+        meta = loaded.meta
+        tr = meta["trainer"]
+        self.state = TrainState(global_step=tr["global_step"], epoch=tr["epoch"], iter=tr["iter"],
+                                best_metric=tr["best_metric"], best_epoch=tr["best_epoch"], last_eval=tr["last_eval"])
+        self.scheduler.load_state_dict(meta["scheduler"])
+        if meta.get("scaler"):
+            self.scaler.load_state_dict(meta["scaler"])
+        rank_state = loaded.rank_state or {}
+        if plan.restore_rng:
+            if "rng" in rank_state:
+                set_rng_state(rank_state["rng"])
+            else:
+                warnings.append(f"rank {self.info.rank} has no saved RNG state; its RNG starts from the seed")
+        if plan.restore_cursor:
+            self._pending_loader_state = rank_state["loader"]
+        elif plan.replay_boundary is not None:
+            self._reset_to_step(plan.step)
+            self.state.iter = 0
+        warnings += self._check_against_metrics()
+        if self.info.is_main:
+            log.info("resuming from %s at step %d, epoch %d, iter %d: %s", cand.path, self.state.global_step,
+                     self.state.epoch, self.state.iter, plan.description)
+            for w in warnings:
+                log.warning("warning: %s", w)
+        return {"kind": "resume", "checkpoint": cand.path, "checkpoint_step": manifest.get("step"),
+                "step": self.state.global_step, "epoch": self.state.epoch, "iter": self.state.iter,
+                "policy": plan.row, "exact": plan.exact, "topology": plan.topology,
+                "replay_boundary": plan.replay_boundary, "restored": plan.restored, "discarded": plan.discarded,
+                "warnings": warnings, "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
+
+    def _reset_to_step(self, step: int) -> None:
+        """Point the global-step view and the LR schedule at ``step`` (replay boundary)."""
+        self.state.global_step = step
+        sch = self.scheduler
+        sch.last_epoch = step
+        lrs = [base * fn(step) for base, fn in zip(sch.base_lrs, sch.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        sch._last_lr = lrs
+
+    def _provenance_diff(self, manifest: dict[str, Any]) -> list[str]:
+        """Warnings for config, code, data and torch differences from the checkpoint's run."""
+        out = []
+        if self.run_dir is not None and (self.run_dir / CONFIG).is_file():
+            try:
+                saved = tomllib.loads((self.run_dir / CONFIG).read_text())
+            except (OSError, tomllib.TOMLDecodeError):
+                saved = None
+            diff = config_diff(saved, self.config.to_dict()) if saved is not None else ["saved config.toml unreadable"]
+            if diff:
+                out.append("config differs from the interrupted run: " + "; ".join(diff))
+        for key, now in (("data_fingerprint", self.data.fingerprint), ("code_version", self._code_version),
+                         ("torch_version", torch.__version__)):
+            then = manifest.get(key)
+            if then is not None and now is not None and then != now:
+                out.append(f"{key} differs: checkpoint {then}, now {now}")
+        return out
+
+    def _check_against_metrics(self) -> list[str]:
+        """Compare the restored step and LR schedule with the log of the interrupted run.
+
+        The last train record at or before the restored step must carry the LR this
+        config's schedule gives for that step; otherwise the resumed schedule differs.
+        """
+        if self.run_dir is None or not self.info.is_main:
+            return []
+        step = self.state.global_step
+        recs = [r for r in read_metrics(self.run_dir / METRICS)
+                if r.get("split") == "train" and isinstance(r.get("step"), int) and r["step"] <= step]
+        if not recs:
+            return [f"metrics.jsonl has no train record up to step {step}; cannot check the resumed schedule"] if step else []
+        last = max(recs, key=lambda r: r["step"])
+        sch = self.scheduler
+        expected = sch.base_lrs[0] * sch.lr_lambdas[0](last["step"] - 1)
+        log.info("resume check: restored step %d, next lr %.6e; log before interruption: step %d lr %.6e "
+                 "(this schedule: %.6e)", step, sch.get_last_lr()[0], last["step"], last.get("lr", float("nan")), expected)
+        if not math.isclose(expected, float(last.get("lr", float("nan"))), rel_tol=1e-6, abs_tol=1e-12):
+            return [f"LR schedule differs from the interrupted run: at step {last['step']} the log says "
+                    f"{last.get('lr')}, this config gives {expected}"]
+        return []
+
+    def _record_stop(self) -> None:
+        s = self.state
+        if not self.info.is_main:
+            return
+        log.info("stopped (%s) at step %d, epoch %d, iter %d; final evaluation skipped", s.stop_reason,
+                 s.global_step, s.epoch, s.iter)
+        if self.run_dir is not None:
+            if self._stop_file_used:
+                stop_file(self.run_dir).unlink(missing_ok=True)  # consumed: must not stop the resumed run
+            append_provenance(self.run_dir, {}, {"time": now_iso(), "kind": "stop", "reason": s.stop_reason,
+                                                 "step": s.global_step, "epoch": s.epoch, "iter": s.iter})
 
     def _at_max_steps(self, t: TrainConfig) -> bool:
         return bool(t.max_steps) and self.state.global_step >= t.max_steps

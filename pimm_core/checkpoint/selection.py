@@ -200,3 +200,48 @@ def explain(cands: list[Candidate], chosen: Candidate | None) -> list[str]:
 def has_checkpoints(model_dir: Path) -> bool:
     """True when ``model_dir`` holds anything a run wrote (a checkpoint or a leftover)."""
     return bool(list_candidates(model_dir))
+
+
+def resolve_resume_path(path: str | Path) -> Candidate:
+    """Validate an explicit resume source and return it as a candidate.
+
+    ``path`` may be a checkpoint directory (``.../model/last``), a legacy
+    ``model_last.pth``, or a ``model/`` directory (its :func:`select_resume` choice).
+
+    Raises:
+        CheckpointError: ``hf://`` sources (Hub artifacts carry no trainer state);
+            "No weight found" for a path that does not exist; "Incomplete checkpoint
+            directory" naming the missing parts and the complete candidates beside it.
+    """
+    from ..errors import CheckpointError
+
+    text = str(path)
+    if text.startswith("hf://"):
+        raise CheckpointError(
+            f"cannot resume from {text}: Hub model artifacts omit trainer state (no trainer.dcp/); "
+            "warm-start a new run with --train.weight instead, or resume from the original run's model/last",
+            exit_code=2)
+    p = Path(text)
+    if not text or not p.exists():
+        raise CheckpointError(f"No weight found: {text!r} does not exist; check the run path "
+                              "(pimm checkpoints latest MODEL_DIR finds the newest complete checkpoint)", exit_code=2)
+    if p.is_dir() and not (p / WEIGHTS).exists() and not (p / TRAINER_DCP).exists() and not (p / COMPLETE).exists():
+        if any((p / n).exists() for n in RESUME_ORDER):  # a model/ directory
+            chosen, cands = select_resume(p)
+            if chosen is None:
+                raise CheckpointError(f"no complete checkpoint in {p}: " + "; ".join(explain(cands, None)), exit_code=2)
+            return chosen
+    if p.is_file():
+        cand = _weights_file(p, "legacy" if p.name == LEGACY_LAST else "weights", resumable=p.name == LEGACY_LAST,
+                             fmt="legacy" if p.name == LEGACY_LAST else "weights")
+        if not cand.resumable:
+            raise CheckpointError(f"{p} holds weights only and cannot resume a run; warm-start with --train.weight {p}",
+                                  exit_code=2)
+        return cand
+    cand = _standard_dir(p, p.name)
+    if not cand.complete:
+        others = [c for c in list_candidates(p.parent) if c.complete and c.resumable and c.path != cand.path]
+        alt = ", ".join(c.path for c in others) if others else "none"
+        raise CheckpointError(f"Incomplete checkpoint directory {p}: {cand.reason}. Complete candidates: {alt}",
+                              exit_code=2)
+    return cand

@@ -154,6 +154,7 @@ class LoadedState:
     meta: dict[str, Any]
     rank_state: dict[str, Any] | None
     saved_ranks: list[int] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
 
 
 def load_model_weights(model: nn.Module, path: Path) -> None:
@@ -189,15 +190,20 @@ def check_compatible(model: nn.Module, sd: dict[str, torch.Tensor], source: str)
         raise CheckpointError(f"{source} does not match the model: " + "; ".join(parts))
 
 
-def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, info: DistInfo) -> LoadedState:
+def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, info: DistInfo,
+                  strict: bool = True) -> LoadedState:
     """Restore model weights and optimizer state from a standard checkpoint; every rank calls it.
 
     Optimizer tensors are read through DCP, so a checkpoint written at another world
     size reshards. The caller applies ``meta`` (scheduler, scaler, counters) and
     ``rank_state`` according to the resume policy.
 
+    Args:
+        strict: with False, optimizer state that does not fit is skipped (reported in
+            ``LoadedState.skipped``) instead of raising. Model weights are always strict.
+
     Raises:
-        CheckpointError: weights or optimizer state do not match (names the tensors).
+        CheckpointError: weights (or, when strict, optimizer state) do not match (names the tensors).
     """
     load_model_weights(model, ckpt / WEIGHTS)
     path = ckpt / TRAINER_DCP
@@ -210,15 +216,20 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
     if rank_key in saved:
         request[rank_key] = torch.empty(saved[rank_key].size, dtype=torch.uint8)
     plain = unwrap(model)
+    skipped: list[str] = []
     if optimizer is not None:
         target, _ = split_tensors(get_optimizer_state_dict(plain, optimizer), "optim")
         saved_optim = {k for k in saved if k.startswith("optim/")}
         mismatched = sorted(k for k in set(target) & saved_optim if tuple(target[k].shape) != tuple(saved[k].size))
         missing = sorted(set(target) - saved_optim)
         if mismatched or missing:
-            names = (mismatched + missing)[:3]
-            raise CheckpointError(f"optimizer state in {path} does not match the model/optimizer: {', '.join(names)}")
-        request.update({k: torch.empty_like(target[k]) for k in saved_optim})
+            problem = f"optimizer state in {path} does not match the model/optimizer: {', '.join((mismatched + missing)[:3])}"
+            if strict:
+                raise CheckpointError(problem)
+            skipped.append(problem + " (skipped: resume_strict_state=false)")
+            optimizer = None
+        else:
+            request.update({k: torch.empty_like(target[k]) for k in saved_optim})
     dcp.load(request, storage_reader=reader, no_dist=not info.distributed)
 
     meta = unpack(request.pop("meta"))
@@ -226,7 +237,7 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
     rank_state = unpack(request.pop(rank_key)) if rank_key in request else None
     if optimizer is not None:
         set_optimizer_state_dict(plain, optimizer, join_tensors(skeleton, request))
-    return LoadedState(meta=meta, rank_state=rank_state, saved_ranks=saved_ranks)
+    return LoadedState(meta=meta, rank_state=rank_state, saved_ranks=saved_ranks, skipped=skipped)
 
 
 def write_weights_file(path: Path, model: nn.Module, manifest: dict[str, Any]) -> None:

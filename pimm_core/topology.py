@@ -1,0 +1,153 @@
+"""What a checkpoint recorded vs. what a resume will run with, and the policy that follows.
+
+The resume policy, one row per condition (checked in this order)::
+
+    legacy mid-epoch checkpoint            no structured cursor; replay from an epoch boundary
+    resume_strict_state=False              best-effort state restore; loader cursor skipped
+    world size changes                     reshard compatible state (DCP); discard loader cursor
+                                           and per-rank RNG; restart the saved epoch
+    per-rank worker count changes          discard loader cursor; restart the saved epoch
+    checkpoint has no loader state         restart the saved epoch
+    same world size and per-rank workers   restore cursor; continue from the saved iteration
+
+"Restart the saved epoch" means the in-epoch iteration and the global-step view go
+back to the saved epoch's start (the *replay boundary*); batches already trained in
+that epoch train again. That is recovery, not bitwise continuation, and it is
+logged and recorded in ``provenance.json``. A checkpoint taken at an epoch end has
+nothing to replay, so every row continues exactly at the next epoch's first batch
+(up to the changed sample order and RNG streams of a new topology).
+
+Torch-free: ``--dry-run``, ``pimm checkpoints diff`` and the console use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ROWS = {
+    "same": "same world size and per-rank workers: restore cursor; continue from the saved iteration",
+    "world_size": "world size changes: reshard compatible state, discard loader cursor, restart the saved epoch",
+    "workers": "per-rank worker count changes: discard loader cursor, restart the saved epoch",
+    "no_loader_state": "checkpoint has no loader state: restart the saved epoch",
+    "non_strict": "resume_strict_state=False: best-effort state restore; loader cursor skipped",
+    "legacy": "legacy mid-epoch checkpoint: no structured cursor; replay from an epoch boundary",
+}
+
+
+@dataclass
+class ResumePlan:
+    """The decision for one resume.
+
+    Attributes:
+        row: key of :data:`ROWS` that applies.
+        restore_cursor: apply each rank's saved loader cursor.
+        restore_rng: apply each rank's saved RNG state (same ranks only).
+        exact: bitwise continuation is expected.
+        step, epoch, iter: where training continues (after any replay reset).
+        replay_boundary: ``{"epoch", "step", "from_iter"}`` when completed batches will
+            train again, else None.
+        restored, discarded: human lists of state parts.
+        warnings: lines for the log and provenance.
+        topology: saved vs. planned world size and per-rank workers.
+    """
+
+    row: str
+    restore_cursor: bool
+    restore_rng: bool
+    exact: bool
+    step: int
+    epoch: int
+    iter: int
+    replay_boundary: dict[str, int] | None
+    restored: list[str]
+    discarded: list[str]
+    warnings: list[str] = field(default_factory=list)
+    topology: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def description(self) -> str:
+        return ROWS[self.row]
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "description": self.description}
+
+
+def plan_resume(manifest: dict[str, Any], *, world_size: int, workers_per_rank: int, strict: bool,
+                grad_accum: int = 1, legacy: bool = False) -> ResumePlan:
+    """Apply the resume policy to a checkpoint's manifest.
+
+    Args:
+        manifest: the checkpoint's manifest (``step``, ``epoch``, ``iter``, ``world_size``,
+            ``workers_per_rank``, ``has_loader_state``).
+        world_size, workers_per_rank: the planned resume topology.
+        strict: ``resume_strict_state``.
+        grad_accum: micro-batches per optimizer step, to map the replayed iterations
+            back to optimizer steps.
+        legacy: the checkpoint is a legacy single file (no structured cursor).
+    """
+    step, epoch, it = int(manifest.get("step", 0)), int(manifest.get("epoch", 0)), int(manifest.get("iter", 0))
+    saved_ws = int(manifest.get("world_size", world_size))
+    saved_workers = int(manifest.get("workers_per_rank", workers_per_rank))
+    has_loader = bool(manifest.get("has_loader_state", it > 0)) and not legacy
+    topo = {"saved_world_size": saved_ws, "world_size": world_size,
+            "saved_workers_per_rank": saved_workers, "workers_per_rank": workers_per_rank}
+    if legacy:
+        row = "legacy"
+    elif not strict:
+        row = "non_strict"
+    elif saved_ws != world_size:
+        row = "world_size"
+    elif saved_workers != workers_per_rank:
+        row = "workers"
+    elif it > 0 and not has_loader:
+        row = "no_loader_state"
+    else:
+        row = "same"
+    restore_cursor = row == "same" and it > 0
+    restore_rng = row in ("same", "workers", "no_loader_state") or (row == "non_strict" and saved_ws == world_size)
+    restored = ["model weights", "optimizer", "scheduler", "AMP scaler", "epoch/step counters", "best-metric state"]
+    if row == "world_size":
+        restored[1] = "optimizer (resharded through DCP)"
+    if row == "non_strict":
+        restored = [f"{r} (best effort)" for r in restored]
+    discarded = []
+    if restore_rng:
+        restored.append("per-rank RNG")
+    else:
+        discarded.append("per-rank RNG (ranks differ)" if saved_ws != world_size else "per-rank RNG")
+    if restore_cursor:
+        restored.append("loader cursor")
+    elif it > 0:
+        discarded.append("loader cursor")
+    replay = None
+    warnings = []
+    new_step, new_iter = step, it
+    if it > 0 and not restore_cursor:
+        new_step, new_iter = step - it // grad_accum, 0
+        replay = {"epoch": epoch, "step": new_step, "from_iter": it}
+        warnings.append(f"loader cursor skipped ({ROWS[row].split(':')[0]}): restarting epoch {epoch} at step "
+                        f"{new_step}; the {it} batches already completed in that epoch will replay")
+    if saved_ws != world_size:
+        warnings.append(f"world size changed {saved_ws} -> {world_size}: sample order and per-rank RNG differ "
+                        "from the interrupted run (recovery, not bitwise continuation)")
+    if saved_workers != workers_per_rank:
+        warnings.append(f"per-rank workers changed {saved_workers} -> {workers_per_rank}")
+    exact = row == "same"
+    return ResumePlan(row, restore_cursor, restore_rng, exact, new_step, epoch, new_iter, replay,
+                      restored, discarded, warnings, topo)
+
+
+def config_diff(saved: dict[str, Any], now: dict[str, Any],
+                ignore: tuple[str, ...] = ("run.", "train.resume", "train.weight")) -> list[str]:
+    """Lines ``key: saved -> now`` for every differing flattened config key."""
+    from .config import flatten
+
+    a, b = flatten(saved), flatten(now)
+    lines = []
+    for key in sorted(set(a) | set(b)):
+        if any(key == p or (p.endswith(".") and key.startswith(p)) for p in ignore):
+            continue
+        if a.get(key) != b.get(key):
+            lines.append(f"{key}: {a.get(key, '<unset>')!r} -> {b.get(key, '<unset>')!r}")
+    return lines

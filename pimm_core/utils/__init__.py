@@ -1,0 +1,1 @@
+"""Small torch-free helpers usable as ``python -m`` tools."""
