@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import random
 import socket
 import sys
@@ -23,7 +24,7 @@ import time
 import tomllib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -109,6 +110,9 @@ class Trainer:
         stop: the :class:`~pimm_core.stop.StopRequest` this trainer obeys (a new one
             by default, reachable as ``trainer.stop``).
 
+    ``trainer.callbacks`` holds functions called with the trainer after every optimizer
+    step on every rank (before the stop agreement), e.g. to request a stop.
+
     Under torchrun the process group is created here (gloo on CPU, NCCL on CUDA) and
     the model is wrapped in DDP.
     """
@@ -137,6 +141,8 @@ class Trainer:
         self.state = TrainState()
         self._metrics: MetricsWriter | None = None
         self._pending_loader_state: dict[str, Any] | None = None
+        self.callbacks: list[Callable[["Trainer"], None]] = []
+        self._pids = [os.getpid()]
         self._code_version = code_version() if self.info.is_main else None
 
     # ----------------------------------------------------------------- set-up
@@ -194,7 +200,7 @@ class Trainer:
     def _status(self, state: str, **extra: Any) -> None:
         if self.run_dir is not None and self.info.is_main:
             s = self.state
-            write_status(self.run_dir, state, step=s.global_step, epoch=s.epoch, iter=s.iter,
+            write_status(self.run_dir, state, pids=self._pids, step=s.global_step, epoch=s.epoch, iter=s.iter,
                          total_steps=self._total, steps_per_epoch=self.steps_per_epoch,
                          epochs=self._t.epochs, world_size=self.info.world_size, stop_reason=s.stop_reason, **extra)
 
@@ -301,6 +307,7 @@ class Trainer:
             entry = self._resume(resume_from, checkpoint_dir)
         self._setup_files(entry, fresh=resume_from is None)
         self._discard_stale_stop_file()
+        self._pids = dist.all_gather_object(os.getpid())  # every rank's pid, for operators and tests
         self._stop_file_used = False
         self._status("running")
         try:
@@ -370,6 +377,8 @@ class Trainer:
                         self._status("running")
                     progress.advance(s.global_step)
                     window_loss = torch.zeros((), device=self.device)
+                    for callback in self.callbacks:
+                        callback(self)  # e.g. lambda tr: tr.stop.request("budget") if ... else None
                     reason = self._agreed_stop_reason()
                     if reason is not None:
                         s.stop_reason = reason

@@ -17,7 +17,9 @@ directory fsync after each rename.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,14 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """Silence DCP's "assuming the intent is to save in a single process" warning (that is the intent)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process.*")
+        yield
 
 
 def _write_marker(path: Path) -> None:
@@ -125,8 +135,9 @@ def save_standard(
     state: dict[str, Any] = dict(tensors)
     state["meta"] = pack({**meta, "optim": skeleton})
     state[f"rank_state/{info.rank}"] = pack(rank_state)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
-             no_dist=not info.distributed)
+    with _quiet_single_process():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
+                 no_dist=not info.distributed)
 
     if info.is_main:
         _write_marker(tmp / TRAINER_DCP / COMPLETE)
@@ -230,7 +241,8 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
             optimizer = None
         else:
             request.update({k: torch.empty_like(target[k]) for k in saved_optim})
-    dcp.load(request, storage_reader=reader, no_dist=not info.distributed)
+    with _quiet_single_process():
+        dcp.load(request, storage_reader=reader, no_dist=not info.distributed)
 
     meta = unpack(request.pop("meta"))
     skeleton = meta.pop("optim")
