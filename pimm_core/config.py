@@ -57,7 +57,9 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_every_steps: int = 10
     resume: bool = False
-    weight: str = ""  # warm-start weights (not a resume)
+    weight: str = ""  # warm-start weights (not a resume): a path, a run keyword source or hf://org/repo[/file]
+    weight_set: Literal["raw", "ema"] = "raw"  # which weights of `weight` to load
+    key_rules: list[list[str]] | None = None  # ordered [regex, replacement]; None: strip module. and _orig_mod.
 
 
 @dataclass
@@ -90,6 +92,16 @@ class EvalConfig:
     every_epochs: int = 1
     metric: str = "val/acc"
     mode: Literal["max", "min"] = "max"
+    weights: Literal["raw", "ema"] = "raw"  # evaluate the raw or the EMA weights
+
+
+@dataclass
+class EmaConfig:
+    """EMA of the parameters, updated after each optimizer step (see pimm_core.ema)."""
+
+    enabled: bool = False
+    decay: float = 0.999
+    warmup: bool = True  # decay ramps up as min(decay, (1 + n) / (10 + n)) over n updates
 
 
 @dataclass
@@ -102,6 +114,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
     checkpoint_format: Literal["standard", "legacy", "single"] = "standard"
     resume_strict_state: bool = True
 
@@ -136,6 +149,7 @@ _RANGES: dict[str, tuple[float | None, float | None]] = {
     "checkpoint.every_epochs": (0, None),
     "checkpoint.keep_iter": (0, None),
     "eval.every_epochs": (0, None),
+    "ema.decay": (0, 1),
 }
 
 
@@ -210,6 +224,11 @@ def _coerce(value: Any, hint: Any, dotted: str, where: str) -> Any:
         if value in args:
             return value
         raise ConfigError(f"{where}: {dotted} = {value!r} is not allowed; use {_type_name(hint)}")
+    if origin is list:  # only list[list[str]] (key rules) exists in the schema
+        if not (isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
+                                                for p in value)):
+            raise ConfigError(f"{where}: {dotted} must be a list of [regex, replacement] string pairs, got {value!r}")
+        return value
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -267,6 +286,9 @@ def _validate_ranges(cfg: Config, where: _Where, origins: dict[str, str]) -> Non
     if cfg.eval.metric not in EVAL_METRICS:
         raise ConfigError(f"{where('eval.metric', origins.get('eval.metric', 'file'))}: eval.metric = "
                           f"{cfg.eval.metric!r} is not produced by the evaluator; use one of {list(EVAL_METRICS)}")
+    if cfg.eval.weights == "ema" and not cfg.ema.enabled:
+        raise ConfigError(f"{where('eval.weights', origins.get('eval.weights', 'file'))}: eval.weights = 'ema' "
+                          "needs ema.enabled = true")
     if cfg.checkpoint_format not in _IMPLEMENTED_FORMATS:
         raise ConfigError(
             f"{where('checkpoint_format', origins.get('checkpoint_format', 'file'))}: "

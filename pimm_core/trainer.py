@@ -38,6 +38,7 @@ from .checkpoint.standard import load_standard, save_standard, unwrap, write_wei
 from .checkpoint.state import rng_state, set_rng_state
 from .config import Config, TrainConfig, write_config
 from .data import build_datasets, eval_loader, train_loader
+from .ema import EMA
 from .errors import CheckpointError, ConfigError
 from .models import build_model
 from .stop import StopRequest, read_stop_file, stop_file
@@ -131,6 +132,10 @@ class Trainer:
         self.data = build_datasets(config.data)
         torch.manual_seed(config.train.seed)  # identical initial weights on every rank
         model = build_model(config.model, self.data.in_features, self.data.in_shape, self.data.num_classes).to(self.device)
+        self.warm_start_report = None
+        if config.train.weight and not config.train.resume:
+            self.warm_start_report = self._warm_start(model)
+        self.ema = EMA(model, config.ema.decay, config.ema.warmup) if config.ema.enabled else None
         self.model: nn.Module = DDP(model) if self.info.distributed else model
         seed_everything(config.train.seed + self.info.rank)  # rank-distinct dropout streams
 
@@ -146,6 +151,17 @@ class Trainer:
         self._code_version = code_version() if self.info.is_main else None
 
     # ----------------------------------------------------------------- set-up
+    def _warm_start(self, model: nn.Module):
+        """Load ``train.weight`` into the new model (weights only; logged report, zero match raises)."""
+        from .checkpoint.weights import warm_start
+
+        t = self.config.train
+        rules = [tuple(r) for r in t.key_rules] if t.key_rules is not None else None
+        quiet = logging.getLogger("pimm.quiet")
+        quiet.propagate = False
+        return warm_start(model, t.weight, weight_set=t.weight_set, rules=rules,
+                          logger=log if self.info.is_main else quiet)
+
     def _build_optimizer(self) -> torch.optim.Optimizer:
         t = self.config.train
         params = unwrap(self.model).parameters()
@@ -213,17 +229,21 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Accuracy and mean cross-entropy on the validation split, summed exactly over ranks.
 
+        Evaluates the raw weights, or the EMA weights when ``eval.weights = "ema"``.
+
         Returns:
             ``{"val/acc": fraction in [0, 1], "val/loss": nats per sample}``.
         """
         model = unwrap(self.model)
         was_training = model.training
         model.eval()
+        use_ema = self.config.eval.weights == "ema" and self.ema is not None
+        ema_sd = self.ema.state_dict_for(model) if use_ema else None
         totals = torch.zeros(3, dtype=torch.float64)
         for x, y, _ in self.val_loader:
             x, y = x.to(self.device), y.to(self.device)
             with self._autocast():
-                logits = model(x)
+                logits = torch.func.functional_call(model, ema_sd, (x,)) if use_ema else model(x)
             totals[0] += F.cross_entropy(logits.float(), y, reduction="sum").item()
             totals[1] += (logits.argmax(1) == y).sum().item()
             totals[2] += len(y)
@@ -235,6 +255,7 @@ class Trainer:
     def _meta(self) -> dict[str, Any]:
         return {"trainer": asdict(replace(self.state, stop_reason=None)), "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(), "world_size": self.info.world_size,
+                "ema": self.ema.meta() if self.ema is not None else None,
                 "workers_per_rank": self.config.data.num_workers}
 
     def _manifest(self, kind: str, has_loader_state: bool = False) -> dict[str, Any]:
@@ -249,14 +270,19 @@ class Trainer:
         """Publish ``checkpoint_dir/last`` (standard format); every rank must call it."""
         rank_state = {"rng": rng_state(), "loader": self.loader.state_dict() if mid_epoch else None}
         path = save_standard(checkpoint_dir, model=self.model, optimizer=self.optimizer, meta=self._meta(),
-                             rank_state=rank_state, manifest=self._manifest("last", mid_epoch), info=self.info)
+                             rank_state=rank_state, manifest=self._manifest("last", mid_epoch), info=self.info,
+                             ema_state_dict=self._ema_sd())
         log.info("saved %s (step %d, epoch %d, iter %d)", path, self.state.global_step, self.state.epoch, self.state.iter)
         return path
+
+    def _ema_sd(self) -> dict[str, torch.Tensor] | None:
+        return self.ema.state_dict_for(unwrap(self.model)) if self.ema is not None else None
 
     def _save_iter_snapshot(self, checkpoint_dir: Path) -> None:
         if not self.info.is_main:
             return
-        write_weights_file(checkpoint_dir / f"iter_{self.state.global_step}.pth", self.model, self._manifest("iter"))
+        write_weights_file(checkpoint_dir / f"iter_{self.state.global_step}.pth", self.model, self._manifest("iter"),
+                           self._ema_sd())
         keep = self.config.checkpoint.keep_iter
         snaps = sorted((int(m.group(1)), p) for p in checkpoint_dir.iterdir() if (m := ITER_RE.match(p.name)))
         for _, old in snaps[: max(0, len(snaps) - keep)]:
@@ -273,7 +299,7 @@ class Trainer:
         if checkpoint_dir is not None and self.info.is_main:
             manifest = {**self._manifest("best"), "selection_metric": {
                 "name": e.metric, "value": value, "mode": e.mode, "split": "val", "epoch": epoch}}
-            write_weights_file(checkpoint_dir / BEST, self.model, manifest)
+            write_weights_file(checkpoint_dir / BEST, self.model, manifest, self._ema_sd())
 
     # ------------------------------------------------------------------ train
     def train(self, train_config: TrainConfig | None = None, *, checkpoint_dir: Path | None = None,
@@ -303,6 +329,8 @@ class Trainer:
         if checkpoint_dir is not None and self.info.is_main:
             checkpoint_dir.mkdir(parents=True, exist_ok=True)
         entry: dict[str, Any] = {"kind": "start", "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
+        if self.warm_start_report is not None:
+            entry["warm_start"] = self.warm_start_report.to_json()
         if resume_from is not None:
             entry = self._resume(resume_from, checkpoint_dir)
         self._setup_files(entry, fresh=resume_from is None)
@@ -363,6 +391,8 @@ class Trainer:
                     scaler.step(optimizer)
                     scaler.update()
                     optimizer.zero_grad(set_to_none=True)
+                    if self.ema is not None:
+                        self.ema.update(unwrap(model))
                     lr = scheduler.get_last_lr()[0]
                     scheduler.step()
                     s.global_step += 1
@@ -482,6 +512,13 @@ class Trainer:
         self.scheduler.load_state_dict(meta["scheduler"])
         if meta.get("scaler"):
             self.scaler.load_state_dict(meta["scaler"])
+        if self.ema is not None:
+            ema_meta = meta.get("ema")
+            if loaded.ema_state_dict is not None and ema_meta:
+                self.ema.load(loaded.ema_state_dict, ema_meta["updates"])
+            else:
+                self.ema = EMA(unwrap(self.model), self.config.ema.decay, self.config.ema.warmup)
+                warnings.append("the checkpoint has no EMA weights; EMA restarts from the restored raw weights")
         rank_state = loaded.rank_state or {}
         if plan.restore_rng:
             if "rng" in rank_state:

@@ -106,6 +106,7 @@ def save_standard(
     manifest: dict[str, Any],
     info: DistInfo,
     name: str = "last",
+    ema_state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write and publish a standard checkpoint; every rank must call it.
 
@@ -115,6 +116,7 @@ def save_standard(
         rank_state: this rank's state (RNG, loader cursor); stored under ``rank_state/<rank>``.
         manifest: fields for ``manifest.json`` (step, epoch, iter, world size, metrics...);
             ``format`` and ``files`` are added here.
+        ema_state_dict: the EMA weight set, stored in ``weights.pth`` as ``ema_state_dict``.
 
     Returns:
         The published directory ``model_dir/<name>``.
@@ -141,7 +143,7 @@ def save_standard(
 
     if info.is_main:
         _write_marker(tmp / TRAINER_DCP / COMPLETE)
-        save_torch_file(tmp / WEIGHTS, {"state_dict": plain.state_dict()})
+        save_torch_file(tmp / WEIGHTS, weights_payload(plain, ema_state_dict))
         fsync_tree(tmp)
         write_manifest(tmp / MANIFEST, {"format": "standard", **manifest, "files": describe_files(tmp)})
         _write_marker(tmp / COMPLETE)
@@ -164,12 +166,24 @@ class LoadedState:
 
     meta: dict[str, Any]
     rank_state: dict[str, Any] | None
+    ema_state_dict: dict[str, torch.Tensor] | None = None
     saved_ranks: list[int] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 
 
-def load_model_weights(model: nn.Module, path: Path) -> None:
+def weights_payload(model: nn.Module, ema_state_dict: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+    """``{"state_dict": raw}`` plus ``"ema_state_dict"`` when an EMA weight set exists."""
+    out: dict[str, Any] = {"state_dict": unwrap(model).state_dict()}
+    if ema_state_dict is not None:
+        out["ema_state_dict"] = ema_state_dict
+    return out
+
+
+def load_model_weights(model: nn.Module, path: Path) -> dict[str, torch.Tensor] | None:
     """Load ``{"state_dict": ...}`` from ``path`` into ``model`` (unwrapped), strictly.
+
+    Returns:
+        The file's EMA weight set (``ema_state_dict``), or None.
 
     Raises:
         CheckpointError: unreadable file, not a pimm weights file, or keys/shapes that
@@ -183,6 +197,7 @@ def load_model_weights(model: nn.Module, path: Path) -> None:
         raise CheckpointError(f"{path} is not a pimm weights file (expected a dict with a 'state_dict' key)")
     check_compatible(unwrap(model), obj["state_dict"], str(path))
     unwrap(model).load_state_dict(obj["state_dict"])
+    return obj.get("ema_state_dict")
 
 
 def check_compatible(model: nn.Module, sd: dict[str, torch.Tensor], source: str) -> None:
@@ -216,7 +231,7 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
     Raises:
         CheckpointError: weights (or, when strict, optimizer state) do not match (names the tensors).
     """
-    load_model_weights(model, ckpt / WEIGHTS)
+    ema_sd = load_model_weights(model, ckpt / WEIGHTS)
     path = ckpt / TRAINER_DCP
     reader = dcp.FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
@@ -249,15 +264,17 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
     rank_state = unpack(request.pop(rank_key)) if rank_key in request else None
     if optimizer is not None:
         set_optimizer_state_dict(plain, optimizer, join_tensors(skeleton, request))
-    return LoadedState(meta=meta, rank_state=rank_state, saved_ranks=saved_ranks, skipped=skipped)
+    return LoadedState(meta=meta, rank_state=rank_state, ema_state_dict=ema_sd, saved_ranks=saved_ranks,
+                       skipped=skipped)
 
 
-def write_weights_file(path: Path, model: nn.Module, manifest: dict[str, Any]) -> None:
+def write_weights_file(path: Path, model: nn.Module, manifest: dict[str, Any],
+                       ema_state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """Publish a weights-only file (``model_best.pth``, ``iter_<step>.pth``) with a sidecar manifest.
 
     The sidecar ``<name>.json`` records step, metrics and the file's size and sha256.
     """
-    save_torch_file(path, {"state_dict": unwrap(model).state_dict()})
+    save_torch_file(path, weights_payload(model, ema_state_dict))
     from .manifest import sha256_file
 
     write_manifest(path.with_name(path.name + ".json"), {
