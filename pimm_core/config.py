@@ -85,6 +85,7 @@ class CheckpointConfig:
     every_steps: int = 0  # 0: no step-based saves
     every_epochs: int = 1  # 0: no epoch-end saves (the end of training still saves)
     keep_iter: int = 3  # how many iter_<step>.pth snapshots to keep; 0 keeps none
+    keep_last: int = 3  # single format: how many step_<step>.pth files to keep (pointer targets always kept)
 
 
 @dataclass
@@ -127,7 +128,7 @@ class Config:
 EVAL_METRICS = ("val/acc", "val/loss")
 
 # Formats a later release writes; accepted by the schema so configs stay valid.
-_IMPLEMENTED_FORMATS = ("standard",)
+_IMPLEMENTED_FORMATS = ("standard", "legacy", "single")
 
 _RANGES: dict[str, tuple[float | None, float | None]] = {
     "train.epochs": (1, None),
@@ -148,6 +149,7 @@ _RANGES: dict[str, tuple[float | None, float | None]] = {
     "checkpoint.every_steps": (0, None),
     "checkpoint.every_epochs": (0, None),
     "checkpoint.keep_iter": (0, None),
+    "checkpoint.keep_last": (1, None),
     "eval.every_epochs": (0, None),
     "ema.decay": (0, 1),
 }

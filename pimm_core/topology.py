@@ -105,7 +105,9 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, workers_per_rank: 
     else:
         row = "same"
     restore_cursor = row == "same" and it > 0
-    restore_rng = row in ("same", "workers", "no_loader_state") or (row == "non_strict" and saved_ws == world_size)
+    # A legacy file carries rank 0's RNG only: usable when rank 0 is the whole run, before and after.
+    restore_rng = row in ("same", "workers", "no_loader_state") or (row == "non_strict" and saved_ws == world_size) \
+        or (row == "legacy" and saved_ws == world_size == 1)
     restored = ["model weights", "optimizer", "scheduler", "AMP scaler", "epoch/step counters", "best-metric state"]
     if row == "world_size":
         restored[1] = "optimizer (resharded through DCP)"
@@ -133,7 +135,7 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, workers_per_rank: 
                         "from the interrupted run (recovery, not bitwise continuation)")
     if saved_workers != workers_per_rank:
         warnings.append(f"per-rank workers changed {saved_workers} -> {workers_per_rank}")
-    exact = row == "same"
+    exact = row == "same" or (row == "legacy" and it == 0 and restore_rng)
     return ResumePlan(row, restore_cursor, restore_rng, exact, new_step, epoch, new_iter, replay,
                       restored, discarded, warnings, topo)
 

@@ -33,7 +33,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import dist
-from .checkpoint.selection import BEST, ITER_RE, resolve_resume_path
+from .checkpoint.files import load_file_checkpoint, save_legacy, save_single, set_pointer
+from .checkpoint.selection import BEST, ITER_RE, LEGACY_LAST, resolve_resume_path
 from .checkpoint.standard import load_standard, save_standard, unwrap, write_weights_file
 from .checkpoint.state import rng_state, set_rng_state
 from .config import Config, TrainConfig, write_config
@@ -146,6 +147,7 @@ class Trainer:
         self.state = TrainState()
         self._metrics: MetricsWriter | None = None
         self._pending_loader_state: dict[str, Any] | None = None
+        self._single_saved_step: int | None = None
         self.callbacks: list[Callable[["Trainer"], None]] = []
         self._pids = [os.getpid()]
         self._code_version = code_version() if self.info.is_main else None
@@ -266,13 +268,41 @@ class Trainer:
                 "metrics": s.last_eval, "created": now_iso(), "torch_version": torch.__version__,
                 "data_fingerprint": self.data.fingerprint}
 
-    def save_checkpoint(self, checkpoint_dir: Path, *, mid_epoch: bool) -> Path:
-        """Publish ``checkpoint_dir/last`` (standard format); every rank must call it."""
+    def save_checkpoint(self, checkpoint_dir: Path, *, mid_epoch: bool, pointers: tuple[str, ...] = ("last",),
+                        selection_metric: dict[str, Any] | None = None) -> Path:
+        """Publish a checkpoint in ``checkpoint_format``; every rank must call it.
+
+        standard: ``last/``; legacy: ``model_last.pth``; single: ``step_<step>.pth`` with
+        ``pointers`` (``last``, ``best``, ``final``) moved to it.
+        """
+        fmt = self.config.checkpoint_format
         rank_state = {"rng": rng_state(), "loader": self.loader.state_dict() if mid_epoch else None}
-        path = save_standard(checkpoint_dir, model=self.model, optimizer=self.optimizer, meta=self._meta(),
-                             rank_state=rank_state, manifest=self._manifest("last", mid_epoch), info=self.info,
-                             ema_state_dict=self._ema_sd())
-        log.info("saved %s (step %d, epoch %d, iter %d)", path, self.state.global_step, self.state.epoch, self.state.iter)
+        manifest = self._manifest("last", mid_epoch)
+        if selection_metric is not None:
+            manifest["selection_metric"] = selection_metric
+        if fmt == "standard":
+            path = save_standard(checkpoint_dir, model=self.model, optimizer=self.optimizer, meta=self._meta(),
+                                 rank_state=rank_state, manifest=manifest, info=self.info,
+                                 ema_state_dict=self._ema_sd())
+        else:
+            states = dist.all_gather_object(rank_state) if fmt == "single" else [rank_state]
+            path = checkpoint_dir / (LEGACY_LAST if fmt == "legacy" else f"step_{self.state.global_step}.pth")
+            if self.info.is_main:
+                if fmt == "legacy":
+                    save_legacy(checkpoint_dir, model=self.model, optimizer=self.optimizer, meta=self._meta(),
+                                rank0_state=rank_state, manifest=manifest, ema_state_dict=self._ema_sd())
+                elif self._single_saved_step == self.state.global_step:
+                    for name in pointers:  # this position is already on disk: only move pointers
+                        set_pointer(checkpoint_dir, name, path.name)
+                else:
+                    save_single(checkpoint_dir, model=self.model, optimizer=self.optimizer, meta=self._meta(),
+                                rank_states=states, manifest=manifest, ema_state_dict=self._ema_sd(),
+                                pointers=pointers, keep_last=self.config.checkpoint.keep_last)
+            self._single_saved_step = self.state.global_step
+            dist.barrier()
+        if self.info.is_main:
+            log.info("saved %s (step %d, epoch %d, iter %d)", path, self.state.global_step, self.state.epoch,
+                     self.state.iter)
         return path
 
     def _ema_sd(self) -> dict[str, torch.Tensor] | None:
@@ -296,10 +326,18 @@ class Trainer:
         if best is not None and not (value > best if e.mode == "max" else value < best):
             return
         self.state.best_metric, self.state.best_epoch = value, epoch
-        if checkpoint_dir is not None and self.info.is_main:
-            manifest = {**self._manifest("best"), "selection_metric": {
-                "name": e.metric, "value": value, "mode": e.mode, "split": "val", "epoch": epoch}}
-            write_weights_file(checkpoint_dir / BEST, self.model, manifest, self._ema_sd())
+        if checkpoint_dir is None:
+            return
+        selection = {"name": e.metric, "value": value, "mode": e.mode, "split": "val", "epoch": epoch,
+                     "weights": e.weights}
+        if self.config.checkpoint_format == "single":
+            # `best` must name a complete checkpoint at this position (every rank takes part).
+            n_micro = self.micro_batches_per_epoch
+            self.save_checkpoint(checkpoint_dir, mid_epoch=0 < self.state.iter < n_micro, pointers=("best",),
+                                 selection_metric=selection)
+        elif self.info.is_main:
+            write_weights_file(checkpoint_dir / BEST, self.model, {**self._manifest("best"), "selection_metric": selection},
+                               self._ema_sd())
 
     # ------------------------------------------------------------------ train
     def train(self, train_config: TrainConfig | None = None, *, checkpoint_dir: Path | None = None,
@@ -446,7 +484,8 @@ class Trainer:
                     self._evaluate_and_record(s.epoch - 1 if s.iter == 0 else s.epoch, checkpoint_dir)
                 s.finished = True
             if checkpoint_dir is not None:
-                self.save_checkpoint(checkpoint_dir, mid_epoch=0 < s.iter < n_micro)
+                self.save_checkpoint(checkpoint_dir, mid_epoch=0 < s.iter < n_micro,
+                                     pointers=("last", "final") if s.finished else ("last",))
                 if s.finished and ckpt.every_steps and ckpt.keep_iter and s.global_step % ckpt.every_steps == 0:
                     self._save_iter_snapshot(checkpoint_dir)
         finally:
@@ -494,19 +533,24 @@ class Trainer:
     def _resume(self, source: Path | str, checkpoint_dir: Path | None) -> dict[str, Any]:
         """Restore state from ``source`` following the resume policy; returns the provenance entry."""
         cand = resolve_resume_path(source)
-        if cand.format != "standard":
-            raise CheckpointError(f"cannot resume from {cand.path}: {cand.format} checkpoints are not supported "
-                                  "in this version; use a standard model/last directory", exit_code=2)
-        manifest = cand.manifest or {}
         strict = self.config.resume_strict_state
-        plan = plan_resume(manifest, world_size=self.info.world_size, workers_per_rank=self.config.data.num_workers,
-                           strict=strict, grad_accum=self._t.grad_accum)
-        warnings = list(plan.warnings) + self._provenance_diff(manifest)
-        loaded = load_standard(Path(cand.path), model=self.model, optimizer=self.optimizer, info=self.info,
-                               strict=strict)
-        warnings += loaded.skipped
+        if cand.format == "standard":
+            loaded = load_standard(Path(cand.path), model=self.model, optimizer=self.optimizer, info=self.info,
+                                   strict=strict)
+        else:
+            loaded = load_file_checkpoint(Path(cand.path), model=self.model, optimizer=self.optimizer,
+                                          rank=self.info.rank, world_size=self.info.world_size, strict=strict)
         meta = loaded.meta
         tr = meta["trainer"]
+        # The file itself is the authority on position and topology (a sidecar may be missing).
+        manifest = {**(cand.manifest or {}), "step": tr["global_step"], "epoch": tr["epoch"], "iter": tr["iter"],
+                    "world_size": meta["world_size"], "workers_per_rank": meta["workers_per_rank"]}
+        if cand.format == "single":
+            manifest["has_loader_state"] = bool(loaded.rank_state and loaded.rank_state.get("loader") is not None) \
+                if meta["world_size"] == self.info.world_size else tr["iter"] > 0
+        plan = plan_resume(manifest, world_size=self.info.world_size, workers_per_rank=self.config.data.num_workers,
+                           strict=strict, grad_accum=self._t.grad_accum, legacy=cand.format == "legacy")
+        warnings = list(plan.warnings) + self._provenance_diff(manifest) + loaded.skipped
         self.state = TrainState(global_step=tr["global_step"], epoch=tr["epoch"], iter=tr["iter"],
                                 best_metric=tr["best_metric"], best_epoch=tr["best_epoch"], last_eval=tr["last_eval"])
         self.scheduler.load_state_dict(meta["scheduler"])

@@ -26,6 +26,8 @@ DCP_METADATA = ".metadata"
 LEGACY_LAST = "model_last.pth"
 BEST = "model_best.pth"
 ITER_RE = re.compile(r"^iter_(\d+)\.pth$")
+SINGLE_RE = re.compile(r"^step_(\d+)\.pth$")
+POINTERS = ("last", "best", "final")
 RESUME_ORDER = ("last", "last.prev", LEGACY_LAST)
 
 
@@ -58,6 +60,7 @@ class Candidate:
     created: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     manifest: dict[str, Any] | None = None
+    target: str | None = None  # for pointers: the file they point at
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -133,6 +136,18 @@ def _weights_file(path: Path, kind: str, resumable: bool, fmt: str) -> Candidate
     return c
 
 
+def _pointer(link: Path) -> Candidate:
+    """A ``last``/``best``/``final`` symlink of the single format, described by its target."""
+    target = link.parent / os.readlink(link)
+    if not target.is_file():
+        return Candidate(link.name, str(link), link.name, "single", True, False,
+                         reason=f"points to missing {os.readlink(link)}")
+    c = _weights_file(target, link.name, resumable=True, fmt="single")
+    c.name, c.path = link.name, str(link)
+    c.target = target.name
+    return c
+
+
 def list_candidates(model_dir: Path) -> list[Candidate]:
     """Every checkpoint and leftover in ``model_dir``, resume candidates first.
 
@@ -150,6 +165,12 @@ def list_candidates(model_dir: Path) -> list[Candidate]:
         if name.endswith(".tmp") or (name.startswith(".") and ".tmp" in name):
             out.append(Candidate(name, str(entry), "tmp", "unknown", False, False,
                                  reason="temporary leftover of an interrupted save", size=_tree_size(entry)))
+        elif name in POINTERS and entry.is_symlink():
+            out.append(_pointer(entry))
+        elif (m := SINGLE_RE.match(name)) and entry.is_file():
+            c = _weights_file(entry, "single", resumable=True, fmt="single")
+            c.step = c.step if c.step is not None else int(m.group(1))
+            iters.append(c)
         elif name in ("last", "last.prev") and entry.is_dir():
             out.append(_standard_dir(entry, name))
         elif name == LEGACY_LAST and entry.is_file():
@@ -232,16 +253,24 @@ def resolve_resume_path(path: str | Path) -> Candidate:
                 raise CheckpointError(f"no complete checkpoint in {p}: " + "; ".join(explain(cands, None)), exit_code=2)
             return chosen
     if p.is_file():
-        cand = _weights_file(p, "legacy" if p.name == LEGACY_LAST else "weights", resumable=p.name == LEGACY_LAST,
-                             fmt="legacy" if p.name == LEGACY_LAST else "weights")
+        if p.is_symlink():
+            return _pointer(p) if _pointer(p).complete else _raise_incomplete(p, _pointer(p))
+        fmt = "legacy" if p.name == LEGACY_LAST else "single" if SINGLE_RE.match(p.name) else "weights"
+        cand = _weights_file(p, fmt if fmt != "weights" else "weights", resumable=fmt != "weights", fmt=fmt)
         if not cand.resumable:
             raise CheckpointError(f"{p} holds weights only and cannot resume a run; warm-start with --train.weight {p}",
                                   exit_code=2)
         return cand
     cand = _standard_dir(p, p.name)
     if not cand.complete:
-        others = [c for c in list_candidates(p.parent) if c.complete and c.resumable and c.path != cand.path]
-        alt = ", ".join(c.path for c in others) if others else "none"
-        raise CheckpointError(f"Incomplete checkpoint directory {p}: {cand.reason}. Complete candidates: {alt}",
-                              exit_code=2)
+        _raise_incomplete(p, cand)
     return cand
+
+
+def _raise_incomplete(p: Path, cand: Candidate) -> Candidate:
+    from ..errors import CheckpointError
+
+    others = [c for c in list_candidates(p.parent) if c.complete and c.resumable and c.path != cand.path]
+    alt = ", ".join(c.path for c in others) if others else "none"
+    raise CheckpointError(f"Incomplete checkpoint directory {p}: {cand.reason}. Complete candidates: {alt}",
+                          exit_code=2)

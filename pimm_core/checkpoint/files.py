@@ -1,0 +1,164 @@
+"""The single-file checkpoint formats: ``legacy`` and ``single``.
+
+Both are one ``torch.save`` file written by rank 0, published atomically (temporary
+name, fsync, rename, directory fsync) with a sidecar manifest ``<file>.json``. Every
+value loads with ``torch.load(weights_only=True)``.
+
+``legacy`` — ``model/model_last.pth`` (replaced at each save) and ``model_best.pth``::
+
+    {"format": "legacy", "state_dict": raw, "ema_state_dict"?: ema, "optimizer": FQN-keyed,
+     "scheduler": ..., "scaler": ..., "epoch": int, "progress": trainer counters, "ema"?: meta,
+     "world_size": int, "workers_per_rank": int, "rng": rank-0 RNG}
+
+It has no per-rank loader cursor, so a mid-epoch legacy checkpoint resumes by replaying
+from the epoch boundary.
+
+``single`` — one complete file per checkpoint, ``model/step_<global step>.pth``::
+
+    {"format": "single", "weights": {"raw": sd, "ema"?: sd}, "optimizer": FQN-keyed,
+     "scheduler", "scaler", "trainer": counters, "ema"?: meta,
+     "rank_states": [per-rank RNG and loader cursor, gathered to rank 0],
+     "world_size", "workers_per_rank"}
+
+with relative symlinks ``last`` (every save, including a requested pause), ``best``
+(the selection metric improved) and ``final`` (a normal end). A symlink target is a
+bare file name in the same directory, so moving the run directory keeps them valid.
+Retention (``checkpoint.keep_last``) deletes the oldest ``step_*.pth`` files but never
+a pointer's target.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from ..errors import CheckpointError
+from .atomic import fsync_dir
+from .manifest import sha256_file, write_manifest
+from .selection import LEGACY_LAST
+from .standard import LoadedState, check_compatible, save_torch_file, unwrap
+
+SINGLE_RE = re.compile(r"^step_(\d+)\.pth$")
+POINTERS = ("last", "best", "final")
+
+
+def _publish_file(path: Path, payload: dict[str, Any], manifest: dict[str, Any], fmt: str) -> None:
+    """Write ``payload`` to ``path`` atomically, then its sidecar manifest."""
+    save_torch_file(path, payload)
+    write_manifest(path.with_name(path.name + ".json"), {
+        "format": fmt, **manifest, "files": {path.name: {"size": path.stat().st_size, "sha256": sha256_file(path)}}})
+
+
+def save_legacy(model_dir: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any],
+                rank0_state: dict[str, Any], manifest: dict[str, Any],
+                ema_state_dict: dict[str, torch.Tensor] | None) -> Path:
+    """Publish ``model_dir/model_last.pth`` (rank 0 only)."""
+    plain = unwrap(model)
+    payload: dict[str, Any] = {
+        "format": "legacy", "state_dict": plain.state_dict(), "optimizer": get_optimizer_state_dict(plain, optimizer),
+        "scheduler": meta["scheduler"], "scaler": meta["scaler"], "epoch": meta["trainer"]["epoch"],
+        "progress": meta["trainer"], "world_size": meta["world_size"], "workers_per_rank": meta["workers_per_rank"],
+        "rng": rank0_state["rng"],
+    }
+    if ema_state_dict is not None:
+        payload["ema_state_dict"], payload["ema"] = ema_state_dict, meta["ema"]
+    path = model_dir / LEGACY_LAST
+    _publish_file(path, payload, {**manifest, "has_loader_state": False}, "legacy")
+    return path
+
+
+def set_pointer(model_dir: Path, name: str, target: str) -> None:
+    """Atomically point symlink ``model_dir/name`` at ``target`` (a file name in the same directory)."""
+    if "/" in target or target == name:
+        raise ValueError(f"pointer {name} must name another file in its own directory, got {target!r}")
+    tmp = model_dir / f".{name}.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    os.symlink(target, tmp)
+    os.replace(tmp, model_dir / name)
+    fsync_dir(model_dir)
+
+
+def pointer_targets(model_dir: Path) -> set[str]:
+    """File names that ``last``/``best``/``final`` point at."""
+    out = set()
+    for name in POINTERS:
+        p = model_dir / name
+        if p.is_symlink():
+            out.add(os.readlink(p))
+    return out
+
+
+def save_single(model_dir: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any],
+                rank_states: list[dict[str, Any]], manifest: dict[str, Any],
+                ema_state_dict: dict[str, torch.Tensor] | None, pointers: tuple[str, ...], keep_last: int) -> Path:
+    """Publish ``model_dir/step_<step>.pth``, move ``pointers`` to it, apply retention (rank 0 only)."""
+    plain = unwrap(model)
+    weights = {"raw": plain.state_dict()}
+    if ema_state_dict is not None:
+        weights["ema"] = ema_state_dict
+    payload = {"format": "single", "weights": weights, "optimizer": get_optimizer_state_dict(plain, optimizer),
+               **{k: meta[k] for k in ("trainer", "scheduler", "scaler", "ema", "world_size", "workers_per_rank")},
+               "rank_states": rank_states}
+    path = model_dir / f"step_{meta['trainer']['global_step']}.pth"
+    _publish_file(path, payload, manifest, "single")
+    for name in pointers:
+        set_pointer(model_dir, name, path.name)
+    if keep_last:
+        keep = pointer_targets(model_dir) | {path.name}
+        steps = sorted((int(m.group(1)), p) for p in model_dir.iterdir() if (m := SINGLE_RE.match(p.name)))
+        for _, old in steps[: max(0, len(steps) - keep_last)]:
+            if old.name not in keep:
+                old.unlink(missing_ok=True)
+                old.with_name(old.name + ".json").unlink(missing_ok=True)
+        fsync_dir(model_dir)
+    return path
+
+
+def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int,
+                         world_size: int, strict: bool = True) -> LoadedState:
+    """Restore model and optimizer from a ``legacy`` or ``single`` file; returns the rest.
+
+    The returned ``meta`` has the same keys as the standard format's (``trainer``,
+    ``scheduler``, ``scaler``, ``ema``, ``world_size``, ``workers_per_rank``).
+
+    Raises:
+        CheckpointError: unreadable, not a pimm checkpoint, or weights that do not fit the model.
+    """
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"cannot load {path}: {e.__class__.__name__}: {str(e).splitlines()[0]}") from None
+    fmt = obj.get("format") if isinstance(obj, dict) else None
+    if fmt not in ("legacy", "single"):
+        raise CheckpointError(f"{path} is not a pimm legacy or single checkpoint")
+    plain = unwrap(model)
+    raw = obj["state_dict"] if fmt == "legacy" else obj["weights"]["raw"]
+    ema_sd = obj.get("ema_state_dict") if fmt == "legacy" else obj["weights"].get("ema")
+    check_compatible(plain, raw, str(path))
+    plain.load_state_dict(raw)
+    skipped: list[str] = []
+    if optimizer is not None:
+        try:
+            set_optimizer_state_dict(plain, optimizer, obj["optimizer"])
+        except (KeyError, RuntimeError, ValueError) as e:
+            if strict:
+                raise CheckpointError(f"optimizer state in {path} does not fit: {e}") from None
+            skipped.append(f"optimizer state in {path} skipped (resume_strict_state=false): {e}")
+    if fmt == "legacy":
+        meta = {"trainer": obj["progress"], "scheduler": obj["scheduler"], "scaler": obj["scaler"],
+                "ema": obj.get("ema"), "world_size": obj["world_size"], "workers_per_rank": obj["workers_per_rank"]}
+        rank_state = {"rng": obj["rng"], "loader": None} if rank == 0 and obj["world_size"] == world_size == 1 else None
+        saved_ranks = [0]
+    else:
+        meta = {k: obj[k] for k in ("trainer", "scheduler", "scaler", "ema", "world_size", "workers_per_rank")}
+        states = obj["rank_states"]
+        rank_state = states[rank] if rank < len(states) else None
+        saved_ranks = list(range(len(states)))
+    return LoadedState(meta=meta, rank_state=rank_state, ema_state_dict=ema_sd, saved_ranks=saved_ranks,
+                       skipped=skipped)
