@@ -127,8 +127,6 @@ class Config:
 # Metrics the evaluator produces (the selection metric must be one of them).
 EVAL_METRICS = ("val/acc", "val/loss")
 
-# Formats a later release writes; accepted by the schema so configs stay valid.
-_IMPLEMENTED_FORMATS = ("standard", "legacy", "single")
 
 _RANGES: dict[str, tuple[float | None, float | None]] = {
     "train.epochs": (1, None),
@@ -291,11 +289,7 @@ def _validate_ranges(cfg: Config, where: _Where, origins: dict[str, str]) -> Non
     if cfg.eval.weights == "ema" and not cfg.ema.enabled:
         raise ConfigError(f"{where('eval.weights', origins.get('eval.weights', 'file'))}: eval.weights = 'ema' "
                           "needs ema.enabled = true")
-    if cfg.checkpoint_format not in _IMPLEMENTED_FORMATS:
-        raise ConfigError(
-            f"{where('checkpoint_format', origins.get('checkpoint_format', 'file'))}: "
-            f"checkpoint_format = {cfg.checkpoint_format!r} is not available in this version; use 'standard'"
-        )
+
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -156,9 +156,14 @@ def test_unknown_checkpoint_format_lists_choices():
     assert "checkpoint_format" in message and "'standard'" in message
 
 
-def test_later_format_is_accepted_by_schema_but_not_available():
-    message = error_of(DIGITS, ["checkpoint_format=legacy"])
-    assert "not available" in message and "standard" in message
+@pytest.mark.parametrize("fmt", ["standard", "legacy", "single"])
+def test_every_checkpoint_format_is_accepted(fmt):
+    assert load_config(DIGITS, [f"checkpoint_format={fmt}"]).checkpoint_format == fmt
+
+
+def test_unknown_checkpoint_format_names_the_choices():
+    message = error_of(DIGITS, ["checkpoint_format=zarr"])
+    assert "checkpoint_format" in message and "'legacy'" in message and "'single'" in message
 
 
 def test_override_without_equals():
