@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Trainer", "TrainState", "Config", "load_config"]
+__all__ = ["Trainer", "TrainState", "Config", "load_config", "StopRequest", "load_weights", "export_weights"]
 
 
 def __getattr__(name: str) -> Any:
@@ -16,6 +16,14 @@ def __getattr__(name: str) -> Any:
         from . import trainer
 
         return getattr(trainer, name)
+    if name in ("load_weights", "export_weights"):
+        from .checkpoint import weights
+
+        return getattr(weights, name)
+    if name == "StopRequest":
+        from .stop import StopRequest
+
+        return StopRequest
     if name in ("Config", "load_config"):
         from . import config
 

@@ -339,6 +339,28 @@ class Trainer:
             write_weights_file(checkpoint_dir / BEST, self.model, {**self._manifest("best"), "selection_metric": selection},
                                self._ema_sd())
 
+    def save_model(self, path: Path, *, weights: str = "raw") -> Path:
+        """Export the live model's ``raw`` or ``ema`` weights (rank 0 writes).
+
+        ``path`` ending in ``.safetensors`` writes that file (tied tensors stored once,
+        aliases in its metadata); any other suffix writes ``torch.save`` of the plain
+        state dict. No DDP or compile prefixes.
+
+        Raises:
+            UsageError: ``weights="ema"`` without ``ema.enabled``.
+        """
+        from .checkpoint.export import write_bin, write_safetensors
+        from .errors import UsageError
+
+        if weights == "ema" and self.ema is None:
+            raise UsageError("this run keeps no EMA weights (ema.enabled = false); use weights='raw'")
+        sd = self._ema_sd() if weights == "ema" else unwrap(self.model).state_dict()
+        path = Path(path)
+        if self.info.is_main:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            (write_safetensors if path.suffix == ".safetensors" else write_bin)(sd, path)
+        return path
+
     # ------------------------------------------------------------------ train
     def train(self, train_config: TrainConfig | None = None, *, checkpoint_dir: Path | None = None,
               resume_from: Path | None = None) -> TrainState:
