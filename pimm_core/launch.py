@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -19,6 +20,7 @@ from .checkpoint.selection import explain, list_candidates, resolve_resume_path,
 from .config import Config
 from .errors import CheckpointError, UsageError
 from .run import MODEL, STATUS, read_json, run_dir_for, run_name
+from .lock import RunLock
 from .stop import StopRequest
 
 
@@ -150,12 +152,17 @@ def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = 
 
     run_dir = resolve_run_dir(cfg, config_path)
     check_run_dir(cfg, run_dir)
-    source = resume_source(cfg, run_dir, resume_from)
+    lock = RunLock(run_dir).acquire() if info.is_main else contextlib.nullcontext()
+    try:
+        source = resume_source(cfg, run_dir, resume_from)
+    except BaseException:
+        lock.__exit__(None, None, None)
+        raise
     start = time.perf_counter()
     stop = StopRequest()
     # SIGINT/SIGTERM (Ctrl-C, a scheduler's pre-emption notice, torchrun forwarding either)
     # become a clean stop: finish the accumulation window, save last, exit 0.
-    with stop.catch_signals():
+    with lock, stop.catch_signals():
         try:
             trainer = Trainer(cfg, run_dir=run_dir, stop=stop)
             state = trainer.train(checkpoint_dir=run_dir / MODEL, resume_from=source)
@@ -186,6 +193,8 @@ def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOp
     """
     run_dir = resolve_run_dir(cfg, config_path)
     check_run_dir(cfg, run_dir)
+    if run_dir.is_dir():
+        RunLock(run_dir).acquire().release()  # refuse at once if another launch holds the run
     head, sep, tail = _split_at_dashdash(argv)
     worker_args = ["launch", *head, "--run.name", run_dir.name, "--run.no-timestamp", *sep, *tail]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
