@@ -86,6 +86,7 @@ class CheckpointConfig:
     every_epochs: int = 1  # 0: no epoch-end saves (the end of training still saves)
     keep_iter: int = 3  # how many iter_<step>.pth snapshots to keep; 0 keeps none
     keep_last: int = 3  # single format: how many step_<step>.pth files to keep (pointer targets always kept)
+    on_error: Literal["stop", "continue"] = "stop"  # a failed periodic save stops the run (or only warns)
 
 
 @dataclass

@@ -40,3 +40,7 @@ class CheckpointError(PimmError):
     """A checkpoint cannot be selected, read or written (exit code 1)."""
 
     exit_code = 1
+
+
+class CheckpointSaveError(CheckpointError):
+    """Writing a checkpoint failed (disk full, I/O error); the previous one is intact."""

@@ -171,6 +171,10 @@ def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = 
     if info.is_main:
         best = f"{state.best_metric:.4f}" if state.best_metric is not None else "n/a"
         took = f"{time.perf_counter() - start:.1f} s"
+        if state.stop_reason is not None and state.stop_reason.startswith("checkpoint save failed"):
+            print(f"error: {state.stop_reason}; training stopped at step {state.global_step} | run {run_dir}",
+                  file=sys.stderr, flush=True)
+            return 1
         if state.stop_reason is not None:
             print(f"stopped ({state.stop_reason}): last saved at step {state.global_step} "
                   f"(epoch {state.epoch}, iter {state.iter}) | {took} | run {run_dir}\n"

@@ -35,12 +35,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from . import dist
 from .checkpoint.files import load_file_checkpoint, save_legacy, save_single, set_pointer
 from .checkpoint.selection import BEST, ITER_RE, LEGACY_LAST, resolve_resume_path
-from .checkpoint.standard import load_standard, save_standard, unwrap, write_weights_file
+from .checkpoint.standard import load_standard, on_main, save_standard, unwrap, write_weights_file
 from .checkpoint.state import rng_state, set_rng_state
 from .config import Config, TrainConfig, write_config
 from .data import build_datasets, eval_loader, train_loader
 from .ema import EMA
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, CheckpointSaveError, ConfigError
 from .models import build_model
 from .stop import StopRequest, read_stop_file, stop_file
 from .run import CONFIG, LOG, METRICS, MetricsWriter, append_provenance, code_version, now_iso, read_metrics, write_status
@@ -148,6 +148,7 @@ class Trainer:
         self._metrics: MetricsWriter | None = None
         self._pending_loader_state: dict[str, Any] | None = None
         self._single_saved_step: int | None = None
+        self._save_failed = False
         self.callbacks: list[Callable[["Trainer"], None]] = []
         self._pids = [os.getpid()]
         self._code_version = code_version() if self.info.is_main else None
@@ -287,7 +288,8 @@ class Trainer:
         else:
             states = dist.all_gather_object(rank_state) if fmt == "single" else [rank_state]
             path = checkpoint_dir / (LEGACY_LAST if fmt == "legacy" else f"step_{self.state.global_step}.pth")
-            if self.info.is_main:
+
+            def write() -> None:
                 if fmt == "legacy":
                     save_legacy(checkpoint_dir, model=self.model, optimizer=self.optimizer, meta=self._meta(),
                                 rank0_state=rank_state, manifest=manifest, ema_state_dict=self._ema_sd())
@@ -298,12 +300,38 @@ class Trainer:
                     save_single(checkpoint_dir, model=self.model, optimizer=self.optimizer, meta=self._meta(),
                                 rank_states=states, manifest=manifest, ema_state_dict=self._ema_sd(),
                                 pointers=pointers, keep_last=self.config.checkpoint.keep_last)
+
+            on_main(self.info, write, path.with_name(f".{path.name}.{os.getpid()}.tmp"), path)
             self._single_saved_step = self.state.global_step
-            dist.barrier()
         if self.info.is_main:
             log.info("saved %s (step %d, epoch %d, iter %d)", path, self.state.global_step, self.state.epoch,
                      self.state.iter)
         return path
+
+    def _guarded_save(self, checkpoint_dir: Path, *, mid_epoch: bool) -> bool:
+        """A periodic save; on failure log loudly and, with ``checkpoint.on_error = "stop"``
+        (default), stop the run rather than train on without checkpoints."""
+        try:
+            self.save_checkpoint(checkpoint_dir, mid_epoch=mid_epoch)
+            return True
+        except CheckpointSaveError as e:
+            if self.info.is_main:
+                log.error("ERROR: %s", e)
+            if self.config.checkpoint.on_error == "stop":
+                self._save_failed = True
+                self.stop.request(str(e))
+            return False
+
+    def _write_secondary(self, path: Path, manifest: dict[str, Any]) -> bool:
+        """Rank 0 writes a weights-only file (best, iter); a failure is loud and, by default, stops the run."""
+        try:
+            write_weights_file(path, self.model, manifest, self._ema_sd())
+            return True
+        except OSError as e:
+            log.error("ERROR: writing %s failed: %s", path, e.strerror or e)
+            if self.config.checkpoint.on_error == "stop":
+                self.stop.request(f"checkpoint save failed: {path}: {e.strerror or e}")
+            return False
 
     def _ema_sd(self) -> dict[str, torch.Tensor] | None:
         return self.ema.state_dict_for(unwrap(self.model)) if self.ema is not None else None
@@ -311,8 +339,8 @@ class Trainer:
     def _save_iter_snapshot(self, checkpoint_dir: Path) -> None:
         if not self.info.is_main:
             return
-        write_weights_file(checkpoint_dir / f"iter_{self.state.global_step}.pth", self.model, self._manifest("iter"),
-                           self._ema_sd())
+        if not self._write_secondary(checkpoint_dir / f"iter_{self.state.global_step}.pth", self._manifest("iter")):
+            return
         keep = self.config.checkpoint.keep_iter
         snaps = sorted((int(m.group(1)), p) for p in checkpoint_dir.iterdir() if (m := ITER_RE.match(p.name)))
         for _, old in snaps[: max(0, len(snaps) - keep)]:
@@ -336,8 +364,7 @@ class Trainer:
             self.save_checkpoint(checkpoint_dir, mid_epoch=0 < self.state.iter < n_micro, pointers=("best",),
                                  selection_metric=selection)
         elif self.info.is_main:
-            write_weights_file(checkpoint_dir / BEST, self.model, {**self._manifest("best"), "selection_metric": selection},
-                               self._ema_sd())
+            self._write_secondary(checkpoint_dir / BEST, {**self._manifest("best"), "selection_metric": selection})
 
     def save_model(self, path: Path, *, weights: str = "raw") -> Path:
         """Export the live model's ``raw`` or ``ema`` weights (rank 0 writes).
@@ -478,8 +505,7 @@ class Trainer:
                     at_max = self._at_max_steps(t)
                     if checkpoint_dir is not None and ckpt.every_steps and s.global_step % ckpt.every_steps == 0 \
                             and s.iter < n_micro and not at_max:
-                        self.save_checkpoint(checkpoint_dir, mid_epoch=True)
-                        if ckpt.keep_iter:
+                        if self._guarded_save(checkpoint_dir, mid_epoch=True) and ckpt.keep_iter:
                             self._save_iter_snapshot(checkpoint_dir)
                     if at_max or stop_at_epoch_end:
                         break
@@ -498,14 +524,13 @@ class Trainer:
                 step_save = bool(ckpt.every_steps) and s.global_step % ckpt.every_steps == 0
                 epoch_save = bool(ckpt.every_epochs) and (epoch + 1) % ckpt.every_epochs == 0
                 if checkpoint_dir is not None and not is_end and epoch_done and (step_save or epoch_save):
-                    self.save_checkpoint(checkpoint_dir, mid_epoch=False)
-                    if step_save and ckpt.keep_iter:
+                    if self._guarded_save(checkpoint_dir, mid_epoch=False) and step_save and ckpt.keep_iter:
                         self._save_iter_snapshot(checkpoint_dir)
             if s.stop_reason is None:
                 if not evaluated_at_end and self.config.eval.every_epochs:
                     self._evaluate_and_record(s.epoch - 1 if s.iter == 0 else s.epoch, checkpoint_dir)
                 s.finished = True
-            if checkpoint_dir is not None:
+            if checkpoint_dir is not None and not self._save_failed:
                 self.save_checkpoint(checkpoint_dir, mid_epoch=0 < s.iter < n_micro,
                                      pointers=("last", "final") if s.finished else ("last",))
                 if s.finished and ckpt.every_steps and ckpt.keep_iter and s.global_step % ckpt.every_steps == 0:

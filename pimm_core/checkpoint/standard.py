@@ -22,7 +22,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from .. import dist
 from ..dist import DistInfo
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointSaveError
 from .atomic import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, remove_tree
 from .manifest import COMPLETE, MANIFEST, describe_files, write_manifest
 from .selection import DCP_METADATA, TRAINER_DCP, WEIGHTS
@@ -126,22 +126,29 @@ def save_standard(
     """
     final = model_dir / name
     tmp = model_dir / f"{name}.tmp"
-    if info.is_main:
-        remove_tree(tmp)  # leftover of an interrupted save of this run
-        (tmp / TRAINER_DCP).mkdir(parents=True)
-    dist.barrier()
 
+    def prepare() -> None:
+        remove_tree(tmp)  # leftover of an interrupted or failed save of this run
+        (tmp / TRAINER_DCP).mkdir(parents=True)
+
+    on_main(info, prepare, tmp)
     plain = unwrap(model)
     osd = get_optimizer_state_dict(plain, optimizer)
     tensors, skeleton = split_tensors(osd, "optim")
     state: dict[str, Any] = dict(tensors)
     state["meta"] = pack({**meta, "optim": skeleton})
     state[f"rank_state/{info.rank}"] = pack(rank_state)
-    with _quiet_single_process():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
-                 no_dist=not info.distributed)
+    try:
+        with _quiet_single_process():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
+                     no_dist=not info.distributed)
+    except Exception as e:  # DCP raises on every rank when any rank's write failed
+        if info.is_main:
+            _cleanup(tmp)
+        raise CheckpointSaveError(f"checkpoint save failed writing {tmp / TRAINER_DCP}: {_short(e)}; "
+                                  f"the previous checkpoint {final} is intact") from None
 
-    if info.is_main:
+    def publish() -> None:
         _write_marker(tmp / TRAINER_DCP / COMPLETE)
         save_torch_file(tmp / WEIGHTS, weights_payload(plain, ema_state_dict))
         fsync_tree(tmp)
@@ -149,8 +156,43 @@ def save_standard(
         _write_marker(tmp / COMPLETE)
         fsync_dir(tmp)
         rotate_into_place(tmp, final)
-    dist.barrier()
+
+    on_main(info, publish, tmp, final)
     return final
+
+
+def _short(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.filename:
+        return f"{e.filename}: {e.strerror or e}"
+    text = str(e).strip().splitlines()
+    return f"{e.__class__.__name__}: {text[0] if text else ''}"
+
+
+def _cleanup(tmp: Path) -> None:
+    try:
+        remove_tree(tmp)
+    except OSError:
+        pass  # reported by `pimm checkpoints ls` and removed by the next successful save
+
+
+def on_main(info: DistInfo, fn: Callable[[], None], tmp: Path, final: Path | None = None) -> None:
+    """Run ``fn`` on rank 0 and make every rank raise if it failed, so no rank waits forever.
+
+    Raises:
+        CheckpointSaveError: on every rank, naming the path and the OS error; ``tmp`` is removed.
+    """
+    error = None
+    if info.is_main:
+        try:
+            fn()
+        except Exception as e:
+            error = f"checkpoint save failed: {_short(e)}" + (
+                f"; the previous checkpoint {final} is intact" if final is not None else "")
+            _cleanup(tmp)
+    errors = dist.all_gather_object(error) if info.distributed else [error]
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointSaveError(first)
 
 
 @dataclass
