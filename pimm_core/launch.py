@@ -102,7 +102,7 @@ def resume_source(cfg: Config, run_dir: Path, resume_from: str | None) -> str | 
         found = "; ".join(explain(cands, None)) if cands else "nothing"
         hint = "" if cfg.run.no_timestamp else " (to resume a run, pass its --run.name and --run.no-timestamp)"
         raise CheckpointError(f"cannot resume {run_dir}: no complete checkpoint; found: {found}{hint}", exit_code=2)
-    return chosen.path
+    return str(run_dir / MODEL)  # the trainer verifies checksums and falls back past corrupt candidates
 
 
 def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, world_size: int) -> int:

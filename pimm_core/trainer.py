@@ -34,7 +34,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import dist
 from .checkpoint.files import load_file_checkpoint, save_legacy, save_single, set_pointer
-from .checkpoint.selection import BEST, ITER_RE, LEGACY_LAST, resolve_resume_path
+from .checkpoint.selection import (BEST, ITER_RE, LEGACY_LAST, is_model_dir, resolve_resume_path, select_verified,
+                                   verify_candidate)
 from .checkpoint.standard import load_standard, on_main, save_standard, unwrap, write_weights_file
 from .checkpoint.state import rng_state, set_rng_state
 from .config import Config, TrainConfig, write_config
@@ -579,7 +580,7 @@ class Trainer:
     # ----------------------------------------------------------------- resume
     def _resume(self, source: Path | str, checkpoint_dir: Path | None) -> dict[str, Any]:
         """Restore state from ``source`` following the resume policy; returns the provenance entry."""
-        cand = resolve_resume_path(source)
+        cand, fallback = self._choose_intact(Path(str(source)) if not str(source).startswith("hf://") else source)
         strict = self.config.resume_strict_state
         if cand.format == "standard":
             loaded = load_standard(Path(cand.path), model=self.model, optimizer=self.optimizer, info=self.info,
@@ -597,7 +598,7 @@ class Trainer:
                 if meta["world_size"] == self.info.world_size else tr["iter"] > 0
         plan = plan_resume(manifest, world_size=self.info.world_size, workers_per_rank=self.config.data.num_workers,
                            strict=strict, grad_accum=self._t.grad_accum, legacy=cand.format == "legacy")
-        warnings = list(plan.warnings) + self._provenance_diff(manifest) + loaded.skipped
+        warnings = fallback + list(plan.warnings) + self._provenance_diff(manifest) + loaded.skipped
         self.state = TrainState(global_step=tr["global_step"], epoch=tr["epoch"], iter=tr["iter"],
                                 best_metric=tr["best_metric"], best_epoch=tr["best_epoch"], last_eval=tr["last_eval"])
         self.scheduler.load_state_dict(meta["scheduler"])
@@ -632,6 +633,41 @@ class Trainer:
                 "policy": plan.row, "exact": plan.exact, "topology": plan.topology,
                 "replay_boundary": plan.replay_boundary, "restored": plan.restored, "discarded": plan.discarded,
                 "warnings": warnings, "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
+
+    def _choose_intact(self, source: Path | str):
+        """Resolve the resume source and check its files against the manifest (rank 0 reads,
+        every rank gets the verdict). A ``model/`` directory falls back past corrupt
+        candidates with a warning; an explicitly named corrupt candidate is refused.
+
+        Raises:
+            CheckpointError: nothing intact to resume from (names each problem).
+        """
+        verdict: tuple[str | None, list[str], str | None] = (None, [], None)
+        if self.info.is_main:
+            try:
+                if isinstance(source, Path) and is_model_dir(source):
+                    chosen, warnings = select_verified(source)
+                    if chosen is None:
+                        detail = "; ".join(warnings) or "no complete candidate"
+                        raise CheckpointError(f"no intact checkpoint to resume in {source}: {detail}", exit_code=1)
+                    verdict = (chosen.path, warnings, None)
+                else:
+                    cand = resolve_resume_path(source)
+                    problems = verify_candidate(cand)
+                    if problems:
+                        raise CheckpointError(f"checkpoint {cand.path} is corrupt ({'; '.join(problems)}); resume "
+                                              "from another candidate (see pimm checkpoints ls)", exit_code=1)
+                    verdict = (cand.path, [], None)
+            except CheckpointError as e:
+                verdict = (None, [], f"{e.exit_code}|{e}")
+        path, warnings, error = dist.broadcast_object(verdict)
+        if error is not None:
+            code, _, message = error.partition("|")
+            raise CheckpointError(message, exit_code=int(code))
+        for w in warnings:
+            if self.info.is_main:
+                log.error("ERROR: %s", w)
+        return resolve_resume_path(path), warnings
 
     def _reset_to_step(self, step: int) -> None:
         """Point the global-step view and the LR schedule at ``step`` (replay boundary)."""

@@ -274,3 +274,43 @@ def _raise_incomplete(p: Path, cand: Candidate) -> Candidate:
     alt = ", ".join(c.path for c in others) if others else "none"
     raise CheckpointError(f"Incomplete checkpoint directory {p}: {cand.reason}. Complete candidates: {alt}",
                           exit_code=2)
+
+
+def verify_candidate(c: Candidate) -> list[str]:
+    """Problems found by checking a candidate's files against its manifest (sizes, sha256).
+
+    Returns an empty list when every recorded file matches, or when the candidate has
+    no manifest to check against (e.g. a legacy file written without a sidecar).
+    """
+    from .manifest import verify_files
+
+    if c.manifest is None:
+        return []
+    p = Path(c.path)
+    root = p if p.is_dir() else p.resolve().parent
+    return verify_files(root, c.manifest.get("files", {}))
+
+
+def is_model_dir(p: Path) -> bool:
+    """A ``model/`` directory (holds candidates), as opposed to one checkpoint directory."""
+    return p.is_dir() and not (p / WEIGHTS).exists() and not (p / TRAINER_DCP).exists() \
+        and any((p / n).exists() or (p / n).is_symlink() for n in RESUME_ORDER)
+
+
+def select_verified(model_dir: Path) -> tuple[Candidate | None, list[str]]:
+    """The first complete resume candidate (in :data:`RESUME_ORDER`) whose files match its manifest.
+
+    Returns:
+        ``(chosen or None, warnings)``: one warning per candidate skipped as corrupt.
+    """
+    warnings = []
+    for name in RESUME_ORDER:
+        for c in list_candidates(model_dir):
+            if c.name != name or not (c.complete and c.resumable):
+                continue
+            problems = verify_candidate(c)
+            if not problems:
+                return c, warnings
+            warnings.append(f"checkpoint {c.path} failed verification ({'; '.join(problems)}); "
+                            "falling back to the next complete candidate")
+    return None, warnings
