@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import re
 import tomllib
 import types
@@ -87,6 +88,7 @@ class CheckpointConfig:
     keep_iter: int = 3  # how many iter_<step>.pth snapshots to keep; 0 keeps none
     keep_last: int = 3  # single format: how many step_<step>.pth files to keep (pointer targets always kept)
     on_error: Literal["stop", "continue"] = "stop"  # a failed periodic save stops the run (or only warns)
+    async_: bool = False  # TOML key `async`: write periodic standard saves in the background
 
 
 @dataclass
@@ -121,8 +123,12 @@ class Config:
     resume_strict_state: bool = True
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain nested dict, ``None`` values dropped (TOML has no null)."""
+        """Plain nested dict with TOML key names, ``None`` values dropped (TOML has no null)."""
         return _drop_none(dataclasses.asdict(self))
+
+
+def _toml_key(name: str) -> str:
+    return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
 
 
 # Metrics the evaluator produces (the selection metric must be one of them).
@@ -156,7 +162,7 @@ _RANGES: dict[str, tuple[float | None, float | None]] = {
 
 def _drop_none(d: Any) -> Any:
     if isinstance(d, dict):
-        return {k: _drop_none(v) for k, v in d.items() if v is not None}
+        return {_toml_key(k): _drop_none(v) for k, v in d.items() if v is not None}
     return d
 
 
@@ -168,7 +174,7 @@ def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
         if dataclasses.is_dataclass(hint):
             keys += all_keys(hint, f"{prefix}{f.name}.")
         else:
-            keys.append(f"{prefix}{f.name}")
+            keys.append(f"{prefix}{_toml_key(f.name)}")
     return keys
 
 
@@ -247,6 +253,8 @@ def _coerce(value: Any, hint: Any, dotted: str, where: str) -> Any:
 
 
 def _build(cls: type, data: dict[str, Any], origins: dict[str, str], where: _Where, prefix: str = "") -> Any:
+    # A TOML key that is a Python keyword (checkpoint.async) maps to the field with a trailing "_".
+    data = {f"{k}_" if keyword.iskeyword(k) else k: v for k, v in data.items()}
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
@@ -263,7 +271,7 @@ def _build(cls: type, data: dict[str, Any], origins: dict[str, str], where: _Whe
     for name in names:
         if name not in data:
             continue
-        dotted = f"{prefix}{name}"
+        dotted = f"{prefix}{_toml_key(name)}"
         hint = hints[name]
         value = data[name]
         if dataclasses.is_dataclass(hint):
@@ -287,6 +295,9 @@ def _validate_ranges(cfg: Config, where: _Where, origins: dict[str, str]) -> Non
     if cfg.eval.metric not in EVAL_METRICS:
         raise ConfigError(f"{where('eval.metric', origins.get('eval.metric', 'file'))}: eval.metric = "
                           f"{cfg.eval.metric!r} is not produced by the evaluator; use one of {list(EVAL_METRICS)}")
+    if cfg.checkpoint.async_ and cfg.checkpoint_format != "standard":
+        raise ConfigError(f"{where('checkpoint.async', origins.get('checkpoint.async', 'file'))}: checkpoint.async "
+                          f"needs checkpoint_format = 'standard' (got {cfg.checkpoint_format!r})")
     if cfg.eval.weights == "ema" and not cfg.ema.enabled:
         raise ConfigError(f"{where('eval.weights', origins.get('eval.weights', 'file'))}: eval.weights = 'ema' "
                           "needs ema.enabled = true")

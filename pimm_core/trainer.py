@@ -36,7 +36,8 @@ from . import dist
 from .checkpoint.files import load_file_checkpoint, save_legacy, save_single, set_pointer
 from .checkpoint.selection import (BEST, ITER_RE, LEGACY_LAST, is_model_dir, resolve_resume_path, select_verified,
                                    verify_candidate)
-from .checkpoint.standard import load_standard, on_main, save_standard, unwrap, write_weights_file
+from .checkpoint.standard import (AsyncStandardSaver, load_standard, on_main, save_standard, unwrap,
+                                  write_weights_file)
 from .checkpoint.state import rng_state, set_rng_state
 from .config import Config, TrainConfig, write_config
 from .data import build_datasets, eval_loader, train_loader
@@ -150,6 +151,7 @@ class Trainer:
         self._pending_loader_state: dict[str, Any] | None = None
         self._single_saved_step: int | None = None
         self._save_failed = False
+        self._async = AsyncStandardSaver(self.info) if config.checkpoint.async_ else None
         self.callbacks: list[Callable[["Trainer"], None]] = []
         self._pids = [os.getpid()]
         self._code_version = code_version() if self.info.is_main else None
@@ -271,18 +273,24 @@ class Trainer:
                 "data_fingerprint": self.data.fingerprint}
 
     def save_checkpoint(self, checkpoint_dir: Path, *, mid_epoch: bool, pointers: tuple[str, ...] = ("last",),
-                        selection_metric: dict[str, Any] | None = None) -> Path:
+                        selection_metric: dict[str, Any] | None = None, background: bool = False) -> Path:
         """Publish a checkpoint in ``checkpoint_format``; every rank must call it.
 
         standard: ``last/``; legacy: ``model_last.pth``; single: ``step_<step>.pth`` with
-        ``pointers`` (``last``, ``best``, ``final``) moved to it.
+        ``pointers`` (``last``, ``best``, ``final``) moved to it. ``background`` (standard
+        format with ``checkpoint.async``) returns once the state is staged to CPU.
         """
         fmt = self.config.checkpoint_format
         rank_state = {"rng": rng_state(), "loader": self.loader.state_dict() if mid_epoch else None}
         manifest = self._manifest("last", mid_epoch)
         if selection_metric is not None:
             manifest["selection_metric"] = selection_metric
-        if fmt == "standard":
+        if fmt == "standard" and background and self._async is not None:
+            path = self._async.save(checkpoint_dir, model=self.model, optimizer=self.optimizer, meta=self._meta(),
+                                    rank_state=rank_state, manifest=manifest, ema_state_dict=self._ema_sd())
+        elif fmt == "standard":
+            if self._async is not None:
+                self._async.wait()  # publish the save in flight before this one rotates `last`
             path = save_standard(checkpoint_dir, model=self.model, optimizer=self.optimizer, meta=self._meta(),
                                  rank_state=rank_state, manifest=manifest, info=self.info,
                                  ema_state_dict=self._ema_sd())
@@ -313,7 +321,7 @@ class Trainer:
         """A periodic save; on failure log loudly and, with ``checkpoint.on_error = "stop"``
         (default), stop the run rather than train on without checkpoints."""
         try:
-            self.save_checkpoint(checkpoint_dir, mid_epoch=mid_epoch)
+            self.save_checkpoint(checkpoint_dir, mid_epoch=mid_epoch, background=True)
             return True
         except CheckpointSaveError as e:
             if self.info.is_main:
@@ -531,6 +539,14 @@ class Trainer:
                 if not evaluated_at_end and self.config.eval.every_epochs:
                     self._evaluate_and_record(s.epoch - 1 if s.iter == 0 else s.epoch, checkpoint_dir)
                 s.finished = True
+            if self._async is not None and not self._save_failed:
+                try:
+                    self._async.wait()  # a stop or the end waits for the save in flight
+                except CheckpointSaveError as e:
+                    if self.info.is_main:
+                        log.error("ERROR: %s", e)
+                    self._save_failed = True
+                    s.stop_reason = s.stop_reason or str(e)
             if checkpoint_dir is not None and not self._save_failed:
                 self.save_checkpoint(checkpoint_dir, mid_epoch=0 < s.iter < n_micro,
                                      pointers=("last", "final") if s.finished else ("last",))

@@ -323,3 +323,98 @@ def write_weights_file(path: Path, model: nn.Module, manifest: dict[str, Any],
         "format": "weights", **manifest,
         "files": {path.name: {"size": path.stat().st_size, "sha256": sha256_file(path)}},
     })
+
+
+class AsyncStandardSaver:
+    """Standard-format saves that write in the background (``checkpoint.async = true``).
+
+    ``save`` stages the state to CPU (DCP's ``async_save`` copies the optimizer and
+    trainer state; ``weights.pth`` is cloned here) and returns; the write runs in a
+    background thread, DCP's collectives on a separate gloo process group so they never
+    interleave with training collectives. Publication — ``trainer.dcp/.complete``,
+    ``weights.pth``, ``manifest.json``, ``.complete`` and the rotation — happens only
+    after the background write has finished. At most one save is in flight: the next
+    ``save`` (and :meth:`wait`) waits for the previous one. Until it is published the
+    previous ``last`` stays the selected candidate, so a crash mid-write loses nothing
+    but the save in flight.
+    """
+
+    def __init__(self, info: DistInfo):
+        self.info = info
+        self.pg = torch.distributed.new_group(backend="gloo") if info.distributed else None
+        self._future = None
+        self._thread = None
+        self._error: str | None = None
+
+    def save(self, model_dir: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any],
+             rank_state: dict[str, Any], manifest: dict[str, Any],
+             ema_state_dict: dict[str, torch.Tensor] | None = None, name: str = "last") -> Path:
+        """Start a background save (every rank calls it); returns the path it will publish."""
+        import threading
+
+        self.wait()
+        final, tmp = model_dir / name, model_dir / f"{name}.tmp"
+
+        def prepare() -> None:
+            remove_tree(tmp)
+            (tmp / TRAINER_DCP).mkdir(parents=True)
+
+        on_main(self.info, prepare, tmp)
+        plain = unwrap(model)
+        tensors, skeleton = split_tensors(get_optimizer_state_dict(plain, optimizer), "optim")
+        state: dict[str, Any] = dict(tensors)
+        state["meta"] = pack({**meta, "optim": skeleton})
+        state[f"rank_state/{self.info.rank}"] = pack(rank_state)
+        with _quiet_single_process():
+            future = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
+                                    process_group=self.pg, no_dist=not self.info.distributed)
+        if not self.info.is_main:
+            self._future = future
+            return final
+        weights = {k: ({n: t.detach().to("cpu", copy=True) for n, t in v.items()} if isinstance(v, dict) else v)
+                   for k, v in weights_payload(plain, ema_state_dict).items()}
+
+        def finish() -> None:
+            try:
+                future.result()
+                _write_marker(tmp / TRAINER_DCP / COMPLETE)
+                save_torch_file(tmp / WEIGHTS, weights)
+                fsync_tree(tmp)
+                write_manifest(tmp / MANIFEST, {"format": "standard", **manifest, "files": describe_files(tmp)})
+                _write_marker(tmp / COMPLETE)
+                fsync_dir(tmp)
+                rotate_into_place(tmp, final)
+            except Exception as e:
+                self._error = f"checkpoint save failed: {_short(e)}; the previous checkpoint {final} is intact"
+                _cleanup(tmp)
+
+        self._thread = threading.Thread(target=finish, name="pimm-async-save", daemon=False)
+        self._thread.start()
+        return final
+
+    @property
+    def in_flight(self) -> bool:
+        return (self._thread is not None and self._thread.is_alive()) or (
+            self._future is not None and not self._future.done())
+
+    def wait(self) -> None:
+        """Block until the save in flight is published (every rank calls it at the same point).
+
+        Raises:
+            CheckpointSaveError: on every rank, when the background save failed.
+        """
+        error = None
+        try:
+            if self._future is not None:
+                self._future.result()
+        except Exception as e:
+            error = f"checkpoint save failed: {_short(e)}"
+        if self._thread is not None:
+            self._thread.join()
+        error = error or self._error
+        self._future = self._thread = None
+        self._error = None
+        errors = dist.all_gather_object(error) if self.info.distributed else [error]
+        first = next((e for e in errors if e), None)
+        if first:
+            raise CheckpointSaveError(first)
