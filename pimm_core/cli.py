@@ -181,6 +181,32 @@ def checkpoints_verify(
         raise typer.Exit(1)
 
 
+@checkpoints_app.command("diff")
+def checkpoints_diff(
+    run_dir: Path = typer.Argument(..., help="The run directory (exp/<group>/<run>)."),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Planned world size (ranks) of the resume."),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Candidate name (default: resume's choice)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Planned config overrides after --, e.g. -- data.num_workers=2"),
+) -> None:
+    """What the checkpoint a resume would load recorded vs. the planned resume, and the policy that applies."""
+    from .runview import resume_diff
+
+    diff = resume_diff(run_dir, world_size=nproc_per_node, overrides=overrides or [], candidate=checkpoint)
+    print(json.dumps(diff.to_json(), indent=2) if as_json else "\n".join(diff.lines()))
+
+
+@app.command()
+def tui(run_dir: Path = typer.Argument(..., help="The run directory (exp/<group>/<run>).")) -> None:
+    """Operator console: watch a run live, stop it, browse checkpoints, diff topology, export."""
+    from .runview import check_run_dir
+
+    check_run_dir(run_dir)
+    from pimm_tui import build_app  # Textual is imported here only
+
+    build_app(run_dir).run()
+
+
 def _s(v: object) -> str:
     return "-" if v is None else str(v)
 

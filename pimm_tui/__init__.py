@@ -1,0 +1,12 @@
+"""pimm's operator console (Textual): ``pimm tui exp/<group>/<run>``.
+
+Reads the run only through :mod:`pimm_core`'s torch-free readers
+(:mod:`pimm_core.runview`, selection, topology) and acts only through pimm_core
+(:func:`pimm_core.stop.write_stop_file`, :func:`pimm_core.checkpoint.export.export`).
+"""
+
+from __future__ import annotations
+
+from .app import PimmConsole, build_app
+
+__all__ = ["PimmConsole", "build_app"]

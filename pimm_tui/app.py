@@ -1,0 +1,216 @@
+"""The console application: one run directory, polled by a worker thread once a second."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.message import Message
+from textual.widgets import DataTable, Footer, TabbedContent, TabPane, Tabs
+
+from pimm_core.runview import RunReader, RunSnapshot
+from pimm_core.stop import write_stop_file
+
+from .screens import ConfirmStop
+from .views import CheckpointsView, ExportView, LiveView, TopologyView, _error_line
+from .widgets import RunBar
+
+TABS = ("live", "checkpoints", "topology", "export")
+
+
+class Polled(Message):
+    """A worker finished reading the run."""
+
+    def __init__(self, snap: RunSnapshot | None, error: str | None) -> None:
+        super().__init__()
+        self.snap = snap
+        self.error = error
+
+
+class PimmConsole(App[None]):
+    """``pimm tui RUN``: watch a run, stop it, browse checkpoints, diff topology, export.
+
+    Attributes:
+        run_dir: the run directory shown.
+        snapshot: the newest :class:`~pimm_core.runview.RunSnapshot` (None before the first read).
+        polls: how many reads were applied (tests wait on it).
+    """
+
+    CSS_PATH = "pimm.tcss"
+    TITLE = "pimm"
+    ENABLE_COMMAND_PALETTE = False
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
+    BINDINGS = [
+        Binding("q", "quit", "Quit"),
+        Binding("s", "stop", "Stop run"),
+        Binding("r", "refresh", "Refresh"),
+        Binding("p", "toggle_plot", "Loss/LR"),
+        Binding("1", "tab('live')", "Live", show=False),
+        Binding("2", "tab('checkpoints')", "Checkpoints", show=False),
+        Binding("3", "tab('topology')", "Topology", show=False),
+        Binding("4", "tab('export')", "Export", show=False),
+        Binding("escape", "focus_tabs", "Tabs", show=False),
+    ]
+
+    def __init__(self, run_dir: Path, *, refresh_s: float = 1.0):
+        super().__init__()
+        self.run_dir = Path(run_dir)
+        self.refresh_s = refresh_s
+        self.snapshot: RunSnapshot | None = None
+        self.polls = 0
+        self.poll_error: str | None = None
+        self._reader = RunReader(self.run_dir)
+        self._polling = False
+        self._force_next = False
+        self._stoppable: bool | None = None
+        self.stop_sent_at: float | None = None
+
+    # ---------------------------------------------------------------- layout
+    def compose(self) -> ComposeResult:
+        yield RunBar("reading the run…", id="runbar")
+        with TabbedContent(initial="live", id="tabs"):
+            with TabPane("1 Live", id="live"):
+                yield LiveView(id="live-view")
+            with TabPane("2 Checkpoints", id="checkpoints"):
+                yield CheckpointsView(id="ckpt-view")
+            with TabPane("3 Topology", id="topology"):
+                yield TopologyView(id="topo-view")
+            with TabPane("4 Export", id="export"):
+                yield ExportView(id="export-view")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.sub_title = str(self.run_dir)
+        self.set_interval(self.refresh_s, self.poll)
+        self.poll()
+
+    # --------------------------------------------------------------- polling
+    def poll(self, force: bool = False) -> None:
+        """Start a background read unless one is running (reads are coalesced)."""
+        if self._polling:
+            self._force_next = self._force_next or force
+            return
+        self._polling = True
+        self._read(force)
+
+    @work(thread=True, group="poll", exit_on_error=False)
+    def _read(self, force: bool) -> None:
+        try:
+            snap, error = self._reader.poll(force_checkpoints=force), None
+        except Exception as e:  # a reader bug must not take the console down
+            snap, error = None, f"reading the run failed: {_error_line(e)}"
+        self.post_message(Polled(snap, error))
+
+    def on_polled(self, message: Polled) -> None:
+        self._polling = False
+        self.poll_error = message.error
+        snap = message.snap or self.snapshot
+        if message.snap is not None:
+            self.snapshot = message.snap
+        self.polls += 1
+        try:
+            self.query_one(RunBar).show(snap, message.error)
+            if snap is not None:
+                self.query_one(LiveView).show(snap)
+                self.query_one(CheckpointsView).show(snap)
+                self.query_one(TopologyView).show(snap)
+                self.query_one(ExportView).show(snap)
+        except Exception as e:  # drawing must never crash the console (nor a late read at exit)
+            try:
+                self.query_one(RunBar).show(snap, f"display error: {_error_line(e)}")
+            except Exception:
+                return
+        stoppable = self.can_stop()
+        if stoppable != self._stoppable:
+            self._stoppable = stoppable
+            self.refresh_bindings()
+        if self._force_next:
+            self._force_next = False
+            self.poll(force=True)
+
+    # --------------------------------------------------------------- actions
+    def can_stop(self) -> bool:
+        s = self.snapshot
+        return bool(s is not None and s.status.stoppable and s.status.stop_request is None)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "stop":
+            return True if self.can_stop() else None  # None: shown, but disabled
+        if action == "toggle_plot":  # narrow terminals show one plot at a time
+            try:
+                return self.query_one(TabbedContent).active == "live" and not self.screen.has_class("-wide")
+            except Exception:
+                return True
+        return True
+
+    def action_stop(self) -> None:
+        if not self.can_stop():
+            s = self.snapshot
+            why = "the run is not live" if s is None else (s.status.note or f"the run is {s.status.display_state}")
+            self.notify(f"cannot stop: {why}", severity="warning")
+            return
+        name = self.run_dir.name
+        self.push_screen(ConfirmStop(name, self.snapshot.step if self.snapshot else None), self._stop_confirmed)
+
+    def _stop_confirmed(self, confirmed: bool | None) -> None:
+        if confirmed:
+            self._write_stop()
+
+    @work(thread=True, group="stop")
+    def _write_stop(self) -> None:
+        try:
+            path = write_stop_file(self.run_dir, "operator")
+        except Exception as e:
+            self.call_from_thread(self.notify, f"could not write the stop request: {_error_line(e)}",
+                                  severity="error")
+            return
+        self.call_from_thread(self._stop_written, path)
+
+    def _stop_written(self, path: Path) -> None:
+        import time
+
+        self.stop_sent_at = time.time()
+        self.notify(f"stop requested: wrote {path}; the run saves last and exits", title="stopping")
+        self.poll(force=True)
+
+    def on_resize(self) -> None:
+        self.refresh_bindings()
+
+    def action_refresh(self) -> None:
+        self.poll(force=True)
+
+    def action_tab(self, tab: str) -> None:
+        self.query_one(TabbedContent).active = tab
+
+    def action_focus_tabs(self) -> None:
+        self.query_one(TabbedContent).query_one(Tabs).focus()
+
+    def action_toggle_plot(self) -> None:
+        self.query_one(LiveView).toggle_class("-show-lr")
+
+    @on(TabbedContent.TabActivated)
+    def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        if event.pane is not None and event.pane.id == "checkpoints":
+            self.query_one("#ckpt-table", DataTable).focus()
+        else:
+            self.query_one(TabbedContent).query_one(Tabs).focus()
+        self.refresh_bindings()
+
+    def open_export(self, name: str) -> None:
+        self.query_one(TabbedContent).active = "export"
+        self.query_one(ExportView).prefill(name)
+
+    def open_topology(self, name: str) -> None:
+        self.query_one(TabbedContent).active = "topology"
+        self.query_one(TopologyView).select(name)
+
+
+def build_app(run_dir: str | Path, *, refresh_s: float = 1.0) -> PimmConsole:
+    """The console for ``run_dir`` (not started; call ``.run()`` or ``.run_test()``).
+
+    Never raises for a damaged or incomplete run directory: what cannot be read is
+    shown as a problem line.
+    """
+    return PimmConsole(Path(run_dir), refresh_s=refresh_s)

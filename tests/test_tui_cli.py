@@ -1,0 +1,95 @@
+"""Import rules of the console and its CLI entry points (`pimm tui`, `pimm checkpoints diff`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _helpers import REPO, clean_env, describe, pimm
+from tui_support import copy_run, tui_run
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_pimm_core_never_imports_textual() -> None:
+    r = _python("import sys, pimm_core, pimm_core.cli, pimm_core.trainer, pimm_core.runview\n"
+                "bad = sorted(m for m in sys.modules if m == 'textual' or m.startswith(('textual.', 'textual_plot')))\n"
+                "assert not bad, bad\nassert 'torch' in sys.modules")
+    assert r.returncode == 0, describe(r)
+
+
+def test_cli_and_runview_import_neither_torch_nor_textual() -> None:
+    r = _python("import sys, pimm_core.cli, pimm_core.runview\n"
+                "bad = sorted(m for m in ('torch', 'textual', 'textual_plot') if m in sys.modules)\n"
+                "assert not bad, bad")
+    assert r.returncode == 0, describe(r)
+
+
+def test_console_imports_without_torch() -> None:
+    r = _python("import sys, pimm_tui\nassert 'textual' in sys.modules\nassert 'torch' not in sys.modules")
+    assert r.returncode == 0, describe(r)
+
+
+@pytest.mark.parametrize("what", ["missing", "file", "not-a-run"])
+def test_tui_refuses_a_path_that_is_not_a_run(what: str, tmp_path: Path) -> None:
+    path = tmp_path / "x"
+    if what == "file":
+        path.write_text("hi")
+    elif what == "not-a-run":
+        path.mkdir()
+        (path / "notes.txt").write_text("hi")
+    r = pimm("tui", path)
+    assert r.returncode == 2, describe(r)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "run directory" in lines[0] and r.stdout == ""
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tui_run(tmp_path_factory)
+
+
+def test_checkpoints_diff(run: Path) -> None:
+    r = pimm("checkpoints", "diff", run)
+    assert r.returncode == 0, describe(r)
+    assert "resume would pick this" in r.stdout
+    assert "policy: same world size and per-rank workers" in r.stdout
+    assert "replay boundary: none" in r.stdout
+
+    r = pimm("checkpoints", "diff", run, "--nproc-per-node", "2", "--json", "--", "data.num_workers=2")
+    assert r.returncode == 0, describe(r)
+    d = json.loads(r.stdout)
+    assert d["candidate"]["name"] == "last" and d["selected_by"] == "resume"
+    assert d["recorded"]["world_size"] == 1 and d["planned"]["world_size"] == 2
+    assert d["recorded"]["workers_per_rank"] == 0 and d["planned"]["workers_per_rank"] == 2
+    assert d["plan"]["row"] == "world_size"
+    assert "data.num_workers: 0 -> 2" in d["config_diff"]
+    assert d["recorded"]["data_fingerprint"]
+    # Same environment as the trainer's: the installed torch version, read without importing torch.
+    assert d["planned"]["torch_version"] == d["recorded"]["torch_version"]
+
+    r = pimm("checkpoints", "diff", run, "--checkpoint", "iter_40.pth")
+    assert r.returncode == 0, describe(r)
+    assert "weights only" in r.stdout
+
+
+def test_checkpoints_diff_errors(run: Path, tmp_path: Path) -> None:
+    r = pimm("checkpoints", "diff", run, "--", "data.nope=1")
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "data.nope" in r.stderr, describe(r)
+    r = pimm("checkpoints", "diff", run, "--checkpoint", "iter_5.pth")
+    assert r.returncode == 2 and "iter_5.pth" in r.stderr, describe(r)
+    bare = copy_run(run, tmp_path)
+    import shutil
+
+    shutil.rmtree(bare / "model")
+    r = pimm("checkpoints", "diff", bare)
+    assert r.returncode == 1 and "no complete checkpoint" in r.stderr, describe(r)
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -1,0 +1,83 @@
+"""Helpers for the console tests (tests/test_tui*.py): one real training run per session, Pilot waits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from _helpers import describe, launch
+
+# Two epochs of digits (45 steps each), a training record every 5 steps, `last` and an
+# iter_<step>.pth snapshot every 20 steps.
+TUI_OVERRIDES = ("train.epochs=2", "checkpoint.every_steps=20", "train.log_every_steps=5")
+
+_RUN: dict[str, Path] = {}
+
+
+def tui_run(tmp_path_factory: Any) -> Path:
+    """The run directory of one tiny real run, trained once per test process (do not modify it)."""
+    if "run" not in _RUN:
+        root = tmp_path_factory.mktemp("tui")
+        result = launch(root, "r", *TUI_OVERRIDES)
+        assert result.returncode == 0, describe(result)
+        _RUN["run"] = root / "digits" / "r"
+    return _RUN["run"]
+
+
+def copy_run(run_dir: Path, dest_root: Path, name: str = "r") -> Path:
+    """A private copy of ``run_dir`` under ``dest_root`` (for tests that damage or extend it)."""
+    dest = dest_root / "digits" / name
+    shutil.copytree(run_dir, dest, symlinks=True)
+    return dest
+
+
+def make_app(run_dir: Path, refresh_s: float = 0.2) -> Any:
+    """The console on ``run_dir`` polling every ``refresh_s``, without animations (faster Pilot presses)."""
+    from pimm_tui import build_app
+
+    app = build_app(run_dir, refresh_s=refresh_s)
+    app.animation_level = "none"
+    return app
+
+
+def screen_text(app: Any) -> str:
+    """The plain text on the app's current screen."""
+    return "\n".join(strip.text for strip in app.screen._compositor.render_strips())
+
+
+async def wait_for(pilot: Any, cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    """Let the app run until ``cond()`` is truthy; fail with ``what`` and the screen after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}; screen:\n{screen_text(pilot.app)}")
+        await pilot.pause(0.05)
+
+
+async def loaded(pilot: Any, polls: int = 1, timeout: float = 10.0) -> None:
+    """Wait until the app applied ``polls`` reads of the run."""
+    start = pilot.app.polls
+    await wait_for(pilot, lambda: pilot.app.polls >= max(polls, start + 1) and pilot.app.snapshot is not None,
+                   timeout, f"{polls} poll(s)")
+    await pilot.pause(0.05)
+
+
+def read_status(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "status.json").read_text())
+
+
+def write_status(run_dir: Path, **fields: Any) -> None:
+    data = read_status(run_dir) if (run_dir / "status.json").exists() else {}
+    data.update(fields)
+    (run_dir / "status.json").write_text(json.dumps(data) + "\n")
+
+
+async def settle(seconds: float = 0.2) -> None:
+    await asyncio.sleep(seconds)
