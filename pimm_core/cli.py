@@ -39,6 +39,8 @@ def launch(
     resume_from: Optional[str] = typer.Option(None, "--train.resume-from",
                                               help="Resume from this checkpoint directory (implies --train.resume)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what a (resumed) launch would do, then exit."),
+    weight: Optional[str] = typer.Option(None, "--train.weight",
+                                         help="Warm start: load model weights (only) from this path or hf://org/repo."),
     nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Ranks on this node (torchrun)."),
     nnodes: Optional[str] = typer.Option(None, "--nnodes", help="Nodes, or MIN:MAX (torchrun)."),
     node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's rank (torchrun)."),
@@ -61,6 +63,8 @@ def launch(
         extra["run.root"] = root
     if resume or resume_from:
         extra["train.resume"] = True
+    if weight is not None:
+        extra["train.weight"] = weight
     cfg = load_config(config, overrides or [], extra)
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend, master_addr, master_port)
     if dry_run:
