@@ -135,9 +135,7 @@ class Trainer:
         self.data = build_datasets(config.data)
         torch.manual_seed(config.train.seed)  # identical initial weights on every rank
         model = build_model(config.model, self.data.in_features, self.data.in_shape, self.data.num_classes).to(self.device)
-        self.warm_start_report = None
-        if config.train.weight and not config.train.resume:
-            self.warm_start_report = self._warm_start(model)
+        self.warm_start_report = None  # set by train() when it warm-starts from train.weight
         self.ema = EMA(model, config.ema.decay, config.ema.warmup) if config.ema.enabled else None
         self.model: nn.Module = DDP(model) if self.info.distributed else model
         seed_everything(config.train.seed + self.info.rank)  # rank-distinct dropout streams
@@ -154,6 +152,7 @@ class Trainer:
         self._async = AsyncStandardSaver(self.info) if config.checkpoint.async_ else None
         self.callbacks: list[Callable[["Trainer"], None]] = []
         self._pids = [os.getpid()]
+        self._log_handler: logging.Handler | None = None
         self._code_version = code_version() if self.info.is_main else None
 
     # ----------------------------------------------------------------- set-up
@@ -207,9 +206,6 @@ class Trainer:
         write_config(self.config, self.run_dir / CONFIG)
         if fresh:
             (self.run_dir / METRICS).unlink(missing_ok=True)  # a fresh start never mixes in an earlier attempt's log
-        handler = logging.FileHandler(self.run_dir / LOG)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        log.addHandler(handler)
         self._metrics = MetricsWriter(self.run_dir / METRICS)
         base = {
             "code_version": self._code_version, "torch_version": torch.__version__, "host": socket.gethostname(),
@@ -218,6 +214,23 @@ class Trainer:
         }
         append_provenance(self.run_dir, base, {"time": now_iso(), "world_size": self.info.world_size,
                                                "workers_per_rank": self.config.data.num_workers, **entry})
+
+    def _open_log(self) -> None:
+        """Rank 0: send the ``pimm`` log to ``run_dir/train.log`` (before anything of this run is logged)."""
+        if self.run_dir is None or not self.info.is_main or self._log_handler is not None:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(self.run_dir / LOG)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        self._log_handler = handler
+
+    def _close_log(self) -> None:
+        """Detach this run's ``train.log`` (the logger is process-wide; later runs must not write here)."""
+        if self._log_handler is not None:
+            log.removeHandler(self._log_handler)
+            self._log_handler.close()
+            self._log_handler = None
 
     def _status(self, state: str, **extra: Any) -> None:
         if self.run_dir is not None and self.info.is_main:
@@ -422,29 +435,37 @@ class Trainer:
         self.scheduler = self._build_scheduler(t)
         self._total = self.total_steps(t)
         checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        if checkpoint_dir is not None and self.info.is_main:
-            checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        entry: dict[str, Any] = {"kind": "start", "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
-        if self.warm_start_report is not None:
-            entry["warm_start"] = self.warm_start_report.to_json()
-        if resume_from is not None:
-            entry = self._resume(resume_from, checkpoint_dir)
-        self._setup_files(entry, fresh=resume_from is None)
-        self._discard_stale_stop_file()
-        self._pids = dist.all_gather_object(os.getpid())  # every rank's pid, for operators and tests
-        self._stop_file_used = False
-        self._status("running")
+        self._open_log()  # first: the warm-start report and resume lines belong in train.log
         try:
-            self._loop(t, checkpoint_dir)
-        except BaseException as e:
-            self._status("failed", error=f"{e.__class__.__name__}: {e}")
-            raise
-        if self.state.stop_reason is not None:
-            self._record_stop()
-        self._status("finished" if self.state.finished else "stopped")
-        if self._metrics is not None:
-            self._metrics.close()
-        return self.state
+            entry: dict[str, Any] = {"kind": "start", "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
+            c = self.config
+            if resume_from is None and c.train.weight and not c.train.resume:  # a resume never warm-starts
+                self.warm_start_report = self._warm_start(unwrap(self.model))
+                if self.ema is not None:  # the average starts from the loaded weights
+                    self.ema = EMA(unwrap(self.model), c.ema.decay, c.ema.warmup)
+                entry["warm_start"] = self.warm_start_report.to_json()
+            if checkpoint_dir is not None and self.info.is_main:
+                checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            if resume_from is not None:
+                entry = self._resume(resume_from, checkpoint_dir)
+            self._setup_files(entry, fresh=resume_from is None)
+            self._discard_stale_stop_file()
+            self._pids = dist.all_gather_object(os.getpid())  # every rank's pid, for operators and tests
+            self._stop_file_used = False
+            self._status("running")
+            try:
+                self._loop(t, checkpoint_dir)
+            except BaseException as e:
+                self._status("failed", error=f"{e.__class__.__name__}: {e}")
+                raise
+            if self.state.stop_reason is not None:
+                self._record_stop()
+            self._status("finished" if self.state.finished else "stopped")
+            if self._metrics is not None:
+                self._metrics.close()
+            return self.state
+        finally:
+            self._close_log()
 
     def _loop(self, t: TrainConfig, checkpoint_dir: Path | None) -> None:
         s = self.state
