@@ -12,6 +12,7 @@ so a loader cursor saved mid-epoch resumes at exactly the next batch.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,6 +24,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from .config import DataConfig
 from .dist import DistInfo
 from .errors import ConfigError
+
+# torchdata 0.11 calls the deprecated torch.set_vital on every iterator; nothing for us to fix.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 
 @dataclass
