@@ -681,7 +681,7 @@ class RunReader:
         return RunSnapshot(
             run_dir=self.run_dir, time=now, status=status, markers=markers, problems=tuple(problems),
             step=step, total_steps=total, epoch=epoch, epochs=epochs, steps_per_s=steps_per_s,
-            samples_per_s=samples_per_s if status.live or samples_per_s is None else samples_per_s,
+            samples_per_s=samples_per_s,
             eta_s=eta, last_train=m.last_train, last_val=m.last_val, best_val=m.best_val(metric, mode),
             metric=metric, mode=mode, loss=(tuple(lx), tuple(ly)), lr=(tuple(rx), tuple(ry)),
             metrics_version=m.version, metrics_records=m.records, metrics_sampled=m.sampled,

@@ -8,7 +8,7 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.message import Message
-from textual.widgets import DataTable, Footer, TabbedContent, TabPane, Tabs
+from textual.widgets import DataTable, Footer, Input, TabbedContent, TabPane, Tabs
 
 from pimm_core.runview import RunReader, RunSnapshot
 from pimm_core.stop import write_stop_file
@@ -36,6 +36,7 @@ class PimmConsole(App[None]):
         run_dir: the run directory shown.
         snapshot: the newest :class:`~pimm_core.runview.RunSnapshot` (None before the first read).
         polls: how many reads were applied (tests wait on it).
+        states_seen: the run's displayed states, in order, without repeats.
     """
 
     CSS_PATH = "pimm.tcss"
@@ -51,7 +52,7 @@ class PimmConsole(App[None]):
         Binding("2", "tab('checkpoints')", "Checkpoints", show=False),
         Binding("3", "tab('topology')", "Topology", show=False),
         Binding("4", "tab('export')", "Export", show=False),
-        Binding("escape", "focus_tabs", "Tabs", show=False),
+        Binding("escape", "focus_tabs", "Leave field"),
     ]
 
     def __init__(self, run_dir: Path, *, refresh_s: float = 1.0):
@@ -60,6 +61,7 @@ class PimmConsole(App[None]):
         self.refresh_s = refresh_s
         self.snapshot: RunSnapshot | None = None
         self.polls = 0
+        self.states_seen: list[str] = []
         self.poll_error: str | None = None
         self._reader = RunReader(self.run_dir)
         self._polling = False
@@ -109,6 +111,9 @@ class PimmConsole(App[None]):
         snap = message.snap or self.snapshot
         if message.snap is not None:
             self.snapshot = message.snap
+            state = message.snap.status.display_state
+            if not self.states_seen or self.states_seen[-1] != state:
+                self.states_seen.append(state)
         self.polls += 1
         try:
             self.query_one(RunBar).show(snap, message.error)
@@ -138,6 +143,8 @@ class PimmConsole(App[None]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop":
             return True if self.can_stop() else None  # None: shown, but disabled
+        if action == "focus_tabs":  # shown only while typing in a field (the other keys type there)
+            return isinstance(self.focused, Input)
         if action == "toggle_plot":  # narrow terminals show one plot at a time
             try:
                 return self.query_one(TabbedContent).active == "live" and not self.screen.has_class("-wide")
@@ -151,7 +158,7 @@ class PimmConsole(App[None]):
             why = "the run is not live" if s is None else (s.status.note or f"the run is {s.status.display_state}")
             self.notify(f"cannot stop: {why}", severity="warning")
             return
-        name = self.run_dir.name
+        name = "/".join(self.run_dir.absolute().parts[-2:])
         self.push_screen(ConfirmStop(name, self.snapshot.step if self.snapshot else None), self._stop_confirmed)
 
     def _stop_confirmed(self, confirmed: bool | None) -> None:

@@ -31,7 +31,8 @@ from .widgets import MetricPlot, fmt_age, fmt_num, fmt_rate, fmt_size
 if TYPE_CHECKING:
     from .app import PimmConsole
 
-_LOG_DATE = re.compile(r"^\d{4}-\d\d-\d\d ")
+# "2026-11-29 12:11:37,807 INFO msg" -> "12:11:37 msg" (other levels are kept: they matter).
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d (\d\d:\d\d:\d\d)(?:,\d+)? (?:INFO )?")
 
 
 def _error_line(e: BaseException) -> str:
@@ -95,12 +96,12 @@ class LiveView(Vertical):
         if snap.last_val:
             v = snap.last_val
             t.append("\neval ", style="bold")
-            t.append(f"(epoch {v.get('epoch', '?')}, step {v.get('step', '?')}) "
-                     f"loss {fmt_num(v.get('loss'))}  acc {fmt_num(v.get('acc'))}")
+            t.append(f"epoch {v.get('epoch', '?')} step {v.get('step', '?')}: "
+                     f"loss {fmt_num(v.get('loss'))} acc {fmt_num(v.get('acc'))}")
             if snap.best_val:
                 b = snap.best_val
                 t.append("  best ", style="bold")
-                t.append(f"{snap.metric} {fmt_num(b.get(key))} (epoch {b.get('epoch', '?')})", style="green")
+                t.append(f"{key} {fmt_num(b.get(key))} (epoch {b.get('epoch', '?')})", style="green")
         else:
             t.append("\nno evaluation yet", style="dim")
         self.query_one("#stats", Static).update(t)
@@ -114,7 +115,7 @@ class LiveView(Vertical):
             log = self.query_one("#log", RichLog)
             log.clear()
             for line in snap.log_lines[-60:]:
-                log.write(_LOG_DATE.sub("", line))
+                log.write(_LOG_PREFIX.sub(r"\1 ", line))
 
 
 # ------------------------------------------------------------ checkpoints

@@ -43,7 +43,7 @@ async def test_live_view_finished_run(run: Path) -> None:
         text = screen_text(app)
         assert "FINISHED" in text
         assert "step 90/90" in text and "epochs 2/2 done" in text
-        assert "best val/acc" in text and "eval (epoch 1, step 90)" in text
+        assert "best acc 0.8969" in text and "eval epoch 1 step 90: loss 0.5584 acc 0.8969" in text
         assert "loss (train) vs step" in text
         assert "saved" in text  # a train.log line
         # 18 training records (every 5 steps) + step 1, all plotted.
