@@ -162,8 +162,13 @@ class PimmConsole(App[None]):
         self.push_screen(ConfirmStop(name, self.snapshot.step if self.snapshot else None), self._stop_confirmed)
 
     def _stop_confirmed(self, confirmed: bool | None) -> None:
-        if confirmed:
-            self._write_stop()
+        if not confirmed:
+            return
+        if not self.can_stop():  # the run ended (or went quiet) while the question was open
+            state = self.snapshot.status.display_state if self.snapshot else "unknown"
+            self.notify(f"not sent: the run is no longer live ({state})", severity="warning")
+            return
+        self._write_stop()
 
     @work(thread=True, group="stop")
     def _write_stop(self) -> None:
