@@ -11,6 +11,10 @@ import os
 import shutil
 from pathlib import Path
 
+from ..faults import point, register
+
+register("atomic.written", "atomic.synced", "atomic.renamed")
+
 TMP_SUFFIX = ".tmp"
 
 
@@ -59,12 +63,15 @@ def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = True) -> None
             f.write(data)
             f.flush()
             if durable:
+                point("atomic.written", tmp)
                 os.fsync(f.fileno())
+                point("atomic.synced", tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     if durable:
+        point("atomic.renamed", path)
         fsync_dir(path.parent)
 
 

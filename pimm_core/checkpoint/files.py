@@ -43,6 +43,10 @@ from .atomic import fsync_dir
 from .manifest import sha256_file, write_manifest
 from .selection import LEGACY_LAST
 from .standard import LoadedState, check_compatible, save_torch_file, unwrap
+from ..faults import point, register
+
+register("file_format.published", "file_format.sidecar_written", "pointer.linked", "pointer.replaced",
+         "single.pointers_set", "single.pruned")
 
 SINGLE_RE = re.compile(r"^step_(\d+)\.pth$")
 POINTERS = ("last", "best", "final")
@@ -51,8 +55,10 @@ POINTERS = ("last", "best", "final")
 def _publish_file(path: Path, payload: dict[str, Any], manifest: dict[str, Any], fmt: str) -> None:
     """Write ``payload`` to ``path`` atomically, then its sidecar manifest."""
     save_torch_file(path, payload)
+    point("file_format.published", path)
     write_manifest(path.with_name(path.name + ".json"), {
         "format": fmt, **manifest, "files": {path.name: {"size": path.stat().st_size, "sha256": sha256_file(path)}}})
+    point("file_format.sidecar_written", path)
 
 
 def save_legacy(model_dir: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any],
@@ -80,8 +86,10 @@ def set_pointer(model_dir: Path, name: str, target: str) -> None:
     tmp = model_dir / f".{name}.{os.getpid()}.tmp"
     tmp.unlink(missing_ok=True)
     os.symlink(target, tmp)
+    point("pointer.linked", tmp)
     os.replace(tmp, model_dir / name)
     fsync_dir(model_dir)
+    point("pointer.replaced", model_dir / name)
 
 
 def pointer_targets(model_dir: Path) -> set[str]:
@@ -109,6 +117,7 @@ def save_single(model_dir: Path, *, model: nn.Module, optimizer: torch.optim.Opt
     _publish_file(path, payload, manifest, "single")
     for name in pointers:
         set_pointer(model_dir, name, path.name)
+    point("single.pointers_set", path)
     if keep_last:
         keep = pointer_targets(model_dir) | {path.name}
         steps = sorted((int(m.group(1)), p) for p in model_dir.iterdir() if (m := SINGLE_RE.match(p.name)))
@@ -117,6 +126,7 @@ def save_single(model_dir: Path, *, model: nn.Module, optimizer: torch.optim.Opt
                 old.unlink(missing_ok=True)
                 old.with_name(old.name + ".json").unlink(missing_ok=True)
         fsync_dir(model_dir)
+        point("single.pruned", model_dir)
     return path
 
 

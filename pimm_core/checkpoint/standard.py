@@ -36,6 +36,12 @@ from .atomic import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, remov
 from .manifest import COMPLETE, MANIFEST, describe_files, write_manifest
 from .selection import DCP_METADATA, TRAINER_DCP, WEIGHTS
 from .state import join_tensors, pack, split_tensors, unpack
+from ..faults import point, register
+
+register("file.written", "file.synced", "file.renamed", "standard.prepared", "standard.dcp_written",
+         "standard.dcp_complete", "standard.weights_written", "standard.synced", "standard.manifest_written",
+         "standard.complete_written", "rotate.old_prev_removed", "rotate.renamed_to_prev", "rotate.renamed_into_place",
+         "rotate.prev_removed")
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -66,11 +72,14 @@ def save_torch_file(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         torch.save(obj, tmp)
+        point("file.written", tmp)
         fsync_file(tmp)
+        point("file.synced", tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    point("file.renamed", path)
     fsync_dir(path.parent)
 
 
@@ -87,13 +96,17 @@ def rotate_into_place(tmp: Path, final: Path) -> None:
         if prev.exists():
             remove_tree(prev)
             fsync_dir(parent)
+            point("rotate.old_prev_removed", prev)
         os.rename(final, prev)
         fsync_dir(parent)
+        point("rotate.renamed_to_prev", prev)
     os.rename(tmp, final)
     fsync_dir(parent)
+    point("rotate.renamed_into_place", final)
     if prev.exists():
         remove_tree(prev)
         fsync_dir(parent)
+        point("rotate.prev_removed", prev)
 
 
 def save_standard(
@@ -130,6 +143,7 @@ def save_standard(
     def prepare() -> None:
         remove_tree(tmp)  # leftover of an interrupted or failed save of this run
         (tmp / TRAINER_DCP).mkdir(parents=True)
+        point("standard.prepared", tmp)
 
     on_main(info, prepare, tmp)
     plain = unwrap(model)
@@ -142,6 +156,7 @@ def save_standard(
         with _quiet_single_process():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
                      no_dist=not info.distributed)
+        point("standard.dcp_written", tmp / TRAINER_DCP)
     except Exception as e:  # DCP raises on every rank when any rank's write failed
         if info.is_main:
             _cleanup(tmp)
@@ -150,11 +165,16 @@ def save_standard(
 
     def publish() -> None:
         _write_marker(tmp / TRAINER_DCP / COMPLETE)
+        point("standard.dcp_complete", tmp)
         save_torch_file(tmp / WEIGHTS, weights_payload(plain, ema_state_dict))
+        point("standard.weights_written", tmp / WEIGHTS)
         fsync_tree(tmp)
+        point("standard.synced", tmp)
         write_manifest(tmp / MANIFEST, {"format": "standard", **manifest, "files": describe_files(tmp)})
+        point("standard.manifest_written", tmp / MANIFEST)
         _write_marker(tmp / COMPLETE)
         fsync_dir(tmp)
+        point("standard.complete_written", tmp / COMPLETE)
         rotate_into_place(tmp, final)
 
     on_main(info, publish, tmp, final)

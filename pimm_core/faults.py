@@ -1,0 +1,42 @@
+"""Named fail points for crash-consistency testing.
+
+``point("standard.after_weights")`` does nothing unless the environment variable
+``PIMM_FAILPOINT`` names that point, optionally with the hit count at which to fire
+(``standard.after_weights@2``), and optionally an action after ``=``: ``kill``
+(default: SIGKILL this process, like a power cut or the OOM killer) or ``enospc``
+/ ``eio`` (raise that OSError, like a full disk or a failing device). The list of
+points a save passes through is :data:`POINTS`; ``benchmarks/crash_points.py`` and the
+tests kill a real saving process at each of them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+
+_SPEC = os.environ.get("PIMM_FAILPOINT", "")
+_hits: dict[str, int] = {}
+
+POINTS: list[str] = []  # every point name, registered at import by the modules that use them
+
+
+def register(*names: str) -> None:
+    POINTS.extend(n for n in names if n not in POINTS)
+
+
+def point(name: str, path: object = None) -> None:
+    """Fire the fail point ``name`` if ``PIMM_FAILPOINT`` selects it (cheap no-op otherwise)."""
+    if not _SPEC:
+        return
+    target, _, action = _SPEC.partition("=")
+    want, _, nth = target.partition("@")
+    if want != name:
+        return
+    _hits[name] = _hits.get(name, 0) + 1
+    if _hits[name] != int(nth or 1):
+        return
+    if action in ("", "kill"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    code = {"enospc": errno.ENOSPC, "eio": errno.EIO}[action]
+    raise OSError(code, os.strerror(code), str(path) if path is not None else name)
