@@ -142,9 +142,18 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, workers_per_rank: 
 
 def config_diff(saved: dict[str, Any], now: dict[str, Any],
                 ignore: tuple[str, ...] = ("run.", "train.resume", "train.weight")) -> list[str]:
-    """Lines ``key: saved -> now`` for every differing flattened config key."""
-    from .config import flatten
+    """Lines ``key: saved -> now`` for every differing flattened config key.
 
+    The saved config is first filled with the current schema's defaults, so keys added
+    to pimm after the run was written do not show up as differences.
+    """
+    from .config import config_from_dict, flatten
+    from .errors import ConfigError
+
+    try:
+        saved = config_from_dict(saved).to_dict()
+    except (ConfigError, TypeError):
+        pass  # a config the current schema rejects: compare it as written
     a, b = flatten(saved), flatten(now)
     lines = []
     for key in sorted(set(a) | set(b)):

@@ -529,6 +529,7 @@ class Trainer:
                     reason = self._agreed_stop_reason()
                     if reason is not None:
                         s.stop_reason = reason
+                        self._status("stopping")  # the console shows it until `last` is saved
                         if s.iter < n_micro:
                             break  # mid-epoch: save below, no evaluation
                         stop_at_epoch_end = True  # let this epoch's evaluation and save happen first
