@@ -1,0 +1,89 @@
+"""Run pimm ``Trainer`` jobs for the resume tests, in-process or as the ranks of a torchrun job.
+
+As a script (one process, or every rank under ``python -m torch.distributed.run``)::
+
+    python tests/_resume_driver.py JOBS.json
+
+``JOBS.json`` is a list of jobs run one after the other in the same process (group):
+``{"run_dir", "overrides", "stop_at", "resume_from", "max_steps", "checkpoint": bool, "dump"}``.
+
+- ``stop_at``: a callback requests a stop after that global step (an interruption: the
+  trainer saves ``model/last`` mid-epoch and returns).
+- ``max_steps=1`` with ``checkpoint=false`` is "load only": the resume restores
+  everything, the loop has nothing left to do, nothing is saved; the restored state
+  is then dumped for comparison.
+- ``dump``: every rank writes ``<dump>.rank<r>.pt`` with its model state dict,
+  optimizer state dict and :class:`TrainState` after ``train()`` returned.
+
+Only public pieces are used: ``load_config``, ``Trainer(...).train(...)``,
+``trainer.callbacks``, ``trainer.stop``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DIGITS = REPO / "configs" / "digits.toml"
+
+# Dropout on, one train record per step: loss and LR traces are comparable step by step.
+BASE = ("model.dropout=0.3", "train.log_every_steps=1")
+
+
+def run_job(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), *, stop_at: int | None = None,
+            resume_from: str | Path | None = None, max_steps: int | None = None, checkpoint: bool = True,
+            dump: str | Path | None = None) -> Any:
+    """Build a Trainer for ``configs/digits.toml`` + BASE + ``overrides`` and train it; returns the trainer."""
+    import torch
+
+    from pimm_core import Trainer, load_config
+    from pimm_core.checkpoint.standard import unwrap
+
+    run_dir = Path(run_dir)
+    logger = logging.getLogger("pimm")
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)  # in-process: train.log gets the INFO lines, as under the CLI
+    handlers_before = list(logger.handlers)
+    cfg = load_config(DIGITS, [*BASE, *overrides])
+    trainer = Trainer(cfg, run_dir=run_dir)
+    if stop_at is not None:
+        trainer.callbacks.append(lambda tr: tr.stop.request("test") if tr.state.global_step == stop_at else None)
+    t = replace(cfg.train, max_steps=max_steps) if max_steps is not None else None
+    try:
+        trainer.train(t, checkpoint_dir=run_dir / "model" if checkpoint else None,
+                      resume_from=resume_from)
+    finally:
+        for h in list(logger.handlers):  # the trainer's train.log handler must not outlive this run
+            if h not in handlers_before:
+                logger.removeHandler(h)
+                h.close()
+    if dump is not None:
+        torch.save({"model": unwrap(trainer.model).state_dict(), "optim": trainer.optimizer.state_dict(),
+                    "state": asdict(trainer.state)}, f"{dump}.rank{trainer.info.rank}.pt")
+    return trainer
+
+
+def main(argv: list[str]) -> int:
+    from pimm_core import dist
+    from pimm_core.launch import setup_logging
+
+    jobs = json.loads(Path(argv[0]).read_text())
+    setup_logging(dist.env_world().is_main)
+    try:
+        for job in jobs:
+            run_job(job["run_dir"], job.get("overrides", []), stop_at=job.get("stop_at"),
+                    resume_from=job.get("resume_from"), max_steps=job.get("max_steps"),
+                    checkpoint=job.get("checkpoint", True), dump=job.get("dump"))
+    finally:
+        dist.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    sys.exit(main(sys.argv[1:]))
