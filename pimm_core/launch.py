@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,6 +43,9 @@ class LaunchOptions:
 
     def torchrun_args(self) -> list[str]:
         args = ["--nproc-per-node", str(self.nproc_per_node or 1), "--max-restarts", "0"]
+        # After forwarding a stop signal torchrun waits this long before SIGKILLing the ranks:
+        # leave time to finish the accumulation window and save `last` (torchrun's default is 30 s).
+        args += ["--shutdown-timeout", os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")]
         for flag, value in (("--nnodes", self.nnodes), ("--node-rank", self.node_rank),
                             ("--rdzv-endpoint", self.rdzv_endpoint), ("--rdzv-backend", self.rdzv_backend),
                             ("--master-addr", self.master_addr), ("--master-port", self.master_port)):
@@ -161,7 +166,11 @@ def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = 
     start = time.perf_counter()
     stop = StopRequest()
     # SIGINT/SIGTERM (Ctrl-C, a scheduler's pre-emption notice, torchrun forwarding either)
-    # become a clean stop: finish the accumulation window, save last, exit 0.
+    # become a clean stop: finish the accumulation window, save last, exit 0. Once training
+    # has returned, later ones are ignored (catch_signals restores what it found: SIG_IGN), so
+    # a repeated Ctrl-C/SIGTERM cannot turn the clean exit into a kill or a traceback.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     with lock, stop.catch_signals():
         try:
             trainer = Trainer(cfg, run_dir=run_dir, stop=stop)
@@ -211,7 +220,10 @@ def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOp
     try:
         run(args)
     except SignalException as e:
-        # torchrun forwarded the signal to the ranks; they stop cleanly and save `last`.
+        # torchrun forwarded the signal to the ranks; they stop cleanly and save `last`. A
+        # further signal raises again inside torchrun's wait for the ranks and lands here
+        # early: ignore any more and wait for the ranks before reporting.
+        _wait_for_children()
         status = read_json(run_dir / STATUS) or {}
         if status.get("state") == "stopped":
             print(f"stopped ({status.get('stop_reason')}) at step {status.get('step')} | run {run_dir}", flush=True)
@@ -227,6 +239,20 @@ def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOp
                   file=sys.stderr)
         return code
     return 0
+
+
+def _wait_for_children(timeout: float = 300.0) -> None:
+    """Ignore SIGINT/SIGTERM and reap this process's children (the local ranks) until none is left."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return  # no child left
+        if pid == 0:
+            time.sleep(0.05)
 
 
 def strip_launcher_flags(argv: list[str]) -> list[str]:

@@ -38,6 +38,7 @@ from .checkpoint.selection import (BEST, ITER_RE, LEGACY_LAST, is_model_dir, res
                                    verify_candidate)
 from .checkpoint.standard import (AsyncStandardSaver, load_standard, on_main, save_standard, unwrap,
                                   write_weights_file)
+from .checkpoint.atomic import remove_stale_temporaries
 from .checkpoint.state import rng_state, set_rng_state
 from .config import Config, TrainConfig, write_config
 from .data import build_datasets, eval_loader, train_loader
@@ -446,6 +447,8 @@ class Trainer:
                 entry["warm_start"] = self.warm_start_report.to_json()
             if checkpoint_dir is not None and self.info.is_main:
                 checkpoint_dir.mkdir(parents=True, exist_ok=True)
+                for name in remove_stale_temporaries(checkpoint_dir):
+                    log.warning("removed %s, left by a save that was interrupted", checkpoint_dir / name)
             if resume_from is not None:
                 entry = self._resume(resume_from, checkpoint_dir)
             self._setup_files(entry, fresh=resume_from is None)

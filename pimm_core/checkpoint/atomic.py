@@ -81,3 +81,20 @@ def remove_tree(path: Path) -> None:
         path.unlink(missing_ok=True)
     elif path.exists():
         shutil.rmtree(path)
+
+
+def remove_stale_temporaries(directory: Path) -> list[str]:
+    """Remove ``*.tmp`` entries (files and directories) that saves killed mid-write left in ``directory``.
+
+    Their names carry the dead writer's pid (``.iter_14.pth.<pid>.tmp``), so no later
+    save replaces them. Call only as the run's single writer (``pimm launch`` holds the
+    run lock), before this process saves anything. ``last.prev`` is never touched: it
+    may be the only complete candidate.
+    """
+    directory = Path(directory)
+    removed = sorted(p.name for p in directory.iterdir() if p.name.endswith(TMP_SUFFIX))
+    for name in removed:
+        remove_tree(directory / name)
+    if removed:
+        fsync_dir(directory)
+    return removed
