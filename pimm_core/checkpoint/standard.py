@@ -140,18 +140,9 @@ def save_standard(
     final = model_dir / name
     tmp = model_dir / f"{name}.tmp"
 
-    def prepare() -> None:
-        remove_tree(tmp)  # leftover of an interrupted or failed save of this run
-        (tmp / TRAINER_DCP).mkdir(parents=True)
-        point("standard.prepared", tmp)
-
-    on_main(info, prepare, tmp)
+    on_main(info, lambda: prepare(tmp), tmp)
     plain = unwrap(model)
-    osd = get_optimizer_state_dict(plain, optimizer)
-    tensors, skeleton = split_tensors(osd, "optim")
-    state: dict[str, Any] = dict(tensors)
-    state["meta"] = pack({**meta, "optim": skeleton})
-    state[f"rank_state/{info.rank}"] = pack(rank_state)
+    state = dcp_state(plain, optimizer, meta, rank_state, info.rank)
     try:
         with _quiet_single_process():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
@@ -163,22 +154,41 @@ def save_standard(
         raise CheckpointSaveError(f"checkpoint save failed writing {tmp / TRAINER_DCP}: {_short(e)}; "
                                   f"the previous checkpoint {final} is intact") from None
 
-    def publish() -> None:
-        _write_marker(tmp / TRAINER_DCP / COMPLETE)
-        point("standard.dcp_complete", tmp)
-        save_torch_file(tmp / WEIGHTS, weights_payload(plain, ema_state_dict))
-        point("standard.weights_written", tmp / WEIGHTS)
-        fsync_tree(tmp)
-        point("standard.synced", tmp)
-        write_manifest(tmp / MANIFEST, {"format": "standard", **manifest, "files": describe_files(tmp)})
-        point("standard.manifest_written", tmp / MANIFEST)
-        _write_marker(tmp / COMPLETE)
-        fsync_dir(tmp)
-        point("standard.complete_written", tmp / COMPLETE)
-        rotate_into_place(tmp, final)
-
-    on_main(info, publish, tmp, final)
+    on_main(info, lambda: publish(tmp, final, weights_payload(plain, ema_state_dict), manifest), tmp, final)
     return final
+
+
+def prepare(tmp: Path) -> None:
+    """Rank 0: an empty ``<name>.tmp/trainer.dcp/`` (a leftover of an interrupted or failed save is removed)."""
+    remove_tree(tmp)
+    (tmp / TRAINER_DCP).mkdir(parents=True)
+    point("standard.prepared", tmp)
+
+
+def dcp_state(plain: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any],
+              rank_state: dict[str, Any], rank: int) -> dict[str, Any]:
+    """The flat dict ``trainer.dcp/`` stores: optimizer tensors by FQN, packed ``meta``, this rank's state."""
+    tensors, skeleton = split_tensors(get_optimizer_state_dict(plain, optimizer), "optim")
+    state: dict[str, Any] = dict(tensors)
+    state["meta"] = pack({**meta, "optim": skeleton})
+    state[f"rank_state/{rank}"] = pack(rank_state)
+    return state
+
+
+def publish(tmp: Path, final: Path, weights: dict[str, Any], manifest: dict[str, Any]) -> None:
+    """Rank 0, after every rank's DCP write: markers, ``weights.pth``, manifest, ``.complete``, rotation."""
+    _write_marker(tmp / TRAINER_DCP / COMPLETE)
+    point("standard.dcp_complete", tmp)
+    save_torch_file(tmp / WEIGHTS, weights)
+    point("standard.weights_written", tmp / WEIGHTS)
+    fsync_tree(tmp)
+    point("standard.synced", tmp)
+    write_manifest(tmp / MANIFEST, {"format": "standard", **manifest, "files": describe_files(tmp)})
+    point("standard.manifest_written", tmp / MANIFEST)
+    _write_marker(tmp / COMPLETE)
+    fsync_dir(tmp)
+    point("standard.complete_written", tmp / COMPLETE)
+    rotate_into_place(tmp, final)
 
 
 def _short(e: BaseException) -> str:
@@ -375,16 +385,9 @@ class AsyncStandardSaver:
         self.wait()
         final, tmp = model_dir / name, model_dir / f"{name}.tmp"
 
-        def prepare() -> None:
-            remove_tree(tmp)
-            (tmp / TRAINER_DCP).mkdir(parents=True)
-
-        on_main(self.info, prepare, tmp)
+        on_main(self.info, lambda: prepare(tmp), tmp)
         plain = unwrap(model)
-        tensors, skeleton = split_tensors(get_optimizer_state_dict(plain, optimizer), "optim")
-        state: dict[str, Any] = dict(tensors)
-        state["meta"] = pack({**meta, "optim": skeleton})
-        state[f"rank_state/{self.info.rank}"] = pack(rank_state)
+        state = dcp_state(plain, optimizer, meta, rank_state, self.info.rank)
         with _quiet_single_process():
             future = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
                                     process_group=self.pg, no_dist=not self.info.distributed)
@@ -397,13 +400,7 @@ class AsyncStandardSaver:
         def finish() -> None:
             try:
                 future.result()
-                _write_marker(tmp / TRAINER_DCP / COMPLETE)
-                save_torch_file(tmp / WEIGHTS, weights)
-                fsync_tree(tmp)
-                write_manifest(tmp / MANIFEST, {"format": "standard", **manifest, "files": describe_files(tmp)})
-                _write_marker(tmp / COMPLETE)
-                fsync_dir(tmp)
-                rotate_into_place(tmp, final)
+                publish(tmp, final, weights, manifest)
             except Exception as e:
                 self._error = f"checkpoint save failed: {_short(e)}; the previous checkpoint {final} is intact"
                 _cleanup(tmp)
