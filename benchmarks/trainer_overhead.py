@@ -8,6 +8,13 @@ clipping is off and the LR schedule constant in pimm so that the two do the same
 arithmetic; pimm's remaining extras (LambdaLR step, GradScaler no-ops, counters,
 periodic loss logging, the stateful loader) are the overhead being measured.
 
+A second comparison (``with_features``) turns on what a real run has: ``ema.enabled``
+(pimm's EMA after every step), a ``run_dir`` (``metrics.jsonl`` and ``status.json``
+written every ``--log-every`` steps, ``train.log``, provenance) and the per-step stop
+agreement (single process: the rank-0 ``control/stop`` poll, at most one stat a second).
+Its hand loop does the same arithmetic: the same EMA (``torch._foreach_lerp_`` with the
+same warm-up decay) and one flushed JSON line to a file every ``--log-every`` steps.
+
 Step time is the interval between consecutive optimizer steps, taken with an
 ``optimizer.register_step_post_hook`` on each optimizer, so it includes loading the
 batch, forward, backward, the update and all per-step bookkeeping. The first interval
@@ -16,9 +23,11 @@ first pair is a warm-up and is discarded.
 
 Prints one JSON object::
 
-    {"pimm_step_ms": ..., "hand_step_ms": ..., "ratio": pimm/hand, "machine": {...}, ...}
+    {"pimm_step_ms": ..., "hand_step_ms": ..., "ratio": pimm/hand,
+     "with_features": {"pimm_step_ms": ..., "hand_step_ms": ..., "ratio": ..., ...}, "machine": {...}, ...}
 
-Usage: ``uv run python benchmarks/trainer_overhead.py [--steps 60] [--repeats 5] [--hidden 2048] [--batch-size 64]``
+Usage: ``uv run python benchmarks/trainer_overhead.py [--steps 60] [--repeats 5] [--hidden 2048] [--batch-size 64]
+[--log-every 10] [--no-features]``
 """
 
 from __future__ import annotations
@@ -28,8 +37,10 @@ import json
 import logging
 import os
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -57,17 +68,20 @@ def intervals(stamps: list[float]) -> list[float]:
     return [b - a for a, b in zip(stamps[1:], stamps[2:])]  # drop the first (loader start-up)
 
 
-def run_pimm(cfg) -> tuple[list[float], float]:
-    trainer = Trainer(cfg)  # run_dir=None: nothing written
+def run_pimm(cfg, run_dir: Path | None = None) -> tuple[list[float], float]:
+    trainer = Trainer(cfg, run_dir=run_dir)  # run_dir=None: nothing written
     stamps = step_timer(trainer.optimizer)
     start = time.perf_counter()
     state = trainer.train()  # no checkpoint_dir: saves nothing
     wall = time.perf_counter() - start
     assert state.global_step == cfg.train.max_steps, state
+    if run_dir is not None:
+        assert (run_dir / "metrics.jsonl").stat().st_size > 0 and trainer.ema is not None
     return intervals(stamps), wall
 
 
-def run_hand(cfg) -> tuple[list[float], float]:
+def run_hand(cfg, metrics_path: Path | None = None) -> tuple[list[float], float]:
+    """The hand loop; with ``metrics_path``: plus an EMA of the parameters and a JSON line every log step."""
     data = build_datasets(cfg.data)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, data.in_features, data.in_shape, data.num_classes)
@@ -77,6 +91,8 @@ def run_hand(cfg) -> tuple[list[float], float]:
                                          num_workers=cfg.data.num_workers, drop_last=False)
     stamps = step_timer(optimizer)
     steps = 0
+    ema = [p.detach().float().clone() for p in model.parameters()] if metrics_path is not None else None
+    log = open(metrics_path, "a", encoding="utf-8", buffering=1) if metrics_path is not None else None
     model.train()
     start = time.perf_counter()
     while steps < cfg.train.max_steps:
@@ -85,12 +101,21 @@ def run_hand(cfg) -> tuple[list[float], float]:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if ema is not None:
+                with torch.no_grad():
+                    d = min(cfg.ema.decay, (1 + steps) / (10 + steps)) if cfg.ema.warmup else cfg.ema.decay
+                    torch._foreach_lerp_(ema, [p.detach().float() for p in model.parameters()], 1.0 - d)
             steps += 1
-            if steps % cfg.train.log_every_steps == 0:
-                loss.item()  # the same host sync pimm does when it logs
+            if steps % cfg.train.log_every_steps == 0 or (log is not None and steps == 1):
+                value = loss.item()  # the same host sync pimm does when it logs
+                if log is not None:
+                    log.write(json.dumps({"step": steps, "split": "train", "loss": value, "time": time.time()}) + "\n")
+                    log.flush()
             if steps == cfg.train.max_steps:
                 break
     wall = time.perf_counter() - start
+    if log is not None:
+        log.close()
     return intervals(stamps), wall
 
 
@@ -113,16 +138,28 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="measured repeats of each loop (plus one warm-up)")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--log-every", type=int, default=10, help="train.log_every_steps of the with_features comparison")
+    ap.add_argument("--no-features", action="store_true", help="skip the with_features comparison")
     args = ap.parse_args()
 
     warnings.filterwarnings("ignore")
     logging.getLogger("pimm").setLevel(logging.WARNING)
+    load_start = [round(x, 2) for x in os.getloadavg()]
     cfg = load_config(REPO / "configs" / "digits.toml", [
         f"model.hidden={args.hidden}", f"data.batch_size={args.batch_size}", "data.num_workers=0",
         "train.epochs=1000", f"train.max_steps={args.steps}", "train.grad_clip=0", "train.scheduler=constant",
         "train.warmup_steps=0", "train.amp=none", "train.device=cpu",
         "eval.every_epochs=0", "checkpoint.every_epochs=0", "checkpoint.every_steps=0",
     ])
+    features = None if args.no_features else load_config(REPO / "configs" / "digits.toml", [
+        f"model.hidden={args.hidden}", f"data.batch_size={args.batch_size}", "data.num_workers=0",
+        "train.epochs=1000", f"train.max_steps={args.steps}", "train.grad_clip=0", "train.scheduler=constant",
+        "train.warmup_steps=0", "train.amp=none", "train.device=cpu",
+        "eval.every_epochs=0", "checkpoint.every_epochs=0", "checkpoint.every_steps=0",
+        "ema.enabled=true", f"train.log_every_steps={args.log_every}",
+    ])
+    feat: dict[str, list[float]] = {"pimm": [], "hand": [], "pimm_wall": [], "hand_wall": []}
+    scratch = Path(tempfile.mkdtemp(prefix="pimm-overhead-"))
 
     pimm_steps: list[float] = []
     hand_steps: list[float] = []
@@ -131,15 +168,37 @@ def main() -> None:
     for repeat in range(args.repeats + 1):
         p, pw = run_pimm(cfg)
         h, hw = run_hand(cfg)
+        if features is not None:
+            run_dir = scratch / f"run{repeat}"
+            fp, fpw = run_pimm(features, run_dir)
+            fh, fhw = run_hand(features, scratch / f"hand{repeat}.jsonl")
+            shutil.rmtree(run_dir, ignore_errors=True)
         if repeat == 0:
             continue  # warm-up
         pimm_steps += p
         hand_steps += h
         pimm_walls.append(pw / args.steps)
         hand_walls.append(hw / args.steps)
+        if features is not None:
+            feat["pimm"] += fp
+            feat["hand"] += fh
+            feat["pimm_wall"].append(fpw / args.steps)
+            feat["hand_wall"].append(fhw / args.steps)
+    shutil.rmtree(scratch, ignore_errors=True)
 
     pimm_ms = statistics.median(pimm_steps) * 1e3
     hand_ms = statistics.median(hand_steps) * 1e3
+    with_features = None
+    if features is not None:
+        fp_ms, fh_ms = statistics.median(feat["pimm"]) * 1e3, statistics.median(feat["hand"]) * 1e3
+        fpw_ms, fhw_ms = statistics.median(feat["pimm_wall"]) * 1e3, statistics.median(feat["hand_wall"]) * 1e3
+        with_features = {
+            "pimm_step_ms": round(fp_ms, 3), "hand_step_ms": round(fh_ms, 3), "ratio": round(fp_ms / fh_ms, 4),
+            "pimm_wall_per_step_ms": round(fpw_ms, 3), "hand_wall_per_step_ms": round(fhw_ms, 3),
+            "wall_ratio": round(fpw_ms / fhw_ms, 4),
+            "features": ["ema", "metrics.jsonl + status.json", "stop agreement (control/stop poll)"],
+            "ema_decay": features.ema.decay, "log_every_steps": features.train.log_every_steps,
+        }
     print(json.dumps({
         "pimm_step_ms": round(pimm_ms, 3),
         "hand_step_ms": round(hand_ms, 3),
@@ -154,7 +213,8 @@ def main() -> None:
         "model": {"name": cfg.model.name, "hidden": cfg.model.hidden,
                   "params": sum(p.numel() for p in build_model(cfg.model, 64, (1, 8, 8), 10).parameters())},
         "batch_size": cfg.data.batch_size,
-        "machine": machine(),
+        "with_features": with_features,
+        "machine": {**machine(), "load_average_start": load_start, "load_average_end": [round(x, 2) for x in os.getloadavg()]},
     }, indent=2))
 
 

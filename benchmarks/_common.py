@@ -1,0 +1,136 @@
+"""Shared pieces of the checkpoint benchmarks: the benchmark state, machine info, timing helpers.
+
+Not a benchmark itself. The state is a stack of ``Linear(width, width)`` layers and an
+AdamW optimizer after one step, so ``exp_avg`` and ``exp_avg_sq`` exist: about one
+third of the bytes are parameters, two thirds optimizer state (fp32 everywhere).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def layer_count(total_bytes: int, width: int) -> int:
+    """Layers of ``Linear(width, width)`` so that params + exp_avg + exp_avg_sq >= ``total_bytes``."""
+    per_layer = 3 * 4 * (width * width + width)
+    return max(1, math.ceil(total_bytes / per_layer))
+
+
+def build_model(total_bytes: int, width: int = 4096, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    n = layer_count(total_bytes, width)
+    layers: list[nn.Module] = []
+    for i in range(n):
+        layers.append(nn.Linear(width, width))
+        if i < n - 1:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def one_adamw_step(model: nn.Module, lr: float = 1e-4) -> torch.optim.AdamW:
+    """AdamW after one step on synthetic gradients (materializes exp_avg/exp_avg_sq)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return opt
+
+
+def build_state(total_bytes: int, width: int = 4096, seed: int = 0) -> tuple[nn.Sequential, torch.optim.AdamW]:
+    model = build_model(total_bytes, width, seed)
+    return model, one_adamw_step(model)
+
+
+def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    optim = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor))
+    return {"params": params, "optimizer": optim, "total": params + optim}
+
+
+def tree_bytes(path: Path) -> int:
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum((Path(d) / f).stat().st_size for d, _, fs in os.walk(path) for f in fs)
+
+
+def remove(path: Path) -> None:
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def settle() -> None:
+    """Flush dirty pages left by earlier work (deletions, other files) before a timed section."""
+    os.sync()
+    time.sleep(0.2)
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _filesystem(path: Path) -> dict[str, str]:
+    try:
+        out = subprocess.run(["findmnt", "-n", "-o", "SOURCE,FSTYPE,OPTIONS", "-T", str(path)],
+                             capture_output=True, text=True, timeout=5).stdout.split()
+        if len(out) >= 2:
+            return {"device": out[0], "fstype": out[1], "options": out[2] if len(out) > 2 else ""}
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {}
+
+
+def machine(disk_path: Path | None = None, load_at_start: list[float] | None = None) -> dict:
+    """CPU, cores, memory, load average (at start and now), torch/python/OS, and the disk written to."""
+    info: dict = {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                  "torch": torch.__version__, "python": platform.python_version(), "os": platform.platform()}
+    try:
+        mem = {k: v for k, v in (line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())}
+        info["mem_gib"] = round(int(mem["MemTotal"].split()[0]) / (1 << 20), 1)
+    except (OSError, KeyError, ValueError):
+        pass
+    if load_at_start is not None:
+        info["load_average_start"] = load_at_start
+    info["load_average_end"] = load_average()
+    if disk_path is not None:
+        usage = shutil.disk_usage(disk_path)
+        info["disk"] = {"path": str(disk_path), **_filesystem(Path(disk_path)),
+                        "free_gib": round(usage.free / GiB, 1)}
+    return info
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def r(x: float, nd: int = 4) -> float:
+    return round(x, nd)

@@ -1,0 +1,138 @@
+"""Stall per checkpoint: how long the training thread is blocked by a save, async vs sync.
+
+Same state as ``save_throughput.py`` (Linear stack + AdamW after one step, >= ``--gib`` GiB).
+
+- ``sync``: ``save_standard`` (what ``save_checkpoint`` does without ``checkpoint.async``):
+  the training thread is blocked for the whole write, fsync, sha256 manifest and rotation.
+- ``async``: ``AsyncStandardSaver.save`` (what ``Trainer.save_checkpoint(background=True)``
+  calls with ``checkpoint.async = true``): the stall is the time until ``save`` returns
+  (optimizer state dict, DCP staging copy to CPU, weights clone, thread start). The
+  previous save is always finished before the timed call (``wait()`` outside the timer),
+  so no in-flight wait is counted; ``background_s`` is the time from ``save`` returning to
+  the checkpoint being published (``wait()`` returning), measured separately.
+- ``step_slowdown``: a synthetic training step (forward/backward through the stack on a
+  small batch plus the AdamW update) timed while a background save runs, vs without one,
+  to show what the background write costs the training thread on this 2-core machine.
+
+Repeats alternate sync / async; one warm-up pair is discarded.
+
+Prints one JSON object with ``stall_fraction = median(async stall) / median(sync save)``
+(target <= 0.10). Usage::
+
+    uv run python benchmarks/async_stall.py [--gib 1.0] [--repeats 5] [--dir /tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import GiB, build_state, load_average, machine, median, r, remove, settle, state_bytes  # noqa: E402
+from pimm_core.checkpoint.standard import AsyncStandardSaver, save_standard  # noqa: E402
+from pimm_core.dist import DistInfo  # noqa: E402
+
+META = {"trainer": {"global_step": 1}}
+MANIFEST = {"kind": "last", "step": 1, "epoch": 0, "iter": 0}
+
+
+def train_step(model, opt, x) -> None:
+    loss = F.mse_loss(model(x), x)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--width", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    args = ap.parse_args()
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("pimm").setLevel(logging.WARNING)
+    load_start = load_average()
+    model, opt = build_state(int(args.gib * GiB), args.width)
+    sizes = state_bytes(model, opt)
+    x = torch.randn(8, args.width)
+    work = Path(tempfile.mkdtemp(prefix="pimm-async-bench-", dir=args.dir))
+    sync_dir, async_dir = work / "sync", work / "async"
+    sync_dir.mkdir()
+    async_dir.mkdir()
+    info = DistInfo()
+    saver = AsyncStandardSaver(info)
+    sync_s: list[float] = []
+    stall_s: list[float] = []
+    background_s: list[float] = []
+    step_idle: list[float] = []
+    step_during: list[float] = []
+    try:
+        for repeat in range(args.repeats + 1):
+            settle()
+            t0 = time.perf_counter()
+            save_standard(sync_dir, model=model, optimizer=opt, meta=META, rank_state={"rng": torch.get_rng_state()},
+                          manifest=MANIFEST, info=info)
+            t_sync = time.perf_counter() - t0
+
+            settle()
+            t0 = time.perf_counter()
+            train_step(model, opt, x)
+            t_idle = time.perf_counter() - t0
+
+            saver.wait()
+            settle()
+            t0 = time.perf_counter()
+            saver.save(async_dir, model=model, optimizer=opt, meta=META, rank_state={"rng": torch.get_rng_state()},
+                       manifest=MANIFEST)
+            t1 = time.perf_counter()
+            train_step(model, opt, x)  # the training thread goes on while the write runs
+            t2 = time.perf_counter()
+            saver.wait()
+            t3 = time.perf_counter()
+            assert (async_dir / "last" / ".complete").exists()
+            if repeat:
+                sync_s.append(t_sync)
+                stall_s.append(t1 - t0)
+                background_s.append(t3 - t1)
+                step_idle.append(t_idle)
+                step_during.append(t2 - t1)
+    finally:
+        try:
+            saver.wait()
+        finally:
+            remove(work)
+
+    sync_med, stall_med = median(sync_s), median(stall_s)
+    print(json.dumps({
+        "state_bytes": sizes,
+        "state_gib": r(sizes["total"] / GiB, 3),
+        "sync_save_s_median": r(sync_med),
+        "async_stall_s_median": r(stall_med),
+        "stall_fraction": r(stall_med / sync_med),
+        "target_stall_fraction": 0.10,
+        "async_background_s_median": r(median(background_s)),
+        "train_step_s_median": {"no_save": r(median(step_idle)), "during_background_save": r(median(step_during))},
+        "step_slowdown_during_background_save": r(median(step_during) / median(step_idle)),
+        "seconds_all": {"sync": [r(x) for x in sync_s], "async_stall": [r(x) for x in stall_s],
+                        "async_background": [r(x) for x in background_s]},
+        "repeats": args.repeats,
+        "machine": machine(work.parent, load_start),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

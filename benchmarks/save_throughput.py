@@ -1,0 +1,201 @@
+"""Save throughput: pimm's standard checkpoint vs plain ``torch.save`` vs the disk's raw sequential write.
+
+The state (``benchmarks/_common.py``) is a stack of ``Linear(4096, 4096)`` layers and
+AdamW after one step: about 1/3 parameters, 2/3 optimizer state, >= ``--gib`` GiB.
+Three writers, in one process, on the same disk, interleaved (the order rotates
+each repeat; one warm-up round is discarded):
+
+- ``pimm``: ``save_standard`` into a model directory that already holds a ``last/``
+  (the steady state of a run): ``trainer.dcp/`` (DCP, fsynced), ``weights.pth``,
+  fsync of the tree, ``manifest.json`` with the sha256 of every file, ``.complete``,
+  and the rotation ``last -> last.prev``, ``last.tmp -> last``, ``last.prev`` removed.
+- ``torch_save``: ``torch.save({"model": ..., "optimizer": ...}, path)`` to a new file,
+  ``fsync``, then the previous file is removed (a checkpoint that keeps the previous
+  one until the new one is durable, like pimm's rotation). ``torch_save_no_fsync`` is
+  the ``torch.save`` call alone.
+- ``raw``: ``os.write`` of a 64 MiB buffer into a new file until as many bytes as pimm's
+  checkpoint holds, ``fsync``, previous file removed: what the disk can do.
+- ``raw_overwrite`` / ``torch_save_overwrite``: the same, but over the previous file
+  (``O_TRUNC``). On a VM this is often much faster than writing a new file: the page
+  cache pages the truncation frees are reused at once, while pages freed seconds
+  earlier (as pimm's rotation does, and as the new-file variants do) may have been
+  handed back to the host and fault in again. Reported for reference; the ratios use
+  the new-file variants, which do what a checkpoint must.
+
+Throughput is bytes written / wall time (GB = 1e9 bytes). pimm's time is also split
+into phases (DCP write + its fsync, weights.pth, fsync of the tree, manifest = sha256
+of every file, rotation; ``other``: optimizer state dict, packing, directory set-up).
+Phases are summed wall time of each step; if a step runs on a second thread they
+overlap and ``other`` is clamped at 0.
+
+Prints one JSON object. Usage::
+
+    uv run python benchmarks/save_throughput.py [--gib 1.0] [--repeats 5] [--dir /tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import GiB, build_state, load_average, machine, median, r, remove, settle, state_bytes, tree_bytes  # noqa: E402
+from pimm_core.checkpoint import standard  # noqa: E402
+from pimm_core.dist import DistInfo  # noqa: E402
+
+CHUNK = 64 << 20
+
+
+@contextlib.contextmanager
+def phase_timer(phases: dict[str, float]):
+    """Time the phases of ``save_standard`` by wrapping the functions it calls (restored on exit)."""
+    import torch.distributed.checkpoint as dcp
+
+    wrapped = {"dcp": (dcp, "save"), "weights": (standard, "save_torch_file"), "fsync_tree": (standard, "fsync_tree"),
+               "manifest_sha256": (standard, "describe_files"), "rotate": (standard, "rotate_into_place")}
+    originals = {}
+    for label, (mod, name) in wrapped.items():
+        fn = getattr(mod, name)
+        originals[label] = fn
+
+        def timed(*a, __fn=fn, __label=label, **k):
+            t0 = time.perf_counter()
+            try:
+                return __fn(*a, **k)
+            finally:
+                phases[__label] = phases.get(__label, 0.0) + time.perf_counter() - t0
+
+        setattr(mod, name, timed)
+    try:
+        yield
+    finally:
+        for label, (mod, name) in wrapped.items():
+            setattr(mod, name, originals[label])
+
+
+def save_pimm(model_dir: Path, model, opt, phases: dict[str, float] | None = None) -> float:
+    ctx = phase_timer(phases) if phases is not None else contextlib.nullcontext()
+    with ctx:
+        t0 = time.perf_counter()
+        standard.save_standard(model_dir, model=model, optimizer=opt,
+                               meta={"trainer": {"global_step": 1}}, rank_state={"rng": torch.get_rng_state()},
+                               manifest={"kind": "last", "step": 1, "epoch": 0, "iter": 0}, info=DistInfo())
+        return time.perf_counter() - t0
+
+
+def save_torch(path: Path, model, opt, previous: Path | None) -> tuple[float, float]:
+    """Returns (seconds with fsync and removal of ``previous``, seconds of torch.save alone)."""
+    t0 = time.perf_counter()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    t1 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if previous is not None and previous != path:
+        previous.unlink(missing_ok=True)
+    return time.perf_counter() - t0, t1 - t0
+
+
+def write_raw(path: Path, nbytes: int, buf: memoryview, previous: Path | None) -> float:
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            n = os.write(fd, buf[:min(left, len(buf))])
+            left -= n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if previous is not None and previous != path:
+        previous.unlink(missing_ok=True)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=1.0, help="minimum state size in GiB (params + AdamW state)")
+    ap.add_argument("--width", type=int, default=4096, help="Linear layer width")
+    ap.add_argument("--repeats", type=int, default=5, help="measured repeats of each writer (plus one warm-up)")
+    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="where to write (a scratch dir is made inside)")
+    args = ap.parse_args()
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("pimm").setLevel(logging.WARNING)
+    load_start = load_average()
+    model, opt = build_state(int(args.gib * GiB), args.width)
+    sizes = state_bytes(model, opt)
+    work = Path(tempfile.mkdtemp(prefix="pimm-save-bench-", dir=args.dir))
+    model_dir = work / "model"
+    model_dir.mkdir()
+    buf = memoryview(os.urandom(CHUNK))
+    methods = ["pimm", "torch_save", "raw", "torch_save_overwrite", "raw_overwrite"]
+    times: dict[str, list[float]] = {m: [] for m in methods + ["torch_save_no_fsync"]}
+    last_file: dict[str, Path] = {}
+    phases: list[dict[str, float]] = []
+    try:
+        pimm_bytes = 0
+        for repeat in range(args.repeats + 1):
+            k = repeat % len(methods)
+            for which in methods[k:] + methods[:k]:
+                settle()
+                overwrite = which.endswith("_overwrite")
+                path = work / f"{which}{'' if overwrite else f'-{repeat}'}.bin"
+                if which == "pimm":
+                    ph: dict[str, float] = {}
+                    t = save_pimm(model_dir, model, opt, ph)
+                    pimm_bytes = tree_bytes(model_dir / "last")
+                    if repeat:
+                        ph["other"] = max(0.0, t - sum(ph.values()))
+                        phases.append(ph)
+                elif which.startswith("torch_save"):
+                    t, t_nofsync = save_torch(path, model, opt, last_file.get(which))
+                    if repeat and not overwrite:
+                        times["torch_save_no_fsync"].append(t_nofsync)
+                else:
+                    t = write_raw(path, pimm_bytes or sizes["total"], buf, last_file.get(which))
+                last_file[which] = path
+                if repeat:
+                    times[which].append(t)
+        nbytes = {"pimm": pimm_bytes, **{m: last_file[m].stat().st_size for m in methods[1:]}}
+    finally:
+        remove(work)
+
+    med = {k: median(v) for k, v in times.items()}
+    gbps = {m: nbytes[m] / med[m] / 1e9 for m in methods}
+    phase_med = {k: r(median([p.get(k, 0.0) for p in phases])) for k in phases[0]} if phases else {}
+    print(json.dumps({
+        "state_bytes": sizes,
+        "state_gib": r(sizes["total"] / GiB, 3),
+        "layers": sum(1 for m in model if isinstance(m, torch.nn.Linear)), "width": args.width,
+        "bytes_on_disk": nbytes,
+        "seconds_median": {k: r(v) for k, v in med.items()},
+        "gb_per_s": {k: r(v, 3) for k, v in gbps.items()},
+        "ratio_pimm_to_raw": r(gbps["pimm"] / gbps["raw"]),
+        "ratio_pimm_to_torch_save": r(gbps["pimm"] / gbps["torch_save"]),
+        "ratio_pimm_to_raw_overwrite": r(gbps["pimm"] / gbps["raw_overwrite"]),
+        "target_pimm_to_raw": 0.8,
+        "pimm_phases_s_median": phase_med,
+        "seconds_all": {k: [r(x) for x in v] for k, v in times.items()},
+        "repeats": args.repeats,
+        "machine": machine(work.parent, load_start),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
