@@ -85,9 +85,13 @@ def set_pointer(model_dir: Path, name: str, target: str) -> None:
         raise ValueError(f"pointer {name} must name another file in its own directory, got {target!r}")
     tmp = model_dir / f".{name}.{os.getpid()}.tmp"
     tmp.unlink(missing_ok=True)
-    os.symlink(target, tmp)
-    point("pointer.linked", tmp)
-    os.replace(tmp, model_dir / name)
+    try:
+        os.symlink(target, tmp)
+        point("pointer.linked", tmp)
+        os.replace(tmp, model_dir / name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(model_dir)
     point("pointer.replaced", model_dir / name)
 

@@ -5,7 +5,9 @@ One function, :func:`select_resume`, decides what a resume loads; every caller
 ``python -m pimm_core.utils.path latest-checkpoint``, the console) goes through it.
 
 Preference order for resume: ``last``, then a complete ``last.prev`` (left by a
-rotation interrupted between its two renames), then a legacy ``model_last.pth``.
+rotation interrupted between its two renames), then a legacy ``model_last.pth``, then
+single-format ``step_<N>.pth`` files, newest first (when ``last`` is missing or damaged:
+a crash before the first ``last`` pointer was set, or a corrupt target).
 Temporary ``*.tmp`` entries and anything lacking its ``.complete`` marker, weights,
 DCP metadata or manifest are rejected with the reason.
 """
@@ -186,18 +188,25 @@ def list_candidates(model_dir: Path) -> list[Candidate]:
     return out + sorted(iters, key=lambda c: c.step or 0)
 
 
+def in_resume_order(cands: list[Candidate]) -> list[Candidate]:
+    """Candidates a resume may load, most preferred first: :data:`RESUME_ORDER`, then
+    single-format ``step_<N>.pth`` files newest first (a file ``last`` points at is listed once)."""
+    named = [c for name in RESUME_ORDER for c in cands if c.name == name]
+    seen = {c.target for c in named if c.target}
+    return named + sorted((c for c in cands if c.kind == "single" and c.name not in seen), key=lambda c: -(c.step or 0))
+
+
 def select_resume(model_dir: Path) -> tuple[Candidate | None, list[Candidate]]:
     """Choose the checkpoint a resume loads.
 
     Returns:
         ``(chosen, candidates)``: ``chosen`` is the first complete resumable candidate
-        in :data:`RESUME_ORDER`, or ``None``; ``candidates`` is :func:`list_candidates`.
+        in :func:`in_resume_order`, or ``None``; ``candidates`` is :func:`list_candidates`.
     """
     cands = list_candidates(model_dir)
-    for name in RESUME_ORDER:
-        for c in cands:
-            if c.name == name and c.complete and c.resumable:
-                return c, cands
+    for c in in_resume_order(cands):
+        if c.complete and c.resumable:
+            return c, cands
     return None, cands
 
 
@@ -247,7 +256,7 @@ def resolve_resume_path(path: str | Path) -> Candidate:
         raise CheckpointError(f"No weight found: {text!r} does not exist; check the run path "
                               "(pimm checkpoints latest MODEL_DIR finds the newest complete checkpoint)", exit_code=2)
     if p.is_dir() and not (p / WEIGHTS).exists() and not (p / TRAINER_DCP).exists() and not (p / COMPLETE).exists():
-        if any((p / n).exists() for n in RESUME_ORDER):  # a model/ directory
+        if is_model_dir(p):
             chosen, cands = select_resume(p)
             if chosen is None:
                 raise CheckpointError(f"no complete checkpoint in {p}: " + "; ".join(explain(cands, None)), exit_code=2)
@@ -294,23 +303,23 @@ def verify_candidate(c: Candidate) -> list[str]:
 def is_model_dir(p: Path) -> bool:
     """A ``model/`` directory (holds candidates), as opposed to one checkpoint directory."""
     return p.is_dir() and not (p / WEIGHTS).exists() and not (p / TRAINER_DCP).exists() \
-        and any((p / n).exists() or (p / n).is_symlink() for n in RESUME_ORDER)
+        and (any((p / n).exists() or (p / n).is_symlink() for n in RESUME_ORDER)
+             or any(SINGLE_RE.match(q.name) for q in p.iterdir()))
 
 
 def select_verified(model_dir: Path) -> tuple[Candidate | None, list[str]]:
-    """The first complete resume candidate (in :data:`RESUME_ORDER`) whose files match its manifest.
+    """The first complete resume candidate (in :func:`in_resume_order`) whose files match its manifest.
 
     Returns:
         ``(chosen or None, warnings)``: one warning per candidate skipped as corrupt.
     """
     warnings = []
-    for name in RESUME_ORDER:
-        for c in list_candidates(model_dir):
-            if c.name != name or not (c.complete and c.resumable):
-                continue
-            problems = verify_candidate(c)
-            if not problems:
-                return c, warnings
-            warnings.append(f"checkpoint {c.path} failed verification ({'; '.join(problems)}); "
-                            "falling back to the next complete candidate")
+    for c in in_resume_order(list_candidates(model_dir)):
+        if not (c.complete and c.resumable):
+            continue
+        problems = verify_candidate(c)
+        if not problems:
+            return c, warnings
+        warnings.append(f"checkpoint {c.path} failed verification ({'; '.join(problems)}); "
+                        "falling back to the next complete candidate")
     return None, warnings

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from .. import dist
@@ -68,13 +69,23 @@ def _write_marker(path: Path) -> None:
 
 
 def save_torch_file(path: Path, obj: Any) -> None:
-    """``torch.save`` to ``path`` through a temporary file, fsync and rename (atomic)."""
+    """``torch.save`` to ``path`` through a temporary file, fsync and rename (atomic).
+
+    A sidecar manifest ``<path>.json`` describes the bytes it sits next to, so it is removed
+    before they are replaced (the caller writes the new one after): a crash between the
+    rename and the new sidecar leaves an intact file without a manifest (resumable, the file
+    is the authority) rather than one whose checksum no longer matches (rejected as corrupt).
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         torch.save(obj, tmp)
         point("file.written", tmp)
         fsync_file(tmp)
         point("file.synced", tmp)
+        sidecar = path.with_name(path.name + ".json")
+        if sidecar.exists():
+            sidecar.unlink()
+            fsync_dir(path.parent)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -355,11 +366,39 @@ def write_weights_file(path: Path, model: nn.Module, manifest: dict[str, Any],
     })
 
 
+class _ReusedStaging(AsyncStager):
+    """CPU copies of the checkpointed tensors, in buffers kept from one save to the next.
+
+    Staging is all of an async save's stall. Fresh buffers (DCP's default staging, a
+    ``clone``) make the training thread fault in every page of a new allocation; copying
+    into buffers that are already mapped is about 4x faster on CPU. Safe because at most
+    one save is in flight (``AsyncStandardSaver.save`` waits for the previous one before
+    copying). Costs one resident CPU copy of the checkpointed state between saves.
+    """
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        if type(t) is not torch.Tensor:  # e.g. a DTensor: a plain CPU copy, not cached
+            return t.detach().to("cpu", copy=True)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self._buffers[key] = torch.empty(t.shape, dtype=t.dtype)
+        return buf.copy_(t.detach())
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {k: self.copy(f"dcp/{k}", v) if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
+
+
 class AsyncStandardSaver:
     """Standard-format saves that write in the background (``checkpoint.async = true``).
 
-    ``save`` stages the state to CPU (DCP's ``async_save`` copies the optimizer and
-    trainer state; ``weights.pth`` is cloned here) and returns; the write runs in a
+    ``save`` stages the state to CPU (the optimizer and trainer state through DCP's
+    ``async_save``, the ``weights.pth`` tensors here, both into :class:`_ReusedStaging`
+    buffers) and returns; the write runs in a
     background thread, DCP's collectives on a separate gloo process group so they never
     interleave with training collectives. Publication — ``trainer.dcp/.complete``,
     ``weights.pth``, ``manifest.json``, ``.complete`` and the rotation — happens only
@@ -375,6 +414,7 @@ class AsyncStandardSaver:
         self._future = None
         self._thread = None
         self._error: str | None = None
+        self._staging = _ReusedStaging()
 
     def save(self, model_dir: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any],
              rank_state: dict[str, Any], manifest: dict[str, Any],
@@ -390,11 +430,12 @@ class AsyncStandardSaver:
         state = dcp_state(plain, optimizer, meta, rank_state, self.info.rank)
         with _quiet_single_process():
             future = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
-                                    process_group=self.pg, no_dist=not self.info.distributed)
+                                    process_group=self.pg, no_dist=not self.info.distributed,
+                                    async_stager=self._staging)
         if not self.info.is_main:
             self._future = future
             return final
-        weights = {k: ({n: t.detach().to("cpu", copy=True) for n, t in v.items()} if isinstance(v, dict) else v)
+        weights = {k: ({n: self._staging.copy(f"{k}/{n}", t) for n, t in v.items()} if isinstance(v, dict) else v)
                    for k, v in weights_payload(plain, ema_state_dict).items()}
 
         def finish() -> None:
