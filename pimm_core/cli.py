@@ -247,5 +247,17 @@ def main(argv: list[str] | None = None) -> int:
     return rc if isinstance(rc, int) else 0
 
 
+def run() -> None:
+    """Console-script entry: :func:`main`, then exit ignoring further SIGINT/SIGTERM, so a
+    repeated Ctrl-C after a clean stop cannot turn the exit (DataLoader worker shutdown)
+    into a traceback or a signal exit code."""
+    import signal
+
+    code = main()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -153,8 +153,6 @@ def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = 
 
     info = dist.env_world()
     setup_logging(info.is_main)
-    from .trainer import Trainer
-
     run_dir = resolve_run_dir(cfg, config_path)
     check_run_dir(cfg, run_dir)
     lock = RunLock(run_dir).acquire() if info.is_main else contextlib.nullcontext()
@@ -167,10 +165,23 @@ def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = 
     stop = StopRequest()
     # SIGINT/SIGTERM (Ctrl-C, a scheduler's pre-emption notice, torchrun forwarding either)
     # become a clean stop: finish the accumulation window, save last, exit 0. Once training
-    # has returned, later ones are ignored (catch_signals restores what it found: SIG_IGN), so
-    # a repeated Ctrl-C/SIGTERM cannot turn the clean exit into a kill or a traceback.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    # has returned, later ones are ignored until this function returns (catch_signals restores
+    # what it found: SIG_IGN), so a repeated Ctrl-C cannot turn the clean exit into a traceback;
+    # the console script keeps ignoring them while the interpreter exits (cli.run).
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _train_and_report(cfg, config_path, run_dir, source, lock, stop, info, start)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _train_and_report(cfg: Config, config_path: Path | None, run_dir: Path, source: str | None, lock,
+                      stop: StopRequest, info, start: float) -> int:
+    """Train under the run lock with signals turned into stop requests; print the summary line."""
+    from . import dist
+    from .trainer import Trainer
+
     with lock, stop.catch_signals():
         try:
             trainer = Trainer(cfg, run_dir=run_dir, stop=stop)
