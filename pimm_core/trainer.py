@@ -461,6 +461,8 @@ class Trainer:
             except BaseException as e:
                 self._status("failed", error=f"{e.__class__.__name__}: {e}")
                 raise
+            if self.state.stop_reason is None and (self.stop.reason or "").startswith("checkpoint save failed"):
+                self.state.stop_reason = self.stop.reason  # a best/iter write failed after the last stop check
             if self.state.stop_reason is not None:
                 self._record_stop()
             self._status("finished" if self.state.finished else "stopped")
