@@ -30,7 +30,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .checkpoint.manifest import verify_files
 from .checkpoint.selection import Candidate, select_resume
 from .errors import CheckpointError, ConfigError, UsageError
 from .run import CONFIG, LOG, METRICS, MODEL, PROVENANCE, STATUS, read_json
@@ -710,13 +709,13 @@ def candidate_age(c: Candidate, now: float | None = None) -> float | None:
 
 def verify_candidate(c: Candidate) -> list[str]:
     """Sizes and sha256 of a candidate's files against its manifest; one line per problem (empty: ok)."""
+    from .checkpoint.selection import verify_candidate as verify_files_of
+
     if c.manifest is None:
         return [c.reason or "no manifest: nothing to verify against"]
-    root = Path(c.path) if Path(c.path).is_dir() else Path(c.path).parent
-    files = c.manifest.get("files")
-    if not isinstance(files, dict):
+    if not isinstance(c.manifest.get("files"), dict):
         return ["manifest has no files table"]
-    problems = verify_files(root, files)
+    problems = verify_files_of(c)  # the same check resume applies before loading
     if not c.complete:
         problems.insert(0, c.reason or "incomplete")
     return problems
