@@ -39,8 +39,8 @@ IO_CASES = {
     "standard ENOSPC writing weights.pth": "standard:1:file.written:last.tmp/.weights.pth:2:enospc",
     "single EIO linking the last pointer": "single:1:pointer.linked:.last.:2:eio",
 }
-# Holes outside pimm_core/checkpoint (patch proposed, not applied): a model_best.pth write that
-# fails at the final evaluation is logged as ERROR, but the run ends "finished" with exit 0.
+# A model_best.pth write that fails at the final evaluation (after the last stop check) must
+# still fail the launch (it used to be logged as ERROR while the run ended "finished", exit 0).
 LATE_FAILURES = {
     "standard ENOSPC writing model_best.pth at the final evaluation":
         "standard:1:file.written:model/.model_best.pth:3:enospc",
