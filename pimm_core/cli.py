@@ -11,13 +11,14 @@ answer in a fraction of a second.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from .errors import PimmError, UsageError
+from .errors import RANK_ERRORS_ENV, PimmError, UsageError, is_peer_loss, report
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="pimm: a PyTorch training engine that never loses a run.")
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         # With standalone_mode=False Typer returns (not raises) the code of typer.Exit.
         rc = app(args=_ARGV, prog_name="pimm", standalone_mode=False)
     except PimmError as e:
-        print(f"error: {e}", file=sys.stderr)
+        report(e)  # one line; a rank under `pimm launch --nproc-per-node` hands it to the launcher
         return e.exit_code
     except typer.Exit as e:
         return e.exit_code
@@ -244,6 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        # A rank under `pimm launch` whose peer died: the collective it was in fails here. Hand
+        # the launcher a one-line note (it reports the rank that died) instead of a traceback.
+        if os.environ.get(RANK_ERRORS_ENV) and is_peer_loss(e):
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            report(PimmError(f"lost contact with another rank ({first[:200]})"), secondary=True)
+            return 1
+        raise
     return rc if isinstance(rc, int) else 0
 
 

@@ -44,3 +44,66 @@ class CheckpointError(PimmError):
 
 class CheckpointSaveError(CheckpointError):
     """Writing a checkpoint failed (disk full, I/O error); the previous one is intact."""
+
+
+# A rank started by ``pimm launch --nproc-per-node`` hands its error message to the launcher
+# through a file in this directory instead of printing it: with N ranks failing together
+# (a collective save error reaches every rank) the user would otherwise read N+1 ``error:``
+# lines. The launcher prints one (see launch.spawn). Ranks started by an external
+# torchrun/srun have no such directory and print their own line.
+RANK_ERRORS_ENV = "PIMM_RANK_ERRORS"
+
+
+def report(e: PimmError, *, secondary: bool = False, file=None) -> None:
+    """Print ``error: <message>`` to stderr, or hand it to the ``pimm launch`` parent.
+
+    Args:
+        secondary: the failure is a consequence of another rank's (a lost connection to a
+            rank that died); the launcher reports the root cause instead when it knows it.
+
+    A handed-over message is written to ``$PIMM_RANK_ERRORS/rank<RANK>.json``
+    (``{"code", "message", "secondary"}``) through a temporary file and a rename, so the
+    launcher never reads half of it.
+    """
+    import json
+    import os
+    import sys
+
+    where = os.environ.get(RANK_ERRORS_ENV)
+    rank = os.environ.get("RANK")
+    if where and rank is not None and os.path.isdir(where):
+        final = os.path.join(where, f"rank{rank}.json")
+        try:
+            with open(final + ".tmp", "w") as f:
+                json.dump({"code": e.exit_code, "message": str(e), "secondary": secondary}, f)
+            os.replace(final + ".tmp", final)
+            return
+        except OSError:
+            pass  # fall back to printing: a lost message is worse than an extra line
+    print(f"error: {e}", file=file or sys.stderr, flush=True)
+
+
+def rank_errors(where: str) -> dict[int, dict]:
+    """The reports ranks handed over: ``{rank: {"code", "message", "secondary"}}``."""
+    import json
+    import os
+
+    out: dict[int, dict] = {}
+    for name in os.listdir(where):
+        if name.startswith("rank") and name.endswith(".json"):
+            try:
+                with open(os.path.join(where, name)) as f:
+                    out[int(name[4:-5])] = json.load(f)
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+# How a collective fails in the surviving ranks when a peer process died (gloo, NCCL, the store).
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout",
+              "NCCL communicator was aborted", "failed to recv", "Connection refused")
+
+
+def is_peer_loss(e: BaseException) -> bool:
+    """True for the error a collective raises in a rank whose peer process died (torch-free check)."""
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_LOST)

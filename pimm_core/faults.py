@@ -4,7 +4,9 @@
 ``PIMM_FAILPOINT`` names that point, optionally with the hit count at which to fire
 (``standard.after_weights@2``), and optionally an action after ``=``: ``kill``
 (default: SIGKILL this process, like a power cut or the OOM killer) or ``enospc``
-/ ``eio`` (raise that OSError, like a full disk or a failing device). The list of
+/ ``eio`` (raise that OSError, like a full disk or a failing device). With
+``PIMM_FAILPOINT_RANK=<r>`` it fires only in the process whose ``RANK`` is ``r`` (one
+rank's disk or node failing while the others carry on). The list of
 points a save passes through is :data:`POINTS`; ``benchmarks/crash_points.py`` and the
 tests kill a real saving process at each of them.
 """
@@ -16,6 +18,8 @@ import os
 import signal
 
 _SPEC = os.environ.get("PIMM_FAILPOINT", "")
+if os.environ.get("PIMM_FAILPOINT_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
+    _SPEC = ""  # another rank's fail point
 _hits: dict[str, int] = {}
 
 POINTS: list[str] = []  # every point name, registered at import by the modules that use them

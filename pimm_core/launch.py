@@ -14,13 +14,14 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoint.selection import explain, list_candidates, resolve_resume_path, select_resume
 from .config import Config
-from .errors import CheckpointError, UsageError
+from .errors import RANK_ERRORS_ENV, CheckpointError, UsageError, rank_errors
 from .run import MODEL, STATUS, read_json, run_dir_for, run_name
 from .lock import RunLock
 from .stop import StopRequest
@@ -72,13 +73,21 @@ def check_run_dir(cfg: Config, run_dir: Path) -> None:
     for parent in [run_dir, *run_dir.parents]:
         if parent.exists() and not parent.is_dir():
             raise UsageError(f"{parent} is a file, not a directory; choose another --run.root or --run.name")
-    found = list_candidates(run_dir / MODEL)
     if cfg.train.resume:
         return
-    if found:
-        names = ", ".join(c.name for c in found[:4])
+    # Even a leftover of an interrupted save belongs to an earlier run of this name: never
+    # start over on top of it (the new run would delete it) without the user's say-so.
+    found = list_candidates(run_dir / MODEL)
+    if not found:
+        return
+    names = ", ".join(c.name for c in found[:4])
+    if any(c.complete and c.resumable for c in found):
         raise UsageError(f"{run_dir} already has checkpoints ({names}); add --train.resume to continue it, "
                          "or choose another --run.name")
+    # Nothing resumable (e.g. killed during its first save): neither a fresh start nor a resume
+    # can proceed, so say how to get out instead of pointing at --train.resume.
+    raise UsageError(f"{run_dir} has checkpoint files ({names}) but none can be resumed; move or remove "
+                     f"{run_dir / MODEL} to start this run over, or choose another --run.name")
 
 
 def setup_logging(is_main: bool) -> None:
@@ -105,7 +114,12 @@ def resume_source(cfg: Config, run_dir: Path, resume_from: str | None) -> str | 
     chosen, cands = select_resume(run_dir / MODEL)
     if chosen is None:
         found = "; ".join(explain(cands, None)) if cands else "nothing"
-        hint = "" if cfg.run.no_timestamp else " (to resume a run, pass its --run.name and --run.no-timestamp)"
+        if not cfg.run.no_timestamp:
+            hint = " (to resume a run, pass its --run.name and --run.no-timestamp)"
+        elif cands:
+            hint = f"; to start this run over, move or remove {run_dir / MODEL} and launch without --train.resume"
+        else:
+            hint = "; launch without --train.resume to start it"
         raise CheckpointError(f"cannot resume {run_dir}: no complete checkpoint; found: {found}{hint}", exit_code=2)
     return str(run_dir / MODEL)  # the trainer verifies checksums and falls back past corrupt candidates
 
@@ -192,9 +206,7 @@ def _train_and_report(cfg: Config, config_path: Path | None, run_dir: Path, sour
         best = f"{state.best_metric:.4f}" if state.best_metric is not None else "n/a"
         took = f"{time.perf_counter() - start:.1f} s"
         if state.stop_reason is not None and state.stop_reason.startswith("checkpoint save failed"):
-            print(f"error: {state.stop_reason}; training stopped at step {state.global_step} | run {run_dir}",
-                  file=sys.stderr, flush=True)
-            return 1
+            raise CheckpointError(f"{state.stop_reason}; training stopped at step {state.global_step} | run {run_dir}")
         if state.stop_reason is not None:
             print(f"stopped ({state.stop_reason}): last saved at step {state.global_step} "
                   f"(epoch {state.epoch}, iter {state.iter}) | {took} | run {run_dir}\n"
@@ -221,12 +233,30 @@ def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOp
         RunLock(run_dir).acquire().release()  # refuse at once if another launch holds the run
     head, sep, tail = _split_at_dashdash(argv)
     worker_args = ["launch", *head, "--run.name", run_dir.name, "--run.no-timestamp", *sep, *tail]
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args([*opts.torchrun_args(), "--module", "pimm_core.cli", *worker_args])
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    # torchrun logs each failed rank at ERROR; pimm prints one line naming the cause instead
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory(prefix="pimm-rank-errors-") as errors_dir:
+        os.environ[RANK_ERRORS_ENV] = errors_dir  # the ranks inherit it (see errors.report)
+        # torchrun sets OMP_NUM_THREADS=1 for the ranks when it is unset, with a four-line
+        # warning on every launch; set the same value here (a user's own value is kept).
+        omp_was_set = "OMP_NUM_THREADS" in os.environ
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        try:
+            return _run_ranks(run, args, run_dir, errors_dir)
+        finally:
+            os.environ.pop(RANK_ERRORS_ENV, None)
+            if not omp_was_set:
+                os.environ.pop("OMP_NUM_THREADS", None)
+
+
+def _run_ranks(run, args, run_dir: Path, errors_dir: str) -> int:
+    """``torch.distributed.run.run(args)``, turning its outcome into one report and an exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
         run(args)
@@ -243,13 +273,33 @@ def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOp
               f"see {run_dir / 'train.log'}", file=sys.stderr)
         return 1
     except ChildFailedError as e:
-        rank, failure = min(e.failures.items())
-        code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
-        if code != 2:  # exit code 2 means the rank already printed a usage error
-            print(f"error: rank {rank} failed with exit code {failure.exitcode}; see {run_dir / 'train.log'}",
-                  file=sys.stderr)
+        code, line = _failure_report(e.failures, rank_errors(errors_dir), run_dir)
+        print(line, file=sys.stderr)
         return code
     return 0
+
+
+def _failure_report(failures: dict, reports: dict[int, dict], run_dir: Path) -> tuple[int, str]:
+    """One ``error:`` line and the exit code for failed ranks, naming the root cause.
+
+    When one rank fails, torchrun stops the others with SIGTERM and the ranks blocked in a
+    collective with it fail too ("secondary" reports): the cause is, in order, the lowest
+    rank that reported a primary error, else the lowest rank that died some other way
+    (killed by a signal, a crash with its traceback above), else the lowest failed rank.
+    """
+    primary = {r: v for r, v in reports.items() if not v.get("secondary")}
+    if primary:
+        rank = min(primary)
+        msg = primary[rank]["message"]
+        return int(primary[rank]["code"]), (f"error: {msg}" if rank == 0 else f"error: rank {rank}: {msg}")
+    died = [r for r, f in failures.items() if r not in reports and f.exitcode != -signal.SIGTERM]
+    rank = min(died or failures)
+    exitcode = failures[rank].exitcode
+    if exitcode is not None and exitcode < 0:
+        how = f"was killed by {signal.Signals(-exitcode).name}"
+    else:
+        how = f"failed with exit code {exitcode} (its output is above)"
+    return 1, f"error: rank {rank} {how}; the run stopped; see {run_dir / 'train.log'} and resume with --train.resume"
 
 
 def _wait_for_children(timeout: float = 300.0) -> None:

@@ -324,9 +324,10 @@ class Trainer:
                                 rank_states=states, manifest=manifest, ema_state_dict=self._ema_sd(),
                                 pointers=pointers, keep_last=self.config.checkpoint.keep_last)
 
-            on_main(self.info, write, path.with_name(f".{path.name}.{os.getpid()}.tmp"), path)
+            on_main(self.info, write, path.with_name(f".{path.name}.{os.getpid()}.tmp"), checkpoint_dir)
             self._single_saved_step = self.state.global_step
-        if self.info.is_main:
+        if self.info.is_main and not (fmt == "standard" and background and self._async is not None):
+            # (a background save logs "saved" from its writer thread once it is published)
             log.info("saved %s (step %d, epoch %d, iter %d)", path, self.state.global_step, self.state.epoch,
                      self.state.iter)
         return path

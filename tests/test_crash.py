@@ -38,6 +38,8 @@ KILL_CASES = {
 IO_CASES = {
     "standard ENOSPC writing weights.pth": "standard:1:file.written:last.tmp/.weights.pth:2:enospc",
     "single EIO linking the last pointer": "single:1:pointer.linked:.last.:2:eio",
+    # every rank raises (the failure is gathered so none waits forever); the launcher alone reports
+    "two ranks ENOSPC writing weights.pth": "standard:2:standard.weights_written:last.tmp/weights.pth:2:enospc",
 }
 # A model_best.pth write that fails at the final evaluation (after the last stop check) must
 # still fail the launch (it used to be logged as ERROR while the run ended "finished", exit 0).
@@ -117,3 +119,29 @@ def test_full_sweep(tmp_path):
     assert {r["format"] for r in table["cases"]} == {"standard", "legacy", "single"}
     assert {r["ranks"] for r in table["cases"]} == {1, 2}
     assert result.returncode == 0
+
+
+def test_one_rank_killed_mid_save_is_reported_in_one_line_and_resumes(tmp_path):
+    """A node dying: only rank 1 is SIGKILLed during its second DCP write. Rank 0, blocked in a
+    collective with it, is stopped by torchrun; the launcher prints one line naming rank 1 and
+    the signal (not rank 0's lost connection, no traceback), exits 1, and the run resumes
+    from the newest complete save."""
+    env = {**clean_env(), "PIMM_FAILPOINT": "standard.dcp_written@2=kill", "PIMM_FAILPOINT_RANK": "1"}
+    base = [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(REPO / "configs" / "digits.toml"),
+            "--run.root", str(tmp_path), "--run.name", "r", "--run.no-timestamp", "--nproc-per-node", "2"]
+    ov = ["--", "train.epochs=2", "checkpoint.every_steps=10", "data.num_workers=0"]
+    crashed = subprocess.run([*base, *ov], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert crashed.returncode == 1, crashed.stderr[-3000:]
+    assert "Traceback" not in crashed.stderr and "[rank0]" not in crashed.stderr, crashed.stderr[-3000:]
+    errors = [line for line in crashed.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "rank 1 was killed by SIGKILL" in errors[0], crashed.stderr[-3000:]
+    assert crashed.stderr.strip().splitlines()[-1] == errors[0]  # nothing from torchrun after it
+
+    resumed = subprocess.run([*base, "--train.resume", *ov], cwd=REPO, env=clean_env(), capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    provenance = json.loads((tmp_path / "digits" / "r" / "provenance.json").read_text())
+    resume = provenance["starts"][-1]
+    # rank 1 died after its shard of the step-20 save was on disk (the fail point follows the
+    # DCP write, whose collectives had finished), so rank 0 published that save complete
+    assert resume["kind"] == "resume" and resume["checkpoint_step"] == 20, resume

@@ -6,6 +6,8 @@ import re
 import time
 from pathlib import Path
 
+import pytest
+
 from _helpers import DIGITS, describe, pimm, snapshot
 from pimm_core.config import load_config
 from pimm_core.launch import resolve_run_dir
@@ -83,16 +85,29 @@ def test_distributed_launch_refuses_before_spawning(trained_run, tmp_path):
     assert snapshot(run_dir) == before
 
 
-def test_refuses_even_an_incomplete_leftover(tmp_path):
-    # a model/ with only an interrupted save still belongs to an earlier run
-    leftover = tmp_path / "digits" / "t" / "model" / "last.tmp"
-    leftover.mkdir(parents=True)
-    (leftover / "weights.pth").write_bytes(b"partial")
+@pytest.mark.parametrize("leftover", ["last.tmp", "last"])
+def test_only_an_interrupted_first_save_is_refused_with_a_way_out(tmp_path, leftover):
+    """A run killed during its first save (a ``last.tmp``, or a ``last/`` without ``.complete``)
+    has nothing to resume. The leftover still belongs to that run, so a fresh launch refuses,
+    but not by pointing at --train.resume (which would fail in turn): both commands name the
+    directory to move away, and neither touches anything."""
+    run_dir = tmp_path / "digits" / "t"
+    (run_dir / "model" / leftover / "trainer.dcp").mkdir(parents=True)
+    (run_dir / "model" / leftover / "weights.pth").write_bytes(b"partial")
     before = snapshot(tmp_path)
-    result = pimm("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "t", "--run.no-timestamp",
-                  "--nproc-per-node", "2", timeout=60)
-    _refused(result, tmp_path / "digits" / "t")
-    assert snapshot(tmp_path) == before
+    fresh = pimm("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "t", "--run.no-timestamp",
+                 "--nproc-per-node", "2", timeout=60)
+    resume = pimm("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "t", "--run.no-timestamp",
+                  "--train.resume", timeout=120)
+    for result in (fresh, resume):
+        assert result.returncode == 2, describe(result)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in result.stderr, describe(result)
+        assert leftover in lines[0] and f"move or remove {run_dir / 'model'}" in lines[0], lines[0]
+    assert "--train.resume to continue" not in fresh.stderr
+    after = snapshot(tmp_path)
+    after.pop("digits/t/.lock", None)  # the (empty) lock file the resume took before looking
+    assert after == before
 
 
 def test_run_root_that_is_a_file_is_refused(tmp_path):

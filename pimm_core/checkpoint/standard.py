@@ -18,6 +18,7 @@ directory fsync after each rename.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from ..dist import DistInfo
 from ..errors import CheckpointError, CheckpointSaveError
 from .atomic import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, remove_tree
 from .manifest import COMPLETE, MANIFEST, describe_files, write_manifest
-from .selection import DCP_METADATA, TRAINER_DCP, WEIGHTS
+from .selection import DCP_METADATA, TRAINER_DCP, WEIGHTS, select_resume
 from .state import join_tensors, pack, split_tensors, unpack
 from ..faults import point, register
 
@@ -151,7 +152,7 @@ def save_standard(
     final = model_dir / name
     tmp = model_dir / f"{name}.tmp"
 
-    on_main(info, lambda: prepare(tmp), tmp)
+    on_main(info, lambda: prepare(tmp), tmp, model_dir)
     plain = unwrap(model)
     state = dcp_state(plain, optimizer, meta, rank_state, info.rank)
     try:
@@ -162,10 +163,10 @@ def save_standard(
     except Exception as e:  # DCP raises on every rank when any rank's write failed
         if info.is_main:
             _cleanup(tmp)
-        raise CheckpointSaveError(f"checkpoint save failed writing {tmp / TRAINER_DCP}: {_short(e)}; "
-                                  f"the previous checkpoint {final} is intact") from None
+        raise CheckpointSaveError(f"checkpoint save failed writing {tmp / TRAINER_DCP}: {_short(e)}"
+                                  f"{intact_note(model_dir)}") from None
 
-    on_main(info, lambda: publish(tmp, final, weights_payload(plain, ema_state_dict), manifest), tmp, final)
+    on_main(info, lambda: publish(tmp, final, weights_payload(plain, ema_state_dict), manifest), tmp, model_dir)
     return final
 
 
@@ -216,20 +217,30 @@ def _cleanup(tmp: Path) -> None:
         pass  # reported by `pimm checkpoints ls` and removed by the next successful save
 
 
-def on_main(info: DistInfo, fn: Callable[[], None], tmp: Path, final: Path | None = None) -> None:
+def intact_note(model_dir: Path) -> str:
+    """What a failed save left a resume (read from disk after the cleanup, not assumed):
+    ``"; <path> (step N) is complete and is what a resume selects"``, or that the run has no
+    complete checkpoint yet. After a late failure (a rotation step) that can be the new save."""
+    chosen, _ = select_resume(model_dir)
+    if chosen is None:
+        return "; this run has no complete checkpoint yet"
+    return f"; {chosen.path} (step {chosen.step}) is complete and is what a resume selects"
+
+
+def on_main(info: DistInfo, fn: Callable[[], None], tmp: Path, model_dir: Path) -> None:
     """Run ``fn`` on rank 0 and make every rank raise if it failed, so no rank waits forever.
 
     Raises:
-        CheckpointSaveError: on every rank, naming the path and the OS error; ``tmp`` is removed.
+        CheckpointSaveError: on every rank, naming the path and the OS error and what a
+            resume would now select (:func:`intact_note`); ``tmp`` is removed.
     """
     error = None
     if info.is_main:
         try:
             fn()
         except Exception as e:
-            error = f"checkpoint save failed: {_short(e)}" + (
-                f"; the previous checkpoint {final} is intact" if final is not None else "")
             _cleanup(tmp)
+            error = f"checkpoint save failed: {_short(e)}{intact_note(model_dir)}"
     errors = dist.all_gather_object(error) if info.distributed else [error]
     first = next((e for e in errors if e), None)
     if first:
@@ -425,7 +436,7 @@ class AsyncStandardSaver:
         self.wait()
         final, tmp = model_dir / name, model_dir / f"{name}.tmp"
 
-        on_main(self.info, lambda: prepare(tmp), tmp)
+        on_main(self.info, lambda: prepare(tmp), tmp, model_dir)
         plain = unwrap(model)
         state = dcp_state(plain, optimizer, meta, rank_state, self.info.rank)
         with _quiet_single_process():
@@ -442,9 +453,12 @@ class AsyncStandardSaver:
             try:
                 future.result()
                 publish(tmp, final, weights, manifest)
+                logging.getLogger("pimm").info("saved %s (step %s, epoch %s, iter %s; written in the background)",
+                                               final, manifest.get("step"), manifest.get("epoch"),
+                                               manifest.get("iter"))
             except Exception as e:
-                self._error = f"checkpoint save failed: {_short(e)}; the previous checkpoint {final} is intact"
                 _cleanup(tmp)
+                self._error = f"checkpoint save failed: {_short(e)}{intact_note(model_dir)}"
 
         self._thread = threading.Thread(target=finish, name="pimm-async-save", daemon=False)
         self._thread.start()
