@@ -22,6 +22,9 @@ each repeat; one warm-up round is discarded):
   handed back to the host and fault in again. Reported for reference; the ratios use
   the new-file variants, which do what a checkpoint must.
 
+Then ``pimm_back_to_back`` / ``raw_back_to_back``: each writer alone, several times in a
+row (a run checkpointing periodically, nothing else writing in between), the first dropped.
+
 Throughput is bytes written / wall time (GB = 1e9 bytes). pimm's time is also split
 into phases (DCP write + its fsync, weights.pth, fsync of the tree, manifest = sha256
 of every file, rotation; ``other``: optimizer state dict, packing, directory set-up).
@@ -173,6 +176,21 @@ def main() -> None:
                 if repeat:
                     times[which].append(t)
         nbytes = {"pimm": pimm_bytes, **{m: last_file[m].stat().st_size for m in methods[1:]}}
+        # Back to back: each writer alone, repeats in a row (the first dropped), as in a run
+        # that checkpoints periodically with no other writer in between. Interleaving (above)
+        # makes every write take page-cache pages another writer just freed and, on a VM,
+        # pay for faulting them in again; in a row a save reuses what its own rotation freed.
+        for which in ("pimm", "raw"):
+            settle()
+            for repeat in range(args.repeats + 1):
+                if which == "pimm":
+                    t = save_pimm(model_dir, model, opt)
+                else:
+                    path = work / f"raw-b2b-{repeat}.bin"
+                    t = write_raw(path, pimm_bytes, buf, last_file.get("raw_b2b"))
+                    last_file["raw_b2b"] = path
+                if repeat:
+                    times.setdefault(f"{which}_back_to_back", []).append(t)
     finally:
         remove(work)
 
@@ -189,6 +207,7 @@ def main() -> None:
         "ratio_pimm_to_raw": r(gbps["pimm"] / gbps["raw"]),
         "ratio_pimm_to_torch_save": r(gbps["pimm"] / gbps["torch_save"]),
         "ratio_pimm_to_raw_overwrite": r(gbps["pimm"] / gbps["raw_overwrite"]),
+        "ratio_pimm_to_raw_back_to_back": r(med["raw_back_to_back"] / med["pimm_back_to_back"]),
         "target_pimm_to_raw": 0.8,
         "pimm_phases_s_median": phase_med,
         "seconds_all": {k: [r(x) for x in v] for k, v in times.items()},

@@ -36,7 +36,7 @@ from . import dist
 from .checkpoint.files import load_file_checkpoint, save_legacy, save_single, set_pointer
 from .checkpoint.selection import (BEST, ITER_RE, LEGACY_LAST, is_model_dir, resolve_resume_path, select_verified,
                                    verify_candidate)
-from .checkpoint.standard import (AsyncStandardSaver, load_standard, on_main, save_standard, unwrap,
+from .checkpoint.standard import (AsyncStandardSaver, load_standard, on_main, save_standard, unwrap, wait_for_purges,
                                   write_weights_file)
 from .checkpoint.atomic import remove_stale_temporaries
 from .checkpoint.state import rng_state, set_rng_state
@@ -580,6 +580,8 @@ class Trainer:
                                      pointers=("last", "final") if s.finished else ("last",))
                 if s.finished and ckpt.every_steps and ckpt.keep_iter and s.global_step % ckpt.every_steps == 0:
                     self._save_iter_snapshot(checkpoint_dir)
+                # the last save's superseded checkpoint is removed before the run reports its end
+                on_main(self.info, wait_for_purges, checkpoint_dir / "last.prev", checkpoint_dir)
         finally:
             progress.stop()
 

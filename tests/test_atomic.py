@@ -10,7 +10,7 @@ import pytest
 from pimm_core.checkpoint import atomic
 from pimm_core.checkpoint.atomic import atomic_write_bytes
 from pimm_core.checkpoint.selection import select_resume
-from pimm_core.checkpoint.standard import rotate_into_place
+from pimm_core.checkpoint.standard import rotate_into_place, wait_for_purges
 
 
 def names(d: Path) -> list[str]:
@@ -92,6 +92,7 @@ def tag_of(path: Path) -> str:
 
 def test_rotation_into_empty_dir(tmp_path):
     rotate_into_place(make_ckpt(tmp_path / "last.tmp", "new"), tmp_path / "last")
+    wait_for_purges()  # last.prev is removed in the background
     assert names(tmp_path) == ["last"]
     assert tag_of(tmp_path / "last") == "new"
 
@@ -99,6 +100,7 @@ def test_rotation_into_empty_dir(tmp_path):
 def test_rotation_replaces_last_and_removes_prev(tmp_path):
     make_ckpt(tmp_path / "last", "old")
     rotate_into_place(make_ckpt(tmp_path / "last.tmp", "new"), tmp_path / "last")
+    wait_for_purges()  # last.prev is removed in the background
     assert names(tmp_path) == ["last"]
     assert tag_of(tmp_path / "last") == "new"
     assert (tmp_path / "last" / "trainer.dcp" / "__0_0.distcp").read_text() == "new"
@@ -108,6 +110,7 @@ def test_rotation_with_stale_prev_and_last(tmp_path):
     make_ckpt(tmp_path / "last", "old")
     make_ckpt(tmp_path / "last.prev", "older")
     rotate_into_place(make_ckpt(tmp_path / "last.tmp", "new"), tmp_path / "last")
+    wait_for_purges()  # last.prev is removed in the background
     assert names(tmp_path) == ["last"]
     assert tag_of(tmp_path / "last") == "new"
 
@@ -116,6 +119,7 @@ def test_rotation_after_interrupted_rotation(tmp_path):
     # a crash between the two renames leaves only last.prev: it must survive until the new last is in
     make_ckpt(tmp_path / "last.prev", "old")
     rotate_into_place(make_ckpt(tmp_path / "last.tmp", "new"), tmp_path / "last")
+    wait_for_purges()  # last.prev is removed in the background
     assert names(tmp_path) == ["last"]
     assert tag_of(tmp_path / "last") == "new"
 
@@ -141,7 +145,32 @@ def test_crash_between_renames_leaves_previous_checkpoint(tmp_path, monkeypatch)
     assert tag_of(tmp_path / "last.prev") == "old"
     # the next save publishes normally and drops the old copy
     rotate_into_place(tmp, tmp_path / "last")
+    wait_for_purges()
     assert names(tmp_path) == ["last"] and tag_of(tmp_path / "last") == "new"
+
+
+def test_failed_background_removal_is_raised_by_the_next_rotation(tmp_path, monkeypatch):
+    """Removing the superseded last.prev runs in the background; its failure is not lost."""
+    from pimm_core.checkpoint import standard
+
+    make_ckpt(tmp_path / "last", "old")
+    real_remove = standard.remove_tree
+
+    def failing_remove(path):
+        if Path(path).name == "last.prev":
+            raise OSError(5, "Input/output error", str(path))
+        real_remove(path)
+
+    monkeypatch.setattr(standard, "remove_tree", failing_remove)
+    rotate_into_place(make_ckpt(tmp_path / "last.tmp", "new"), tmp_path / "last")
+    assert tag_of(tmp_path / "last") == "new"  # published before the removal
+    with pytest.raises(OSError, match="Input/output error"):
+        rotate_into_place(make_ckpt(tmp_path / "last.tmp", "newer"), tmp_path / "last")
+    assert tag_of(tmp_path / "last") == "new" and tag_of(tmp_path / "last.tmp") == "newer"  # nothing rotated
+    monkeypatch.undo()
+    rotate_into_place(tmp_path / "last.tmp", tmp_path / "last")
+    wait_for_purges()
+    assert names(tmp_path) == ["last"] and tag_of(tmp_path / "last") == "newer"
 
 
 def test_selection_prefers_last_prev_when_last_is_missing(tmp_path, trained_run):

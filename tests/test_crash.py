@@ -34,6 +34,8 @@ KILL_CASES = {
     "single step file published, 2nd save": "single:1:file_format.published:step_:2:kill",
     "single before the first last pointer": "single:1:pointer.linked:.last.:1:kill",
     "single pointers set, 2nd save": "single:1:single.pointers_set:step_:2:kill",
+    "async: background write killed before its manifest, 2nd save":
+        "async:1:standard.manifest_written:manifest.json:2:kill",
 }
 IO_CASES = {
     "standard ENOSPC writing weights.pth": "standard:1:file.written:last.tmp/.weights.pth:2:enospc",

@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .atomic import atomic_write_bytes
 
@@ -44,14 +44,20 @@ def sha256_file(path: Path, bufsize: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def describe_files(root: Path, exclude: tuple[str, ...] = (MANIFEST, COMPLETE)) -> dict[str, dict[str, Any]]:
-    """Size and sha256 of every regular file under ``root`` (relative POSIX paths)."""
+def describe_files(root: Path, exclude: tuple[str, ...] = (MANIFEST, COMPLETE),
+                   include: Callable[[str], bool] | None = None) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every regular file under ``root`` (relative POSIX paths).
+
+    Args:
+        exclude: relative paths to leave out.
+        include: when given, only relative paths for which it returns True.
+    """
     files = {}
     for dirpath, _dirs, names in os.walk(root):
         for name in sorted(names):
             p = Path(dirpath) / name
             rel = p.relative_to(root).as_posix()
-            if rel in exclude:
+            if rel in exclude or (include is not None and not include(rel)):
                 continue
             files[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
     return dict(sorted(files.items()))
