@@ -430,7 +430,9 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
             skipped.append(problem + " (skipped: resume_strict_state=false)")
             optimizer = None
         else:
-            request.update({k: torch.empty_like(target[k]) for k in saved_optim})
+            # DCP reads straight into the optimizer's own state tensors (those of a fresh
+            # optimizer, materialized by get_optimizer_state_dict): no second copy.
+            request.update({k: target[k] for k in saved_optim})
     with _quiet_single_process():
         dcp.load(request, storage_reader=reader, no_dist=not info.distributed)
 
