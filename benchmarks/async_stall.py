@@ -6,7 +6,9 @@ Same state as ``save_throughput.py`` (Linear stack + AdamW after one step, >= ``
   the training thread is blocked for the whole write, fsync, sha256 manifest and rotation.
 - ``async``: ``AsyncStandardSaver.save`` (what ``Trainer.save_checkpoint(background=True)``
   calls with ``checkpoint.async = true``): the stall is the time until ``save`` returns
-  (optimizer state dict, DCP staging copy to CPU, weights clone, thread start). The
+  (optimizer state dict, packing, copies of the buffers, thread start) plus the time the
+  next training step then waits, before its optimizer step, for the staging copies that
+  run on a background thread during its forward/backward (``wait_staged``). The
   previous save is always finished before the timed call (``wait()`` outside the timer),
   so no in-flight wait is counted; ``background_s`` is the time from ``save`` returning to
   the checkpoint being published (``wait()`` returning), measured separately.
@@ -48,11 +50,19 @@ META = {"trainer": {"global_step": 1}}
 MANIFEST = {"kind": "last", "step": 1, "epoch": 0, "iter": 0}
 
 
-def train_step(model, opt, x) -> None:
+def train_step(model, opt, x, before_step=None) -> float:
+    """One forward/backward/AdamW step; returns the seconds spent in ``before_step`` (the
+    trainer's wait for a background save's staging copies, as in ``Trainer._loop``)."""
     loss = F.mse_loss(model(x), x)
     loss.backward()
+    waited = 0.0
+    if before_step is not None:
+        t0 = time.perf_counter()
+        before_step()
+        waited = time.perf_counter() - t0
     opt.step()
     opt.zero_grad(set_to_none=True)
+    return waited
 
 
 def main() -> None:
@@ -77,6 +87,7 @@ def main() -> None:
     saver = AsyncStandardSaver(info)
     sync_s: list[float] = []
     stall_s: list[float] = []
+    staging_wait_s: list[float] = []
     background_s: list[float] = []
     step_idle: list[float] = []
     step_during: list[float] = []
@@ -99,14 +110,17 @@ def main() -> None:
             saver.save(async_dir, model=model, optimizer=opt, meta=META, rank_state={"rng": torch.get_rng_state()},
                        manifest=MANIFEST)
             t1 = time.perf_counter()
-            train_step(model, opt, x)  # the training thread goes on while the write runs
+            # the training thread goes on while the copy and the write run; it waits for
+            # the copy only before the optimizer step changes what is being copied
+            waited = train_step(model, opt, x, before_step=saver.wait_staged)
             t2 = time.perf_counter()
             saver.wait()
             t3 = time.perf_counter()
             assert (async_dir / "last" / ".complete").exists()
             if repeat:
                 sync_s.append(t_sync)
-                stall_s.append(t1 - t0)
+                stall_s.append(t1 - t0 + waited)
+                staging_wait_s.append(waited)
                 background_s.append(t3 - t1)
                 step_idle.append(t_idle)
                 step_during.append(t2 - t1)
@@ -127,6 +141,7 @@ def main() -> None:
         "async_background_s_median": r(median(background_s)),
         "train_step_s_median": {"no_save": r(median(step_idle)), "during_background_save": r(median(step_during))},
         "step_slowdown_during_background_save": r(median(step_during) / median(step_idle)),
+        "async_staging_wait_before_next_step_s_median": r(median(staging_wait_s)),
         "seconds_all": {"sync": [r(x) for x in sync_s], "async_stall": [r(x) for x in stall_s],
                         "async_background": [r(x) for x in background_s]},
         "repeats": args.repeats,

@@ -160,9 +160,10 @@ class Proc:
 
     @property
     def sigkilled(self) -> bool:
-        # one process: killed by SIGKILL; torchrun: it reports the rank's exit code -9
+        # one process: killed by SIGKILL; torchrun: `pimm launch` names the rank and the signal
         return self.signal == signal.SIGKILL or (
-            self.rc not in (None, 0) and re.search(r"exit(?: )?code:? -9\b", self.stderr) is not None)
+            self.rc not in (None, 0) and re.search(r"rank \d+ was killed by SIGKILL|exit(?: )?code:? -9\b",
+                                                   self.stderr) is not None)
 
     def brief(self) -> str:
         return f"signal {self.signal}" if self.signal else f"exit {self.rc}"

@@ -511,6 +511,8 @@ class Trainer:
                     if t.grad_clip:
                         scaler.unscale_(optimizer)
                         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+                    if self._async is not None:
+                        self._async.wait_staged()  # a background save may still be copying the weights
                     scaler.step(optimizer)
                     scaler.update()
                     optimizer.zero_grad(set_to_none=True)

@@ -2,19 +2,23 @@
 
 A real launch with async saves every 10 steps is stopped with SIGTERM while training (a
 save is then usually in flight): it exits 0 once the in-flight save is published and
-``last`` is saved, ``last`` is complete and verifies, and the resumed run ends with
-weights bit-for-bit equal to an uninterrupted synchronous run of the same config (so
-the background write neither perturbed training nor lost state). Kills in the middle of
-a background write are in ``test_crash.py`` (``async`` cases).
+``last`` is saved, and ``last`` is complete and verifies. It is resumed, SIGKILLed once
+a background save is published, and resumed again from that background-written
+checkpoint to the end: the final weights must equal an uninterrupted synchronous run bit
+for bit, so the background copies and writes neither perturbed training nor captured a
+half-updated state. Kills in the middle of a background write are in ``test_crash.py``.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from _helpers import DIGITS, REPO, clean_env, describe, launch, pimm, read_json
@@ -28,7 +32,7 @@ def final_weights(run_dir):
     return torch.load(run_dir / "model" / "last" / "weights.pth", weights_only=True)["state_dict"]
 
 
-def test_async_stop_waits_for_the_save_and_resumes_bitwise(tmp_path):
+def test_async_stop_and_kill_resume_bitwise(tmp_path):
     reference = launch(tmp_path, "sync", *OV, "checkpoint.async=false")
     assert reference.returncode == 0, describe(reference)
 
@@ -49,11 +53,37 @@ def test_async_stop_waits_for_the_save_and_resumes_bitwise(tmp_path):
     assert "written in the background" in log, log[-2000:]  # logged when published, not when started
     assert not list((s.run_dir / "model").glob("*.tmp")), sorted(p.name for p in (s.run_dir / "model").iterdir())
 
+    # Resume with async saves, and SIGKILL the run once a background save newer than the
+    # stop is published: the next resume then loads a checkpoint the background thread wrote.
+    s2 = Session(tmp_path, "bg", (*OV, "checkpoint.async=true"), nproc=None, resume=True, tag="killed")
+    try:
+        step = background_save_after(s2, status["step"])
+        os.killpg(s2.proc.pid, signal.SIGKILL)
+        s2.wait()
+    finally:
+        s2.kill()
     resumed = subprocess.run([sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(DIGITS),
                               "--run.root", str(tmp_path), "--run.name", "bg", "--run.no-timestamp", "--train.resume",
                               "--", *OV, "checkpoint.async=true"],
                              cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, describe(resumed)
+    start = read_json(s.run_dir / "provenance.json")["starts"][-1]
+    assert start["kind"] == "resume" and start["checkpoint_step"] >= step, (start, step)
     ref, got = final_weights(tmp_path / "digits" / "sync"), final_weights(s.run_dir)
     assert ref.keys() == got.keys()
-    assert all(torch.equal(ref[k], got[k]) for k in ref), "async + stop + resume diverged from the sync run"
+    assert all(torch.equal(ref[k], got[k]) for k in ref), "async save + kill + resume diverged from the sync run"
+
+
+def background_save_after(s: Session, step: int) -> int:
+    """Wait for train.log to report a background save published after ``step``; returns its step."""
+    pattern = re.compile(r"saved \S+ \(step (\d+), .*written in the background\)")
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if s.proc.poll() is not None:
+            pytest.fail(f"the run ended before a background save after step {step}:\n{s.describe()}")
+        log = (s.run_dir / "train.log").read_text(errors="replace")
+        steps = [int(m.group(1)) for m in pattern.finditer(log)]
+        if steps and steps[-1] > step:
+            return steps[-1]
+        time.sleep(0.02)
+    pytest.fail(f"no background save after step {step} within 180 s:\n{s.describe()}")

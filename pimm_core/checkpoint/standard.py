@@ -23,6 +23,7 @@ import os
 import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -472,8 +473,9 @@ class _ReusedStaging(AsyncStager):
 
     _synchronize_after_execute = False
 
-    def __init__(self) -> None:
+    def __init__(self, pool: ThreadPoolExecutor | None = None) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self.pool = pool
 
     def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
         if type(t) is not torch.Tensor:  # e.g. a DTensor: a plain CPU copy, not cached
@@ -483,7 +485,14 @@ class _ReusedStaging(AsyncStager):
             buf = self._buffers[key] = torch.empty(t.shape, dtype=t.dtype)
         return buf.copy_(t.detach())
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future:
+        """Copy DCP's state dict into the kept buffers: on :attr:`pool` when set (DCP's
+        ``async_save`` then waits for the returned future before writing), else now."""
+        if self.pool is None:
+            return self._stage_now(state_dict)
+        return self.pool.submit(self._stage_now, state_dict)
+
+    def _stage_now(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         return {k: self.copy(f"dcp/{k}", v) if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
 
 
@@ -508,12 +517,23 @@ class AsyncStandardSaver:
         self._future = None
         self._thread = None
         self._error: str | None = None
-        self._staging = _ReusedStaging()
+        # Staging copies run on this thread while the training thread goes on with the next
+        # forward/backward passes; the trainer calls wait_staged() before the optimizer
+        # step, the first thing that changes what is being copied.
+        self._staging_pool = ThreadPoolExecutor(1, thread_name_prefix="pimm-staging")
+        self._staging = _ReusedStaging(self._staging_pool)
+        self._staged: list[Future] = []
 
     def save(self, model_dir: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any],
              rank_state: dict[str, Any], manifest: dict[str, Any],
              ema_state_dict: dict[str, torch.Tensor] | None = None, name: str = "last") -> Path:
-        """Start a background save (every rank calls it); returns the path it will publish."""
+        """Start a background save (every rank calls it); returns the path it will publish.
+
+        Until :meth:`wait_staged` returns, the parameters, EMA weights and optimizer state
+        must not change (the trainer waits before its next optimizer step). Buffers
+        (BatchNorm running statistics change in forward) and the packed trainer state are
+        copied before this returns.
+        """
         import threading
 
         self.wait()
@@ -523,18 +543,34 @@ class AsyncStandardSaver:
         plain = unwrap(model)
         state = dcp_state(plain, optimizer, meta, rank_state, self.info.rank)
         with _quiet_single_process():
-            future = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
-                                    process_group=self.pg, no_dist=not self.info.distributed,
-                                    async_stager=self._staging)
+            response = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
+                                      process_group=self.pg, no_dist=not self.info.distributed,
+                                      async_stager=self._staging)
+        future = response.upload_completion
+        self._staged = [response.staging_completion]
         if not self.info.is_main:
             self._future = future
             return final
-        weights = {k: ({n: self._staging.copy(f"{k}/{n}", t) for n, t in v.items()} if isinstance(v, dict) else v)
-                   for k, v in weights_payload(plain, ema_state_dict).items()}
+        payload = weights_payload(plain, ema_state_dict)
+        buffers = {n for n, _ in plain.named_buffers()}
+        weights = {k: dict(v) if isinstance(v, dict) else v for k, v in payload.items()}
+        for n in buffers & weights["state_dict"].keys():
+            weights["state_dict"][n] = self._staging.copy(f"state_dict/{n}", weights["state_dict"][n])
+
+        def stage_weights() -> None:
+            for k, v in weights.items():
+                if isinstance(v, dict):
+                    for n, t in v.items():
+                        if not (k == "state_dict" and n in buffers):
+                            v[n] = self._staging.copy(f"{k}/{n}", t)
+
+        weights_staged = self._staging_pool.submit(stage_weights)
+        self._staged.append(weights_staged)
 
         def finish() -> None:
             try:
                 future.result()
+                weights_staged.result()
                 publish(tmp, final, weights, manifest)
                 logging.getLogger("pimm").info("saved %s (step %s, epoch %s, iter %s; written in the background)",
                                                final, manifest.get("step"), manifest.get("epoch"),
@@ -546,6 +582,14 @@ class AsyncStandardSaver:
         self._thread = threading.Thread(target=finish, name="pimm-async-save", daemon=False)
         self._thread.start()
         return final
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight has copied everything it saves (not until it is
+        written): after this the parameters and optimizer state may change. A staging
+        failure is reported by :meth:`wait`."""
+        if self._staged:
+            futures_wait(self._staged)
+            self._staged = []
 
     @property
     def in_flight(self) -> bool:
@@ -559,6 +603,7 @@ class AsyncStandardSaver:
             CheckpointSaveError: on every rank, when the background save failed.
         """
         error = None
+        self.wait_staged()
         try:
             if self._future is not None:
                 self._future.result()
