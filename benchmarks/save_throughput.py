@@ -23,7 +23,8 @@ each repeat; one warm-up round is discarded):
   the new-file variants, which do what a checkpoint must.
 
 Then ``pimm_back_to_back`` / ``raw_back_to_back``: each writer alone, several times in a
-row (a run checkpointing periodically, nothing else writing in between), the first dropped.
+row with the same ``settle()`` pause before each (a run checkpointing periodically, nothing
+else writing in between), the first dropped.
 
 Throughput is bytes written / wall time (GB = 1e9 bytes). pimm's time is also split
 into phases (DCP write + its fsync, weights.pth, fsync of the tree, manifest = sha256
@@ -181,8 +182,8 @@ def main() -> None:
         # makes every write take page-cache pages another writer just freed and, on a VM,
         # pay for faulting them in again; in a row a save reuses what its own rotation freed.
         for which in ("pimm", "raw"):
-            settle()
             for repeat in range(args.repeats + 1):
+                settle()  # stands for the training between two checkpoints
                 if which == "pimm":
                     t = save_pimm(model_dir, model, opt)
                 else:

@@ -227,7 +227,10 @@ def save_standard(
     final = model_dir / name
     tmp = model_dir / f"{name}.tmp"
 
-    on_main(info, lambda: prepare(tmp), tmp, model_dir)
+    # A removal of the previous save's last.prev still running is finished first (in a run
+    # it finished long ago, during training): its failure then stops this save before it
+    # writes anything, and the page cache it frees is reused by this save's writes.
+    on_main(info, lambda: (wait_for_purges(), prepare(tmp)), tmp, model_dir)
     plain = unwrap(model)
     state = dcp_state(plain, optimizer, meta, rank_state, info.rank)
     try:
