@@ -77,11 +77,13 @@ _crc_before = True
 def without_zip_crc32():
     """``torch.save`` without the zip CRC-32 of each record while inside (thread-safe, nestable).
 
-    Used for the DCP shards of ``trainer.dcp/`` only: the CRC costs a CPU pass over every
-    byte (about a third of a ``torch.save`` here) and duplicates the sha256 in pimm's
-    manifest, which ``pimm checkpoints verify`` and resume check. DCP reads them
-    (``torch.serialization.set_crc32_options``). ``weights.pth`` and the other weights files
-    keep their CRCs, since zip tools (Python's ``zipfile``) report missing ones as corrupt.
+    Used for the files of a standard checkpoint (``trainer.dcp/`` shards, ``weights.pth``),
+    the periodic save's hot path: the CRC costs a CPU pass over every byte (about a third
+    of a ``torch.save`` here) and duplicates the sha256 in the checkpoint's manifest, which
+    ``pimm checkpoints verify`` and resume check. ``torch.load`` and DCP read such files
+    (``torch.serialization.set_crc32_options``); a zip tool's integrity test (``unzip -t``,
+    ``zipfile.testzip``) reports the missing CRCs. The files users take away
+    (``model_best.pth``, ``iter_<step>.pth``, legacy and single-format files, exports) keep them.
     """
     global _crc_users, _crc_before
     with _crc_lock:
@@ -275,7 +277,8 @@ def publish(tmp: Path, final: Path, weights: dict[str, Any], manifest: dict[str,
     # releases the GIL, so with a free core the manifest's sha256 pass overlaps the write.
     with ThreadPoolExecutor(1, thread_name_prefix="pimm-sha256") as pool:
         dcp_files = pool.submit(describe_files, tmp, include=lambda rel: rel.startswith(TRAINER_DCP + "/"))
-        save_torch_file(tmp / WEIGHTS, weights)
+        with without_zip_crc32():  # like the shards: the manifest's sha256 covers it
+            save_torch_file(tmp / WEIGHTS, weights)
         point("standard.weights_written", tmp / WEIGHTS)
         files = {**describe_files(tmp, include=lambda rel: not rel.startswith(TRAINER_DCP + "/")), **dcp_files.result()}
     fsync_tree(tmp)
