@@ -114,7 +114,7 @@ def save_torch_file(path: Path, obj: Any) -> None:
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        torch.save(obj, tmp)  # with its zip CRCs: weights files are handed to other tools
+        torch.save(obj, tmp)  # zip CRCs as torch.save is set (see without_zip_crc32)
         point("file.written", tmp)
         fsync_file(tmp)
         point("file.synced", tmp)
