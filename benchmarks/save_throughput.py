@@ -2,29 +2,27 @@
 
 The state (``benchmarks/_common.py``) is a stack of ``Linear(4096, 4096)`` layers and
 AdamW after one step: about 1/3 parameters, 2/3 optimizer state, >= ``--gib`` GiB.
-Three writers, in one process, on the same disk, interleaved (the order rotates
-each repeat; one warm-up round is discarded):
+Each writer checkpoints periodically, as a run does: ``--repeats`` saves in a row (plus
+one warm-up, dropped), each after ``--pause`` seconds that stand for the training
+between two checkpoints (an ``os.sync()`` then a sleep). The writers' blocks rotate
+order across ``--rounds`` rounds; medians over every measured save of a writer.
 
-- ``pimm``: ``save_standard`` into a model directory that already holds a ``last/``
-  (the steady state of a run): ``trainer.dcp/`` (DCP, fsynced), ``weights.pth``,
-  fsync of the tree, ``manifest.json`` with the sha256 of every file, ``.complete``,
-  and the rotation ``last -> last.prev``, ``last.tmp -> last``, ``last.prev`` removed.
-- ``torch_save``: ``torch.save({"model": ..., "optimizer": ...}, path)`` to a new file,
-  ``fsync``, then the previous file is removed (a checkpoint that keeps the previous
-  one until the new one is durable, like pimm's rotation). ``torch_save_no_fsync`` is
-  the ``torch.save`` call alone.
+- ``pimm``: ``save_standard`` into a model directory that already holds a ``last/``:
+  ``trainer.dcp/`` (DCP, fsynced), ``weights.pth``, fsync of the tree,
+  ``manifest.json`` with the sha256 of every file, ``.complete``, the rotation
+  ``last -> last.prev``, ``last.tmp -> last``, ``last.prev`` removed.
 - ``raw``: ``os.write`` of a 64 MiB buffer into a new file until as many bytes as pimm's
-  checkpoint holds, ``fsync``, previous file removed: what the disk can do.
-- ``raw_overwrite`` / ``torch_save_overwrite``: the same, but over the previous file
-  (``O_TRUNC``). On a VM this is often much faster than writing a new file: the page
-  cache pages the truncation frees are reused at once, while pages freed seconds
-  earlier (as pimm's rotation does, and as the new-file variants do) may have been
-  handed back to the host and fault in again. Reported for reference; the ratios use
-  the new-file variants, which do what a checkpoint must.
-
-Then ``pimm_back_to_back`` / ``raw_back_to_back``: each writer alone, several times in a
-row with the same ``settle()`` pause before each (a run checkpointing periodically, nothing
-else writing in between), the first dropped.
+  checkpoint holds, ``fsync``, the previous file removed; before writing, the previous
+  file's page cache is released (``posix_fadvise(DONTNEED)``) as pimm does, so the new
+  write reuses those pages: the fastest sequential write this machine's page cache and
+  disk allow for a checkpoint that keeps its predecessor until it is durable.
+- ``raw_cold``: the same without releasing the previous file's pages first: what a naive
+  writer gets. On a VM with free page reporting (this project's Firecracker machines:
+  ``page_reporting.page_reporting_order=11`` on the kernel command line) pages freed
+  more than about a second earlier are back with the host and fault in again at
+  ~2.3 s/GiB; see ``benchmarks/README.md``.
+- ``torch_save``: ``torch.save({"model": ..., "optimizer": ...}, path)`` to a new file,
+  ``fsync``, then the previous file removed (``torch_save_no_fsync``: the call alone).
 
 Throughput is bytes written / wall time (GB = 1e9 bytes). pimm's time is also split
 into phases (DCP write + its fsync, weights.pth, fsync of the tree, manifest = sha256
@@ -34,7 +32,7 @@ overlap and ``other`` is clamped at 0.
 
 Prints one JSON object. Usage::
 
-    uv run python benchmarks/save_throughput.py [--gib 1.0] [--repeats 5] [--dir /tmp]
+    uv run python benchmarks/save_throughput.py [--gib 1.0] [--repeats 4] [--rounds 2] [--pause 3] [--dir /tmp]
 """
 
 from __future__ import annotations
@@ -58,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import GiB, build_state, load_average, machine, median, r, remove, settle, state_bytes, tree_bytes  # noqa: E402
 from pimm_core.checkpoint import standard  # noqa: E402
+from pimm_core.checkpoint.atomic import release_cached_pages  # noqa: E402
 from pimm_core.dist import DistInfo  # noqa: E402
 
 CHUNK = 64 << 20
@@ -115,8 +114,10 @@ def save_torch(path: Path, model, opt, previous: Path | None) -> tuple[float, fl
     return time.perf_counter() - t0, t1 - t0
 
 
-def write_raw(path: Path, nbytes: int, buf: memoryview, previous: Path | None) -> float:
+def write_raw(path: Path, nbytes: int, buf: memoryview, previous: Path | None, release: bool) -> float:
     t0 = time.perf_counter()
+    if release and previous is not None:
+        release_cached_pages(previous)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         left = nbytes
@@ -135,7 +136,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0, help="minimum state size in GiB (params + AdamW state)")
     ap.add_argument("--width", type=int, default=4096, help="Linear layer width")
-    ap.add_argument("--repeats", type=int, default=5, help="measured repeats of each writer (plus one warm-up)")
+    ap.add_argument("--repeats", type=int, default=4, help="measured saves in a row per writer and round (plus one warm-up)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of all writers' blocks (order rotates)")
+    ap.add_argument("--pause", type=float, default=3.0, help="seconds before each save (the training in between)")
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="where to write (a scratch dir is made inside)")
     args = ap.parse_args()
 
@@ -148,50 +151,40 @@ def main() -> None:
     model_dir = work / "model"
     model_dir.mkdir()
     buf = memoryview(os.urandom(CHUNK))
-    methods = ["pimm", "torch_save", "raw", "torch_save_overwrite", "raw_overwrite"]
+    methods = ["pimm", "raw", "raw_cold", "torch_save"]
     times: dict[str, list[float]] = {m: [] for m in methods + ["torch_save_no_fsync"]}
     last_file: dict[str, Path] = {}
     phases: list[dict[str, float]] = []
+    pimm_bytes = 0
+    n = 0
     try:
-        pimm_bytes = 0
-        for repeat in range(args.repeats + 1):
-            k = repeat % len(methods)
+        for round_ in range(args.rounds):
+            k = round_ % len(methods)
             for which in methods[k:] + methods[:k]:
-                settle()
-                overwrite = which.endswith("_overwrite")
-                path = work / f"{which}{'' if overwrite else f'-{repeat}'}.bin"
-                if which == "pimm":
-                    ph: dict[str, float] = {}
-                    t = save_pimm(model_dir, model, opt, ph)
-                    pimm_bytes = tree_bytes(model_dir / "last")
+                for repeat in range(args.repeats + 1):
+                    settle()
+                    time.sleep(args.pause)
+                    n += 1
+                    path = work / f"{which}-{n}.bin"
+                    if which == "pimm":
+                        ph: dict[str, float] = {}
+                        t = save_pimm(model_dir, model, opt, ph)
+                        pimm_bytes = tree_bytes(model_dir / "last")
+                        if repeat:
+                            ph["other"] = max(0.0, t - sum(ph.values()))
+                            phases.append(ph)
+                    elif which == "torch_save":
+                        t, t_nofsync = save_torch(path, model, opt, last_file.get(which))
+                        if repeat:
+                            times["torch_save_no_fsync"].append(t_nofsync)
+                    else:
+                        t = write_raw(path, pimm_bytes or sizes["total"], buf, last_file.get(which),
+                                      release=which == "raw")
+                    if which != "pimm":
+                        last_file[which] = path
                     if repeat:
-                        ph["other"] = max(0.0, t - sum(ph.values()))
-                        phases.append(ph)
-                elif which.startswith("torch_save"):
-                    t, t_nofsync = save_torch(path, model, opt, last_file.get(which))
-                    if repeat and not overwrite:
-                        times["torch_save_no_fsync"].append(t_nofsync)
-                else:
-                    t = write_raw(path, pimm_bytes or sizes["total"], buf, last_file.get(which))
-                last_file[which] = path
-                if repeat:
-                    times[which].append(t)
+                        times[which].append(t)
         nbytes = {"pimm": pimm_bytes, **{m: last_file[m].stat().st_size for m in methods[1:]}}
-        # Back to back: each writer alone, repeats in a row (the first dropped), as in a run
-        # that checkpoints periodically with no other writer in between. Interleaving (above)
-        # makes every write take page-cache pages another writer just freed and, on a VM,
-        # pay for faulting them in again; in a row a save reuses what its own rotation freed.
-        for which in ("pimm", "raw"):
-            for repeat in range(args.repeats + 1):
-                settle()  # stands for the training between two checkpoints
-                if which == "pimm":
-                    t = save_pimm(model_dir, model, opt)
-                else:
-                    path = work / f"raw-b2b-{repeat}.bin"
-                    t = write_raw(path, pimm_bytes, buf, last_file.get("raw_b2b"))
-                    last_file["raw_b2b"] = path
-                if repeat:
-                    times.setdefault(f"{which}_back_to_back", []).append(t)
     finally:
         remove(work)
 
@@ -206,13 +199,12 @@ def main() -> None:
         "seconds_median": {k: r(v) for k, v in med.items()},
         "gb_per_s": {k: r(v, 3) for k, v in gbps.items()},
         "ratio_pimm_to_raw": r(gbps["pimm"] / gbps["raw"]),
+        "ratio_pimm_to_raw_cold": r(gbps["pimm"] / gbps["raw_cold"]),
         "ratio_pimm_to_torch_save": r(gbps["pimm"] / gbps["torch_save"]),
-        "ratio_pimm_to_raw_overwrite": r(gbps["pimm"] / gbps["raw_overwrite"]),
-        "ratio_pimm_to_raw_back_to_back": r(med["raw_back_to_back"] / med["pimm_back_to_back"]),
         "target_pimm_to_raw": 0.8,
         "pimm_phases_s_median": phase_med,
         "seconds_all": {k: [r(x) for x in v] for k, v in times.items()},
-        "repeats": args.repeats,
+        "repeats": args.repeats, "rounds": args.rounds, "pause_s": args.pause,
         "machine": machine(work.parent, load_start),
     }, indent=2))
 

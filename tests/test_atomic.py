@@ -179,3 +179,43 @@ def test_selection_prefers_last_prev_when_last_is_missing(tmp_path, trained_run)
     os.rename(model / "last", model / "last.prev")
     chosen, _ = select_resume(model)
     assert chosen is not None and chosen.name == "last.prev" and chosen.complete
+
+
+
+def _resident_pages(path: Path) -> int:
+    """Pages of ``path`` in the page cache: mincore(2) over an untouched private mapping."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = path.stat().st_size
+    vec = (ctypes.c_ubyte * ((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        first = ctypes.c_char.from_buffer(m)
+        rc = libc.mincore(ctypes.addressof(first), size, vec)
+        del first
+    finally:
+        m.close()
+    if rc != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(v & 1 for v in vec)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="posix_fadvise is Linux/Unix only")
+def test_release_cached_pages_drops_the_cache_and_keeps_the_bytes(tmp_path):
+    tree = tmp_path / "last"
+    (tree / "trainer.dcp").mkdir(parents=True)
+    files = {tree / "weights.pth": os.urandom(4 << 20), tree / "trainer.dcp" / "__0_0.distcp": os.urandom(2 << 20)}
+    for path, data in files.items():
+        path.write_bytes(data)
+        atomic.fsync_file(path)
+        assert path.read_bytes() == data  # read back: cached
+        assert _resident_pages(path) > 0
+    atomic.release_cached_pages(tree)
+    for path, data in files.items():
+        assert _resident_pages(path) == 0
+        assert path.read_bytes() == data
+    atomic.release_cached_pages(tmp_path / "missing")  # nothing to release: no error

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from .. import dist
 from ..dist import DistInfo
 from ..errors import CheckpointError, CheckpointSaveError
-from .atomic import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, remove_tree
+from .atomic import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, release_cached_pages, remove_tree
 from .manifest import COMPLETE, MANIFEST, describe_files, write_manifest
 from .selection import DCP_METADATA, TRAINER_DCP, WEIGHTS, select_resume
 from .state import join_tensors, pack, split_tensors, unpack
@@ -113,6 +113,7 @@ def save_torch_file(path: Path, obj: Any) -> None:
     is the authority) rather than one whose checksum no longer matches (rejected as corrupt).
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    release_cached_pages(path)  # the file being replaced: its pages are reused by the write
     try:
         torch.save(obj, tmp)  # zip CRCs as torch.save is set (see without_zip_crc32)
         point("file.written", tmp)
@@ -233,6 +234,8 @@ def save_standard(
     # it finished long ago, during training): its failure then stops this save before it
     # writes anything, and the page cache it frees is reused by this save's writes.
     on_main(info, lambda: (wait_for_purges(), prepare(tmp)), tmp, model_dir)
+    if info.local_rank == 0:  # one process per node: the page cache is the node's
+        release_cached_pages(final)
     plain = unwrap(model)
     state = dcp_state(plain, optimizer, meta, rank_state, info.rank)
     try:
@@ -372,9 +375,14 @@ def load_model_weights(model: nn.Module, path: Path) -> dict[str, torch.Tensor] 
             do not match the model (the message names them).
     """
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # UnpicklingError, RuntimeError (truncated zip), OSError
-        raise CheckpointError(f"cannot load {path}: {e.__class__.__name__}: {str(e).splitlines()[0]}") from None
+        # Mapped, not read: load_state_dict then copies straight from the page cache into
+        # the parameters (the file is read once, into no intermediate buffer).
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        try:  # not a zip-format file (mmap needs one), or damaged: the plain read names the problem
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # UnpicklingError, RuntimeError (truncated zip), OSError
+            raise CheckpointError(f"cannot load {path}: {e.__class__.__name__}: {str(e).splitlines()[0]}") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("state_dict"), dict):
         raise CheckpointError(f"{path} is not a pimm weights file (expected a dict with a 'state_dict' key)")
     check_compatible(unwrap(model), obj["state_dict"], str(path))
@@ -546,6 +554,8 @@ class AsyncStandardSaver:
         final, tmp = model_dir / name, model_dir / f"{name}.tmp"
 
         on_main(self.info, lambda: prepare(tmp), tmp, model_dir)
+        if self.info.local_rank == 0:  # on the staging thread, which runs before the write starts
+            self._staging_pool.submit(release_cached_pages, final)
         plain = unwrap(model)
         state = dcp_state(plain, optimizer, meta, rank_state, self.info.rank)
         with _quiet_single_process():
