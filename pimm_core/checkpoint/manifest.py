@@ -45,12 +45,16 @@ def sha256_file(path: Path, bufsize: int = 1 << 22) -> str:
 
 
 def describe_files(root: Path, exclude: tuple[str, ...] = (MANIFEST, COMPLETE),
-                   include: Callable[[str], bool] | None = None) -> dict[str, dict[str, Any]]:
+                   include: Callable[[str], bool] | None = None,
+                   known: dict[tuple[int, int], dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
     """Size and sha256 of every regular file under ``root`` (relative POSIX paths).
 
     Args:
         exclude: relative paths to leave out.
         include: when given, only relative paths for which it returns True.
+        known: ``{(st_dev, st_ino): {"size", "sha256"}}`` already computed while the files
+            were written (:class:`~pimm_core.checkpoint.follow.FollowingHasher`); a file
+            whose inode and size match is not read again.
     """
     files = {}
     for dirpath, _dirs, names in os.walk(root):
@@ -59,7 +63,12 @@ def describe_files(root: Path, exclude: tuple[str, ...] = (MANIFEST, COMPLETE),
             rel = p.relative_to(root).as_posix()
             if rel in exclude or (include is not None and not include(rel)):
                 continue
-            files[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+            st = p.stat()
+            hashed = (known or {}).get((st.st_dev, st.st_ino))
+            if hashed is not None and hashed["size"] == st.st_size:
+                files[rel] = dict(hashed)
+            else:
+                files[rel] = {"size": st.st_size, "sha256": sha256_file(p)}
     return dict(sorted(files.items()))
 
 

@@ -38,6 +38,7 @@ from .. import dist
 from ..dist import DistInfo
 from ..errors import CheckpointError, CheckpointSaveError
 from .atomic import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, release_cached_pages, remove_tree
+from .follow import FollowingHasher
 from .manifest import COMPLETE, MANIFEST, describe_files, write_manifest
 from .selection import DCP_METADATA, TRAINER_DCP, WEIGHTS, select_resume
 from .state import join_tensors, pack, split_tensors, unpack
@@ -236,23 +237,40 @@ def save_standard(
     on_main(info, lambda: (wait_for_purges(), prepare(tmp)), tmp, model_dir)
     if info.local_rank == 0:  # one process per node: the page cache is the node's
         release_cached_pages(final)
-    plain = unwrap(model)
-    state = dcp_state(plain, optimizer, meta, rank_state, info.rank)
+    hasher = follow_hashes(tmp) if info.is_main else None
     try:
-        with _quiet_single_process(), without_zip_crc32():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
-                     no_dist=not info.distributed)
-        point("standard.dcp_written", tmp / TRAINER_DCP)
-    except Exception as e:  # DCP raises on every rank when any rank's write failed
-        if info.is_main:
-            _cleanup(tmp)
-        raise CheckpointSaveError(f"checkpoint save failed writing {tmp / TRAINER_DCP}: {_short(e)}"
-                                  f"{intact_note(model_dir)}") from None
+        plain = unwrap(model)
+        state = dcp_state(plain, optimizer, meta, rank_state, info.rank)
+        try:
+            with _quiet_single_process(), without_zip_crc32():
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
+                         no_dist=not info.distributed)
+            point("standard.dcp_written", tmp / TRAINER_DCP)
+        except Exception as e:  # DCP raises on every rank when any rank's write failed
+            if info.is_main:
+                hasher.close()
+                _cleanup(tmp)
+            raise CheckpointSaveError(f"checkpoint save failed writing {tmp / TRAINER_DCP}: {_short(e)}"
+                                      f"{intact_note(model_dir)}") from None
 
-    # (Writing weights.pth on a second thread during the DCP write was measured slower here:
-    # the two writers contend for the page cache; see benchmarks/README.md.)
-    on_main(info, lambda: publish(tmp, final, weights_payload(plain, ema_state_dict), manifest), tmp, model_dir)
+        # (Writing weights.pth on a second thread during the DCP write was measured slower here:
+        # the two writers contend for the page cache; see benchmarks/README.md.)
+        on_main(info, lambda: publish(tmp, final, weights_payload(plain, ema_state_dict), manifest, hasher),
+                tmp, model_dir)
+    finally:
+        if hasher is not None:
+            hasher.close()
     return final
+
+
+def follow_hashes(tmp: Path) -> FollowingHasher:
+    """Rank 0: hash the DCP shards and ``weights.pth`` (under its temporary name) of the
+    checkpoint being written in ``tmp`` as they are written, on a second thread."""
+    def big_file(rel: str) -> bool:
+        name = rel.rsplit("/", 1)[-1]
+        return name.endswith(".distcp") or name.startswith(f".{WEIGHTS}.")
+
+    return FollowingHasher(tmp, big_file).start()
 
 
 def prepare(tmp: Path) -> None:
@@ -272,18 +290,19 @@ def dcp_state(plain: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str
     return state
 
 
-def publish(tmp: Path, final: Path, weights: dict[str, Any], manifest: dict[str, Any]) -> None:
-    """Rank 0, after every rank's DCP write: markers, ``weights.pth``, manifest, ``.complete``, rotation."""
+def publish(tmp: Path, final: Path, weights: dict[str, Any], manifest: dict[str, Any],
+            hasher: FollowingHasher | None = None) -> None:
+    """Rank 0, after every rank's DCP write: markers, ``weights.pth``, manifest, ``.complete``, rotation.
+
+    ``hasher`` (:func:`follow_hashes`, started before the DCP write) has been hashing the
+    big files while they were written; whatever it did not cover is hashed here.
+    """
     _write_marker(tmp / TRAINER_DCP / COMPLETE)
     point("standard.dcp_complete", tmp)
-    # Checksum trainer.dcp/ on a second thread while weights.pth is written: hashlib
-    # releases the GIL, so with a free core the manifest's sha256 pass overlaps the write.
-    with ThreadPoolExecutor(1, thread_name_prefix="pimm-sha256") as pool:
-        dcp_files = pool.submit(describe_files, tmp, include=lambda rel: rel.startswith(TRAINER_DCP + "/"))
-        with without_zip_crc32():  # like the shards: the manifest's sha256 covers it
-            save_torch_file(tmp / WEIGHTS, weights)
-        point("standard.weights_written", tmp / WEIGHTS)
-        files = {**describe_files(tmp, include=lambda rel: not rel.startswith(TRAINER_DCP + "/")), **dcp_files.result()}
+    with without_zip_crc32():  # like the shards: the manifest's sha256 covers it
+        save_torch_file(tmp / WEIGHTS, weights)
+    point("standard.weights_written", tmp / WEIGHTS)
+    files = describe_files(tmp, known=hasher.finish() if hasher is not None else None)
     fsync_tree(tmp)
     point("standard.synced", tmp)
     write_manifest(tmp / MANIFEST, {"format": "standard", **manifest, "files": dict(sorted(files.items()))})
@@ -556,12 +575,18 @@ class AsyncStandardSaver:
         on_main(self.info, lambda: prepare(tmp), tmp, model_dir)
         if self.info.local_rank == 0:  # on the staging thread, which runs before the write starts
             self._staging_pool.submit(release_cached_pages, final)
+        hasher = follow_hashes(tmp) if self.info.is_main else None
         plain = unwrap(model)
         state = dcp_state(plain, optimizer, meta, rank_state, self.info.rank)
-        with _quiet_single_process():
-            response = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
-                                      process_group=self.pg, no_dist=not self.info.distributed,
-                                      async_stager=self._staging)
+        try:
+            with _quiet_single_process():
+                response = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
+                                          process_group=self.pg, no_dist=not self.info.distributed,
+                                          async_stager=self._staging)
+        except BaseException:
+            if hasher is not None:
+                hasher.close()
+            raise
         future = response.upload_completion
         self._staged = [response.staging_completion]
         if not self.info.is_main:
@@ -587,11 +612,12 @@ class AsyncStandardSaver:
             try:
                 future.result()
                 weights_staged.result()
-                publish(tmp, final, weights, manifest)
+                publish(tmp, final, weights, manifest, hasher)
                 logging.getLogger("pimm").info("saved %s (step %s, epoch %s, iter %s; written in the background)",
                                                final, manifest.get("step"), manifest.get("epoch"),
                                                manifest.get("iter"))
             except Exception as e:
+                hasher.close()
                 _cleanup(tmp)
                 self._error = f"checkpoint save failed: {_short(e)}{intact_note(model_dir)}"
 

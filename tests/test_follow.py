@@ -1,0 +1,62 @@
+"""FollowingHasher: the manifest's sha256 computed while the checkpoint files are written."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+
+from pimm_core.checkpoint.follow import FollowingHasher
+from pimm_core.checkpoint.manifest import describe_files, sha256_file
+
+
+def _append_slowly(path, chunks, pause=0.002):
+    with open(path, "wb") as f:
+        for c in chunks:
+            f.write(c)
+            f.flush()
+            time.sleep(pause)
+
+
+def test_hashes_files_while_they_are_written_and_recognizes_them_after_a_rename(tmp_path):
+    chunks = [os.urandom(3 << 20) for _ in range(5)] + [os.urandom(12345)]
+    hasher = FollowingHasher(tmp_path, lambda rel: rel.endswith(".tmp")).start()
+    writer = threading.Thread(target=_append_slowly, args=(tmp_path / ".weights.pth.1.tmp", chunks))
+    writer.start()
+    writer.join()
+    os.replace(tmp_path / ".weights.pth.1.tmp", tmp_path / "weights.pth")
+    (tmp_path / "small.json").write_bytes(b"{}")  # not followed: hashed when described
+    known = hasher.finish()
+
+    data = b"".join(chunks)
+    assert [v["sha256"] for v in known.values()] == [hashlib.sha256(data).hexdigest()]
+    files = describe_files(tmp_path, known=known)
+    assert files == {"small.json": {"size": 2, "sha256": hashlib.sha256(b"{}").hexdigest()},
+                     "weights.pth": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+
+
+def test_a_file_truncated_while_followed_is_left_to_the_ordinary_hash(tmp_path):
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(os.urandom(1 << 20))
+    hasher = FollowingHasher(tmp_path, lambda rel: rel.endswith(".distcp")).start()
+    deadline = time.monotonic() + 10
+    while not hasher._files or hasher._files["__0_0.distcp"].pos < (1 << 20):  # the first version is hashed
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    with open(path, "r+b") as f:  # rewritten in place, shorter: what was hashed is not the file
+        f.truncate(0)
+        f.write(b"new")
+    known = hasher.finish()
+    assert known == {}
+    assert describe_files(tmp_path, known=known) == {
+        "__0_0.distcp": {"size": 3, "sha256": sha256_file(path)}}
+
+
+def test_close_without_finish_stops_the_thread_and_closes_the_files(tmp_path):
+    (tmp_path / "a.distcp").write_bytes(b"x" * 100)
+    hasher = FollowingHasher(tmp_path, lambda rel: True).start()
+    time.sleep(0.05)
+    hasher.close()
+    assert not hasher._thread.is_alive()
+    assert hasher._files == {}
