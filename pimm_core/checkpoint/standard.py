@@ -40,6 +40,7 @@ from ..errors import CheckpointError, CheckpointSaveError
 from .atomic import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, release_cached_pages, remove_tree
 from .follow import FollowingHasher
 from .manifest import COMPLETE, MANIFEST, describe_files, write_manifest
+from .mapped_reader import MappedFileSystemReader
 from .selection import DCP_METADATA, TRAINER_DCP, WEIGHTS, select_resume
 from .state import join_tensors, pack, split_tensors, unpack
 from ..faults import point, register
@@ -442,7 +443,7 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
     """
     ema_sd = load_model_weights(model, ckpt / WEIGHTS)
     path = ckpt / TRAINER_DCP
-    reader = dcp.FileSystemReader(path)
+    reader = MappedFileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
     saved_ranks = sorted(int(k.split("/", 1)[1]) for k in saved if k.startswith("rank_state/"))
 
