@@ -69,3 +69,16 @@ def test_skipped_optimizer_state_leaves_a_fresh_optimizer(tmp_path):
     assert len(sgd.state) == 0  # as freshly built: the first step initializes it
     for a, b in zip(model.parameters(), fresh.parameters()):  # the weights were still restored
         assert torch.equal(a, b)
+
+
+def test_a_failed_load_leaves_a_fresh_optimizer_without_uninitialized_state(tmp_path):
+    model, opt = _trained(OPTIMIZERS["adamw"])
+    save_standard(tmp_path, model=model, optimizer=opt, meta={}, rank_state={}, manifest={"kind": "last", "step": 3},
+                  info=DistInfo())
+    shard = next((tmp_path / "last" / "trainer.dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated: the read fails
+    fresh = _model(1)
+    fresh_opt = OPTIMIZERS["adamw"](fresh)
+    with pytest.raises(BaseException):  # DCP's CheckpointException is a BaseException
+        load_standard(tmp_path / "last", model=fresh, optimizer=fresh_opt, info=DistInfo())
+    assert len(fresh_opt.state) == 0

@@ -453,31 +453,37 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
         request[rank_key] = torch.empty(saved[rank_key].size, dtype=torch.uint8)
     plain = unwrap(model)
     skipped: list[str] = []
-    if optimizer is not None:
-        _empty_optimizer_state(optimizer)
-        target, _ = split_tensors(get_optimizer_state_dict(plain, optimizer), "optim")
-        saved_optim = {k for k in saved if k.startswith("optim/")}
-        mismatched = sorted(k for k in set(target) & saved_optim if tuple(target[k].shape) != tuple(saved[k].size))
-        missing = sorted(set(target) - saved_optim)
-        if mismatched or missing:
-            problem = f"optimizer state in {path} does not match the model/optimizer: {', '.join((mismatched + missing)[:3])}"
-            if strict:
-                raise CheckpointError(problem)
-            skipped.append(problem + " (skipped: resume_strict_state=false)")
-            optimizer.state.clear()  # a fresh optimizer, not uninitialized buffers
-            optimizer = None
-        else:
-            # DCP reads straight into the optimizer's own state tensors (those of a fresh
-            # optimizer, materialized by get_optimizer_state_dict): no second copy.
-            request.update({k: target[k] for k in saved_optim})
-    with _quiet_single_process():
-        dcp.load(request, storage_reader=reader, no_dist=not info.distributed)
+    fresh = optimizer if optimizer is not None and not optimizer.state else None
+    try:
+        if optimizer is not None:
+            _empty_optimizer_state(optimizer)
+            target, _ = split_tensors(get_optimizer_state_dict(plain, optimizer), "optim")
+            saved_optim = {k for k in saved if k.startswith("optim/")}
+            mismatched = sorted(k for k in set(target) & saved_optim if tuple(target[k].shape) != tuple(saved[k].size))
+            missing = sorted(set(target) - saved_optim)
+            if mismatched or missing:
+                problem = f"optimizer state in {path} does not match the model/optimizer: {', '.join((mismatched + missing)[:3])}"
+                if strict:
+                    raise CheckpointError(problem)
+                skipped.append(problem + " (skipped: resume_strict_state=false)")
+                optimizer.state.clear()  # a fresh optimizer, not uninitialized buffers
+                optimizer = None
+            else:
+                # DCP reads straight into the optimizer's own state tensors (for a fresh
+                # optimizer, the empty ones _empty_optimizer_state allocated): no second copy.
+                request.update({k: target[k] for k in saved_optim})
+        with _quiet_single_process():
+            dcp.load(request, storage_reader=reader, no_dist=not info.distributed)
 
-    meta = unpack(request.pop("meta"))
-    skeleton = meta.pop("optim")
-    rank_state = unpack(request.pop(rank_key)) if rank_key in request else None
-    if optimizer is not None:
-        set_optimizer_state_dict(plain, optimizer, join_tensors(skeleton, request))
+        meta = unpack(request.pop("meta"))
+        skeleton = meta.pop("optim")
+        rank_state = unpack(request.pop(rank_key)) if rank_key in request else None
+        if optimizer is not None:
+            set_optimizer_state_dict(plain, optimizer, join_tensors(skeleton, request))
+    except BaseException:
+        if fresh is not None:  # uninitialized state buffers (_empty_optimizer_state) must not outlive a failed load
+            fresh.state.clear()
+        raise
     return LoadedState(meta=meta, rank_state=rank_state, ema_state_dict=ema_sd, saved_ranks=saved_ranks,
                        skipped=skipped)
 
