@@ -494,33 +494,36 @@ def _empty_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     DCP's ``get_optimizer_state_dict`` materializes a fresh optimizer's state by running a
     zero-gradient ``step()``: the whole optimizer update over every parameter (~75 % of a
     288 MiB load here). The same structure comes for free from a step of a copy of the
-    optimizer over ``meta`` tensors (shapes and dtypes only); the real tensors are then
-    allocated empty, and the load overwrites every one of them (or the caller clears the
-    state). Leaves the optimizer untouched, so DCP's own step runs, when it already has
-    state, when a parameter is not a plain tensor, or when the copy cannot be built or
-    stepped on ``meta`` (an optimizer class with extra constructor arguments, ``fused``).
+    optimizer over ``meta`` tensors (shapes and dtypes only), one per distinct (param
+    group, shape, dtype) — per-parameter state in ``torch.optim`` depends on nothing else;
+    the real tensors are then allocated empty, and the load overwrites every one of them
+    (or the caller clears the state). Leaves the optimizer untouched, so DCP's own step
+    runs, when it already has state, when a parameter is not a plain tensor, or when the
+    copy cannot be built or stepped on ``meta`` (an optimizer class with extra constructor
+    arguments, one that needs a closure, ``fused``).
     """
     if optimizer.state:
         return
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    params: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its meta stand-in)
     groups = []
     try:
-        for group in optimizer.param_groups:
-            metas = []
+        for g, group in enumerate(optimizer.param_groups):
+            metas: dict[tuple, torch.Tensor] = {}
             for p in group["params"]:
                 if type(p) not in (torch.Tensor, nn.Parameter):
                     return
-                m = torch.empty(p.shape, dtype=p.dtype, device="meta", requires_grad=p.requires_grad)
-                if p.requires_grad:
-                    m.grad = torch.empty_like(m)
-                metas.append(m)
-                pairs.append((p, m))
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": metas})
+                key = (g, tuple(p.shape), p.dtype, p.requires_grad)
+                if key not in metas:
+                    m = metas[key] = torch.empty(p.shape, dtype=p.dtype, device="meta", requires_grad=p.requires_grad)
+                    if p.requires_grad:
+                        m.grad = torch.empty_like(m)
+                params.append((p, metas[key]))
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(metas.values())})
         shadow = type(optimizer)(groups)
         shadow.step()
     except Exception:
         return
-    for p, m in pairs:
+    for p, m in params:
         for key, value in shadow.state.get(m, {}).items():
             if isinstance(value, torch.Tensor):
                 value = (torch.empty(value.shape, dtype=value.dtype, device=p.device) if value.is_meta
