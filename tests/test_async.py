@@ -87,3 +87,30 @@ def background_save_after(s: Session, step: int) -> int:
             return steps[-1]
         time.sleep(0.02)
     pytest.fail(f"no background save after step {step} within 180 s:\n{s.describe()}")
+
+
+def test_an_async_save_that_fails_to_start_stops_its_hashing_thread(tmp_path, monkeypatch):
+    """Nothing of a save that never started is left running (a thread tailing last.tmp, open files)."""
+    import threading
+
+    from pimm_core.checkpoint import standard
+    from pimm_core.dist import DistInfo
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    saver = standard.AsyncStandardSaver(DistInfo())
+
+    def no_memory(*_a, **_k):
+        raise MemoryError("staging")
+
+    monkeypatch.setattr(standard, "weights_payload", no_memory)
+    with pytest.raises(MemoryError):
+        saver.save(tmp_path, model=model, optimizer=opt, meta={}, rank_state={}, manifest={"kind": "last", "step": 1})
+    saver.wait_staged()
+    assert [t.name for t in threading.enumerate() if t.name == "pimm-sha256"] == []
+    monkeypatch.undo()
+    saver.save(tmp_path, model=model, optimizer=opt, meta={}, rank_state={}, manifest={"kind": "last", "step": 2})
+    saver.wait()  # and the next save works
+    assert read_json(tmp_path / "last" / "manifest.json")["step"] == 2

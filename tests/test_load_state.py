@@ -82,3 +82,22 @@ def test_a_failed_load_leaves_a_fresh_optimizer_without_uninitialized_state(tmp_
     with pytest.raises(BaseException):  # DCP's CheckpointException is a BaseException
         load_standard(tmp_path / "last", model=fresh, optimizer=fresh_opt, info=DistInfo())
     assert len(fresh_opt.state) == 0
+
+
+def test_fresh_optimizer_state_keeps_the_parameters_memory_layout(tmp_path):
+    def conv():
+        torch.manual_seed(0)
+        return nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+
+    model = conv()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
+    opt.step()
+    save_standard(tmp_path, model=model, optimizer=opt, meta={}, rank_state={}, manifest={"kind": "last", "step": 1},
+                  info=DistInfo())
+    fresh = conv()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    load_standard(tmp_path / "last", model=fresh, optimizer=fresh_opt, info=DistInfo())
+    weight = fresh.weight
+    assert fresh_opt.state[weight]["exp_avg"].stride() == weight.stride() == opt.state[model.weight]["exp_avg"].stride()
+    assert torch.equal(fresh_opt.state[weight]["exp_avg_sq"], opt.state[model.weight]["exp_avg_sq"])

@@ -8,9 +8,10 @@ write is, the way a pipelined ``tee | sha256sum`` would be.
 
 Sound only for files written append-only, once: DCP's shard files (each tensor is
 ``torch.save``-d into the stream in order; nothing seeks back) and ``torch.save`` to a
-new file. A followed file whose inode or length at the end differs from what was
-hashed (replaced, truncated) is left out of the result, and the caller hashes it the
-ordinary way.
+new file, which is all it is used for. A followed file whose length at the end differs
+from what was hashed, or that was seen shorter than what was already hashed, is left
+out of the result and the caller hashes it the ordinary way; a file rewritten in place
+from its start between two polls would not be noticed, so nothing else may be followed.
 """
 
 from __future__ import annotations

@@ -265,11 +265,20 @@ def save_standard(
 
 
 def follow_hashes(tmp: Path) -> FollowingHasher:
-    """Rank 0: hash the DCP shards and ``weights.pth`` (under its temporary name) of the
-    checkpoint being written in ``tmp`` as they are written, on a second thread."""
+    """Rank 0: hash ``weights.pth`` (under its temporary name) and the DCP shards written on
+    this node (``__<rank>_<n>.distcp`` for ranks ``0 .. LOCAL_WORLD_SIZE-1``: torchrun gives
+    rank 0's node the first ranks) as they are written, on a second thread.
+
+    Other nodes' shards are hashed after their writers have closed them: on a shared
+    filesystem (NFS) a file opened while another client writes it may show a stale size.
+    """
+    local = {f"__{r}_" for r in range(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))}
+
     def big_file(rel: str) -> bool:
         name = rel.rsplit("/", 1)[-1]
-        return name.endswith(".distcp") or name.startswith(f".{WEIGHTS}.")
+        if name.startswith(f".{WEIGHTS}."):
+            return True
+        return name.endswith(".distcp") and any(name.startswith(prefix) for prefix in local)
 
     return FollowingHasher(tmp, big_file).start()
 
@@ -466,7 +475,8 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
                 if strict:
                     raise CheckpointError(problem)
                 skipped.append(problem + " (skipped: resume_strict_state=false)")
-                optimizer.state.clear()  # a fresh optimizer, not uninitialized buffers
+                if fresh is not None:  # a fresh optimizer, not the uninitialized buffers allocated above
+                    fresh.state.clear()
                 optimizer = None
             else:
                 # DCP reads straight into the optimizer's own state tensors (for a fresh
@@ -494,8 +504,9 @@ def _empty_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     DCP's ``get_optimizer_state_dict`` materializes a fresh optimizer's state by running a
     zero-gradient ``step()``: the whole optimizer update over every parameter (~75 % of a
     288 MiB load here). The same structure comes for free from a step of a copy of the
-    optimizer over ``meta`` tensors (shapes and dtypes only), one per distinct (param
-    group, shape, dtype) — per-parameter state in ``torch.optim`` depends on nothing else;
+    optimizer over ``meta`` tensors (shapes, strides and dtypes only), one per distinct
+    (param group, shape, strides, dtype) — per-parameter state in ``torch.optim`` depends
+    on nothing else;
     the real tensors are then allocated empty, and the load overwrites every one of them
     (or the caller clears the state). Leaves the optimizer untouched, so DCP's own step
     runs, when it already has state, when a parameter is not a plain tensor, or when the
@@ -512,9 +523,9 @@ def _empty_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             for p in group["params"]:
                 if type(p) not in (torch.Tensor, nn.Parameter):
                     return
-                key = (g, tuple(p.shape), p.dtype, p.requires_grad)
-                if key not in metas:
-                    m = metas[key] = torch.empty(p.shape, dtype=p.dtype, device="meta", requires_grad=p.requires_grad)
+                key = (g, tuple(p.shape), tuple(p.stride()), p.dtype, p.requires_grad)
+                if key not in metas:  # empty_like keeps the layout (channels_last, transposed), as zeros_like does
+                    m = metas[key] = torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
                     if p.requires_grad:
                         m.grad = torch.empty_like(m)
                 params.append((p, metas[key]))
@@ -526,8 +537,8 @@ def _empty_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     for p, m in params:
         for key, value in shadow.state.get(m, {}).items():
             if isinstance(value, torch.Tensor):
-                value = (torch.empty(value.shape, dtype=value.dtype, device=p.device) if value.is_meta
-                         else value.clone())
+                value = (torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=p.device)
+                         if value.is_meta else value.clone())
             optimizer.state[p][key] = value
 
 
@@ -619,8 +630,6 @@ class AsyncStandardSaver:
         (BatchNorm running statistics change in forward) and the packed trainer state are
         copied before this returns.
         """
-        import threading
-
         self.wait()
         final, tmp = model_dir / name, model_dir / f"{name}.tmp"
 
@@ -628,22 +637,32 @@ class AsyncStandardSaver:
         if self.info.local_rank == 0:  # on the staging thread, which runs before the write starts
             self._staging_pool.submit(release_cached_pages, final)
         hasher = follow_hashes(tmp) if self.info.is_main else None
-        plain = unwrap(model)
-        state = dcp_state(plain, optimizer, meta, rank_state, self.info.rank)
         try:
-            with _quiet_single_process():
-                response = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
-                                          process_group=self.pg, no_dist=not self.info.distributed,
-                                          async_stager=self._staging)
+            self._start(model_dir, final, tmp, hasher, model=model, optimizer=optimizer, meta=meta,
+                        rank_state=rank_state, manifest=manifest, ema_state_dict=ema_state_dict)
         except BaseException:
-            if hasher is not None:
+            if hasher is not None:  # the publishing thread, which owns it otherwise, never started
                 hasher.close()
             raise
+        return final
+
+    def _start(self, model_dir: Path, final: Path, tmp: Path, hasher: FollowingHasher | None, *, model: nn.Module,
+               optimizer: torch.optim.Optimizer, meta: dict[str, Any], rank_state: dict[str, Any],
+               manifest: dict[str, Any], ema_state_dict: dict[str, torch.Tensor] | None) -> None:
+        """Stage and start the background write; on rank 0 also the thread that publishes it."""
+        import threading
+
+        plain = unwrap(model)
+        state = dcp_state(plain, optimizer, meta, rank_state, self.info.rank)
+        with _quiet_single_process():
+            response = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
+                                      process_group=self.pg, no_dist=not self.info.distributed,
+                                      async_stager=self._staging)
         future = response.upload_completion
         self._staged = [response.staging_completion]
         if not self.info.is_main:
             self._future = future
-            return final
+            return
         payload = weights_payload(plain, ema_state_dict)
         buffers = {n for n, _ in plain.named_buffers()}
         weights = {k: dict(v) if isinstance(v, dict) else v for k, v in payload.items()}
@@ -675,7 +694,6 @@ class AsyncStandardSaver:
 
         self._thread = threading.Thread(target=finish, name="pimm-async-save", daemon=False)
         self._thread.start()
-        return final
 
     def wait_staged(self) -> None:
         """Block until the save in flight has copied everything it saves (not until it is
