@@ -101,3 +101,23 @@ def test_fresh_optimizer_state_keeps_the_parameters_memory_layout(tmp_path):
     weight = fresh.weight
     assert fresh_opt.state[weight]["exp_avg"].stride() == weight.stride() == opt.state[model.weight]["exp_avg"].stride()
     assert torch.equal(fresh_opt.state[weight]["exp_avg_sq"], opt.state[model.weight]["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_state_of_a_parameter_frozen_since_the_save_is_named_or_skipped(tmp_path, strict):
+    from pimm_core.errors import CheckpointError
+
+    model, opt = _trained(OPTIMIZERS["adamw"])
+    save_standard(tmp_path, model=model, optimizer=opt, meta={}, rank_state={}, manifest={"kind": "last", "step": 3},
+                  info=DistInfo())
+    fresh = _model(1)
+    fresh[0].weight.requires_grad_(False)  # frozen for fine-tuning: the optimizer has no state for it
+    fresh_opt = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    if strict:
+        with pytest.raises(CheckpointError, match=r"not in this optimizer: optim/state/0\.weight/"):
+            load_standard(tmp_path / "last", model=fresh, optimizer=fresh_opt, info=DistInfo())
+    else:
+        loaded = load_standard(tmp_path / "last", model=fresh, optimizer=fresh_opt, info=DistInfo(), strict=False)
+        assert "not in this optimizer: optim/state/0.weight/" in loaded.skipped[0]
+        assert torch.equal(fresh[0].weight, model[0].weight)
+    assert len(fresh_opt.state) == 0

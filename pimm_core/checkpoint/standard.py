@@ -470,8 +470,12 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
             saved_optim = {k for k in saved if k.startswith("optim/")}
             mismatched = sorted(k for k in set(target) & saved_optim if tuple(target[k].shape) != tuple(saved[k].size))
             missing = sorted(set(target) - saved_optim)
-            if mismatched or missing:
-                problem = f"optimizer state in {path} does not match the model/optimizer: {', '.join((mismatched + missing)[:3])}"
+            extra = sorted(saved_optim - set(target))  # e.g. state of a parameter frozen since the save
+            if mismatched or missing or extra:
+                parts = [f"{label}: {', '.join(keys[:3])}{f' (+{len(keys) - 3} more)' if len(keys) > 3 else ''}"
+                         for label, keys in (("shape differs", mismatched), ("not in the checkpoint", missing),
+                                             ("not in this optimizer", extra)) if keys]
+                problem = f"optimizer state in {path} does not match the model/optimizer: {'; '.join(parts)}"
                 if strict:
                     raise CheckpointError(problem)
                 skipped.append(problem + " (skipped: resume_strict_state=false)")
