@@ -66,8 +66,14 @@ def unwrap(model: nn.Module) -> nn.Module:
 def _quiet_single_process():
     """Silence DCP's "assuming the intent is to save in a single process" warning (that is the intent)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process.*")
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
         yield
+
+
+# Also process-wide: an async save's write (and its warning) runs on DCP's own thread after
+# the call that started it has returned, outside any catch_warnings block.
+_SINGLE_PROCESS_WARNING = ".*assuming the intent is to .* in a single process.*"
+warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
 
 
 _crc_lock = threading.Lock()
