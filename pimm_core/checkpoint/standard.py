@@ -668,10 +668,9 @@ class AsyncStandardSaver:
             response = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
                                       process_group=self.pg, no_dist=not self.info.distributed,
                                       async_stager=self._staging)
-        future = response.upload_completion
+        future = self._future = response.upload_completion  # wait() waits for it even if the rest fails
         self._staged = [response.staging_completion]
         if not self.info.is_main:
-            self._future = future
             return
         payload = weights_payload(plain, ema_state_dict)
         buffers = {n for n, _ in plain.named_buffers()}
@@ -733,7 +732,7 @@ class AsyncStandardSaver:
             error = f"checkpoint save failed: {_short(e)}"
         if self._thread is not None:
             self._thread.join()
-        error = error or self._error
+        error = self._error or error  # rank 0's publishing thread adds what a resume would now select
         self._future = self._thread = None
         self._error = None
         errors = dist.all_gather_object(error) if self.info.distributed else [error]
