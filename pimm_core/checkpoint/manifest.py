@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .atomic import atomic_write_bytes
 
@@ -45,13 +45,11 @@ def sha256_file(path: Path, bufsize: int = 1 << 22) -> str:
 
 
 def describe_files(root: Path, exclude: tuple[str, ...] = (MANIFEST, COMPLETE),
-                   include: Callable[[str], bool] | None = None,
                    known: dict[tuple[int, int], dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
     """Size and sha256 of every regular file under ``root`` (relative POSIX paths).
 
     Args:
         exclude: relative paths to leave out.
-        include: when given, only relative paths for which it returns True.
         known: ``{(st_dev, st_ino): {"size", "sha256"}}`` already computed while the files
             were written (:class:`~pimm_core.checkpoint.follow.FollowingHasher`); a file
             whose inode and size match is not read again.
@@ -61,7 +59,7 @@ def describe_files(root: Path, exclude: tuple[str, ...] = (MANIFEST, COMPLETE),
         for name in sorted(names):
             p = Path(dirpath) / name
             rel = p.relative_to(root).as_posix()
-            if rel in exclude or (include is not None and not include(rel)):
+            if rel in exclude:
                 continue
             st = p.stat()
             hashed = (known or {}).get((st.st_dev, st.st_ino))

@@ -41,7 +41,7 @@ from .atomic import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, relea
 from .follow import FollowingHasher
 from .manifest import COMPLETE, MANIFEST, describe_files, write_manifest
 from .mapped_reader import MappedFileSystemReader
-from .selection import DCP_METADATA, TRAINER_DCP, WEIGHTS, select_resume
+from .selection import TRAINER_DCP, WEIGHTS, select_resume
 from .state import join_tensors, pack, split_tensors, unpack
 from ..faults import point, register
 
