@@ -7,6 +7,10 @@ Every error a person can fix (bad config, missing checkpoint, wrong path) is a
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+
 
 class PimmError(Exception):
     """An error with a one-line, actionable message.
@@ -65,10 +69,6 @@ def report(e: PimmError, *, secondary: bool = False, file=None) -> None:
     (``{"code", "message", "secondary"}``) through a temporary file and a rename, so the
     launcher never reads half of it.
     """
-    import json
-    import os
-    import sys
-
     where = os.environ.get(RANK_ERRORS_ENV)
     rank = os.environ.get("RANK")
     if where and rank is not None and os.path.isdir(where):
@@ -85,9 +85,6 @@ def report(e: PimmError, *, secondary: bool = False, file=None) -> None:
 
 def rank_errors(where: str) -> dict[int, dict]:
     """The reports ranks handed over: ``{rank: {"code", "message", "secondary"}}``."""
-    import json
-    import os
-
     out: dict[int, dict] = {}
     for name in os.listdir(where):
         if name.startswith("rank") and name.endswith(".json"):

@@ -16,7 +16,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint.selection import explain, list_candidates, resolve_resume_path, select_resume

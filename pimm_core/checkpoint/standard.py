@@ -62,18 +62,10 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-@contextlib.contextmanager
-def _quiet_single_process():
-    """Silence DCP's "assuming the intent is to save in a single process" warning (that is the intent)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
-        yield
-
-
-# Also process-wide: an async save's write (and its warning) runs on DCP's own thread after
-# the call that started it has returned, outside any catch_warnings block.
-_SINGLE_PROCESS_WARNING = ".*assuming the intent is to .* in a single process.*"
-warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+# DCP warns "assuming the intent is to save/load in a single process" whenever no process
+# group exists; that is the intent (no_dist). Filtered process-wide rather than around each
+# call: an async save's write emits it later, on DCP's own thread.
+warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process.*", category=UserWarning)
 
 
 _crc_lock = threading.Lock()
@@ -249,7 +241,7 @@ def save_standard(
         plain = unwrap(model)
         state = dcp_state(plain, optimizer, meta, rank_state, info.rank)
         try:
-            with _quiet_single_process(), without_zip_crc32():
+            with without_zip_crc32():
                 dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
                          no_dist=not info.distributed)
             point("standard.dcp_written", tmp / TRAINER_DCP)
@@ -321,7 +313,7 @@ def publish(tmp: Path, final: Path, weights: dict[str, Any], manifest: dict[str,
     files = describe_files(tmp, known=hasher.finish() if hasher is not None else None)
     fsync_tree(tmp)
     point("standard.synced", tmp)
-    write_manifest(tmp / MANIFEST, {"format": "standard", **manifest, "files": dict(sorted(files.items()))})
+    write_manifest(tmp / MANIFEST, {"format": "standard", **manifest, "files": files})
     point("standard.manifest_written", tmp / MANIFEST)
     _write_marker(tmp / COMPLETE)
     fsync_dir(tmp)
@@ -492,8 +484,7 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
                 # DCP reads straight into the optimizer's own state tensors (for a fresh
                 # optimizer, the empty ones _empty_optimizer_state allocated): no second copy.
                 request.update({k: target[k] for k in saved_optim})
-        with _quiet_single_process():
-            dcp.load(request, storage_reader=reader, no_dist=not info.distributed)
+        dcp.load(request, storage_reader=reader, no_dist=not info.distributed)
 
         meta = unpack(request.pop("meta"))
         skeleton = meta.pop("optim")
@@ -515,10 +506,9 @@ def _empty_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     zero-gradient ``step()``: the whole optimizer update over every parameter (~75 % of a
     288 MiB load here). The same structure comes for free from a step of a copy of the
     optimizer over ``meta`` tensors (shapes, strides and dtypes only), one per distinct
-    (param group, shape, strides, dtype) — per-parameter state in ``torch.optim`` depends
-    on nothing else;
-    the real tensors are then allocated empty, and the load overwrites every one of them
-    (or the caller clears the state). Leaves the optimizer untouched, so DCP's own step
+    (param group, shape, strides, dtype): per-parameter state in ``torch.optim`` depends
+    on nothing else. The real tensors are then allocated empty, and the load overwrites
+    every one of them (or the caller clears the state). Leaves the optimizer untouched, so DCP's own step
     runs, when it already has state, when a parameter is not a plain tensor, or when the
     copy cannot be built or stepped on ``meta`` (an optimizer class with extra constructor
     arguments, one that needs a closure, ``fused``).
@@ -664,10 +654,9 @@ class AsyncStandardSaver:
 
         plain = unwrap(model)
         state = dcp_state(plain, optimizer, meta, rank_state, self.info.rank)
-        with _quiet_single_process():
-            response = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
-                                      process_group=self.pg, no_dist=not self.info.distributed,
-                                      async_stager=self._staging)
+        response = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
+                                  process_group=self.pg, no_dist=not self.info.distributed,
+                                  async_stager=self._staging)
         future = self._future = response.upload_completion  # wait() waits for it even if the rest fails
         self._staged = [response.staging_completion]
         if not self.info.is_main:
