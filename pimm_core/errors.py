@@ -46,6 +46,13 @@ class CheckpointError(PimmError):
     exit_code = 1
 
 
+class CheckpointParseError(CheckpointError):
+    """A checkpoint file is hostile or malformed: it would run code when unpickled, or is not
+    what pimm writes (exit code 2). The message names the file; nothing in it has run."""
+
+    exit_code = 2
+
+
 class CheckpointSaveError(CheckpointError):
     """Writing a checkpoint failed (disk full, I/O error); the previous one is intact."""
 
