@@ -28,6 +28,8 @@ from .cli_export import register as _register_export
 _register_export(app)
 
 _ARGV: list[str] = []
+NO_VERIFY_HELP = ("Skip the sha256 pass: pick by completeness only (faster on large checkpoints; "
+                  "a resume still verifies and may pick another).")
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
@@ -37,6 +39,9 @@ def launch(
     no_timestamp: bool = typer.Option(False, "--run.no-timestamp", help="Do not add -YYYYmmdd-HHMMSS to the name."),
     root: Optional[str] = typer.Option(None, "--run.root", help="Root of run directories (default: exp)."),
     resume: bool = typer.Option(False, "--train.resume", help="Resume this run from its newest complete checkpoint."),
+    auto_resume: bool = typer.Option(False, "--train.auto-resume",
+                                     help="Resume if the run has an intact checkpoint, else start it fresh "
+                                          "(the command a cluster job repeats on every requeue)."),
     resume_from: Optional[str] = typer.Option(None, "--train.resume-from",
                                               help="Resume from this checkpoint directory (implies --train.resume)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what a (resumed) launch would do, then exit."),
@@ -53,7 +58,8 @@ def launch(
 ) -> None:
     """Train a model from a config (one process, or many through torchrun)."""
     from .config import load_config
-    from .launch import LaunchOptions, dry_run as plan_only, spawn, strip_launcher_flags, train_here
+    from .launch import LaunchOptions, auto_resume as auto_resume_cfg, dry_run as plan_only, resolve_run_dir, spawn
+    from .launch import strip_launcher_flags, train_here
 
     extra: dict[str, object] = {}
     if name is not None:
@@ -68,15 +74,61 @@ def launch(
         extra["train.weight"] = weight
     cfg = load_config(config, overrides or [], extra)
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend, master_addr, master_port)
-    if dry_run:
-        world = (nproc_per_node or 1) * int(str(nnodes or "1").split(":")[-1])
-        raise typer.Exit(plan_only(cfg, config, resume_from, world))
+    opts.check()
     from .dist import under_launcher
 
+    is_rank0 = not under_launcher() or os.environ.get("RANK", "0") == "0"
+    if auto_resume and not (resume or resume_from):
+        cfg = auto_resume_cfg(cfg, resolve_run_dir(cfg, config), is_main=is_rank0 and not dry_run)
+    if dry_run:
+        raise typer.Exit(plan_only(cfg, config, resume_from, opts.world_size()))
     if opts.wants_spawn() and not under_launcher():
-        argv = _ARGV[_ARGV.index("launch") + 1:] if "launch" in _ARGV else []
-        raise typer.Exit(spawn(cfg, config, strip_launcher_flags(argv), opts))
-    raise typer.Exit(train_here(cfg, config, resume_from))
+        argv = strip_launcher_flags(_ARGV[_ARGV.index("launch") + 1:] if "launch" in _ARGV else [])
+        if auto_resume:  # decided here, once, for every rank
+            argv = [a for a in argv if a != "--train.auto-resume"]
+            if cfg.train.resume:
+                argv.insert(argv.index("--") if "--" in argv else len(argv), "--train.resume")
+        raise typer.Exit(spawn(cfg, config, argv, opts))
+    raise typer.Exit(train_here(cfg, config, resume_from, leftovers_ok=auto_resume))
+
+
+@app.command(context_settings={"allow_interspersed_args": True})
+def resume(
+    run_dir: Path = typer.Argument(..., help="The run directory (exp/<group>/<run>)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what the resume would do, then exit."),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node",
+                                                 help="Ranks on this node (default: as the run was launched)."),
+    nnodes: Optional[str] = typer.Option(None, "--nnodes", help="Nodes, or MIN:MAX (default: as recorded)."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's rank (torchrun)."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the rendezvous."),
+    rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend", help="Rendezvous backend, e.g. c10d."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Rank-0 host for static rendezvous."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", help="Rank-0 port for static rendezvous."),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Config changes after --, e.g. -- train.epochs=40"),
+) -> None:
+    """Resume a run from its own directory: its config.toml and recorded launch, plus explicit overrides."""
+    from .dist import under_launcher
+    from .launch import LaunchOptions, dry_run as plan_only, recorded_launch, resume_config, spawn, train_here
+
+    cfg = resume_config(run_dir, overrides or [])
+    config_path = run_dir / "config.toml"
+    if under_launcher():  # a rank (of our own spawn below, or of the user's torchrun/srun)
+        raise typer.Exit(train_here(cfg, config_path))
+    given = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend, master_addr, master_port)
+    given.check()
+    record = recorded_launch(run_dir)
+    if record.get("launcher") == "external" and nproc_per_node is None:
+        raise UsageError(f"{run_dir} was launched by an external launcher (torchrun/srun, world size "
+                         f"{record.get('world_size')}); run `pimm resume {run_dir}` under that launcher again, "
+                         "or pass --nproc-per-node N to start the ranks here")
+    opts = LaunchOptions.recorded(record, given)
+    if dry_run:
+        print(f"launch: {opts.describe()}")
+        raise typer.Exit(plan_only(cfg, config_path, None, opts.world_size()))
+    if opts.wants_spawn():
+        worker_args = ["resume", str(run_dir), *(["--"] + list(overrides) if overrides else [])]
+        raise typer.Exit(spawn(cfg, config_path, [], opts, worker_args=worker_args))
+    raise typer.Exit(train_here(cfg, config_path))
 
 
 @app.command()
@@ -111,12 +163,13 @@ def _model_dir(path: Path) -> Path:
 def checkpoints_latest(
     model_dir: Path = typer.Argument(..., help="A run's model/ directory (or the run directory)."),
     explain: bool = typer.Option(False, "--explain", help="List every candidate, accepted or rejected, and why."),
+    no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY_HELP),
 ) -> None:
     """Print the checkpoint a resume would load (exit 1 if there is none)."""
     from .checkpoint.selection import explain as explain_lines
     from .checkpoint.selection import select_resume
 
-    chosen, cands = select_resume(_model_dir(model_dir))
+    chosen, cands = select_resume(_model_dir(model_dir), verify=not no_verify)
     if explain:
         for line in explain_lines(cands, chosen) or ["(no candidates)"]:
             print(line, file=sys.stderr)
@@ -129,12 +182,13 @@ def checkpoints_latest(
 def checkpoints_ls(
     run_dir: Path = typer.Argument(..., help="A run directory (or its model/ directory)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output (stable schema)."),
+    no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY_HELP),
 ) -> None:
     """List every checkpoint candidate and leftover, and which one resume would pick."""
     from .checkpoint.selection import select_resume
 
     model_dir = _model_dir(run_dir)
-    chosen, cands = select_resume(model_dir)
+    chosen, cands = select_resume(model_dir, verify=not no_verify)
     if as_json:
         rows = [{**c.to_json(), "selected": chosen is not None and c.path == chosen.path} for c in cands]
         print(json.dumps({"schema_version": 1, "model_dir": str(model_dir),
@@ -149,6 +203,8 @@ def checkpoints_ls(
     for c in cands:
         mark = "*" if chosen is not None and c.path == chosen.path else ""
         status = "complete" if c.complete else f"incomplete: {c.reason}"
+        if c.verify_problems:
+            status = f"corrupt: {'; '.join(c.verify_problems)}"
         table.add_row(mark, c.name, c.format, _s(c.step), _s(c.epoch), _s(c.iter), _size(c.size), status)
     Console().print(table)
     print(f"resume would select: {chosen.name if chosen else 'nothing (no complete candidate)'}")

@@ -124,6 +124,31 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+# `pimm launch --nproc-per-node/--nnodes` hands its launcher flags to the ranks in this
+# variable (JSON); rank 0 records them in provenance.json so `pimm resume` can start the same ranks.
+LAUNCH_ENV = "PIMM_LAUNCH"
+
+
+def launch_record(world_size: int) -> dict[str, Any]:
+    """How this process's run was launched: ``pimm launch``'s flags, or an external launcher's shape.
+
+    Returns:
+        ``{"launcher": "pimm", "nproc_per_node": N, ...multi-node flags}`` under ``pimm launch``
+        (one process: ``nproc_per_node`` 1), or ``{"launcher": "external", "world_size": W,
+        "nproc_per_node": LOCAL_WORLD_SIZE}`` under torchrun/srun started by the user.
+    """
+    raw = os.environ.get(LAUNCH_ENV)
+    if raw:
+        try:
+            return dict(json.loads(raw))
+        except (ValueError, TypeError):
+            pass
+    if world_size > 1:
+        local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or world_size
+        return {"launcher": "external", "world_size": world_size, "nproc_per_node": int(str(local).split("(")[0])}
+    return {"launcher": "pimm", "nproc_per_node": 1}
+
+
 def append_provenance(run_dir: Path, base: dict[str, Any], entry: dict[str, Any]) -> None:
     """Merge ``base`` into ``provenance.json`` and append ``entry`` to its ``starts`` list."""
     path = run_dir / PROVENANCE

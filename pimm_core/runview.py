@@ -821,7 +821,8 @@ class ResumeDiff:
         return out
 
 
-DIFF_ROWS = (("world_size", "world size"), ("workers_per_rank", "per-rank workers"),
+DIFF_ROWS = (("world_size", "world size"), ("batch_size", "per-rank micro-batch"),
+             ("grad_accum", "accumulation window"), ("workers_per_rank", "per-rank workers"),
              ("code_version", "code version"), ("torch_version", "torch version"),
              ("data_fingerprint", "data fingerprint"))
 
@@ -907,13 +908,14 @@ def resume_diff(run_dir: Path, *, world_size: int = 1, workers: int | None = Non
     if cand.manifest is None:
         notes.append(f"{cand.name} has no readable manifest: recorded values are unknown")
     planned = {"world_size": world_size, "workers_per_rank": cfg.data.num_workers,
+               "batch_size": cfg.data.batch_size, "grad_accum": cfg.train.grad_accum,
                "code_version": current_code_version(), "torch_version": _installed_torch_version(),
                "data_fingerprint": None}
     plan = None
     if cand.resumable:
         plan = plan_resume(manifest, world_size=world_size, workers_per_rank=cfg.data.num_workers,
                            strict=cfg.resume_strict_state, grad_accum=cfg.train.grad_accum,
-                           legacy=cand.format == "legacy").to_json()
+                           batch_size=cfg.data.batch_size, legacy=cand.format == "legacy").to_json()
     diff = config_diff(saved or {}, cfg.to_dict())
     cj = cand.to_json()
     return ResumeDiff(str(run_dir), cj, selected_by, recorded, planned, diff, plan, notes)

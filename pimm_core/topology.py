@@ -6,13 +6,17 @@ The resume policy, one row per condition (checked in this order)::
     resume_strict_state=False              best-effort state restore; loader cursor skipped
     world size changes                     reshard compatible state (DCP); discard loader cursor
                                            and per-rank RNG; restart the saved epoch
+    per-rank micro-batch size changes      discard loader cursor; restart the saved epoch
+    accumulation window changes            discard loader cursor; restart the saved epoch
     per-rank worker count changes          discard loader cursor; restart the saved epoch
     checkpoint has no loader state         restart the saved epoch
-    same world size and per-rank workers   restore cursor; continue from the saved iteration
+    same world size, batching, workers     restore cursor; continue from the saved iteration
 
 "Restart the saved epoch" means the in-epoch iteration and the global-step view go
 back to the saved epoch's start (the *replay boundary*); batches already trained in
-that epoch train again. That is recovery, not bitwise continuation, and it is
+that epoch train again. The boundary's global step is the one recorded when the saved
+epoch began (``epoch_start_step``), never re-derived from the new batching: a cursor
+counted in micro-batches of another size or window means nothing to the new loader. That is recovery, not bitwise continuation, and it is
 logged and recorded in ``provenance.json``. A checkpoint taken at an epoch end has
 nothing to replay, so every row continues exactly at the next epoch's first batch
 (up to the changed sample order and RNG streams of a new topology).
@@ -26,8 +30,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 ROWS = {
-    "same": "same world size and per-rank workers: restore cursor; continue from the saved iteration",
+    "same": "same world size, per-rank micro-batch, accumulation window and per-rank workers: restore cursor; continue from the saved iteration",
     "world_size": "world size changes: reshard compatible state, discard loader cursor, restart the saved epoch",
+    "batch_size": "per-rank micro-batch size changes: discard loader cursor, restart the saved epoch",
+    "grad_accum": "accumulation window changes: discard loader cursor, restart the saved epoch",
     "workers": "per-rank worker count changes: discard loader cursor, restart the saved epoch",
     "no_loader_state": "checkpoint has no loader state: restart the saved epoch",
     "non_strict": "resume_strict_state=False: best-effort state restore; loader cursor skipped",
@@ -49,7 +55,8 @@ class ResumePlan:
             train again, else None.
         restored, discarded: human lists of state parts.
         warnings: lines for the log and provenance.
-        topology: saved vs. planned world size and per-rank workers.
+        topology: saved vs. planned world size, per-rank workers, per-rank micro-batch
+            size and accumulation window (``saved_<key>`` and ``<key>``).
     """
 
     row: str
@@ -73,31 +80,55 @@ class ResumePlan:
         return {**asdict(self), "description": self.description}
 
 
+# Topology keys a manifest records, in the order the policy checks them (after world size).
+BATCHING_KEYS = ("batch_size", "grad_accum")
+
+
+def replay_step(manifest: dict[str, Any], grad_accum: int) -> int:
+    """Global step at which the checkpoint's epoch began (its replay boundary).
+
+    Read from the manifest's ``epoch_start_step``; checkpoints written before pimm
+    recorded it fall back to ``step - iter // saved grad_accum`` (saves happen at
+    window ends, so that is exact when the saved window is known).
+    """
+    if manifest.get("epoch_start_step") is not None:
+        return int(manifest["epoch_start_step"])
+    step, it = int(manifest.get("step", 0)), int(manifest.get("iter", 0))
+    return step - it // int(manifest.get("grad_accum") or grad_accum)
+
+
 def plan_resume(manifest: dict[str, Any], *, world_size: int, workers_per_rank: int, strict: bool,
-                grad_accum: int = 1, legacy: bool = False) -> ResumePlan:
+                grad_accum: int = 1, batch_size: int | None = None, legacy: bool = False) -> ResumePlan:
     """Apply the resume policy to a checkpoint's manifest.
 
     Args:
         manifest: the checkpoint's manifest (``step``, ``epoch``, ``iter``, ``world_size``,
-            ``workers_per_rank``, ``has_loader_state``).
+            ``workers_per_rank``, ``batch_size``, ``grad_accum``, ``epoch_start_step``,
+            ``has_loader_state``). Keys an older checkpoint lacks count as unchanged.
         world_size, workers_per_rank: the planned resume topology.
         strict: ``resume_strict_state``.
-        grad_accum: micro-batches per optimizer step, to map the replayed iterations
-            back to optimizer steps.
+        grad_accum: planned micro-batches per optimizer step.
+        batch_size: planned per-rank micro-batch size (None: not compared).
         legacy: the checkpoint is a legacy single file (no structured cursor).
     """
     step, epoch, it = int(manifest.get("step", 0)), int(manifest.get("epoch", 0)), int(manifest.get("iter", 0))
     saved_ws = int(manifest.get("world_size", world_size))
     saved_workers = int(manifest.get("workers_per_rank", workers_per_rank))
     has_loader = bool(manifest.get("has_loader_state", it > 0)) and not legacy
+    planned = {"batch_size": batch_size, "grad_accum": grad_accum}
+    saved = {k: manifest.get(k) if manifest.get(k) is not None else planned[k] for k in BATCHING_KEYS}
     topo = {"saved_world_size": saved_ws, "world_size": world_size,
-            "saved_workers_per_rank": saved_workers, "workers_per_rank": workers_per_rank}
+            "saved_workers_per_rank": saved_workers, "workers_per_rank": workers_per_rank,
+            **{f"saved_{k}": saved[k] for k in BATCHING_KEYS}, **planned}
+    changed_batching = [k for k in BATCHING_KEYS if planned[k] is not None and saved[k] != planned[k]]
     if legacy:
         row = "legacy"
     elif not strict:
         row = "non_strict"
     elif saved_ws != world_size:
         row = "world_size"
+    elif changed_batching:
+        row = changed_batching[0]
     elif saved_workers != workers_per_rank:
         row = "workers"
     elif it > 0 and not has_loader:
@@ -106,7 +137,7 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, workers_per_rank: 
         row = "same"
     restore_cursor = row == "same" and it > 0
     # A legacy file carries rank 0's RNG only: usable when rank 0 is the whole run, before and after.
-    restore_rng = row in ("same", "workers", "no_loader_state") or (row == "non_strict" and saved_ws == world_size) \
+    restore_rng = row in ("same", "workers", "no_loader_state", *BATCHING_KEYS) or (row == "non_strict" and saved_ws == world_size) \
         or (row == "legacy" and saved_ws == world_size == 1)
     restored = ["model weights", "optimizer", "scheduler", "AMP scaler", "epoch/step counters", "best-metric state"]
     if row == "world_size":
@@ -126,7 +157,7 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, workers_per_rank: 
     warnings = []
     new_step, new_iter = step, it
     if it > 0 and not restore_cursor:
-        new_step, new_iter = step - it // grad_accum, 0
+        new_step, new_iter = replay_step(manifest, grad_accum), 0
         replay = {"epoch": epoch, "step": new_step, "from_iter": it}
         warnings.append(f"loader cursor skipped ({ROWS[row].split(':')[0]}): restarting epoch {epoch} at step "
                         f"{new_step}; the {it} batches already completed in that epoch will replay")
@@ -135,6 +166,10 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, workers_per_rank: 
                         "from the interrupted run (recovery, not bitwise continuation)")
     if saved_workers != workers_per_rank:
         warnings.append(f"per-rank workers changed {saved_workers} -> {workers_per_rank}")
+    for k in changed_batching:
+        label = "per-rank micro-batch size" if k == "batch_size" else "accumulation window (train.grad_accum)"
+        warnings.append(f"{label} changed {saved[k]} -> {planned[k]}: optimizer steps from here on average over "
+                        "different micro-batches than the interrupted run")
     exact = row == "same" or (row == "legacy" and it == 0 and restore_rng)
     return ResumePlan(row, restore_cursor, restore_rng, exact, new_step, epoch, new_iter, replay,
                       restored, discarded, warnings, topo)
@@ -162,3 +197,22 @@ def config_diff(saved: dict[str, Any], now: dict[str, Any],
         if a.get(key) != b.get(key):
             lines.append(f"{key}: {a.get(key, '<unset>')!r} -> {b.get(key, '<unset>')!r}")
     return lines
+
+
+def is_finished(position: dict[str, Any], *, epochs: int, max_steps: int | None) -> bool:
+    """A checkpoint at ``position`` (``step``, ``epoch``) has reached the end ``epochs``/``max_steps`` set."""
+    return int(position.get("epoch") or 0) >= epochs or bool(max_steps) and int(position.get("step") or 0) >= max_steps
+
+
+def finished_message(step: int, epoch: int, train: Any) -> str:
+    """What a resume of a finished run says: where it ended and which key to raise to continue."""
+    key, now = ("train.max_steps", train.max_steps) if train.max_steps and step >= train.max_steps \
+        else ("train.epochs", train.epochs)
+    return f"the run finished at step {step} (epoch {epoch}; {key} = {now}); nothing to train. To continue, raise {key}"
+
+
+def continue_override(step: int, train: Any) -> str:
+    """The override that continues a finished run: its limit raised (``train.epochs=40``)."""
+    if train.max_steps and step >= train.max_steps:
+        return f"train.max_steps={train.max_steps * 2}"
+    return f"train.epochs={train.epochs + max(1, train.epochs // 2)}"

@@ -2,7 +2,10 @@
 
 One optimizer step per accumulation window of ``train.grad_accum`` micro-batches
 (the last window of an epoch may be shorter; its loss is averaged over the
-micro-batches it has). The LR schedule advances once per optimizer step. At the
+micro-batches it has). A window starts where the previous one ended (or where a
+resumed epoch continues), so every optimizer step averages over exactly the
+micro-batches it used. The LR schedule (:mod:`pimm_core.schedule`) advances once per
+optimizer step. At the
 end of an epoch the evaluator runs first and the checkpoint saver second, so the
 saver sees the evaluator's result of the same epoch (``model_best.pth``).
 
@@ -46,8 +49,9 @@ from .ema import EMA
 from .errors import CheckpointError, CheckpointSaveError, ConfigError
 from .models import build_model
 from .stop import StopRequest, read_stop_file, stop_file
-from .run import CONFIG, LOG, METRICS, MetricsWriter, append_provenance, code_version, now_iso, read_metrics, write_status
-from .topology import config_diff, plan_resume
+from .schedule import WarmupCosine
+from .run import CONFIG, LOG, METRICS, MetricsWriter, append_provenance, launch_record, code_version, now_iso, read_metrics, write_status
+from .topology import config_diff, finished_message, plan_resume
 
 log = logging.getLogger("pimm")
 
@@ -63,6 +67,8 @@ class TrainState:
         iter: micro-batch index of the next batch within ``epoch``.
         best_metric: best value of ``eval.metric`` so far (None before any evaluation).
         best_epoch: epoch (0-based) that produced ``best_metric``.
+        epoch_start_step: ``global_step`` when ``epoch`` began (a resume that must replay
+            the epoch restarts here, whatever the new batching).
         last_eval: metrics of the latest evaluation, e.g. ``{"val/acc": 0.97, "val/loss": 0.1}``.
         stop_reason: None when the run reached its end; otherwise why it stopped early.
         finished: the run reached its configured end (epochs or ``train.max_steps``).
@@ -73,6 +79,7 @@ class TrainState:
     iter: int = 0
     best_metric: float | None = None
     best_epoch: int | None = None
+    epoch_start_step: int = 0
     last_eval: dict[str, float] = field(default_factory=dict)
     stop_reason: str | None = None
     finished: bool = False
@@ -83,20 +90,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
-
-
-def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float, kind: str) -> float:
-    """Multiplier of the base LR after ``step`` optimizer steps.
-
-    Linear warmup over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``
-    (SGDR, Loshchilov & Hutter 2017, without restarts), or constant.
-    """
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    if kind == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 class Trainer:
@@ -183,15 +176,28 @@ class Trainer:
     def steps_per_epoch(self) -> int:
         return math.ceil(self.micro_batches_per_epoch / self.config.train.grad_accum)
 
-    def total_steps(self, t: TrainConfig) -> int:
-        total = t.epochs * self.steps_per_epoch
-        return min(total, t.max_steps) if t.max_steps else total
+    def end_step(self, t: TrainConfig) -> int:
+        """The global step at which training will end from the current position.
 
-    def _build_scheduler(self, t: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-        total = self.total_steps(t)
-        ratio = t.min_lr / t.lr if t.lr else 0.0
-        return torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, warmup=t.warmup_steps, total=total, min_ratio=ratio, kind=t.scheduler))
+        The optimizer steps left in the current epoch (windows of ``grad_accum`` from
+        ``iter``) plus whole epochs up to ``t.epochs``, capped by ``t.max_steps``: the
+        horizon of the LR schedule and ``total_steps`` in ``status.json``.
+        """
+        s = self.state
+        left = 0
+        if s.epoch < t.epochs:
+            left = math.ceil(max(0, self.micro_batches_per_epoch - s.iter) / t.grad_accum)
+            left += (t.epochs - s.epoch - 1) * self.steps_per_epoch
+        end = s.global_step + left
+        return min(end, t.max_steps) if t.max_steps else end
+
+    def is_done(self, t: TrainConfig) -> bool:
+        """The position has reached ``t``'s end (all epochs, or ``t.max_steps``)."""
+        return self.state.epoch >= t.epochs or self._at_max_steps(t)
+
+    def _build_scheduler(self, t: TrainConfig) -> WarmupCosine:
+        return WarmupCosine(self.optimizer, warmup=t.warmup_steps, total=self.end_step(t),
+                            min_ratio=t.min_lr / t.lr if t.lr else 0.0, kind=t.scheduler)
 
     def _autocast(self):
         amp = self.config.train.amp
@@ -214,7 +220,8 @@ class Trainer:
             "data_fingerprint": self.data.fingerprint, "python": sys.version.split()[0],
         }
         append_provenance(self.run_dir, base, {"time": now_iso(), "world_size": self.info.world_size,
-                                               "workers_per_rank": self.config.data.num_workers, **entry})
+                                               "workers_per_rank": self.config.data.num_workers,
+                                               "launch": launch_record(self.info.world_size), **entry})
 
     def _open_log(self) -> None:
         """Rank 0: send the ``pimm`` log to ``run_dir/train.log`` (before anything of this run is logged)."""
@@ -276,14 +283,18 @@ class Trainer:
         return {"trainer": asdict(replace(self.state, stop_reason=None)), "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(), "world_size": self.info.world_size,
                 "ema": self.ema.meta() if self.ema is not None else None,
-                "workers_per_rank": self.config.data.num_workers}
+                "workers_per_rank": self.config.data.num_workers, **self._batching()}
+
+    def _batching(self) -> dict[str, int]:
+        """Per-rank micro-batch size and accumulation window (recorded with every checkpoint)."""
+        return {"batch_size": self.config.data.batch_size, "grad_accum": self._t.grad_accum}
 
     def _manifest(self, kind: str, has_loader_state: bool = False) -> dict[str, Any]:
         s = self.state
         return {"kind": kind, "step": s.global_step, "epoch": s.epoch, "iter": s.iter,
                 "has_loader_state": has_loader_state, "code_version": self._code_version,
                 "world_size": self.info.world_size, "workers_per_rank": self.config.data.num_workers,
-                "metrics": s.last_eval, "created": now_iso(), "torch_version": torch.__version__,
+                **self._batching(), "epoch_start_step": s.epoch_start_step, "metrics": s.last_eval, "created": now_iso(), "torch_version": torch.__version__,
                 "data_fingerprint": self.data.fingerprint}
 
     def save_checkpoint(self, checkpoint_dir: Path, *, mid_epoch: bool, pointers: tuple[str, ...] = ("last",),
@@ -435,7 +446,7 @@ class Trainer:
         t = train_config or self.config.train
         self._t = t
         self.scheduler = self._build_scheduler(t)
-        self._total = self.total_steps(t)
+        self._total = self.scheduler.total
         checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self._open_log()  # first: the warm-start report and resume lines belong in train.log
         try:
@@ -452,6 +463,14 @@ class Trainer:
                     log.warning("removed %s, left by a save that was interrupted", checkpoint_dir / name)
             if resume_from is not None:
                 entry = self._resume(resume_from, checkpoint_dir)
+                if self.is_done(t):
+                    # nothing to train: no metrics, no checkpoint, no status change; provenance says so
+                    self.state.finished = True
+                    if self.info.is_main:
+                        log.info("%s", finished_message(self.state.global_step, self.state.epoch, t))
+                    self._setup_files({**entry, "finished": True}, fresh=False)
+                    return self.state
+                self._total = self.scheduler.total
             self._setup_files(entry, fresh=resume_from is None)
             self._discard_stale_stop_file()
             self._pids = dist.all_gather_object(os.getpid())  # every rank's pid, for operators and tests
@@ -492,10 +511,12 @@ class Trainer:
                 if self._pending_loader_state is not None:
                     self.loader.load_state_dict(self._pending_loader_state)
                     self._pending_loader_state = None
+                if s.iter == 0:
+                    s.epoch_start_step = s.global_step
                 window_loss = torch.zeros((), device=self.device)
+                window_start = s.iter  # windows run from where this epoch continues
                 for x, y, _ in self.loader:
                     x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-                    window_start = (s.iter // accum) * accum
                     window_len = min(accum, n_micro - window_start)
                     last_in_window = s.iter + 1 == window_start + window_len
                     sync = contextlib.nullcontext() if (last_in_window or not self.info.distributed) else model.no_sync()
@@ -532,6 +553,7 @@ class Trainer:
                         self._status("running")
                     progress.advance(s.global_step)
                     window_loss = torch.zeros((), device=self.device)
+                    window_start = s.iter
                     for callback in self.callbacks:
                         callback(self)  # e.g. lambda tr: tr.stop.request("budget") if ... else None
                     reason = self._agreed_stop_reason()
@@ -644,11 +666,16 @@ class Trainer:
         if cand.format == "single":
             manifest["has_loader_state"] = bool(loaded.rank_state and loaded.rank_state.get("loader") is not None) \
                 if meta["world_size"] == self.info.world_size else tr["iter"] > 0
+        for key in ("batch_size", "grad_accum", "epoch_start_step"):  # absent from older checkpoints
+            if meta.get(key, tr.get(key)) is not None:
+                manifest[key] = meta.get(key, tr.get(key))
         plan = plan_resume(manifest, world_size=self.info.world_size, workers_per_rank=self.config.data.num_workers,
-                           strict=strict, grad_accum=self._t.grad_accum, legacy=cand.format == "legacy")
+                           strict=strict, grad_accum=self._t.grad_accum, batch_size=self.config.data.batch_size,
+                           legacy=cand.format == "legacy")
         warnings = fallback + list(plan.warnings) + self._provenance_diff(manifest) + loaded.skipped
         self.state = TrainState(global_step=tr["global_step"], epoch=tr["epoch"], iter=tr["iter"],
-                                best_metric=tr["best_metric"], best_epoch=tr["best_epoch"], last_eval=tr["last_eval"])
+                                best_metric=tr["best_metric"], best_epoch=tr["best_epoch"], last_eval=tr["last_eval"],
+                                epoch_start_step=tr.get("epoch_start_step", plan.step if plan.iter == 0 else 0))
         self.scheduler.load_state_dict(meta["scheduler"])
         if meta.get("scaler"):
             self.scaler.load_state_dict(meta["scaler"])
@@ -668,10 +695,14 @@ class Trainer:
         if plan.restore_cursor:
             self._pending_loader_state = rank_state["loader"]
         elif plan.replay_boundary is not None:
-            self._reset_to_step(plan.step)
+            self.state.global_step = self.state.epoch_start_step = plan.step
             self.state.iter = 0
+        self.scheduler.set_step(self.state.global_step)
         warnings += self._check_against_metrics()
+        notes = self._apply_schedule_overrides() + self._retarget_schedule()
         if self.info.is_main:
+            for n in notes:
+                log.info("%s", n)
             log.info("resuming from %s at step %d, epoch %d, iter %d: %s", cand.path, self.state.global_step,
                      self.state.epoch, self.state.iter, plan.description)
             for w in warnings:
@@ -680,7 +711,7 @@ class Trainer:
                 "step": self.state.global_step, "epoch": self.state.epoch, "iter": self.state.iter,
                 "policy": plan.row, "exact": plan.exact, "topology": plan.topology,
                 "replay_boundary": plan.replay_boundary, "restored": plan.restored, "discarded": plan.discarded,
-                "warnings": warnings, "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
+                "warnings": warnings, "schedule": notes, "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
 
     def _choose_intact(self, source: Path | str):
         """Resolve the resume source and check its files against the manifest (rank 0 reads,
@@ -717,15 +748,54 @@ class Trainer:
                 log.error("ERROR: %s", w)
         return resolve_resume_path(path), warnings
 
-    def _reset_to_step(self, step: int) -> None:
-        """Point the global-step view and the LR schedule at ``step`` (replay boundary)."""
-        self.state.global_step = step
-        sch = self.scheduler
-        sch.last_epoch = step
-        lrs = [base * fn(step) for base, fn in zip(sch.base_lrs, sch.lr_lambdas)]
-        for group, lr in zip(self.optimizer.param_groups, lrs):
-            group["lr"] = lr
-        sch._last_lr = lrs
+    def _apply_schedule_overrides(self) -> list[str]:
+        """Apply this config's schedule and optimizer keys to the restored state; one line each.
+
+        The checkpoint restores the saved base LR, floor, warmup and kind, and the saved
+        optimizer hyper-parameters. A resume whose config changes any of them gets the new
+        value from the resume step on (the LR may jump there, as asked).
+        """
+        t, sch = self._t, self.scheduler
+        step = self.state.global_step
+        notes = []
+        ratio = t.min_lr / t.lr if t.lr else 0.0
+        saved_lr = sch.base_lrs[0]
+        if not math.isclose(saved_lr, t.lr, rel_tol=1e-12, abs_tol=0.0):
+            sch.base_lrs = [t.lr for _ in sch.base_lrs]
+            notes.append(f"train.lr changed {saved_lr:g} -> {t.lr:g} on resume: applied from step {step}")
+        saved_min = saved_lr * sch.min_ratio
+        if not math.isclose(saved_min, t.min_lr, rel_tol=1e-9, abs_tol=1e-30):
+            notes.append(f"train.min_lr changed {saved_min:g} -> {t.min_lr:g} on resume: applied from step {step}")
+        sch.min_ratio = ratio  # the floor stays min_lr whatever the base LR
+        for key, attr in (("warmup_steps", "warmup"), ("scheduler", "kind")):
+            if getattr(sch, attr) != getattr(t, key):
+                notes.append(f"train.{key} changed {getattr(sch, attr)!r} -> {getattr(t, key)!r} on resume: "
+                             f"applied from step {step}")
+                setattr(sch, attr, getattr(t, key))
+        hyper = {"weight_decay": t.weight_decay}
+        if t.optimizer == "sgd":
+            hyper["momentum"] = t.momentum
+        for key, value in hyper.items():
+            saved = self.optimizer.param_groups[0].get(key)
+            if saved is not None and saved != value:
+                notes.append(f"train.{key} changed {saved:g} -> {value:g} on resume: applied from step {step}")
+                for group in self.optimizer.param_groups:
+                    group[key] = value
+        if notes:
+            sch.set_step(step)
+        return notes
+
+    def _retarget_schedule(self) -> list[str]:
+        """Move the LR schedule's horizon to the step this resume will really end at."""
+        sch, step = self.scheduler, self.state.global_step
+        before, end = sch.total, self.end_step(self._t)
+        if before == end:
+            return []
+        sch.retarget(step, end)
+        sch.set_step(step)
+        return [f"LR schedule horizon moved from step {before} to step {end} (where this resume ends): "
+                f"LR {sch.get_last_lr()[0]:.6e} at step {step} is kept and decays to train.min_lr "
+                f"{self._t.min_lr:g} at step {end}"]
 
     def _provenance_diff(self, manifest: dict[str, Any]) -> list[str]:
         """Warnings for config, code, data and torch differences from the checkpoint's run."""
@@ -760,7 +830,7 @@ class Trainer:
             return [f"metrics.jsonl has no train record up to step {step}; cannot check the resumed schedule"] if step else []
         last = max(recs, key=lambda r: r["step"])
         sch = self.scheduler
-        expected = sch.base_lrs[0] * sch.lr_lambdas[0](last["step"] - 1)
+        expected = sch.base_lrs[0] * sch.factor(last["step"] - 1)
         log.info("resume check: restored step %d, next lr %.6e; log before interruption: step %d lr %.6e "
                  "(this schedule: %.6e)", step, sch.get_last_lr()[0], last["step"], last.get("lr", float("nan")), expected)
         if not math.isclose(expected, float(last.get("lr", float("nan"))), rel_tol=1e-6, abs_tol=1e-12):

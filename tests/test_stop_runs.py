@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ import pytest
 
 from _helpers import DIGITS, REPO, clean_env, describe, pimm, read_json
 from pimm_core.checkpoint.selection import select_resume
+from pimm_core.shell import program
 from pimm_core.stop import stop_file, write_stop_file
 
 # dropout on, two DataLoader workers per rank, status.json updated every step (so the
@@ -41,6 +43,8 @@ from pimm_core.stop import stop_file, write_stop_file
 COMMON = ("model.dropout=0.3", "data.num_workers=2", "train.log_every_steps=1")
 ONE_RANK = ("train.epochs=2", *COMMON)  # 45 steps per epoch, 90 in all
 TWO_RANKS = ("train.epochs=2", *COMMON)  # 23 steps per epoch per rank, 46 in all
+# run names a shell would mangle unquoted: the printed resume command must quote them
+NAME_1, NAME_2 = "c1 sweep[lr=0.1]", "c2 $HOME [x]"
 LEAD = 3  # optimizer steps a session must have taken (since its start) before it is signalled
 TIMEOUT = 180
 
@@ -74,7 +78,8 @@ class Session:
     """One ``pimm launch`` in its own process session, output to a file."""
 
     def __init__(self, root: Path, name: str, overrides: tuple[str, ...], *, nproc: int | None,
-                 resume: bool, tag: str):
+                 resume: bool, tag: str, shell: str | None = None):
+        """``shell``: run this command line through ``bash -c`` instead (a command pimm printed)."""
         args = ["launch", "--train.config", str(DIGITS), "--run.root", str(root), "--run.name", name,
                 "--run.no-timestamp"]
         if nproc:
@@ -83,10 +88,11 @@ class Session:
             args.append("--train.resume")
         args += ["--", *overrides]
         self.run_dir = root / "digits" / name
-        self.log_path = root / f"{name}.{tag}.out"
+        self.log_path = root / f"{tag}.out"
         self._out = open(self.log_path, "w")
         self.started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "pimm_core.cli", *args], cwd=REPO, env=clean_env(),
+        argv = ["bash", "-c", shell] if shell is not None else [sys.executable, "-m", "pimm_core.cli", *args]
+        self.proc = subprocess.Popen(argv, cwd=REPO, env=clean_env(),
                                      stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True)
 
     @property
@@ -246,13 +252,15 @@ def burst_stage(root: Path, name: str, overrides: tuple[str, ...], *, label: str
     return finish_stage(sess, label, running, saw_save=saw_save, extra_signals=sent)
 
 
-def resume_to_end(root: Path, name: str, overrides: tuple[str, ...], *, nproc: int | None, label: str,
-                  stale_reason: str) -> Stage:
-    """Resume to the end with a stale ``control/stop`` written beforehand."""
+def resume_to_end(root: Path, name: str, previous: Stage, *, label: str, stale_reason: str) -> Stage:
+    """Resume to the end, with a stale ``control/stop`` written beforehand, by running the
+    ``resume with:`` command the previous session printed, verbatim, in a shell."""
     run = root / "digits" / name
     write_stop_file(run, stale_reason)
-    sess = Session(root, name, overrides, nproc=nproc, resume=True, tag=label)
-    return finish_stage(sess, label, {})
+    printed = [ln for ln in previous.output.splitlines() if ln.startswith("resume with: ")]
+    assert len(printed) == 1, previous.why()
+    sess = Session(root, name, (), nproc=None, resume=True, tag=label, shell=printed[0][len("resume with: "):])
+    return finish_stage(sess, label, {}, printed=printed[0])
 
 
 # ----------------------------------------------------------------- fixtures
@@ -290,14 +298,14 @@ def reference_2(_references) -> Path:
 def chain_1(tmp_path_factory) -> dict[str, Stage]:
     root = tmp_path_factory.mktemp("stop-chain1")
     stages: dict[str, Stage] = {}
-    a = pimm_stop_stage(root, "c1", ONE_RANK, label="pimm-stop", reason="maintenance window", resume=False,
+    a = pimm_stop_stage(root, NAME_1, ONE_RANK, label="pimm-stop", reason="maintenance window", resume=False,
                         start_step=0)
     stages[a.label] = a
     _require_resumable(a)
-    b = burst_stage(root, "c1", ONE_RANK, label="sigterm-launcher+burst", start_step=a.status["step"])
+    b = burst_stage(root, NAME_1, ONE_RANK, label="sigterm-launcher+burst", start_step=a.status["step"])
     stages[b.label] = b
     _require_resumable(b)
-    stages["end"] = resume_to_end(root, "c1", ONE_RANK, nproc=None, label="end", stale_reason="stale from before")
+    stages["end"] = resume_to_end(root, NAME_1, b, label="end", stale_reason="stale from before")
     return stages
 
 
@@ -309,12 +317,12 @@ def chain_2(tmp_path_factory) -> dict[str, Stage]:
     for label, target, sig in (("sigterm-launcher", "launcher", signal.SIGTERM),
                                ("sigterm-rank0", "rank0", signal.SIGTERM),
                                ("sigint-rank1", "rank1", signal.SIGINT)):
-        st = signal_stage(root, "c2", TWO_RANKS, nproc=2, resume=bool(stages), label=label, target=target,
+        st = signal_stage(root, NAME_2, TWO_RANKS, nproc=2, resume=bool(stages), label=label, target=target,
                           sig=sig, start_step=start)
         stages[label] = st
         _require_resumable(st)
         start = st.status["step"]
-    stages["end"] = resume_to_end(root, "c2", TWO_RANKS, nproc=2, label="end", stale_reason="stale from before")
+    stages["end"] = resume_to_end(root, NAME_2, st, label="end", stale_reason="stale from before")
     return stages
 
 
@@ -461,6 +469,9 @@ def test_two_ranks_sigint_to_rank1_only(chain_2):
 
 def test_two_ranks_chain_resumes_bitwise(chain_2, reference_2):
     st = chain_2["end"]
+    # the printed command, run verbatim, resumed at the recorded world size with the run's own config
+    assert st.extra["printed"] == f"resume with: {shlex.join([*program(), 'resume', str(st.run_dir)])}"
+    assert read_json(st.run_dir / "provenance.json")["starts"][-1]["launch"]["nproc_per_node"] == 2
     lines = [ln for ln in st.train_log.splitlines() if "stop request" in ln and "earlier session" in ln]
     assert len(lines) == 1, st.train_log[-3000:]
     check_end(st, reference_2, 2)

@@ -61,7 +61,7 @@ def test_checkpoints_diff(run: Path) -> None:
     r = pimm("checkpoints", "diff", run)
     assert r.returncode == 0, describe(r)
     assert "resume would pick this" in r.stdout
-    assert "policy: same world size and per-rank workers" in r.stdout
+    assert "policy: same world size, per-rank micro-batch, accumulation window and per-rank workers" in r.stdout
     assert "replay boundary: none" in r.stdout
 
     r = pimm("checkpoints", "diff", run, "--nproc-per-node", "2", "--json", "--", "data.num_workers=2")

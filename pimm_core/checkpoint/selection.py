@@ -1,8 +1,13 @@
 """Find, describe and select checkpoints in a ``model/`` directory (torch-free).
 
 One function, :func:`select_resume`, decides what a resume loads; every caller
-(``pimm launch --train.resume``, ``pimm checkpoints latest``, ``pimm checkpoints ls``,
-``python -m pimm_core.utils.path latest-checkpoint``, the console) goes through it.
+(``pimm launch --train.resume``, ``pimm resume``, ``--dry-run``, ``pimm checkpoints
+latest``/``ls``/``diff``, ``python -m pimm_core.utils.path latest-checkpoint``, the
+console's resume marker) goes through it, sha256 verification included: a candidate
+whose files do not match its manifest is passed over everywhere, not only by the real
+resume. ``verify=False`` (``--no-verify`` on the scripting commands) is the explicit
+opt-out of the hash pass. Results of the hash pass are cached per process, keyed by
+each file's inode, size and mtime, so a console polling the same files hashes them once.
 
 Preference order for resume: ``last``, then a complete ``last.prev`` (left by a
 rotation interrupted between its two renames), then a legacy ``model_last.pth``, then
@@ -63,6 +68,7 @@ class Candidate:
     metrics: dict[str, Any] = field(default_factory=dict)
     manifest: dict[str, Any] | None = None
     target: str | None = None  # for pointers: the file they point at
+    verify_problems: list[str] | None = None  # set when select_resume found files not matching the manifest
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -196,17 +202,27 @@ def in_resume_order(cands: list[Candidate]) -> list[Candidate]:
     return named + sorted((c for c in cands if c.kind == "single" and c.name not in seen), key=lambda c: -(c.step or 0))
 
 
-def select_resume(model_dir: Path) -> tuple[Candidate | None, list[Candidate]]:
+def select_resume(model_dir: Path, *, verify: bool = True) -> tuple[Candidate | None, list[Candidate]]:
     """Choose the checkpoint a resume loads.
 
+    Args:
+        verify: check each complete candidate's files (sizes, sha256) against its
+            manifest and pass over those that differ (their ``verify_problems`` say why).
+
     Returns:
-        ``(chosen, candidates)``: ``chosen`` is the first complete resumable candidate
-        in :func:`in_resume_order`, or ``None``; ``candidates`` is :func:`list_candidates`.
+        ``(chosen, candidates)``: ``chosen`` is the first complete resumable (and, with
+        ``verify``, intact) candidate in :func:`in_resume_order`, or ``None``;
+        ``candidates`` is :func:`list_candidates`.
     """
     cands = list_candidates(model_dir)
     for c in in_resume_order(cands):
-        if c.complete and c.resumable:
-            return c, cands
+        if not (c.complete and c.resumable):
+            continue
+        if verify:
+            c.verify_problems = verify_candidate(c) or None
+            if c.verify_problems:
+                continue
+        return c, cands
     return None, cands
 
 
@@ -216,6 +232,8 @@ def explain(cands: list[Candidate], chosen: Candidate | None) -> list[str]:
     for c in cands:
         if chosen is not None and c.path == chosen.path:
             verdict = "selected"
+        elif c.verify_problems:
+            verdict = f"rejected: failed verification ({'; '.join(c.verify_problems)})"
         elif not c.resumable and c.complete:
             verdict = "rejected: weights only, cannot resume"
         elif not c.complete:
@@ -297,7 +315,25 @@ def verify_candidate(c: Candidate) -> list[str]:
         return []
     p = Path(c.path)
     root = p if p.is_dir() else p.resolve().parent
-    return verify_files(root, c.manifest.get("files", {}))
+    files = c.manifest.get("files", {})
+    key = (str(root), tuple((rel, _stat_key(root / rel), want.get("sha256"), want.get("size"))
+                            for rel, want in files.items()))
+    if key not in _VERIFIED:
+        if len(_VERIFIED) > 64:
+            _VERIFIED.clear()
+        _VERIFIED[key] = verify_files(root, files)
+    return list(_VERIFIED[key])
+
+
+_VERIFIED: dict[tuple, list[str]] = {}
+
+
+def _stat_key(p: Path) -> tuple[int, int, int] | None:
+    try:
+        st = p.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def is_model_dir(p: Path) -> bool:
@@ -308,18 +344,18 @@ def is_model_dir(p: Path) -> bool:
 
 
 def select_verified(model_dir: Path) -> tuple[Candidate | None, list[str]]:
-    """The first complete resume candidate (in :func:`in_resume_order`) whose files match its manifest.
+    """:func:`select_resume` with verification, and one warning per candidate passed over
+    as corrupt that names the candidate actually used.
 
     Returns:
-        ``(chosen or None, warnings)``: one warning per candidate skipped as corrupt.
+        ``(chosen or None, warnings)``.
     """
-    warnings = []
-    for c in in_resume_order(list_candidates(model_dir)):
-        if not (c.complete and c.resumable):
-            continue
-        problems = verify_candidate(c)
-        if not problems:
-            return c, warnings
-        warnings.append(f"checkpoint {c.path} failed verification ({'; '.join(problems)}); "
-                        "falling back to the next complete candidate")
-    return None, warnings
+    chosen, cands = select_resume(model_dir, verify=True)
+    return chosen, fallback_warnings(cands, chosen)
+
+
+def fallback_warnings(cands: list[Candidate], chosen: Candidate | None) -> list[str]:
+    """One line per candidate that failed verification, naming what is used instead."""
+    instead = f"using {chosen.path} (step {chosen.step}) instead" if chosen else "no other intact candidate"
+    return [f"checkpoint {c.path} failed verification ({'; '.join(c.verify_problems)}); {instead}"
+            for c in in_resume_order(cands) if c.verify_problems]

@@ -1,0 +1,37 @@
+"""Commands pimm prints for the user to run, spelled so that pasting them works.
+
+Every "resume with: ..." or "to continue: ..." line goes through :func:`command`: the
+program is named the way this process was started (``uv run pimm`` under ``uv run``,
+``pimm`` when that is the script on ``PATH``, else ``<python> -m pimm_core.cli``), and
+every argument is shell-quoted with :func:`shlex.join`, so run names holding ``[``,
+spaces or ``$`` paste safely into a POSIX shell. Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+
+def program() -> list[str]:
+    """The words that start pimm the way this process was started."""
+    if os.environ.get("UV"):  # set by `uv run`: the user's shell may not have the venv on PATH
+        return ["uv", "run", "pimm"]
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    found = shutil.which("pimm")
+    if script is not None and script.name == "pimm" and found and Path(found).resolve() == script.resolve():
+        return ["pimm"]
+    return [sys.executable, "-m", "pimm_core.cli"]
+
+
+def command(*args: str | Path) -> str:
+    """``pimm ARGS`` as one shell-quoted line, e.g. ``command("resume", run_dir)``."""
+    return shlex.join([*program(), *map(str, args)])
+
+
+def resume_command(run_dir: Path | str) -> str:
+    """The command that resumes ``run_dir`` with its recorded config and launch topology."""
+    return command("resume", run_dir)

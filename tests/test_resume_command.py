@@ -1,0 +1,171 @@
+"""``pimm resume RUN_DIR``, the requeue command (``--train.auto-resume``), and one selection
+(sha256 included) for ``checkpoints latest``, the path helper, ``--dry-run`` and the real resume."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from _helpers import DIGITS, describe, pimm, read_json, read_jsonl
+from _resume_driver import run_job
+
+K = 50  # interruption: epoch 1, iter 5 (45 steps per epoch at world size 1)
+OV = ["train.epochs=2"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A run (dropout 0.3, see _resume_driver.BASE) stopped mid-epoch at step K."""
+    run = tmp_path_factory.mktemp("resume_cmd") / "digits" / "base"
+    run_job(run, OV, stop_at=K)
+    return run
+
+
+@pytest.fixture
+def copy(base, tmp_path) -> Path:
+    dest = tmp_path / "digits" / "c"
+    shutil.copytree(base, dest)
+    return dest
+
+
+def flip_byte(path: Path, offset: int = -100) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# ------------------------------------------------------------------ pimm resume
+def test_resume_dry_run_reads_the_run_directory(base):
+    r = pimm("resume", base, "--dry-run")
+    assert r.returncode == 0, describe(r)
+    out = r.stdout.splitlines()
+    assert out[0] == "launch: world size 1 (--nproc-per-node 1)"
+    assert f"checkpoint: {base / 'model' / 'last'} (step 50, epoch 1, iter 5)" in out
+    assert "config diff: none" in out  # the run's own config.toml: nothing to retype
+    assert any(line.endswith("(exact continuation)") for line in out), out
+
+
+def test_resume_dry_run_shows_overrides_as_deltas(base):
+    r = pimm("resume", base, "--dry-run", "--", "train.grad_accum=3", "data.batch_size=16")
+    assert r.returncode == 0, describe(r)
+    out = r.stdout.splitlines()
+    assert "policy: per-rank micro-batch size changes: discard loader cursor, restart the saved epoch" in out
+    assert "topology: world size 1 -> 1, per-rank workers 0 -> 0, per-rank micro-batch 32 -> 16, " \
+           "grad_accum 1 -> 3" in out
+    assert "config diff: data.batch_size: 32 -> 16; train.grad_accum: 1 -> 3" in out
+    assert any(line.startswith("continue at: step 45, epoch 1, iter 0 (replay boundary") for line in out), out
+
+
+def test_resume_trains_from_the_run_directory(copy):
+    split = len(read_jsonl(copy / "metrics.jsonl"))
+    r = pimm("resume", copy, "--", "train.max_steps=52")
+    assert r.returncode == 0, describe(r)
+    after = [(x["step"], x["iter"]) for x in read_jsonl(copy / "metrics.jsonl")[split:] if x["split"] == "train"]
+    assert after == [(51, 6), (52, 7)]  # exact continuation from the saved cursor
+    entry = read_json(copy / "provenance.json")["starts"][-1]
+    assert entry["kind"] == "resume" and entry["policy"] == "same" and entry["exact"] is True
+    assert any("train.max_steps: '<unset>' -> 52" in w for w in entry["warnings"]), entry["warnings"]
+    saved = (copy / "config.toml").read_text()
+    assert "max_steps = 52" in saved and "dropout = 0.3" in saved  # the run's own config, plus the delta
+
+
+def test_resume_of_a_non_run_directory_is_one_line(tmp_path):
+    r = pimm("resume", tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and "has no config.toml" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------ requeue
+def requeue(root: Path, name: str, *overrides: str):
+    """The command a job script repeats on every (re)start."""
+    return pimm("launch", "--train.config", DIGITS, "--run.root", root, "--run.name", name, "--run.no-timestamp",
+                "--train.auto-resume", "--", "train.epochs=1", *overrides)
+
+
+def test_requeue_starts_fresh_then_resumes_then_does_nothing(tmp_path):
+    run = tmp_path / "digits" / "job"
+    r = requeue(tmp_path, "job", "train.max_steps=4")
+    assert r.returncode == 0, describe(r)
+    assert [s["kind"] for s in read_json(run / "provenance.json")["starts"]] == ["start"]
+    r = requeue(tmp_path, "job", "train.max_steps=6")
+    assert r.returncode == 0, describe(r)
+    entry = read_json(run / "provenance.json")["starts"][-1]
+    assert entry["kind"] == "resume" and entry["checkpoint_step"] == 4
+    assert read_json(run / "model" / "last" / "manifest.json")["step"] == 6
+    metrics = (run / "metrics.jsonl").read_bytes()
+    r = requeue(tmp_path, "job", "train.max_steps=6")  # requeued after the end: nothing to do, exit 0
+    assert r.returncode == 0, describe(r)
+    assert "the run finished at step 6" in r.stdout
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_requeue_moves_leftovers_aside_and_starts_fresh(tmp_path):
+    run = tmp_path / "digits" / "job"
+    leftover = run / "model" / "last.tmp"
+    leftover.mkdir(parents=True)
+    (leftover / "weights.pth").write_bytes(b"half a save")
+    plain = pimm("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "job",
+                 "--run.no-timestamp", "--", "train.epochs=1", "train.max_steps=3")
+    assert plain.returncode == 2 and "--train.auto-resume" in plain.stderr  # a plain launch refuses, and says so
+    r = requeue(tmp_path, "job", "train.max_steps=3")
+    assert r.returncode == 0, describe(r)
+    moved = list((run / "abandoned").iterdir())
+    assert len(moved) == 1 and (moved[0] / "last.tmp" / "weights.pth").read_bytes() == b"half a save"
+    assert f"moved it to {moved[0]}" in r.stdout + r.stderr
+    assert read_json(run / "model" / "last" / "manifest.json")["step"] == 3
+
+
+# ------------------------------------------------------------------ one selection
+def _latest(model: Path, *flags: str):
+    return (pimm("checkpoints", "latest", model, *flags),
+            pimm_path_helper(model, *flags))
+
+
+def pimm_path_helper(model: Path, *flags: str):
+    import subprocess
+
+    from _helpers import REPO, clean_env
+
+    return subprocess.run([sys.executable, "-m", "pimm_core.utils.path", "latest-checkpoint", str(model), *flags],
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
+
+
+def test_bit_flipped_last_is_refused_by_every_selection(copy):
+    model = copy / "model"
+    flip_byte(model / "last" / "weights.pth")
+    for r in _latest(model):
+        assert r.returncode == 1 and r.stdout == "", describe(r)
+    for r in _latest(model, "--explain"):
+        assert "last: rejected: failed verification (weights.pth: sha256 mismatch)" in r.stderr, describe(r)
+    for r in _latest(model, "--no-verify"):  # the explicit opt-out sees only completeness
+        assert r.returncode == 0 and r.stdout == f"{model / 'last'}\n", describe(r)
+    dry = pimm("resume", copy, "--dry-run")
+    real = pimm("resume", copy)
+    for r in (dry, real):
+        assert r.returncode == 2, describe(r)
+        assert "failed verification (weights.pth: sha256 mismatch)" in r.stderr and "Traceback" not in r.stderr
+    assert "exact continuation" not in dry.stdout
+
+
+def test_fallback_names_the_candidate_actually_used(tmp_path):
+    run = tmp_path / "digits" / "single"
+    run_job(run, ["train.epochs=2", "checkpoint_format=single", "checkpoint.every_steps=10"], stop_at=35)
+    model = run / "model"
+    assert sorted(p.name for p in model.glob("step_*.pth")) == ["step_20.pth", "step_30.pth", "step_35.pth"]
+    flip_byte(model / "step_35.pth")
+    for r in _latest(model):
+        assert r.returncode == 0 and r.stdout == f"{model / 'step_30.pth'}\n", describe(r)
+    dry = pimm("resume", run, "--dry-run")
+    assert dry.returncode == 0, describe(dry)
+    assert f"checkpoint: {model / 'step_30.pth'} (step 30, epoch 0, iter 30)" in dry.stdout
+    warning = f"failed verification (step_35.pth: sha256 mismatch); using {model / 'step_30.pth'} (step 30) instead"
+    assert warning in dry.stdout
+    run_job(run, ["train.epochs=2", "checkpoint_format=single", "checkpoint.every_steps=10"], resume_from=model,
+            stop_at=31)
+    entry = [s for s in read_json(run / "provenance.json")["starts"] if s["kind"] == "resume"][-1]
+    assert entry["checkpoint"] == str(model / "step_30.pth") and entry["checkpoint_step"] == 30
+    assert any(warning in w for w in entry["warnings"]), entry["warnings"]
