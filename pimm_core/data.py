@@ -11,7 +11,9 @@ so a loader cursor saved mid-epoch resumes at exactly the next batch.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -100,7 +102,8 @@ def train_loader(ds: TensorDataset, cfg: DataConfig, info: DistInfo, seed: int) 
     # The loader's own generator: creating an iterator must not draw from the global
     # torch RNG, or a resumed run (which creates one mid-epoch) would shift the dropout stream.
     loader = StatefulDataLoader(ds, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
-                                drop_last=False, persistent_workers=False, worker_init_fn=ignore_stop_signals,
+                                drop_last=False, persistent_workers=False,
+                                worker_init_fn=functools.partial(init_worker, os.getpid()),
                                 generator=torch.Generator().manual_seed(seed + info.rank))
     return loader, sampler
 
@@ -108,6 +111,19 @@ def train_loader(ds: TensorDataset, cfg: DataConfig, info: DistInfo, seed: int) 
 def eval_loader(ds: TensorDataset, cfg: DataConfig, info: DistInfo) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(ds, batch_size=max(cfg.batch_size, 256), sampler=ShardSampler(len(ds), info),
                                        generator=torch.Generator().manual_seed(0))
+
+
+def init_worker(rank_pid: int, worker_id: int) -> None:
+    """A DataLoader worker ignores stop signals and dies with its rank (``rank_pid``, its parent).
+
+    PyTorch's own check (the worker polls its parent's pid) starts only after this function
+    and the worker's setup: a rank killed in between would leave the worker waiting forever,
+    holding the run lock it inherited (see pimm_core.lock).
+    """
+    from .lock import die_with_parent
+
+    ignore_stop_signals(worker_id)
+    die_with_parent(rank_pid)
 
 
 def ignore_stop_signals(_worker_id: int) -> None:

@@ -1,34 +1,72 @@
-"""One writer per run directory.
+"""One writer per run directory, and ranks that never outlive their launcher.
 
-``pimm launch`` (rank 0) holds an exclusive ``filelock`` on ``<run>/.lock`` for the
-whole run. The lock is an OS-level ``flock``: when the holder dies, even by
-``kill -9``, the kernel releases it, so a stale lock never blocks a resume. Who holds
-it (host, pid, start time) is written to ``<run>/lock.json`` for the refusal message.
+Two OS-level ``flock`` files in the run directory. The kernel releases a ``flock`` when the
+last process holding it dies, even by ``kill -9``, so a stale lock never blocks a resume.
+
+- ``<run>/.lock``, exclusive (:class:`RunLock`): held for the whole run by whoever started
+  it: a one-node ``pimm launch --nproc-per-node`` process (the launcher, :class:`LauncherLock`),
+  else rank 0 (one process; an external torchrun/srun; a multi-node ``pimm launch``, whose
+  launchers only check it: each node has its own). Who holds it (host, pid, start time) is
+  written to ``<run>/lock.json`` for the refusal message.
+- ``<run>/.ranks.lock``, shared: every rank of a one-node ``pimm launch --nproc-per-node``
+  holds it while it trains (:func:`hold_run`), and so do its DataLoader workers, which are
+  forked from it and share the open file until they exit.
+
+:meth:`RunLock.acquire` takes ``.lock`` and then checks that nobody holds ``.ranks.lock``, so
+a new launch (or ``--train.resume``) is refused with one ``... is in use by ...`` line while
+the old launcher, any of its ranks or any of their DataLoader workers is alive, and is
+accepted as soon as all of them are gone.
+
+A rank of ``pimm launch --nproc-per-node`` dies with its launcher (:func:`follow_launcher`):
+the launcher passes its pid in ``$PIMM_LAUNCHER_PID`` and each rank asks the kernel for
+SIGKILL when its parent dies (:func:`die_with_parent`: Linux ``prctl(PR_SET_PDEATHSIG)``;
+torchrun starts the ranks from the launcher's main thread, so the signal comes when the
+launcher process ends). A killed launcher takes its ranks at once, mid-step or mid-save,
+so none writes another checkpoint (an interrupted save leaves only a ``*.tmp`` leftover,
+which the next start handles). Every DataLoader worker dies with its rank the same way
+(``data.init_worker``): PyTorch's own watchdog starts too late to catch a rank killed
+while the worker starts, and such a worker would wait forever, holding the lock. Ranks of
+an external torchrun/srun and a single-process launch have no ``$PIMM_LAUNCHER_PID`` and
+do not follow their parent.
+
 Torch-free.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import fcntl
 import json
 import os
+import signal
 import socket
+import sys
+import threading
+import time
 from pathlib import Path
 
 from filelock import FileLock, Timeout
 
 from .checkpoint.atomic import atomic_write_bytes
 from .errors import UsageError
-from .run import now_iso, read_json
+from .run import STATUS, now_iso, read_json
 
 LOCK = ".lock"
+RANKS = ".ranks.lock"
 HOLDER = "lock.json"
+LAUNCHER_ENV = "PIMM_LAUNCHER_PID"  # set by LauncherLock for the ranks a launcher starts
+LAUNCHER_HOLDS_ENV = "PIMM_LAUNCHER_HOLDS_LOCK"  # set when that launcher holds .lock (one node)
+
+_PR_SET_PDEATHSIG = 1
 
 
 class RunLock:
-    """Exclusive, non-blocking lock of a run directory.
+    """Exclusive, non-blocking lock of a run directory (``.lock``, checked against ``.ranks.lock``).
 
     Raises (from :meth:`acquire`):
-        UsageError: another live process holds it; the message names host and pid.
+        UsageError: another live process holds it, or ranks of an earlier launch are still
+            alive; the message names host and pid.
     """
 
     def __init__(self, run_dir: Path):
@@ -36,17 +74,33 @@ class RunLock:
         self._lock = FileLock(str(self.run_dir / LOCK))
 
     def acquire(self) -> "RunLock":
+        if self._lock.is_locked:
+            return self  # already held by this object (``with`` on an acquired lock)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
             self._lock.acquire(timeout=0)
         except Timeout:
-            holder = read_json(self.run_dir / HOLDER) or {}
-            who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} (since {holder.get('since', '?')})"
-            raise UsageError(f"{self.run_dir} is in use by {who}; stop that run first "
-                             f"(pimm stop {self.run_dir}) or choose another --run.name") from None
+            raise UsageError(self._in_use(self._holder() or "pid ? on host ? (since ?)")) from None
+        if _ranks_alive(self.run_dir):
+            self._lock.release()
+            status = read_json(self.run_dir / STATUS) or {}
+            pids = [p for p in status.get("pids") or [] if status.get("host") != socket.gethostname() or _alive(p)]
+            ranks = f"ranks {', '.join(map(str, pids))}" if pids else "ranks"
+            raise UsageError(self._in_use(f"processes of {self._holder() or 'an earlier launch'} that are still "
+                                          f"running ({ranks} or their DataLoader workers)"))
         atomic_write_bytes(self.run_dir / HOLDER, json.dumps(
             {"pid": os.getpid(), "host": socket.gethostname(), "since": now_iso()}).encode(), durable=False)
         return self
+
+    def _holder(self) -> str | None:
+        holder = read_json(self.run_dir / HOLDER)
+        if holder is None:
+            return None
+        return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} (since {holder.get('since', '?')})"
+
+    def _in_use(self, who: str) -> str:
+        return (f"{self.run_dir} is in use by {who}; stop that run first "
+                f"(pimm stop {self.run_dir}) or choose another --run.name")
 
     def release(self) -> None:
         if self._lock.is_locked:
@@ -58,3 +112,158 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class LauncherLock:
+    """What ``pimm launch --nproc-per-node`` holds while its ranks run.
+
+    :meth:`acquire` (call it first: it refuses at once) takes the :class:`RunLock`; on one node
+    it is kept until :meth:`__exit__`, across several nodes (each with its own launcher) it is
+    only checked and rank 0 takes it. Inside ``with``, ``$PIMM_LAUNCHER_PID`` (and, on one
+    node, ``$PIMM_LAUNCHER_HOLDS_LOCK``) are set for the ranks to inherit.
+    """
+
+    def __init__(self, run_dir: Path, *, single_node: bool):
+        self.run_dir = Path(run_dir)
+        self.single_node = single_node
+        self._lock = RunLock(self.run_dir)
+
+    def acquire(self) -> "LauncherLock":
+        if self.single_node:
+            self._lock.acquire()
+        elif self.run_dir.is_dir():
+            self._lock.acquire().release()
+        return self
+
+    def __enter__(self) -> "LauncherLock":
+        os.environ[LAUNCHER_ENV] = str(os.getpid())
+        if self.single_node:
+            os.environ[LAUNCHER_HOLDS_ENV] = "1"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.environ.pop(LAUNCHER_ENV, None)
+        os.environ.pop(LAUNCHER_HOLDS_ENV, None)
+        self._lock.release()
+
+
+class _RanksLock:
+    """A rank's shared lock on ``.ranks.lock``: held until closed or the process (and its forks) exit."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self._fd: int | None = None
+
+    def acquire(self) -> "_RanksLock":
+        if self._fd is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.run_dir / RANKS, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)  # only RunLock.acquire's probe takes it exclusively, for an instant
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd = fd
+        return self
+
+    def release(self) -> None:
+        # Close without LOCK_UN: a forked child that still has the file open keeps it locked.
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "_RanksLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _ranks_alive(run_dir: Path) -> bool:
+    """True while some process holds ``.ranks.lock`` (a rank of a launch, or one of its workers)."""
+    try:
+        fd = os.open(run_dir / RANKS, os.O_RDWR)  # never created here: no ranks file, no ranks
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # a file system without flock: RunLock alone guards the run
+    finally:
+        os.close(fd)  # also drops the probe's exclusive lock
+    return False
+
+
+def hold_run(run_dir: Path, is_main: bool):
+    """Take what this rank holds while it trains; returns it, acquired, as a context manager.
+
+    Under a one-node ``pimm launch --nproc-per-node`` every rank holds ``.ranks.lock``
+    shared (the launcher holds ``.lock``); otherwise rank 0 holds ``.lock`` and the other
+    ranks hold nothing.
+
+    Raises:
+        UsageError: (rank 0 without a pimm launcher) the run is in use.
+    """
+    if os.environ.get(LAUNCHER_HOLDS_ENV):
+        return _RanksLock(run_dir).acquire()
+    if is_main:
+        return RunLock(run_dir).acquire()
+    return contextlib.nullcontext()
+
+
+def follow_launcher() -> None:
+    """Make this rank die with its ``pimm launch`` process (a no-op without ``$PIMM_LAUNCHER_PID``)."""
+    value = os.environ.get(LAUNCHER_ENV)
+    if value:
+        die_with_parent(int(value))
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when ``parent``, the process that started it, dies; at once if it already has.
+
+    Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (the kernel sends it when the thread that
+    started this process ends: the ranks and DataLoader workers here are started by their
+    parent's main thread). Elsewhere, if prctl fails, or if something stands between
+    ``parent`` and this process, a daemon thread that checks once a second.
+    """
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if os.getppid() == parent and armed:
+        return
+    if os.getppid() != parent and not _alive(parent):
+        os.kill(os.getpid(), signal.SIGKILL)  # the parent died before the kernel was asked
+    threading.Thread(target=_watch, args=(parent,), name="pimm-die-with-parent", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` exists and, where ``/proc`` tells, is not a zombie (dead, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return not os.path.isdir("/proc/self") and _signalable(pid)
+    except (OSError, IndexError):
+        return _signalable(pid)
+
+
+def _signalable(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _watch(parent: int) -> None:
+    while os.getppid() == parent or _alive(parent):
+        time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGKILL)

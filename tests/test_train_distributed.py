@@ -56,7 +56,7 @@ def test_two_ranks_summary_and_checkpoint(ddp_run):
 def test_only_rank0_writes_run_files(ddp_run):
     _, run = ddp_run
     assert sorted(p.name for p in run.iterdir()) == sorted(
-        [".lock", "config.toml", "provenance.json", "metrics.jsonl", "status.json", "train.log", "model"])
+        [".lock", ".ranks.lock", "config.toml", "provenance.json", "metrics.jsonl", "status.json", "train.log", "model"])
     records = read_jsonl(run / "metrics.jsonl")
     train_steps = [r["step"] for r in records if r["split"] == "train"]
     assert train_steps and len(train_steps) == len(set(train_steps))  # each record once: one writer
