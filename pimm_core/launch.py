@@ -9,22 +9,24 @@
 
 from __future__ import annotations
 
-import contextlib
+import json
 import logging
 import os
 import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .checkpoint.selection import explain, list_candidates, resolve_resume_path, select_resume
+from .checkpoint.selection import explain, fallback_warnings, list_candidates, resolve_resume_path, select_resume
 from .config import Config
 from .errors import RANK_ERRORS_ENV, CheckpointError, UsageError, rank_errors
-from .run import MODEL, STATUS, read_json, run_dir_for, run_name
-from .lock import RunLock
+from .run import CONFIG, LAUNCH_ENV, MODEL, PROVENANCE, STATUS, read_json, run_dir_for, run_name
+from .lock import LauncherLock, follow_launcher, hold_run
+from .shell import resume_command
 from .stop import StopRequest
+from .topology import continue_override, finished_message, is_finished
 
 
 @dataclass
@@ -38,6 +40,38 @@ class LaunchOptions:
     rdzv_backend: str | None = None
     master_addr: str | None = None
     master_port: int | None = None
+
+    @classmethod
+    def recorded(cls, record: dict | None, given: "LaunchOptions") -> "LaunchOptions":
+        """``given`` flags, with the ones not given taken from a recorded launch
+        (:func:`pimm_core.dist.launch_record`; ``node_rank`` is never recorded: it differs per node)."""
+        record = record or {}
+        values = {}
+        for name in cls.__dataclass_fields__:
+            value = getattr(given, name)
+            values[name] = value if value is not None or name == "node_rank" else record.get(name)
+        return cls(**values)
+
+    def record(self) -> dict:
+        """What ``pimm resume`` needs to start the same ranks again (None fields left out)."""
+        return {"launcher": "pimm", **{k: v for k, v in self.__dict__.items() if v is not None and k != "node_rank"}}
+
+    def check(self) -> None:
+        """Raises UsageError for flag values torchrun would misread (e.g. ``--nproc-per-node 0``)."""
+        if self.nproc_per_node is not None and self.nproc_per_node < 1:
+            raise UsageError(f"--nproc-per-node must be at least 1 (got {self.nproc_per_node})")
+        if self.nnodes is not None:
+            parts = str(self.nnodes).split(":")
+            if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+                raise UsageError(f"--nnodes must be N or MIN:MAX with N >= 1 (got {self.nnodes!r})")
+
+    def world_size(self) -> int:
+        """Ranks in all (the largest node count for ``MIN:MAX``)."""
+        return (self.nproc_per_node or 1) * int(str(self.nnodes or "1").split(":")[-1])
+
+    def describe(self) -> str:
+        flags = [f"--{k.replace('_', '-')} {v}" for k, v in self.__dict__.items() if v is not None]
+        return f"world size {self.world_size()}" + (f" ({' '.join(flags)})" if flags else "")
 
     def wants_spawn(self) -> bool:
         return (self.nproc_per_node or 1) > 1 or (self.nnodes not in (None, "1", "1:1"))
@@ -63,7 +97,7 @@ def resolve_run_dir(cfg: Config, config_path: Path | None, *, when: float | None
     return run_dir_for(cfg.run.root, cfg.run.group, run_name(base, timestamp=not cfg.run.no_timestamp, when=when))
 
 
-def check_run_dir(cfg: Config, run_dir: Path) -> None:
+def check_run_dir(cfg: Config, run_dir: Path, *, leftovers_ok: bool = False) -> None:
     """Refuse what would lose work or silently start over (torch-free, runs before any rank starts).
 
     Raises:
@@ -82,12 +116,43 @@ def check_run_dir(cfg: Config, run_dir: Path) -> None:
         return
     names = ", ".join(c.name for c in found[:4])
     if any(c.complete and c.resumable for c in found):
-        raise UsageError(f"{run_dir} already has checkpoints ({names}); add --train.resume to continue it, "
-                         "or choose another --run.name")
+        raise UsageError(f"{run_dir} already has checkpoints ({names}); continue it with: {resume_command(run_dir)} "
+                         "(or add --train.resume), or choose another --run.name")
     # Nothing resumable (e.g. killed during its first save): neither a fresh start nor a resume
     # can proceed, so say how to get out instead of pointing at --train.resume.
+    if leftovers_ok:
+        return  # --train.auto-resume: rank 0 moves them aside (auto_resume)
     raise UsageError(f"{run_dir} has checkpoint files ({names}) but none can be resumed; move or remove "
-                     f"{run_dir / MODEL} to start this run over, or choose another --run.name")
+                     f"{run_dir / MODEL} to start this run over (--train.auto-resume moves it aside for you), "
+                     "or choose another --run.name")
+
+
+def recorded_launch(run_dir: Path) -> dict:
+    """The launch of the run's latest start (``provenance.json``): ``launcher`` (``pimm`` or
+    ``external``), ``nproc_per_node`` and the multi-node flags ``pimm launch`` was given."""
+    prov = read_json(run_dir / PROVENANCE) or {}
+    for entry in reversed(prov.get("starts") or []):
+        if isinstance(entry, dict) and isinstance(entry.get("launch"), dict):
+            return entry["launch"]
+    # runs written before pimm recorded the launch: one node with the recorded world size
+    return {"launcher": "pimm", "nproc_per_node": int(prov.get("world_size") or 1)}
+
+
+def resume_config(run_dir: Path, overrides: list[str]) -> Config:
+    """The run's own resolved ``config.toml`` plus explicit ``overrides``, pointed at ``run_dir``.
+
+    Raises:
+        UsageError: ``run_dir`` is not a run directory written by pimm (no ``config.toml``).
+        ConfigError: the saved config or an override is invalid.
+    """
+    from .config import load_config
+
+    if not (run_dir / CONFIG).is_file():
+        what = "does not exist" if not run_dir.exists() else "has no config.toml"
+        raise UsageError(f"{run_dir} {what}; pass a run directory written by pimm launch (exp/<group>/<run>)")
+    extra = {"run.root": str(run_dir.parent.parent), "run.group": run_dir.parent.name, "run.name": run_dir.name,
+             "run.no_timestamp": True, "train.resume": True}
+    return load_config(run_dir / CONFIG, overrides, extra)
 
 
 def setup_logging(is_main: bool) -> None:
@@ -99,6 +164,51 @@ def setup_logging(is_main: bool) -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO if is_main else logging.WARNING)
     logger.propagate = False
+
+
+def auto_resume(cfg: Config, run_dir: Path, *, is_main: bool = True) -> Config:
+    """``--train.auto-resume``: resume when the run has an intact checkpoint, else start it fresh.
+
+    The command a cluster job script repeats on every (re)start. Leftovers of saves that
+    never completed (nothing resumable in ``model/``) do not block it and are not deleted:
+    rank 0 moves the whole ``model/`` directory to ``<run>/abandoned/<time>/`` and says so.
+    """
+    chosen, cands = select_resume(run_dir / MODEL)
+    if chosen is not None:
+        return replace(cfg, train=replace(cfg.train, resume=True))
+    if cands and is_main:
+        moved = set_aside(run_dir / MODEL, run_dir / "abandoned")
+        logging.getLogger("pimm").warning(
+            "warning: %s held no resumable checkpoint (%s); moved it to %s and starting the run fresh "
+            "(nothing was deleted; remove it when you no longer need it)",
+            run_dir / MODEL, "; ".join(explain(cands, None)), moved)
+    return replace(cfg, train=replace(cfg.train, resume=False))
+
+
+def set_aside(path: Path, under: Path) -> Path:
+    """Move ``path`` (one rename, nothing copied or deleted) to ``under/<YYYYmmdd-HHMMSS>[-N]``."""
+    under.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest, n = under / stamp, 1
+    while dest.exists():
+        dest, n = under / f"{stamp}-{n}", n + 1
+    os.replace(path, dest)
+    return dest
+
+
+def finished(cfg: Config, source: str | None, run_dir: Path) -> str | None:
+    """The finished-run message when the checkpoint a resume would load is already at
+    the end this config sets (all epochs, or ``train.max_steps``); else None."""
+    if source is None:
+        return None
+    cand = resolve_resume_path(source)
+    m = cand.manifest or {}
+    if m.get("step") is None or not is_finished(m, epochs=cfg.train.epochs, max_steps=cfg.train.max_steps):
+        return None
+    step = int(m["step"])
+    return (f"{finished_message(step, int(m.get('epoch') or 0), cfg.train)}, e.g.: "
+            f"{resume_command(run_dir)} -- "
+            f"{continue_override(step, cfg.train)}")
 
 
 def resume_source(cfg: Config, run_dir: Path, resume_from: str | None) -> str | None:
@@ -115,9 +225,10 @@ def resume_source(cfg: Config, run_dir: Path, resume_from: str | None) -> str | 
     if chosen is None:
         found = "; ".join(explain(cands, None)) if cands else "nothing"
         if not cfg.run.no_timestamp:
-            hint = " (to resume a run, pass its --run.name and --run.no-timestamp)"
+            hint = " (to resume a run, pass its --run.name and --run.no-timestamp, or use pimm resume RUN_DIR)"
         elif cands:
-            hint = f"; to start this run over, move or remove {run_dir / MODEL} and launch without --train.resume"
+            hint = (f"; to start this run over, move or remove {run_dir / MODEL} and launch without --train.resume "
+                    "(or launch with --train.auto-resume, which moves it aside for you)")
         else:
             hint = "; launch without --train.resume to start it"
         raise CheckpointError(f"cannot resume {run_dir}: no complete checkpoint; found: {found}{hint}", exit_code=2)
@@ -137,14 +248,28 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     if source is None:
         print("fresh start (no resume requested); nothing will be restored")
         return 0
-    cand = resolve_resume_path(source)
+    if Path(source) == run_dir / MODEL:  # the selection, with the candidates it passed over and why
+        cand, cands = select_resume(run_dir / MODEL)
+        fallbacks = fallback_warnings(cands, cand)
+    else:
+        cand, fallbacks = resolve_resume_path(source), []
     plan = plan_resume(cand.manifest or {}, world_size=world_size, workers_per_rank=cfg.data.num_workers,
-                       strict=cfg.resume_strict_state, grad_accum=cfg.train.grad_accum, legacy=cand.format == "legacy")
+                       strict=cfg.resume_strict_state, grad_accum=cfg.train.grad_accum,
+                       batch_size=cfg.data.batch_size, legacy=cand.format == "legacy")
     t = plan.topology
     print(f"checkpoint: {cand.path} (step {cand.step}, epoch {cand.epoch}, iter {cand.iter})")
+    for w in fallbacks:
+        print(f"warning: {w}")
+    message = finished(cfg, cand.path, run_dir)
+    if message is not None:
+        print(message)
+        print("dry run: nothing was trained or written")
+        return 0
     print(f"policy: {plan.description}")
     print(f"topology: world size {t['saved_world_size']} -> {t['world_size']}, "
-          f"per-rank workers {t['saved_workers_per_rank']} -> {t['workers_per_rank']}")
+          f"per-rank workers {t['saved_workers_per_rank']} -> {t['workers_per_rank']}, "
+          f"per-rank micro-batch {t['saved_batch_size']} -> {t['batch_size']}, "
+          f"grad_accum {t['saved_grad_accum']} -> {t['grad_accum']}")
     print(f"restore: {', '.join(plan.restored)}")
     print(f"discard: {', '.join(plan.discarded) or 'nothing'}")
     rb = plan.replay_boundary
@@ -161,20 +286,31 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     return 0
 
 
-def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = None) -> int:
-    """Run this process as one rank of the run; returns the exit code."""
+def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = None, *,
+               leftovers_ok: bool = False) -> int:
+    """Run this process as one rank of the run; returns the exit code.
+
+    ``leftovers_ok`` (``--train.auto-resume``): a model/ directory with nothing resumable
+    in it does not stop a fresh start (rank 0 has moved it aside)."""
+    follow_launcher()  # a rank of `pimm launch --nproc-per-node` dies with it (lock.py)
     from . import dist
 
     info = dist.env_world()
     setup_logging(info.is_main)
     run_dir = resolve_run_dir(cfg, config_path)
-    check_run_dir(cfg, run_dir)
-    lock = RunLock(run_dir).acquire() if info.is_main else contextlib.nullcontext()
+    check_run_dir(cfg, run_dir, leftovers_ok=leftovers_ok)
+    lock = hold_run(run_dir, info.is_main)  # see lock.py: who holds what
     try:
         source = resume_source(cfg, run_dir, resume_from)
+        message = finished(cfg, source, run_dir)
     except BaseException:
         lock.__exit__(None, None, None)
         raise
+    if message is not None:  # nothing to train: no metrics, no checkpoint, no status change
+        lock.__exit__(None, None, None)
+        if info.is_main:
+            print(message, flush=True)
+        return 0
     start = time.perf_counter()
     stop = StopRequest()
     # SIGINT/SIGTERM (Ctrl-C, a scheduler's pre-emption notice, torchrun forwarding either)
@@ -210,37 +346,41 @@ def _train_and_report(cfg: Config, config_path: Path | None, run_dir: Path, sour
         if state.stop_reason is not None:
             print(f"stopped ({state.stop_reason}): last saved at step {state.global_step} "
                   f"(epoch {state.epoch}, iter {state.iter}) | {took} | run {run_dir}\n"
-                  f"resume with: pimm launch --train.config {config_path} --run.name {run_dir.name} "
-                  f"--run.no-timestamp --run.root {cfg.run.root} --train.resume", flush=True)
+                  f"resume with: {resume_command(run_dir)}", flush=True)
         else:
             print(f"done: best {cfg.eval.metric} {best} (epoch {state.best_epoch}) | epochs {state.epoch} | "
                   f"steps {state.global_step} | {took} | run {run_dir}", flush=True)
     return 0
 
 
-def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOptions) -> int:
+def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOptions, *,
+          worker_args: list[str] | None = None) -> int:
     """Start the ranks with ``torch.distributed.run`` and wait for them.
 
     Args:
         argv: the ``launch`` arguments to give each rank (launcher flags removed).
+        worker_args: the whole command line of each rank instead (``pimm resume`` passes
+            ``resume RUN_DIR -- overrides``).
 
     Returns:
         0 on success, else the first failed rank's exit code.
     """
     run_dir = resolve_run_dir(cfg, config_path)
     check_run_dir(cfg, run_dir)
-    if run_dir.is_dir():
-        RunLock(run_dir).acquire().release()  # refuse at once if another launch holds the run
-    head, sep, tail = _split_at_dashdash(argv)
-    worker_args = ["launch", *head, "--run.name", run_dir.name, "--run.no-timestamp", *sep, *tail]
+    # refuse at once if the run is in use; on one node, held until the ranks are gone (lock.py)
+    lock = LauncherLock(run_dir, single_node=opts.nnodes in (None, "1", "1:1")).acquire()
+    if worker_args is None:
+        head, sep, tail = _split_at_dashdash(argv)
+        worker_args = ["launch", *head, "--run.name", run_dir.name, "--run.no-timestamp", *sep, *tail]
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args([*opts.torchrun_args(), "--module", "pimm_core.cli", *worker_args])
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     # torchrun logs each failed rank at ERROR; pimm prints one line naming the cause instead
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
-    with tempfile.TemporaryDirectory(prefix="pimm-rank-errors-") as errors_dir:
+    with lock, tempfile.TemporaryDirectory(prefix="pimm-rank-errors-") as errors_dir:
         os.environ[RANK_ERRORS_ENV] = errors_dir  # the ranks inherit it (see errors.report)
+        os.environ[LAUNCH_ENV] = json.dumps(opts.record())  # recorded in provenance for `pimm resume`
         # torchrun sets OMP_NUM_THREADS=1 for the ranks when it is unset, with a four-line
         # warning on every launch; set the same value here (a user's own value is kept).
         omp_was_set = "OMP_NUM_THREADS" in os.environ
@@ -249,6 +389,7 @@ def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOp
             return _run_ranks(run, args, run_dir, errors_dir)
         finally:
             os.environ.pop(RANK_ERRORS_ENV, None)
+            os.environ.pop(LAUNCH_ENV, None)
             if not omp_was_set:
                 os.environ.pop("OMP_NUM_THREADS", None)
 
@@ -267,7 +408,8 @@ def _run_ranks(run, args, run_dir: Path, errors_dir: str) -> int:
         _wait_for_children()
         status = read_json(run_dir / STATUS) or {}
         if status.get("state") == "stopped":
-            print(f"stopped ({status.get('stop_reason')}) at step {status.get('step')} | run {run_dir}", flush=True)
+            print(f"stopped ({status.get('stop_reason')}) at step {status.get('step')} | run {run_dir}\n"
+                  f"resume with: {resume_command(run_dir)}", flush=True)
             return 0
         print(f"error: interrupted by signal {e.sigval.name} before the ranks could stop cleanly; "
               f"see {run_dir / 'train.log'}", file=sys.stderr)
@@ -299,7 +441,8 @@ def _failure_report(failures: dict, reports: dict[int, dict], run_dir: Path) -> 
         how = f"was killed by {signal.Signals(-exitcode).name}"
     else:
         how = f"failed with exit code {exitcode} (its output is above)"
-    return 1, f"error: rank {rank} {how}; the run stopped; see {run_dir / 'train.log'} and resume with --train.resume"
+    return 1, (f"error: rank {rank} {how}; the run stopped; see {run_dir / 'train.log'} and resume with: "
+               f"{resume_command(run_dir)}")
 
 
 def _wait_for_children(timeout: float = 300.0) -> None:

@@ -263,3 +263,28 @@ def test_world_size_1_to_2_restores_model_and_optimizer_exactly(runs):
     log = (root / "ws1to2" / "train.log").read_text()  # rank 0's log of the resharded resume
     assert "loader cursor skipped (world size changes): restarting epoch 1 at step 45" in log
     assert "world size changed 1 -> 2" in log
+
+
+def test_world_size_2_to_1_lr_is_continuous_and_ends_at_min_lr(runs, tmp_path):
+    """Case lr-horizon-after-topology-change: after 2 -> 1 ranks the LR does not jump at the
+    resume, the cosine reaches train.min_lr at the real last step, and status.json's
+    total_steps is that step."""
+    run = tmp_path / "ws2to1"
+    shutil.copytree(runs["root"] / "ws2to1", run)
+    saved = read_jsonl(run / "metrics.jsonl")
+    trainer = run_job(run, _ov(0), resume_from=run / "model" / "last")
+    after = [r for r in read_jsonl(run / "metrics.jsonl")[len(saved):] if r["split"] == "train"]
+    end = STEPS2 + STEPS1  # epoch 1 restarts at step 23 and runs 45 steps at world size 1
+    assert [r["step"] for r in after] == list(range(STEPS2 + 1, end + 1))
+    # the first resumed step gets the LR the 2-rank run used at that step (no jump)
+    before = {r["step"]: r["lr"] for r in saved if r["split"] == "train"}
+    assert after[0]["lr"] == pytest.approx(before[STEPS2 + 1], rel=1e-12)
+    min_lr = 2e-5  # configs/digits.toml
+    full2 = [r for r in read_jsonl(runs["root"] / "full2-nw0" / "metrics.jsonl") if r["split"] == "train"]
+    # the LR the last step used is one step above the floor (an uninterrupted 2-rank run's last step is no
+    # closer: its cosine is shorter); after it, the floor itself. Seen before the fix: 2.06e-4 at the end.
+    assert after[-1]["lr"] <= min(full2[-1]["lr"], 1.15 * min_lr), (after[-1], full2[-1])
+    assert trainer.scheduler.get_last_lr()[0] == pytest.approx(min_lr, rel=1e-9)
+    assert all(b["lr"] <= a["lr"] for a, b in zip(after, after[1:]))  # a decay, no jump upwards
+    status = read_json(run / "status.json")
+    assert (status["state"], status["step"], status["total_steps"]) == ("finished", end, end)
