@@ -19,6 +19,7 @@ from typing import Optional
 import typer
 
 from .errors import RANK_ERRORS_ENV, PimmError, UsageError, is_peer_loss, report
+from .shell import command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="pimm: a PyTorch training engine that never loses a run.")
@@ -119,7 +120,7 @@ def resume(
     record = recorded_launch(run_dir)
     if record.get("launcher") == "external" and nproc_per_node is None:
         raise UsageError(f"{run_dir} was launched by an external launcher (torchrun/srun, world size "
-                         f"{record.get('world_size')}); run `pimm resume {run_dir}` under that launcher again, "
+                         f"{record.get('world_size')}); run `{command('resume', run_dir)}` under that launcher again, "
                          "or pass --nproc-per-node N to start the ranks here")
     opts = LaunchOptions.recorded(record, given)
     if dry_run:
@@ -174,7 +175,8 @@ def checkpoints_latest(
         for line in explain_lines(cands, chosen) or ["(no candidates)"]:
             print(line, file=sys.stderr)
     if chosen is None:
-        raise PimmError(f"no complete checkpoint in {model_dir}; run `pimm checkpoints ls` to see what is there")
+        raise PimmError(f"no complete checkpoint in {model_dir}; run `{command('checkpoints', 'ls', model_dir)}` "
+                        "to see what is there")
     print(chosen.path)
 
 

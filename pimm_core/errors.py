@@ -53,6 +53,10 @@ class CheckpointParseError(CheckpointError):
     exit_code = 2
 
 
+class TrainingError(PimmError):
+    """Training itself went wrong (e.g. the weights stopped being finite); exit code 1."""
+
+
 class CheckpointSaveError(CheckpointError):
     """Writing a checkpoint failed (disk full, I/O error); the previous one is intact."""
 

@@ -51,6 +51,7 @@ from filelock import FileLock, Timeout
 from .checkpoint.atomic import atomic_write_bytes
 from .errors import UsageError
 from .run import STATUS, now_iso, read_json
+from .shell import command
 
 LOCK = ".lock"
 RANKS = ".ranks.lock"
@@ -100,7 +101,7 @@ class RunLock:
 
     def _in_use(self, who: str) -> str:
         return (f"{self.run_dir} is in use by {who}; stop that run first "
-                f"(pimm stop {self.run_dir}) or choose another --run.name")
+                f"({command('stop', self.run_dir)}) or choose another --run.name")
 
     def release(self) -> None:
         if self._lock.is_locked:

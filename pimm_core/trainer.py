@@ -46,7 +46,7 @@ from .checkpoint.state import rng_state, set_rng_state
 from .config import Config, TrainConfig, write_config
 from .data import build_datasets, eval_loader, train_loader
 from .ema import EMA
-from .errors import CheckpointError, CheckpointSaveError, ConfigError
+from .errors import CheckpointError, CheckpointSaveError, ConfigError, TrainingError
 from .models import build_model
 from .stop import StopRequest, read_stop_file, stop_file
 from .schedule import WarmupCosine
@@ -478,6 +478,7 @@ class Trainer:
             self._status("running")
             try:
                 self._loop(t, checkpoint_dir)
+                self._check_finite()
             except BaseException as e:
                 self._status("failed", error=f"{e.__class__.__name__}: {e}")
                 raise
@@ -837,6 +838,18 @@ class Trainer:
             return [f"LR schedule differs from the interrupted run: at step {last['step']} the log says "
                     f"{last.get('lr')}, this config gives {expected}"]
         return []
+
+    def _check_finite(self) -> None:
+        """A run whose weights are NaN/Inf never ends as ``done`` with exit 0.
+
+        Raises:
+            TrainingError: names the first non-finite parameter and the step.
+        """
+        for name, p in unwrap(self.model).named_parameters():
+            if not bool(torch.isfinite(p).all()):
+                raise TrainingError(f"the weights are not finite after step {self.state.global_step} ({name} holds "
+                                    "NaN or Inf); the run failed: resume from an earlier checkpoint with a lower "
+                                    "train.lr, or start over")
 
     def _record_stop(self) -> None:
         s = self.state

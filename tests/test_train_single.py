@@ -7,7 +7,7 @@ import tomllib
 import pytest
 import torch
 
-from _helpers import describe, eval_weights, read_json, read_jsonl
+from _helpers import describe, eval_weights, launch, read_json, read_jsonl
 from conftest import SINGLE_OVERRIDES
 from pimm_core.checkpoint.manifest import verify_files
 from pimm_core.config import config_from_dict, load_config
@@ -136,3 +136,14 @@ def test_step_snapshots_and_retention(run):
     log = (run / "train.log").read_text()
     for step in (20, 40, 60, 80, 100, 120, TOTAL_STEPS):
         assert f"(step {step}," in log, step
+
+
+def test_non_finite_weights_never_end_as_done(tmp_path):
+    """Case nonfinite-metrics-console's run: the weights overflow; the run must not say "done" and exit 0."""
+    r = launch(tmp_path, "diverge", "train.epochs=1", "train.max_steps=3", "train.lr=3e13", 'train.optimizer="sgd"',
+               "train.grad_clip=0.0", "train.warmup_steps=0", "train.log_every_steps=1", 'train.scheduler="constant"')
+    assert r.returncode == 1, describe(r)
+    assert "done:" not in r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the weights are not finite after step 3"), describe(r)
+    assert read_json(tmp_path / "digits" / "diverge" / "status.json")["state"] == "failed"
