@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Trainer", "TrainState", "Config", "load_config", "StopRequest", "load_weights", "export_weights"]
+__all__ = ["Trainer", "TrainState", "Config", "TrainConfig", "load_config", "StopRequest", "load_weights", "export_weights"]
 
 
 def __getattr__(name: str) -> Any:
@@ -24,7 +24,7 @@ def __getattr__(name: str) -> Any:
         from .stop import StopRequest
 
         return StopRequest
-    if name in ("Config", "load_config"):
+    if name in ("Config", "TrainConfig", "load_config"):
         from . import config
 
         return getattr(config, name)

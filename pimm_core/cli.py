@@ -17,25 +17,54 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+import typer.core
 
 from .errors import RANK_ERRORS_ENV, PimmError, UsageError, is_peer_loss, report
 from .shell import command
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+class Command(typer.core.TyperCommand):
+    """Usage lines in the usual style (``RUN_DIR``, ``[OVERRIDES]...``), not Typer's ``{run_dir}``."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if isinstance(param, typer.core.TyperArgument):
+                name = (param.metavar or param.name or "").upper()
+                pieces.append((name if param.required else f"[{name}]") + ("..." if param.nargs != 1 else ""))
+        return pieces
+
+
+# Plain (click) help: flags without a <bool> placeholder, choices as [a|b], pipe-friendly.
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="pimm: a PyTorch training engine that never loses a run.")
-checkpoints_app = typer.Typer(no_args_is_help=True, help="Inspect checkpoints without importing torch.")
+checkpoints_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                              help="Inspect checkpoints without importing torch.")
 app.add_typer(checkpoints_app, name="checkpoints")
 from .cli_export import register as _register_export
-_register_export(app)
+_register_export(app, Command)
 
 _ARGV: list[str] = []
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"pimm {version('pimm')}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(_: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print pimm's version and exit.")) -> None:
+    """pimm: a PyTorch training engine that never loses a run."""
 NO_VERIFY_HELP = ("Skip the sha256 pass: pick by completeness only (faster on large checkpoints; "
                   "a resume still verifies and may pick another).")
 
 
-@app.command(context_settings={"allow_interspersed_args": False})
+@app.command(cls=Command, context_settings={"allow_interspersed_args": False})
 def launch(
-    config: Optional[Path] = typer.Option(None, "--train.config", help="TOML config file."),
+    config: Optional[Path] = typer.Option(None, "--train.config", help="TOML config file (required)."),
     name: Optional[str] = typer.Option(None, "--run.name", help="Run name (default: the config file's stem)."),
     no_timestamp: bool = typer.Option(False, "--run.no-timestamp", help="Do not add -YYYYmmdd-HHMMSS to the name."),
     root: Optional[str] = typer.Option(None, "--run.root", help="Root of run directories (default: exp)."),
@@ -62,6 +91,9 @@ def launch(
     from .launch import LaunchOptions, auto_resume as auto_resume_cfg, dry_run as plan_only, resolve_run_dir, spawn
     from .launch import strip_launcher_flags, train_here
 
+    if config is None:
+        raise UsageError("pimm launch needs --train.config FILE (e.g. --train.config configs/digits.toml); "
+                         "to continue a run, use pimm resume RUN_DIR")
     extra: dict[str, object] = {}
     if name is not None:
         extra["run.name"] = name
@@ -93,7 +125,7 @@ def launch(
     raise typer.Exit(train_here(cfg, config, resume_from, leftovers_ok=auto_resume))
 
 
-@app.command(context_settings={"allow_interspersed_args": True})
+@app.command(cls=Command, context_settings={"allow_interspersed_args": True})
 def resume(
     run_dir: Path = typer.Argument(..., help="The run directory (exp/<group>/<run>)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what the resume would do, then exit."),
@@ -132,7 +164,7 @@ def resume(
     raise typer.Exit(train_here(cfg, config_path))
 
 
-@app.command()
+@app.command(cls=Command)
 def stop(
     run_dir: Path = typer.Argument(..., help="The run directory (exp/<group>/<run>)."),
     reason: str = typer.Option("operator", "--reason", help="Recorded as the run's stop_reason."),
@@ -160,7 +192,7 @@ def _model_dir(path: Path) -> Path:
     return path / "model" if (path / "model").is_dir() else path
 
 
-@checkpoints_app.command("latest")
+@checkpoints_app.command("latest", cls=Command)
 def checkpoints_latest(
     model_dir: Path = typer.Argument(..., help="A run's model/ directory (or the run directory)."),
     explain: bool = typer.Option(False, "--explain", help="List every candidate, accepted or rejected, and why."),
@@ -180,7 +212,7 @@ def checkpoints_latest(
     print(chosen.path)
 
 
-@checkpoints_app.command("ls")
+@checkpoints_app.command("ls", cls=Command)
 def checkpoints_ls(
     run_dir: Path = typer.Argument(..., help="A run directory (or its model/ directory)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output (stable schema)."),
@@ -212,7 +244,7 @@ def checkpoints_ls(
     print(f"resume would select: {chosen.name if chosen else 'nothing (no complete candidate)'}")
 
 
-@checkpoints_app.command("verify")
+@checkpoints_app.command("verify", cls=Command)
 def checkpoints_verify(
     target: Path = typer.Argument(..., help="A run directory, model/ directory, or one candidate."),
 ) -> None:
@@ -244,7 +276,7 @@ def checkpoints_verify(
         raise typer.Exit(1)
 
 
-@checkpoints_app.command("diff")
+@checkpoints_app.command("diff", cls=Command)
 def checkpoints_diff(
     run_dir: Path = typer.Argument(..., help="The run directory (exp/<group>/<run>)."),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Planned world size (ranks) of the resume."),
@@ -259,7 +291,7 @@ def checkpoints_diff(
     print(json.dumps(diff.to_json(), indent=2) if as_json else "\n".join(diff.lines()))
 
 
-@app.command()
+@app.command(cls=Command)
 def tui(run_dir: Path = typer.Argument(..., help="The run directory (exp/<group>/<run>).")) -> None:
     """Operator console: watch a run live, stop it, browse checkpoints, diff topology, export."""
     from .runview import check_run_dir

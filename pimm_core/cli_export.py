@@ -7,23 +7,23 @@ command's torch import happens only when it runs.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import typer
 
 
-def register(app: typer.Typer) -> None:
-    """Add the ``export`` command to ``app``."""
+def register(app: typer.Typer, command_class: type) -> None:
+    """Add the ``export`` command to ``app`` (built with ``command_class``, the CLI's help style)."""
 
-    @app.command("export")
+    @app.command("export", cls=command_class)
     def export_cmd(
         checkpoint: str = typer.Argument(
             ..., metavar="CHECKPOINT",
             help="Checkpoint of --run-dir (last, best, final, iter_<step>), or a path / hf://org/repo."),
         out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="Directory to create (must not exist or be empty)."),
         run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Run directory exp/<group>/<run>."),
-        weights: str = typer.Option("raw", "--weights", help="Weight set: raw | ema."),
-        fmt: str = typer.Option("safetensors", "--format", help="safetensors | bin."),
+        weights: Literal["raw", "ema"] = typer.Option("raw", "--weights", help="Weight set."),
+        fmt: Literal["safetensors", "bin"] = typer.Option("safetensors", "--format", help="File format."),
         force: bool = typer.Option(False, "--force", help="Replace an existing non-empty OUT_DIR."),
     ) -> None:
         """Export a checkpoint's weights (model.safetensors or model.bin, config.json, export.json)."""

@@ -1,0 +1,61 @@
+"""The command line's own surface: help text, version, the seeds' module spellings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from _helpers import REPO, clean_env, pimm
+
+COMMANDS = [[], ["launch"], ["resume"], ["stop"], ["tui"], ["export"], ["checkpoints"], ["checkpoints", "ls"],
+            ["checkpoints", "latest"], ["checkpoints", "verify"], ["checkpoints", "diff"]]
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: " ".join(c) or "pimm")
+def test_help_is_plain(cmd):
+    r = pimm(*cmd, "--help")
+    assert r.returncode == 0, r.stderr
+    usage = r.stdout.splitlines()[0]
+    assert usage.startswith("Usage: pimm") and "{" not in usage and "}" not in usage, usage
+    assert "<bool>" not in r.stdout  # flags take no value
+
+
+def test_help_lists_choices_and_usage_names():
+    r = pimm("export", "--help")
+    assert "--weights <raw|ema>" in r.stdout and "--format <safetensors|bin>" in r.stdout
+    assert r.stdout.splitlines()[0] == "Usage: pimm export [OPTIONS] CHECKPOINT OUT_DIR"
+    assert pimm("resume", "--help").stdout.splitlines()[0] == "Usage: pimm resume [OPTIONS] RUN_DIR [OVERRIDES]..."
+
+
+def test_version():
+    from importlib.metadata import version
+
+    r = pimm("--version")
+    assert r.returncode == 0 and r.stdout == f"pimm {version('pimm')}\n"
+
+
+@pytest.mark.parametrize("n", ["0", "-1"])
+def test_nproc_per_node_below_one_is_refused(n, tmp_path):
+    r = pimm("launch", "--train.config", REPO / "configs" / "digits.toml", "--run.root", tmp_path,
+             "--nproc-per-node", n)
+    assert r.returncode == 2 and r.stderr == f"error: --nproc-per-node must be at least 1 (got {n})\n"
+    assert not any(tmp_path.iterdir())  # nothing trained, nothing written
+
+
+def test_seed_spellings(tmp_path):
+    """``python -m pimm.utils.path`` and ``from pimm_core import TrainConfig`` work as the seeds write them."""
+    r = subprocess.run([sys.executable, "-m", "pimm.utils.path", "latest-checkpoint", str(tmp_path)], cwd=tmp_path,
+                       env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.startswith("error: no complete checkpoint in"), r.stderr
+    from pimm_core import TrainConfig
+    from pimm_core.config import TrainConfig as Same
+
+    assert TrainConfig is Same and TrainConfig(epochs=100).epochs == 100
+
+
+def test_launch_needs_a_config(tmp_path):
+    r = pimm("launch", "--run.root", tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error: pimm launch needs --train.config FILE"), r.stderr
+    assert not any(tmp_path.iterdir())
