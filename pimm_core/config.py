@@ -54,6 +54,8 @@ class TrainConfig:
     warmup_steps: int = 0
     min_lr: float = 0.0
     grad_clip: float | None = 1.0  # max global L2 norm; None disables clipping
+    on_nonfinite: Literal["stop", "skip", "continue"] = "stop"  # a NaN/Inf gradient norm: stop before applying it,
+    # skip that step, or apply it anyway
     amp: Literal["none", "bf16", "fp16"] = "none"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_every_steps: int = 10

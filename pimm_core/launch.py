@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .checkpoint.selection import explain, fallback_warnings, list_candidates, resolve_resume_path, select_resume
 from .config import Config
-from .errors import RANK_ERRORS_ENV, CheckpointError, UsageError, rank_errors
+from .errors import RANK_ERRORS_ENV, CheckpointError, TrainingError, UsageError, rank_errors
 from .run import CONFIG, LAUNCH_ENV, MODEL, PROVENANCE, STATUS, read_json, run_dir_for, run_name
 from .lock import LauncherLock, follow_launcher, hold_run
 from .shell import resume_command
@@ -341,6 +341,10 @@ def _train_and_report(cfg: Config, config_path: Path | None, run_dir: Path, sour
     if info.is_main:
         best = f"{state.best_metric:.4f}" if state.best_metric is not None else "n/a"
         took = f"{time.perf_counter() - start:.1f} s"
+        if state.error is not None:
+            raise TrainingError(f"{state.error}; the run's last checkpoint (step {state.global_step}) holds the "
+                                "weights from before it. "
+                                f"Resume with a lower LR: {resume_command(run_dir)} -- train.lr={cfg.train.lr / 10:g}")
         if state.stop_reason is not None and state.stop_reason.startswith("checkpoint save failed"):
             raise CheckpointError(f"{state.stop_reason}; training stopped at step {state.global_step} | run {run_dir}")
         if state.stop_reason is not None:

@@ -71,6 +71,8 @@ class TrainState:
             the epoch restarts here, whatever the new batching).
         last_eval: metrics of the latest evaluation, e.g. ``{"val/acc": 0.97, "val/loss": 0.1}``.
         stop_reason: None when the run reached its end; otherwise why it stopped early.
+        error: set when the stop is a failure (non-finite values with ``train.on_nonfinite
+            = "stop"``): the CLI then exits 1.
         finished: the run reached its configured end (epochs or ``train.max_steps``).
     """
 
@@ -82,6 +84,7 @@ class TrainState:
     epoch_start_step: int = 0
     last_eval: dict[str, float] = field(default_factory=dict)
     stop_reason: str | None = None
+    error: str | None = None
     finished: bool = False
 
 
@@ -280,7 +283,7 @@ class Trainer:
 
     # ------------------------------------------------------------ checkpoints
     def _meta(self) -> dict[str, Any]:
-        return {"trainer": asdict(replace(self.state, stop_reason=None)), "scheduler": self.scheduler.state_dict(),
+        return {"trainer": asdict(replace(self.state, stop_reason=None, error=None)), "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(), "world_size": self.info.world_size,
                 "ema": self.ema.meta() if self.ema is not None else None,
                 "workers_per_rank": self.config.data.num_workers, **self._batching()}
@@ -386,6 +389,8 @@ class Trainer:
         e = self.config.eval
         value = metrics[e.metric]
         best = self.state.best_metric
+        if not math.isfinite(value):
+            return  # NaN/Inf is never the best (and would block every later comparison)
         if best is not None and not (value > best if e.mode == "max" else value < best):
             return
         self.state.best_metric, self.state.best_epoch = value, epoch
@@ -530,13 +535,31 @@ class Trainer:
                     samples += len(y)
                     if not last_in_window:
                         continue
-                    if t.grad_clip:
-                        scaler.unscale_(optimizer)
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+                    finite = self._gradients_finite(t)
+                    if not finite and t.on_nonfinite == "stop":
+                        # nothing of this window is applied: `last` keeps the weights from before it
+                        optimizer.zero_grad(set_to_none=True)
+                        s.error = (f"non-finite loss or gradient at step {s.global_step + 1} (epoch {epoch}, "
+                                   f"iter {s.iter}); the step was not applied")
+                        self.stop.request(s.error)
+                        if self.info.is_main:
+                            log.error("ERROR: %s (train.on_nonfinite = 'stop')", s.error)
+                        window_loss = torch.zeros((), device=self.device)
+                        window_start = s.iter
+                        s.stop_reason = s.error
+                        self._status("stopping")
+                        if s.iter < n_micro:
+                            break
+                        stop_at_epoch_end = True
+                        break
                     if self._async is not None:
                         self._async.wait_staged()  # a background save may still be copying the weights
-                    scaler.step(optimizer)
-                    scaler.update()
+                    if finite or t.on_nonfinite == "continue":
+                        scaler.step(optimizer)
+                        scaler.update()
+                    elif self.info.is_main:
+                        log.warning("warning: non-finite loss or gradient at step %d: step skipped "
+                                    "(train.on_nonfinite = 'skip')", s.global_step + 1)
                     optimizer.zero_grad(set_to_none=True)
                     if self.ema is not None:
                         self.ema.update(unwrap(model))
@@ -838,6 +861,24 @@ class Trainer:
             return [f"LR schedule differs from the interrupted run: at step {last['step']} the log says "
                     f"{last.get('lr')}, this config gives {expected}"]
         return []
+
+    def _gradients_finite(self, t: TrainConfig) -> bool:
+        """Unscale, clip (``train.grad_clip``) and say whether the window's gradients are finite.
+
+        The check is on the total gradient norm: after DDP's all-reduce every rank holds
+        the same gradients, so every rank reaches the same verdict without a collective
+        (a NaN loss on one rank makes the averaged gradients NaN everywhere). With
+        ``amp = "fp16"`` the GradScaler's own skip-and-rescale handles overflow instead.
+        """
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if t.grad_clip:
+            self.scaler.unscale_(self.optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        elif t.on_nonfinite == "continue" or self.scaler.is_enabled():
+            return True
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        return self.scaler.is_enabled() or bool(torch.isfinite(norm))
 
     def _check_finite(self) -> None:
         """A run whose weights are NaN/Inf never ends as ``done`` with exit 0.

@@ -138,12 +138,34 @@ def test_step_snapshots_and_retention(run):
         assert f"(step {step}," in log, step
 
 
-def test_non_finite_weights_never_end_as_done(tmp_path):
-    """Case nonfinite-metrics-console's run: the weights overflow; the run must not say "done" and exit 0."""
-    r = launch(tmp_path, "diverge", "train.epochs=1", "train.max_steps=3", "train.lr=3e13", 'train.optimizer="sgd"',
-               "train.grad_clip=0.0", "train.warmup_steps=0", "train.log_every_steps=1", 'train.scheduler="constant"')
+DIVERGE = ("train.epochs=1", "train.max_steps=3", "train.lr=3e13", 'train.optimizer="sgd"', "train.grad_clip=0.0",
+           "train.warmup_steps=0", "train.log_every_steps=1", 'train.scheduler="constant"')
+
+
+def test_non_finite_gradient_stops_before_it_is_applied(tmp_path):
+    """Case nonfinite-metrics-console's run, with the default train.on_nonfinite = "stop"."""
+    r = launch(tmp_path, "diverge", *DIVERGE)
     assert r.returncode == 1, describe(r)
     assert "done:" not in r.stdout
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: the weights are not finite after step 3"), describe(r)
-    assert read_json(tmp_path / "digits" / "diverge" / "status.json")["state"] == "failed"
+    assert len(lines) == 1, describe(r)
+    assert lines[0].startswith("error: non-finite loss or gradient at step 2 (epoch 0, iter 2); the step was not "
+                               "applied; the run's last checkpoint (step 1) holds the weights from before it"), lines
+    run = tmp_path / "digits" / "diverge"
+    command = lines[0].split("Resume with a lower LR: ")[1]
+    assert command.endswith("resume " + str(run) + " -- train.lr=3e+12")
+    status = read_json(run / "status.json")
+    assert (status["state"], status["step"]) == ("stopped", 1) and "non-finite" in status["stop_reason"]
+    weights = torch.load(run / "model" / "last" / "weights.pth", weights_only=True)["state_dict"]
+    assert all(bool(torch.isfinite(v).all()) for v in weights.values())
+    assert read_json(run / "model" / "last" / "manifest.json")["step"] == 1
+
+
+def test_non_finite_policy_skip_and_continue(tmp_path):
+    skip = launch(tmp_path, "skip", *DIVERGE, 'train.on_nonfinite="skip"')
+    assert skip.returncode == 0, describe(skip)
+    assert "step skipped (train.on_nonfinite = 'skip')" in skip.stdout
+    cont = launch(tmp_path, "cont", *DIVERGE, 'train.on_nonfinite="continue"')
+    assert cont.returncode == 1 and "done:" not in cont.stdout, describe(cont)  # never "done" with NaN weights
+    assert cont.stderr.startswith("error: the weights are not finite after step 3"), describe(cont)
+    assert read_json(tmp_path / "digits" / "cont" / "status.json")["state"] == "failed"
