@@ -24,7 +24,7 @@ from .config import Config
 from .errors import RANK_ERRORS_ENV, CheckpointError, TrainingError, UsageError, rank_errors
 from .run import CONFIG, LAUNCH_ENV, MODEL, PROVENANCE, STATUS, read_json, run_dir_for, run_name
 from .lock import LauncherLock, follow_launcher, hold_run
-from .shell import resume_command
+from .shell import PROGRAM_ENV, program, resume_command
 from .stop import StopRequest
 from .topology import continue_override, finished_message, is_finished
 
@@ -380,11 +380,15 @@ def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOp
 
     args = get_args_parser().parse_args([*opts.torchrun_args(), "--module", "pimm_core.cli", *worker_args])
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    # torchrun's agent announces the forwarded stop signal ("Received 15 death signal, shutting
+    # down workers"): the ranks' stop summary says it for the user. Its loggers set their own level.
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
     # torchrun logs each failed rank at ERROR; pimm prints one line naming the cause instead
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     with lock, tempfile.TemporaryDirectory(prefix="pimm-rank-errors-") as errors_dir:
         os.environ[RANK_ERRORS_ENV] = errors_dir  # the ranks inherit it (see errors.report)
         os.environ[LAUNCH_ENV] = json.dumps(opts.record())  # recorded in provenance for `pimm resume`
+        os.environ[PROGRAM_ENV] = json.dumps(program())  # the ranks print commands as the user started pimm
         # torchrun sets OMP_NUM_THREADS=1 for the ranks when it is unset, with a four-line
         # warning on every launch; set the same value here (a user's own value is kept).
         omp_was_set = "OMP_NUM_THREADS" in os.environ
@@ -394,6 +398,7 @@ def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOp
         finally:
             os.environ.pop(RANK_ERRORS_ENV, None)
             os.environ.pop(LAUNCH_ENV, None)
+            os.environ.pop(PROGRAM_ENV, None)
             if not omp_was_set:
                 os.environ.pop("OMP_NUM_THREADS", None)
 
@@ -412,9 +417,7 @@ def _run_ranks(run, args, run_dir: Path, errors_dir: str) -> int:
         _wait_for_children()
         status = read_json(run_dir / STATUS) or {}
         if status.get("state") == "stopped":
-            print(f"stopped ({status.get('stop_reason')}) at step {status.get('step')} | run {run_dir}\n"
-                  f"resume with: {resume_command(run_dir)}", flush=True)
-            return 0
+            return 0  # rank 0 printed the stop summary and the resume command
         print(f"error: interrupted by signal {e.sigval.name} before the ranks could stop cleanly; "
               f"see {run_dir / 'train.log'}", file=sys.stderr)
         return 1

@@ -2,13 +2,15 @@
 
 Every "resume with: ..." or "to continue: ..." line goes through :func:`command`: the
 program is named the way this process was started (``uv run pimm`` under ``uv run``,
-``pimm`` when that is the script on ``PATH``, else ``<python> -m pimm_core.cli``), and
+``pimm`` when that is the script on ``PATH``, the script's absolute path when it is not,
+else ``<python> -m pimm_core.cli``), and
 every argument is shell-quoted with :func:`shlex.join`, so run names holding ``[``,
 spaces or ``$`` paste safely into a POSIX shell. Torch-free.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -16,14 +18,25 @@ import sys
 from pathlib import Path
 
 
+# Ranks started by `pimm launch --nproc-per-node` run `python -m pimm_core.cli`; the launcher
+# hands them the words the user typed (JSON list) so that their printed commands match.
+PROGRAM_ENV = "PIMM_PROGRAM"
+
+
 def program() -> list[str]:
-    """The words that start pimm the way this process was started."""
+    """The words that start pimm the way this process (or its launcher) was started."""
+    if os.environ.get(PROGRAM_ENV):
+        try:
+            return [str(w) for w in json.loads(os.environ[PROGRAM_ENV])]
+        except (ValueError, TypeError):
+            pass
     if os.environ.get("UV"):  # set by `uv run`: the user's shell may not have the venv on PATH
         return ["uv", "run", "pimm"]
     script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
     found = shutil.which("pimm")
-    if script is not None and script.name == "pimm" and found and Path(found).resolve() == script.resolve():
-        return ["pimm"]
+    if script is not None and script.name == "pimm":
+        on_path = found is not None and Path(found).resolve() == script.resolve()
+        return ["pimm"] if on_path else [str(script.resolve())]
     return [sys.executable, "-m", "pimm_core.cli"]
 
 
