@@ -87,7 +87,9 @@ class Pimm:
 
     def save(self) -> tuple[float, float, Path]:
         t0 = time.perf_counter()
-        save_standard(self.dir, model=self.model, optimizer=self.opt, meta={"trainer": {"global_step": 1}},
+        meta = {"trainer": {"global_step": 1, "epoch": 0, "iter": 1}, "scheduler": {}, "scaler": {}, "world_size": 1,
+                "workers_per_rank": 0}  # what a resume needs (load_standard checks it)
+        save_standard(self.dir, model=self.model, optimizer=self.opt, meta=meta,
                       rank_state={"rng": torch.get_rng_state()}, manifest={"kind": "last", "step": 1},
                       info=DistInfo())
         t = time.perf_counter() - t0

@@ -225,7 +225,7 @@ def test_export_refuses_malicious_pickle(tmp_path: Path, capsys) -> None:
     torch.save({"state_dict": {"w": Evil()}}, tmp_path / "evil.pth")
     with pytest.raises(CheckpointError, match="refusing"):
         export(tmp_path / "evil.pth", tmp_path / "o")
-    assert main(["export", str(tmp_path / "evil.pth"), str(tmp_path / "o")]) == 1
+    assert main(["export", str(tmp_path / "evil.pth"), str(tmp_path / "o")]) == 2  # a hostile file: bad input
     assert not marker.exists() and not (tmp_path / "o").exists() and not (tmp_path / "o.tmp").exists()
 
 

@@ -10,6 +10,11 @@ from pimm_core.checkpoint.standard import load_standard, save_standard
 from pimm_core.dist import DistInfo
 
 
+# the trainer state a resume needs (load_standard refuses a checkpoint without it)
+META = {"trainer": {"global_step": 3, "epoch": 0, "iter": 3}, "scheduler": {}, "scaler": {}, "world_size": 1,
+        "workers_per_rank": 0}
+
+
 def _model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.BatchNorm1d(4))
@@ -37,7 +42,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_fresh_optimizer_gets_the_saved_state_bitwise_and_steps_identically(tmp_path, name):
     model, opt = _trained(OPTIMIZERS[name])
-    save_standard(tmp_path, model=model, optimizer=opt, meta={}, rank_state={}, manifest={"kind": "last", "step": 3},
+    save_standard(tmp_path, model=model, optimizer=opt, meta=META, rank_state={}, manifest={"kind": "last", "step": 3},
                   info=DistInfo())
     fresh = _model(1)
     fresh_opt = OPTIMIZERS[name](fresh)
@@ -60,7 +65,7 @@ def test_fresh_optimizer_gets_the_saved_state_bitwise_and_steps_identically(tmp_
 
 def test_skipped_optimizer_state_leaves_a_fresh_optimizer(tmp_path):
     model, opt = _trained(OPTIMIZERS["adamw"])
-    save_standard(tmp_path, model=model, optimizer=opt, meta={}, rank_state={}, manifest={"kind": "last", "step": 3},
+    save_standard(tmp_path, model=model, optimizer=opt, meta=META, rank_state={}, manifest={"kind": "last", "step": 3},
                   info=DistInfo())
     fresh = _model(1)
     sgd = OPTIMIZERS["sgd_momentum"](fresh)  # no momentum_buffer in an AdamW checkpoint
@@ -73,7 +78,7 @@ def test_skipped_optimizer_state_leaves_a_fresh_optimizer(tmp_path):
 
 def test_a_failed_load_leaves_a_fresh_optimizer_without_uninitialized_state(tmp_path):
     model, opt = _trained(OPTIMIZERS["adamw"])
-    save_standard(tmp_path, model=model, optimizer=opt, meta={}, rank_state={}, manifest={"kind": "last", "step": 3},
+    save_standard(tmp_path, model=model, optimizer=opt, meta=META, rank_state={}, manifest={"kind": "last", "step": 3},
                   info=DistInfo())
     shard = next((tmp_path / "last" / "trainer.dcp").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])  # truncated: the read fails
@@ -93,7 +98,7 @@ def test_fresh_optimizer_state_keeps_the_parameters_memory_layout(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
     opt.step()
-    save_standard(tmp_path, model=model, optimizer=opt, meta={}, rank_state={}, manifest={"kind": "last", "step": 1},
+    save_standard(tmp_path, model=model, optimizer=opt, meta=META, rank_state={}, manifest={"kind": "last", "step": 1},
                   info=DistInfo())
     fresh = conv()
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
@@ -108,7 +113,7 @@ def test_state_of_a_parameter_frozen_since_the_save_is_named_or_skipped(tmp_path
     from pimm_core.errors import CheckpointError
 
     model, opt = _trained(OPTIMIZERS["adamw"])
-    save_standard(tmp_path, model=model, optimizer=opt, meta={}, rank_state={}, manifest={"kind": "last", "step": 3},
+    save_standard(tmp_path, model=model, optimizer=opt, meta=META, rank_state={}, manifest={"kind": "last", "step": 3},
                   info=DistInfo())
     fresh = _model(1)
     fresh[0].weight.requires_grad_(False)  # frozen for fine-tuning: the optimizer has no state for it

@@ -38,11 +38,13 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointParseError
 from .atomic import fsync_dir
 from .manifest import sha256_file, write_manifest
 from .selection import LEGACY_LAST
-from .standard import LoadedState, check_compatible, save_torch_file, unwrap
+from .safe_read import load_torch_file
+from .standard import (DtypeCast, LoadedState, check_compatible, check_dtypes, dtype_casts, meta_problem,
+                       save_torch_file, unwrap)
 from ..faults import point, register
 
 register("file_format.published", "file_format.sidecar_written", "pointer.linked", "pointer.replaced",
@@ -139,31 +141,35 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
     """Restore model and optimizer from a ``legacy`` or ``single`` file; returns the rest.
 
     The returned ``meta`` has the same keys as the standard format's (``trainer``,
-    ``scheduler``, ``scaler``, ``ema``, ``world_size``, ``workers_per_rank``).
+    ``scheduler``, ``scaler``, ``ema``, ``world_size``, ``workers_per_rank``). Nothing is
+    changed in ``model`` or ``optimizer`` until the file's structure and dtypes are checked.
+
+    Args:
+        strict: with False, optimizer state that does not fit is skipped, and tensors
+            saved in another dtype than the model's or optimizer's are cast; both are
+            reported in ``LoadedState.skipped``.
 
     Raises:
-        CheckpointError: unreadable, not a pimm checkpoint, or weights that do not fit the model.
+        CheckpointError: the file cannot be opened; weights that do not fit the model;
+            when strict, optimizer state that does not fit, or a saved dtype that differs
+            from the model's or optimizer's (exit code 2, names the tensors).
+        CheckpointParseError: the file is hostile (it would run code) or malformed (not a
+            pimm legacy or single checkpoint); names it, nothing in it ran.
     """
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"cannot load {path}: {e.__class__.__name__}: {str(e).splitlines()[0]}") from None
+    obj = load_torch_file(path)
     fmt = obj.get("format") if isinstance(obj, dict) else None
     if fmt not in ("legacy", "single"):
-        raise CheckpointError(f"{path} is not a pimm legacy or single checkpoint")
+        raise CheckpointParseError(f"{path} is not a pimm legacy or single checkpoint")
+    problem = _structure_problem(obj, fmt)
+    if problem:
+        raise CheckpointParseError(f"{path} is not a well-formed pimm {fmt} checkpoint: {problem}")
     plain = unwrap(model)
     raw = obj["state_dict"] if fmt == "legacy" else obj["weights"]["raw"]
     ema_sd = obj.get("ema_state_dict") if fmt == "legacy" else obj["weights"].get("ema")
     check_compatible(plain, raw, str(path))
-    plain.load_state_dict(raw)
-    skipped: list[str] = []
+    casts = dtype_casts({k: v.dtype for k, v in raw.items()}, {k: v.dtype for k, v in plain.state_dict().items()})
     if optimizer is not None:
-        try:
-            set_optimizer_state_dict(plain, optimizer, obj["optimizer"])
-        except (KeyError, RuntimeError, ValueError) as e:
-            if strict:
-                raise CheckpointError(f"optimizer state in {path} does not fit: {e}") from None
-            skipped.append(f"optimizer state in {path} skipped (resume_strict_state=false): {e}")
+        casts += _optimizer_casts(plain, obj["optimizer"])
     if fmt == "legacy":
         meta = {"trainer": obj["progress"], "scheduler": obj["scheduler"], "scaler": obj["scaler"],
                 "ema": obj.get("ema"), "world_size": obj["world_size"], "workers_per_rank": obj["workers_per_rank"]}
@@ -174,5 +180,62 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
         states = obj["rank_states"]
         rank_state = states[rank] if rank < len(states) else None
         saved_ranks = list(range(len(states)))
+    problem = meta_problem(meta) or (None if rank_state is None or isinstance(rank_state, dict)
+                                     else f"has a rank {rank} state that is not a dict")
+    if problem:
+        raise CheckpointParseError(f"{path} is not a well-formed pimm {fmt} checkpoint: its trainer state {problem}")
+    skipped: list[str] = check_dtypes(path, casts, strict)
+    plain.load_state_dict(raw)
+    if optimizer is not None:
+        try:
+            set_optimizer_state_dict(plain, optimizer, obj["optimizer"])
+        except (KeyError, RuntimeError, ValueError, TypeError) as e:
+            if strict:
+                raise CheckpointError(f"optimizer state in {path} does not fit: {e}") from None
+            skipped.append(f"optimizer state in {path} skipped (resume_strict_state=false): {e}")
     return LoadedState(meta=meta, rank_state=rank_state, ema_state_dict=ema_sd, saved_ranks=saved_ranks,
                        skipped=skipped)
+
+
+def _structure_problem(obj: dict[str, Any], fmt: str) -> str | None:
+    """What is missing from or wrong in a loaded legacy/single checkpoint's top level, or None."""
+    if fmt == "legacy":
+        need = ("state_dict", "optimizer", "scheduler", "scaler", "progress", "world_size", "workers_per_rank", "rng")
+    else:
+        need = ("weights", "optimizer", "trainer", "scheduler", "scaler", "world_size", "workers_per_rank",
+                "rank_states")
+    missing = [k for k in need if k not in obj]
+    if missing:
+        return f"no {', '.join(missing)}"
+    sets = {"raw": obj["state_dict"], "ema": obj.get("ema_state_dict")} if fmt == "legacy" else obj["weights"]
+    if not isinstance(sets, dict) or not isinstance(sets.get("raw"), dict):
+        return "no raw weights"
+    for name, sd in sets.items():
+        if sd is not None and not (isinstance(sd, dict) and all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items())):
+            return f"the {name} weights are not a state dict of tensors"
+    optim = obj["optimizer"]
+    if not isinstance(optim, dict) or not isinstance(optim.get("state", {}), dict):
+        return "the optimizer state is not a dict"
+    if fmt == "single" and not isinstance(obj["rank_states"], list):
+        return "rank_states is not a list"
+    return None
+
+
+def _optimizer_casts(plain: nn.Module, saved: dict[str, Any]) -> list[DtypeCast]:
+    """Saved optimizer state tensors whose dtype loading would change.
+
+    ``torch.optim.Optimizer.load_state_dict`` casts every floating state tensor but
+    ``step`` to its parameter's dtype; ``saved`` is FQN-keyed (``get_optimizer_state_dict``).
+    """
+    params = dict(plain.named_parameters())
+    out: list[DtypeCast] = []
+    for fqn, state in sorted((saved.get("state") or {}).items(), key=lambda kv: str(kv[0])):
+        p = params.get(fqn) if isinstance(fqn, str) else None
+        if p is None or not p.is_floating_point() or not isinstance(state, dict):
+            continue
+        for key, value in sorted(state.items(), key=lambda kv: str(kv[0])):
+            if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() \
+                    and value.dtype != p.dtype:
+                out.append((f"optim/state/{fqn}/{key}", value.dtype, p.dtype))
+    return out

@@ -9,8 +9,13 @@ the only copy is the one into the caller's tensor, straight from the page cache.
 
 It relies on two private pieces of ``torch.serialization`` (``_open_zipfile_reader``
 and ``_load`` with ``overall_storage``, the implementation of ``torch.load(mmap=True)``)
-and falls back to DCP's own ``read_data`` when they are missing, for shards written
-with stream transforms (extensions), and for non-tensor items.
+and falls back to DCP's own ``read_data`` (also weights-only) when they are missing and
+for shards written with stream transforms (extensions).
+
+It is also where a DCP read is made safe: ``read_metadata`` parses ``.metadata`` with
+:func:`~pimm_core.checkpoint.safe_read.read_dcp_metadata` (DCP's own uses plain
+``pickle.load``), and non-tensor (``BYTE_IO``) items, which DCP's planner reads with
+``torch.load(weights_only=False)``, are refused. Every DCP read in pimm goes through it.
 """
 
 from __future__ import annotations
@@ -20,8 +25,12 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
+
+from ..errors import CheckpointParseError
+from .safe_read import load_failure, read_dcp_metadata
 
 try:
     from torch import _weights_only_unpickler
@@ -33,14 +42,38 @@ except ImportError:  # another torch: DCP's reader is used unchanged
 
 
 class MappedFileSystemReader(dcp.FileSystemReader):
-    """``dcp.FileSystemReader`` whose tensor reads copy once, from a map of the shard file."""
+    """``dcp.FileSystemReader`` that runs no code from the checkpoint and whose tensor reads
+    copy once, from a map of the shard file."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's ``read_metadata`` through the restricted unpickler.
+
+        Raises:
+            CheckpointError: ``.metadata`` cannot be opened.
+            CheckpointParseError: it is hostile or malformed (names the file).
+        """
+        rank = kwargs.get("rank")
+        metadata = read_dcp_metadata(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read the planned tensors into the planner's targets.
+
+        Raises:
+            CheckpointParseError: a non-tensor item is planned, or a shard's tensor record
+                is refused by the weights-only unpickler (names the shard file).
+        """
         mapped: dict[str, list[Any]] = {}
         rest = []
         for item in plan.items:
             info = self.storage_data[item.storage_index]
-            if _load is None or item.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+            if item.type == LoadItemType.BYTE_IO:
+                raise CheckpointParseError(f"refusing to load {Path(self.path) / info.relative_path}: item "
+                                           f"{item.storage_index.fqn!r} is not a tensor (pimm stores tensors only)")
+            if _load is None or info.transform_descriptors:
                 rest.append(item)
             else:
                 mapped.setdefault(info.relative_path, []).append(item)
@@ -57,9 +90,15 @@ class MappedFileSystemReader(dcp.FileSystemReader):
         with open(path, "rb") as stream:
             for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
                 info = self.storage_data[item.storage_index]
-                with _open_zipfile_reader(_create_file_view(stream, info.offset, info.length)) as archive:
-                    tensor = _load(archive, "cpu", _weights_only_unpickler,
-                                   overall_storage=whole[info.offset:info.offset + info.length], weights_only=True)
+                try:
+                    with _open_zipfile_reader(_create_file_view(stream, info.offset, info.length)) as archive:
+                        tensor = _load(archive, "cpu", _weights_only_unpickler,
+                                       overall_storage=whole[info.offset:info.offset + info.length], weights_only=True)
+                except Exception as e:  # weights_only refusal, a damaged record
+                    raise CheckpointParseError(f"{load_failure(path, e)} (item {item.storage_index.fqn!r})") from None
+                if not isinstance(tensor, torch.Tensor):
+                    raise CheckpointParseError(f"refusing to load {path}: item {item.storage_index.fqn!r} is a "
+                                               f"{type(tensor).__name__}, not a tensor")
                 tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
                 target = planner.resolve_tensor(item).detach()
                 if target.size() != tensor.size():

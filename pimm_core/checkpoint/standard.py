@@ -31,16 +31,18 @@ from typing import Any, Callable
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from .. import dist
 from ..dist import DistInfo
-from ..errors import CheckpointError, CheckpointSaveError
+from ..errors import CheckpointError, CheckpointParseError, CheckpointSaveError
 from .atomic import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, release_cached_pages, remove_tree
 from .follow import FollowingHasher
 from .manifest import COMPLETE, MANIFEST, describe_files, write_manifest
 from .mapped_reader import MappedFileSystemReader
+from .safe_read import load_failure, load_torch_file
 from .selection import TRAINER_DCP, WEIGHTS, select_resume
 from .state import join_tensors, pack, split_tensors, unpack
 from ..faults import point, register
@@ -391,30 +393,73 @@ def weights_payload(model: nn.Module, ema_state_dict: dict[str, torch.Tensor] | 
     return out
 
 
-def load_model_weights(model: nn.Module, path: Path) -> dict[str, torch.Tensor] | None:
-    """Load ``{"state_dict": ...}`` from ``path`` into ``model`` (unwrapped), strictly.
+def read_weights_file(path: Path) -> dict[str, Any]:
+    """Read a standard weights file: ``{"state_dict": sd, "ema_state_dict"?: sd}``.
 
-    Returns:
-        The file's EMA weight set (``ema_state_dict``), or None.
+    The file is mapped, not read: ``load_state_dict`` then copies straight from the page
+    cache into the parameters (the file is read once, into no intermediate buffer).
 
     Raises:
-        CheckpointError: unreadable file, not a pimm weights file, or keys/shapes that
-            do not match the model (the message names them).
+        CheckpointError: the file cannot be opened.
+        CheckpointParseError: ``torch.load(weights_only=True)`` refused it, it is damaged,
+            or it is not a pimm weights file.
     """
-    try:
-        # Mapped, not read: load_state_dict then copies straight from the page cache into
-        # the parameters (the file is read once, into no intermediate buffer).
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:
-        try:  # not a zip-format file (mmap needs one), or damaged: the plain read names the problem
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # UnpicklingError, RuntimeError (truncated zip), OSError
-            raise CheckpointError(f"cannot load {path}: {e.__class__.__name__}: {str(e).splitlines()[0]}") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("state_dict"), dict):
-        raise CheckpointError(f"{path} is not a pimm weights file (expected a dict with a 'state_dict' key)")
-    check_compatible(unwrap(model), obj["state_dict"], str(path))
-    unwrap(model).load_state_dict(obj["state_dict"])
-    return obj.get("ema_state_dict")
+    obj = load_torch_file(path, mmap=True)
+    ema = obj.get("ema_state_dict") if isinstance(obj, dict) else None
+    if not isinstance(obj, dict) or not _is_tensor_dict(obj.get("state_dict")) or not (
+            ema is None or _is_tensor_dict(ema)):
+        raise CheckpointParseError(f"{path} is not a pimm weights file (expected a dict with a 'state_dict' key "
+                                   "mapping names to tensors)")
+    return obj
+
+
+def _is_tensor_dict(obj: Any) -> bool:
+    return isinstance(obj, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
+
+
+DtypeCast = tuple[str, torch.dtype, torch.dtype]  # (tensor name, saved dtype, dtype now)
+
+
+def dtype_casts(saved: dict[str, torch.dtype], now: dict[str, torch.dtype]) -> list[DtypeCast]:
+    """The tensors present in both whose saved dtype differs from the one now, sorted by name."""
+    return [(k, saved[k], now[k]) for k in sorted(saved.keys() & now.keys()) if saved[k] != now[k]]
+
+
+def check_dtypes(path: Path, casts: list[DtypeCast], strict: bool) -> list[str]:
+    """Refuse, or describe, a resume that would cast checkpoint tensors to other dtypes.
+
+    A load copies each saved tensor into the model's (or optimizer's) own, converting
+    silently; a model cast to bf16 after it was built, or fp32 moments loaded into bf16
+    ones, must be a decision, never an accident.
+
+    Returns:
+        ``[]`` when nothing is cast; else one warning naming what is cast (strict False).
+
+    Raises:
+        CheckpointError: (exit code 2) ``strict`` and some dtype differs; names the first
+            tensors with their dtypes saved -> now, and the fix.
+    """
+    if not casts:
+        return []
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, saved, now in casts:
+        groups.setdefault((_dtype_name(saved), _dtype_name(now)), []).append(name)
+
+    def listed(limit: int) -> str:
+        return "; ".join(f"{a} -> {b}: {', '.join(names[:limit])}"
+                         f"{f' (+{len(names) - limit} more)' if len(names) > limit else ''}"
+                         for (a, b), names in groups.items())
+
+    if strict:
+        raise CheckpointError(f"{path} holds tensors in other dtypes than this model and optimizer (saved -> now: "
+                              f"{listed(3)}); build the model in the saved dtype, or set resume_strict_state = false "
+                              "to cast them", exit_code=2)
+    return [f"cast {len(casts)} tensors of {path} to this model's and optimizer's dtypes (resume_strict_state=false; "
+            f"saved -> now: {listed(10)})"]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def check_compatible(model: nn.Module, sd: dict[str, torch.Tensor], source: str) -> None:
@@ -439,26 +484,41 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
 
     Optimizer tensors are read through DCP, so a checkpoint written at another world
     size reshards. The caller applies ``meta`` (scheduler, scaler, counters) and
-    ``rank_state`` according to the resume policy.
+    ``rank_state`` according to the resume policy. The weights' keys, shapes and dtypes
+    and the optimizer state's shapes and dtypes are checked before anything is loaded.
 
     Args:
-        strict: with False, optimizer state that does not fit is skipped (reported in
-            ``LoadedState.skipped``) instead of raising. Model weights are always strict.
+        strict: with False, optimizer state that does not fit is skipped, and tensors
+            saved in another dtype than the model's or optimizer's are cast; both are
+            reported in ``LoadedState.skipped`` instead of raising. Model keys and shapes
+            are always strict.
 
     Raises:
-        CheckpointError: weights (or, when strict, optimizer state) do not match (names the tensors).
+        CheckpointError: weights do not match (names the tensors); when strict, optimizer
+            state does not match, or a saved dtype differs from the model's or
+            optimizer's (exit code 2, names them); a file cannot be read.
+        CheckpointParseError: a file is hostile or malformed (names it; nothing in it ran).
     """
-    ema_sd = load_model_weights(model, ckpt / WEIGHTS)
+    weights_path = ckpt / WEIGHTS
+    weights = read_weights_file(weights_path)
+    plain = unwrap(model)
+    check_compatible(plain, weights["state_dict"], str(weights_path))
+    casts = dtype_casts({k: v.dtype for k, v in weights["state_dict"].items()},
+                        {k: v.dtype for k, v in plain.state_dict().items()})
+
     path = ckpt / TRAINER_DCP
     reader = MappedFileSystemReader(path)
-    saved = reader.read_metadata().state_dict_metadata
-    saved_ranks = sorted(int(k.split("/", 1)[1]) for k in saved if k.startswith("rank_state/"))
+    metadata = reader.read_metadata()
+    saved = metadata.state_dict_metadata
+    if "meta" not in saved:
+        raise CheckpointParseError(f"{path} is not a pimm trainer state (no 'meta' item)")
+    saved_ranks = sorted(int(k.split("/", 1)[1]) for k in saved
+                         if k.startswith("rank_state/") and k.split("/", 1)[1].isdigit())
 
     request: dict[str, Any] = {"meta": torch.empty(saved["meta"].size, dtype=torch.uint8)}
     rank_key = f"rank_state/{info.rank}"
     if rank_key in saved:
         request[rank_key] = torch.empty(saved[rank_key].size, dtype=torch.uint8)
-    plain = unwrap(model)
     skipped: list[str] = []
     fresh = optimizer if optimizer is not None and not optimizer.state else None
     try:
@@ -481,22 +541,84 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
                     fresh.state.clear()
                 optimizer = None
             else:
+                casts += dtype_casts({k: saved[k].properties.dtype for k in saved_optim},
+                                     {k: target[k].dtype for k in saved_optim})
                 # DCP reads straight into the optimizer's own state tensors (for a fresh
                 # optimizer, the empty ones _empty_optimizer_state allocated): no second copy.
                 request.update({k: target[k] for k in saved_optim})
-        dcp.load(request, storage_reader=reader, no_dist=not info.distributed)
+        skipped += check_dtypes(ckpt, casts, strict)
 
-        meta = unpack(request.pop("meta"))
+        plain.load_state_dict(weights["state_dict"])
+        try:
+            dcp.load(request, storage_reader=reader, no_dist=not info.distributed)
+        except CheckpointException as e:  # a BaseException: one rank's failure, raised on every rank
+            raise _load_failure(path, e) from None
+        meta = _unpack_checked(request.pop("meta"), _item_file(path, metadata, "meta"), "meta")
+        problem = meta_problem(meta, "optim")
+        if problem:
+            raise CheckpointParseError(f"{path} is not a pimm trainer state: its 'meta' item {problem}")
         skeleton = meta.pop("optim")
-        rank_state = unpack(request.pop(rank_key)) if rank_key in request else None
+        rank_state = (_unpack_checked(request.pop(rank_key), _item_file(path, metadata, rank_key), rank_key)
+                      if rank_key in request else None)
+        if rank_state is not None and not isinstance(rank_state, dict):
+            raise CheckpointParseError(f"{path} is not a pimm trainer state: its {rank_key!r} item is not a dict")
         if optimizer is not None:
             set_optimizer_state_dict(plain, optimizer, join_tensors(skeleton, request))
     except BaseException:
         if fresh is not None:  # uninitialized state buffers (_empty_optimizer_state) must not outlive a failed load
             fresh.state.clear()
         raise
-    return LoadedState(meta=meta, rank_state=rank_state, ema_state_dict=ema_sd, saved_ranks=saved_ranks,
-                       skipped=skipped)
+    return LoadedState(meta=meta, rank_state=rank_state, ema_state_dict=weights.get("ema_state_dict"),
+                       saved_ranks=saved_ranks, skipped=skipped)
+
+
+def _load_failure(path: Path, e: CheckpointException) -> CheckpointError:
+    """The error of a failed ``dcp.load``: a rank's own :class:`CheckpointError` (a refused
+    shard), else one line naming ``path`` and the first rank's exception."""
+    errors = [exc for exc, _ in e.failures.values()] if isinstance(e.failures, dict) else []
+    own = next((exc for exc in errors if isinstance(exc, CheckpointError)), None)
+    if own is not None:
+        return own
+    first = errors[0] if errors else e
+    lines = [ln.strip() for ln in str(first).splitlines() if ln.strip()]
+    return CheckpointError(f"cannot load {path}: {first.__class__.__name__}: {lines[0] if lines else ''}".rstrip(": "))
+
+
+META_KEYS = ("trainer", "scheduler", "scaler", "world_size", "workers_per_rank")
+COUNTERS = ("global_step", "epoch", "iter")
+
+
+def meta_problem(meta: Any, *extra: str) -> str | None:
+    """What makes ``meta`` (the trainer state a loader returns) unusable by a resume, or None."""
+    if not isinstance(meta, dict):
+        return f"is a {type(meta).__name__}, not a dict"
+    missing = [k for k in (*META_KEYS, *extra) if k not in meta]
+    if missing:
+        return f"has no {', '.join(missing)}"
+    trainer = meta["trainer"]
+    if not isinstance(trainer, dict) or not all(isinstance(trainer.get(k), int) for k in COUNTERS):
+        return "has no integer trainer counters (global_step, epoch, iter)"
+    if not isinstance(meta["world_size"], int) or not isinstance(meta["workers_per_rank"], int):
+        return "has a world_size or workers_per_rank that is not an integer"
+    return None
+
+
+def _item_file(path: Path, metadata: Any, key: str) -> Path:
+    """The shard file under ``path`` that holds DCP item ``key`` (``path`` itself when unknown)."""
+    rel = next((info.relative_path for index, info in metadata.storage_data.items() if index.fqn == key), None)
+    return path / rel if rel else path
+
+
+def _unpack_checked(t: torch.Tensor, path: Path, key: str) -> Any:
+    """:func:`unpack` of item ``key``, stored in ``path``.
+
+    Raises:
+        CheckpointParseError: ``torch.load(weights_only=True)`` refused or could not parse it.
+    """
+    try:
+        return unpack(t)
+    except Exception as e:
+        raise CheckpointParseError(f"{load_failure(path, e)} (item {key!r})") from None
 
 
 def _empty_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

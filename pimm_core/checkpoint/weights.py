@@ -37,7 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import CheckpointError, UsageError
+from ..errors import CheckpointError, CheckpointParseError, UsageError
+from .safe_read import load_torch_file
 from .sources import (  # noqa: F401  (re-exported: the weights API in one place)
     IncompleteCheckpointError,
     WeightNotFoundError,
@@ -77,9 +78,10 @@ def read_weight_sets(path: Path) -> dict[str, StateDict]:
         tied when saved are still the same tensor object under each name.
 
     Raises:
-        CheckpointError: the file cannot be read, is refused by
+        CheckpointError: the file cannot be opened.
+        CheckpointParseError: (exit code 2) the file is refused by
             ``torch.load(weights_only=True)`` (it would run code or needs classes that
-            are not plain tensors and containers), or is not a state dict.
+            are not plain tensors and containers), cannot be parsed, or is not a state dict.
     """
     return _read(Path(path))[0]
 
@@ -101,10 +103,8 @@ def _read(path: Path) -> tuple[dict[str, StateDict], dict[str, Any]]:
         path = resolve_weight_source(path)
     if _is_safetensors(path):
         return _read_safetensors(path)
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # UnpicklingError (weights_only refusal), RuntimeError (truncated), OSError
-        raise CheckpointError(_load_failure(path, e)) from None
+    obj = load_torch_file(path, hint=". If you wrote it yourself, re-save it with "
+                          "torch.save(model.state_dict(), path)")
     return _interpret(obj, path)
 
 
@@ -113,18 +113,6 @@ def _is_safetensors(path: Path) -> bool:
     with open(path, "rb") as f:
         head = f.read(9)
     return len(head) == 9 and not head.startswith((b"PK", b"\x80")) and head[8:9] == b"{"
-
-
-def _load_failure(path: Path, e: Exception) -> str:
-    text = str(e)
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    reason = next((ln for ln in lines if "Unsupported global" in ln or "Unsupported operand" in ln), None)
-    if reason is not None or "Weights only load failed" in text:
-        reason = reason or (lines[0] if lines else e.__class__.__name__)
-        return (f"refusing to load {path}: torch.load(weights_only=True) rejected it ({reason}); a weights file "
-                "may hold only tensors and plain containers and pimm never runs code from a checkpoint. If you "
-                "wrote it yourself, re-save it with torch.save(model.state_dict(), path)")
-    return f"cannot read {path}: {e.__class__.__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, StateDict], dict[str, Any]]:
@@ -137,7 +125,7 @@ def _read_safetensors(path: Path) -> tuple[dict[str, StateDict], dict[str, Any]]
             for k in f.keys():
                 sd[k] = f.get_tensor(k)
     except Exception as e:  # SafetensorError, OSError
-        raise CheckpointError(f"cannot read {path} as safetensors: {e.__class__.__name__}: {e}") from None
+        raise CheckpointParseError(f"cannot read {path} as safetensors: {e.__class__.__name__}: {e}") from None
     aliases = _parse_aliases(meta.get("pimm.aliases"), path)
     retie(sd, aliases)
     info: dict[str, Any] = {"layout": "safetensors", "aliases": aliases, "metadata": meta}
@@ -152,9 +140,9 @@ def _parse_aliases(text: str | None, path: Path) -> dict[str, str]:
     try:
         aliases = json.loads(text)
     except ValueError:
-        raise CheckpointError(f"{path}: metadata pimm.aliases is not JSON") from None
+        raise CheckpointParseError(f"{path}: metadata pimm.aliases is not JSON") from None
     if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
-        raise CheckpointError(f"{path}: metadata pimm.aliases must map tensor names to tensor names")
+        raise CheckpointParseError(f"{path}: metadata pimm.aliases must map tensor names to tensor names")
     return aliases
 
 
@@ -180,12 +168,12 @@ def _is_state_dict(obj: Any) -> bool:
 
 def _check_state_dict(obj: Any, what: str, path: Path) -> StateDict:
     if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: {what} is a {type(obj).__name__}, not a state dict of tensors")
+        raise CheckpointParseError(f"{path}: {what} is a {type(obj).__name__}, not a state dict of tensors")
     bad = [k for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
         k = bad[0]
-        raise CheckpointError(f"{path}: {what} is not a state dict: entry {k!r} is a {type(obj[k]).__name__}, "
-                              "not a tensor")
+        raise CheckpointParseError(f"{path}: {what} is not a state dict: entry {k!r} is a "
+                                   f"{type(obj[k]).__name__}, not a tensor")
     return obj
 
 
@@ -201,12 +189,12 @@ def _find_step(obj: dict[str, Any]) -> int | None:
 
 def _interpret(obj: Any, path: Path) -> tuple[dict[str, StateDict], dict[str, Any]]:
     if not isinstance(obj, dict):
-        raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict or a pimm checkpoint")
+        raise CheckpointParseError(f"{path} holds a {type(obj).__name__}, not a state dict or a pimm checkpoint")
     info: dict[str, Any] = {}
     if obj.get("format") == "single" and isinstance(obj.get("weights"), dict):
         named = obj["weights"]
         if "raw" not in named:
-            raise CheckpointError(f"{path}: single-format checkpoint has no raw weights (sets: {sorted(named)})")
+            raise CheckpointParseError(f"{path}: single-format checkpoint has no raw weights (sets: {sorted(named)})")
         sets = {name: _check_state_dict(sd, f"weights[{name!r}]", path) for name, sd in named.items()}
         info["layout"] = "single"
     elif "state_dict" in obj:
@@ -222,7 +210,7 @@ def _interpret(obj: Any, path: Path) -> tuple[dict[str, StateDict], dict[str, An
         info["layout"] = "state_dict"
     else:
         keys = ", ".join(repr(k) for k in list(obj)[:5]) or "none"
-        raise CheckpointError(
+        raise CheckpointParseError(
             f"{path} is not a state dict: expected {{'state_dict': ...}}, a single-format checkpoint or a flat dict "
             f"of tensors; its top-level keys are {keys}")
     step = _find_step(obj)
