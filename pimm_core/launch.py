@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .checkpoint.selection import explain, fallback_warnings, list_candidates, resolve_resume_path, select_resume
 from .config import Config
+from .console_log import setup_logging
 from .errors import RANK_ERRORS_ENV, CheckpointError, TrainingError, UsageError, rank_errors
 from .run import CONFIG, LAUNCH_ENV, MODEL, PROVENANCE, STATUS, read_json, run_dir_for, run_name
 from .lock import LauncherLock, follow_launcher, hold_run
@@ -155,17 +156,6 @@ def resume_config(run_dir: Path, overrides: list[str]) -> Config:
     return load_config(run_dir / CONFIG, overrides, extra)
 
 
-def setup_logging(is_main: bool) -> None:
-    logger = logging.getLogger("pimm")
-    if logger.handlers:
-        return
-    handler = logging.StreamHandler(sys.stdout if is_main else sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO if is_main else logging.WARNING)
-    logger.propagate = False
-
-
 def auto_resume(cfg: Config, run_dir: Path, *, is_main: bool = True) -> Config:
     """``--train.auto-resume``: resume when the run has an intact checkpoint, else start it fresh.
 
@@ -231,6 +221,8 @@ def resume_source(cfg: Config, run_dir: Path, resume_from: str | None) -> str | 
                     "(or launch with --train.auto-resume, which moves it aside for you)")
         else:
             hint = "; launch without --train.resume to start it"
+        if any(c.verify_problems for c in cands):  # complete candidates, all damaged: an operation failed
+            raise CheckpointError(f"cannot resume {run_dir}: no intact checkpoint; found: {found}", exit_code=1)
         raise CheckpointError(f"cannot resume {run_dir}: no complete checkpoint; found: {found}{hint}", exit_code=2)
     return str(run_dir / MODEL)  # the trainer verifies checksums and falls back past corrupt candidates
 

@@ -44,6 +44,7 @@ from .checkpoint.standard import (AsyncStandardSaver, load_standard, on_main, sa
 from .checkpoint.atomic import remove_stale_temporaries
 from .checkpoint.state import rng_state, set_rng_state
 from .config import Config, TrainConfig, write_config
+from .console_log import attach_console
 from .data import build_datasets, eval_loader, train_loader
 from .ema import EMA
 from .errors import CheckpointError, CheckpointSaveError, ConfigError, TrainingError
@@ -150,6 +151,7 @@ class Trainer:
         self.callbacks: list[Callable[["Trainer"], None]] = []
         self._pids = [os.getpid()]
         self._log_handler: logging.Handler | None = None
+        self._detach_console: Callable[[], None] = lambda: None
         self._code_version = code_version() if self.info.is_main else None
 
     # ----------------------------------------------------------------- set-up
@@ -227,8 +229,12 @@ class Trainer:
                                                "launch": launch_record(self.info.world_size), **entry})
 
     def _open_log(self) -> None:
-        """Rank 0: send the ``pimm`` log to ``run_dir/train.log`` (before anything of this run is logged)."""
-        if self.run_dir is None or not self.info.is_main or self._log_handler is not None:
+        """Rank 0: send the ``pimm`` log to ``run_dir/train.log`` (before anything of this run is logged);
+        a logger the host program left unconfigured also gets the CLI's console output for this run."""
+        if self._log_handler is not None:
+            return
+        self._detach_console = attach_console(self.info.is_main)
+        if self.run_dir is None or not self.info.is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(self.run_dir / LOG)
@@ -242,6 +248,8 @@ class Trainer:
             log.removeHandler(self._log_handler)
             self._log_handler.close()
             self._log_handler = None
+        self._detach_console()
+        self._detach_console = lambda: None
 
     def _status(self, state: str, **extra: Any) -> None:
         if self.run_dir is not None and self.info.is_main:

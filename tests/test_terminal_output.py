@@ -1,0 +1,47 @@
+"""What a person sees in a terminal: log lines scroll above one live Rich progress bar
+(checked in a real tmux terminal at 100 columns, as a person would look at it)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from _helpers import DIGITS, REPO
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (a real terminal)")
+
+
+def test_log_lines_scroll_above_one_progress_bar(tmp_path):
+    session = f"pimm-{uuid.uuid4().hex[:8]}"
+    cmd = shlex.join([sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(DIGITS), "--run.root",
+                      str(tmp_path), "--run.name", "t", "--run.no-timestamp", "--", "train.epochs=400",
+                      "train.log_every_steps=5"])
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "100", "-y", "30", "-c", str(REPO)], check=True)
+    try:
+        subprocess.run(["tmux", "send-keys", "-t", session, f"cd {shlex.quote(str(REPO))} && {cmd}", "Enter"],
+                       check=True)
+        deadline, lines = time.monotonic() + 120, []
+        while time.monotonic() < deadline:
+            time.sleep(1)
+            screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True,
+                                    text=True).stdout
+            lines = [ln for ln in screen.splitlines() if ln.strip()]
+            if sum("eval:" in ln for ln in lines) >= 4 and any(ln.startswith("train ") for ln in lines):
+                break
+        bars = [ln for ln in lines if "━" in ln]
+        assert len(bars) == 1 and bars[0].startswith("train "), "\n".join(lines)
+        assert lines[-1] == bars[0]  # the bar stays at the bottom; log lines scroll above it
+        logged = [ln for ln in lines if "eval:" in ln or " saved " in ln]
+        assert len(logged) >= 4 and all(re.match(r"^\d\d:\d\d:\d\d (epoch \d+ eval:|saved )", ln) for ln in logged), \
+            "\n".join(lines)
+    finally:
+        subprocess.run(["tmux", "send-keys", "-t", session, "C-c", ""], check=False)
+        time.sleep(3)
+        subprocess.run(["tmux", "kill-session", "-t", session], check=False)
