@@ -412,7 +412,12 @@ class Trainer:
             self.save_checkpoint(checkpoint_dir, mid_epoch=0 < self.state.iter < n_micro, pointers=("best",),
                                  selection_metric=selection)
         elif self.info.is_main:
-            self._write_secondary(checkpoint_dir / BEST, {**self._manifest("best"), "selection_metric": selection})
+            # a weights-only file says which epoch produced it (the one just evaluated), not where a
+            # resume would continue: epoch 24 with its 45 micro-batches, as its metrics.jsonl records say
+            s = self.state
+            trained = s.iter if s.epoch == epoch else self.micro_batches_per_epoch
+            self._write_secondary(checkpoint_dir / BEST, {**self._manifest("best"), "epoch": epoch, "iter": trained,
+                                                          "selection_metric": selection})
 
     def save_model(self, path: Path, *, weights: str = "raw") -> Path:
         """Export the live model's ``raw`` or ``ema`` weights (rank 0 writes).

@@ -114,8 +114,8 @@ def test_best_sidecar_records_the_selection(runs, name):
     assert {k: sel[k] for k in ("name", "value", "mode", "split", "weights")} == \
         {"name": e.metric, "value": best_value, "mode": e.mode, "split": "val", "weights": e.weights}
     assert values[sel["epoch"]] == best_value
-    # the manifest's own position is the end of that epoch, with that evaluation's metrics
-    assert (side["step"], side["epoch"], side["iter"]) == ((sel["epoch"] + 1) * STEPS, sel["epoch"] + 1, 0)
+    # the file names the epoch that produced it (as the selection metric does), all its micro-batches trained
+    assert (side["step"], side["epoch"], side["iter"]) == ((sel["epoch"] + 1) * STEPS, sel["epoch"], STEPS)
     assert side["metrics"][e.metric] == best_value
     assert side["files"].keys() == {"model_best.pth"}
 

@@ -115,6 +115,8 @@ def test_best_weights_reproduce_best_val_acc(run):
     side = read_json(run / "model" / "model_best.pth.json")
     assert side["selection_metric"]["value"] == best["acc"]
     assert side["selection_metric"]["epoch"] == best["epoch"]
+    # one epoch numbering: the file says the epoch that produced it, as the selection metric and metrics.jsonl do
+    assert (side["epoch"], side["iter"], side["step"]) == (best["epoch"], STEPS_PER_EPOCH, best["step"])
     assert eval_weights(run, run / "model" / "model_best.pth") == best["acc"]
 
 
