@@ -22,8 +22,9 @@ from pathlib import Path
 from .checkpoint.selection import explain, fallback_warnings, list_candidates, resolve_resume_path, select_resume
 from .config import Config
 from .console_log import setup_logging
-from .errors import RANK_ERRORS_ENV, CheckpointError, TrainingError, UsageError, rank_errors
-from .run import CONFIG, LAUNCH_ENV, MODEL, PROVENANCE, STATUS, read_json, run_dir_for, run_name
+from .errors import RANK_ERRORS_ENV, CheckpointError, ConfigError, TrainingError, UsageError, rank_errors
+from .run import (CONFIG, LAUNCH_ENV, MODEL, PROVENANCE, STATUS, RunDirClaim, claim_run_dir, free_run_dir, read_json,
+                  run_dir_for, run_name)
 from .lock import LauncherLock, follow_launcher, hold_run
 from .shell import PROGRAM_ENV, program, resume_command
 from .stop import StopRequest
@@ -93,23 +94,54 @@ class LaunchOptions:
 
 
 def resolve_run_dir(cfg: Config, config_path: Path | None, *, when: float | None = None) -> Path:
-    """``<run.root>/<run.group>/<name>[-timestamp]`` where name defaults to the config file's stem."""
+    """``<run.root>/<run.group>/<name>[-timestamp]`` where name defaults to the config file's stem.
+
+    A timestamped name that exists already (a launch in the same second) becomes
+    ``<name>-<stamp>-2``, ``-3``... (the first free one; :func:`claim_run_dir` takes it),
+    except in a rank of an external launcher, whose ranks must all compute the same name.
+    """
     base = cfg.run.name or (config_path.stem if config_path else "run")
-    return run_dir_for(cfg.run.root, cfg.run.group, run_name(base, timestamp=not cfg.run.no_timestamp, when=when))
+    run_dir = run_dir_for(cfg.run.root, cfg.run.group, run_name(base, timestamp=not cfg.run.no_timestamp, when=when))
+    return free_run_dir(run_dir) if _numbered_names(cfg) else run_dir
 
 
-def check_run_dir(cfg: Config, run_dir: Path, *, leftovers_ok: bool = False) -> None:
-    """Refuse what would lose work or silently start over (torch-free, runs before any rank starts).
+def _numbered_names(cfg: Config) -> bool:
+    """This process chooses a timestamped run name alone (not a rank of an external torchrun/srun)."""
+    from .dist import under_launcher
+
+    return not cfg.run.no_timestamp and not under_launcher()
+
+
+def claim(cfg: Config, run_dir: Path, *, single_node: bool = True) -> RunDirClaim:
+    """Create the run directory before the launch writes anything (see :func:`pimm_core.run.claim_run_dir`)."""
+    return claim_run_dir(run_dir, numbered_names=_numbered_names(cfg) and single_node)
+
+
+def check_run_dir(cfg: Config, run_dir: Path, *, leftovers_ok: bool = False, warm_start: bool = True) -> None:
+    """Refuse, before the run directory is created and before any rank starts, what the
+    launch would refuse later or what would lose work or silently start over.
+
+    Args:
+        warm_start: also resolve ``train.weight`` (downloading ``hf://``) and refuse a
+            source that is missing or not a PyTorch checkpoint (``--dry-run`` checks it
+            its own way, without downloading).
 
     Raises:
         UsageError: the run root is a file; a fresh run would start in a directory that
             already has checkpoints; a resume was asked for but the run has none.
+        ConfigError: a config value the trainer would refuse (:func:`check_config`).
+        CheckpointError: the warm-start source does not resolve or is not a checkpoint.
     """
     for parent in [run_dir, *run_dir.parents]:
         if parent.exists() and not parent.is_dir():
             raise UsageError(f"{parent} is a file, not a directory; choose another --run.root or --run.name")
+    check_config(cfg)
     if cfg.train.resume:
         return
+    if warm_start and cfg.train.weight:
+        from .checkpoint.sources import check_weight_source
+
+        check_weight_source(cfg.train.weight)
     # Even a leftover of an interrupted save belongs to an earlier run of this name: never
     # start over on top of it (the new run would delete it) without the user's say-so.
     found = list_candidates(run_dir / MODEL)
@@ -126,6 +158,30 @@ def check_run_dir(cfg: Config, run_dir: Path, *, leftovers_ok: bool = False) -> 
     raise UsageError(f"{run_dir} has checkpoint files ({names}) but none can be resumed; move or remove "
                      f"{run_dir / MODEL} to start this run over (--train.auto-resume moves it aside for you), "
                      "or choose another --run.name")
+
+
+def check_config(cfg: Config) -> None:
+    """Refuse the config values that only building the run would otherwise reject: an
+    unknown ``data.name`` or ``model.name``, ``train.device = "cuda"`` without CUDA,
+    ``train.amp = "fp16"`` without CUDA (cheap: nothing is built).
+
+    Raises:
+        ConfigError: names the key and the values that work.
+    """
+    import torch
+
+    from .data import DATASETS
+    from .models import MODELS
+
+    if cfg.data.name not in DATASETS:
+        raise ConfigError(f"data.name = {cfg.data.name!r} is not a known dataset; use one of {sorted(DATASETS)}")
+    if cfg.model.name not in MODELS:
+        raise ConfigError(f"model.name = {cfg.model.name!r} is not a known model; use one of {sorted(MODELS)}")
+    cuda = torch.cuda.is_available()
+    if cfg.train.device == "cuda" and not cuda:
+        raise ConfigError("train.device = 'cuda' but CUDA is not available here; use 'auto' or 'cpu'")
+    if cfg.train.amp == "fp16" and not (cuda and cfg.train.device != "cpu"):
+        raise ConfigError("train.amp = 'fp16' needs CUDA; use 'bf16' or 'none' on CPU")
 
 
 def recorded_launch(run_dir: Path) -> dict:
@@ -193,7 +249,9 @@ def finished(cfg: Config, source: str | None, run_dir: Path) -> str | None:
         return None
     cand = resolve_resume_path(source)
     m = cand.manifest or {}
-    if m.get("step") is None or not is_finished(m, epochs=cfg.train.epochs, max_steps=cfg.train.max_steps):
+    state = (read_json(run_dir / STATUS) or {}).get("state") if (run_dir / STATUS).exists() else None
+    if m.get("step") is None or not is_finished(m, epochs=cfg.train.epochs, max_steps=cfg.train.max_steps,
+                                                run_state=state):
         return None
     step = int(m["step"])
     return (f"{finished_message(step, int(m.get('epoch') or 0), cfg.train)}, e.g.: "
@@ -228,23 +286,38 @@ def resume_source(cfg: Config, run_dir: Path, resume_from: str | None) -> str | 
 
 
 def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, world_size: int) -> int:
-    """Print what a resume would do (run path, candidate, restored/discarded, topology, replay) and exit."""
+    """Print what a launch would do (run path, model, warm start or resume candidate,
+    restored/discarded, topology, replay) and exit, having checked what the launch checks.
+
+    Nothing is written (no run directory, no lock, no download: an ``hf://`` warm start
+    not in the local cache is looked up on the Hub only). The model is built, a warm start
+    is loaded into it and a resume candidate's weights are matched against it, so a
+    config or source the launch would refuse fails here the same way.
+    """
     import tomllib
 
     from .topology import config_diff, plan_resume
 
     run_dir = resolve_run_dir(cfg, config_path)
-    check_run_dir(cfg, run_dir)
+    check_run_dir(cfg, run_dir, warm_start=False)
     source = resume_source(cfg, run_dir, resume_from)
     print(f"run: {run_dir}")
+    model = _dry_model(cfg)
     if source is None:
-        print("fresh start (no resume requested); nothing will be restored")
+        if cfg.train.weight:
+            print(f"fresh start (no resume requested); warm start from {cfg.train.weight}: model weights only")
+            for line in _dry_warm_start(cfg, model):
+                print(line)
+        else:
+            print("fresh start (no resume requested); nothing will be restored")
+        print("dry run: nothing was trained or written")
         return 0
     if Path(source) == run_dir / MODEL:  # the selection, with the candidates it passed over and why
         cand, cands = select_resume(run_dir / MODEL)
         fallbacks = fallback_warnings(cands, cand)
     else:
         cand, fallbacks = resolve_resume_path(source), []
+    _dry_check_resume(cand.path, model)
     plan = plan_resume(cand.manifest or {}, world_size=world_size, workers_per_rank=cfg.data.num_workers,
                        strict=cfg.resume_strict_state, grad_accum=cfg.train.grad_accum,
                        batch_size=cfg.data.batch_size, legacy=cand.format == "legacy")
@@ -278,6 +351,60 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     return 0
 
 
+def _dry_model(cfg: Config):
+    """Build the data and the model as the trainer would (a bad name or size fails as at launch)."""
+    from .data import build_datasets
+    from .models import build_model
+
+    data = build_datasets(cfg.data)
+    model = build_model(cfg.model, data.in_features, data.in_shape, data.num_classes)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: {cfg.model.name} ({params:,} parameters), data: {cfg.data.name} "
+          f"({len(data.train)} train / {len(data.val)} val samples)")
+    return model
+
+
+def _dry_warm_start(cfg: Config, model) -> list[str]:
+    """Warm-start ``model`` from ``train.weight`` as the trainer would; the report's lines.
+
+    An ``hf://`` file that is not in the local cache is only looked up (name, size).
+
+    Raises:
+        as :func:`pimm_core.checkpoint.weights.warm_start` (a missing source, one that is not
+        a checkpoint, no matching parameters...).
+    """
+    from .checkpoint.sources import is_remote, plan_hf
+    from .checkpoint.weights import warm_start
+
+    t = cfg.train
+    source: str | Path = t.weight
+    if is_remote(t.weight):
+        hub = plan_hf(t.weight)
+        if hub.local is None:
+            size = f"{hub.size:,} bytes" if hub.size is not None else "size unknown"
+            return [f"  {hub.name} ({size}) is downloaded at launch; its keys are matched against the model then"]
+        source = hub.local
+    quiet = logging.getLogger("pimm.dry_run")
+    quiet.propagate = False
+    rules = [tuple(r) for r in t.key_rules] if t.key_rules is not None else None
+    report = warm_start(model, source, weight_set=t.weight_set, rules=rules, logger=quiet)
+    return [f"  reads {report.resolved}, {report.weight_set} weights", *report.lines()[1:]]
+
+
+def _dry_check_resume(path: str, model) -> None:
+    """Match the resume candidate's weights against the model, as the resume does first.
+
+    Raises:
+        CheckpointError: names the missing, unexpected and shape-mismatched tensors.
+    """
+    from .checkpoint.sources import resolve_weight_source
+    from .checkpoint.standard import check_compatible
+    from .checkpoint.weights import read_weight_sets
+
+    weights = resolve_weight_source(path)
+    check_compatible(model, read_weight_sets(weights)["raw"], str(weights))
+
+
 def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = None, *,
                leftovers_ok: bool = False) -> int:
     """Run this process as one rank of the run; returns the exit code.
@@ -291,6 +418,17 @@ def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = 
     setup_logging(info.is_main)
     run_dir = resolve_run_dir(cfg, config_path)
     check_run_dir(cfg, run_dir, leftovers_ok=leftovers_ok)
+    claimed = claim(cfg, run_dir) if info.is_main else None
+    run_dir = claimed.path if claimed is not None else run_dir
+    try:
+        return _train_claimed(cfg, config_path, run_dir, resume_from, info)
+    except BaseException:
+        if claimed is not None:
+            claimed.discard_if_unstarted()  # a launch that failed before the run started leaves nothing behind
+        raise
+
+
+def _train_claimed(cfg: Config, config_path: Path | None, run_dir: Path, resume_from: str | None, info) -> int:
     lock = hold_run(run_dir, info.is_main)  # see lock.py: who holds what
     try:
         source = resume_source(cfg, run_dir, resume_from)
@@ -363,8 +501,22 @@ def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOp
     """
     run_dir = resolve_run_dir(cfg, config_path)
     check_run_dir(cfg, run_dir)
+    single_node = opts.nnodes in (None, "1", "1:1")
+    claimed = claim(cfg, run_dir, single_node=single_node)
+    try:
+        code = _spawn_claimed(cfg, claimed.path, opts, argv, worker_args, single_node)
+    except BaseException:
+        claimed.discard_if_unstarted()
+        raise
+    if code != 0:
+        claimed.discard_if_unstarted()  # the ranks failed before the run started: leave nothing behind
+    return code
+
+
+def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[str], worker_args: list[str] | None,
+                   single_node: bool) -> int:
     # refuse at once if the run is in use; on one node, held until the ranks are gone (lock.py)
-    lock = LauncherLock(run_dir, single_node=opts.nnodes in (None, "1", "1:1")).acquire()
+    lock = LauncherLock(run_dir, single_node=single_node).acquire()
     if worker_args is None:
         head, sep, tail = _split_at_dashdash(argv)
         worker_args = ["launch", *head, "--run.name", run_dir.name, "--run.no-timestamp", *sep, *tail]

@@ -199,9 +199,18 @@ def config_diff(saved: dict[str, Any], now: dict[str, Any],
     return lines
 
 
-def is_finished(position: dict[str, Any], *, epochs: int, max_steps: int | None) -> bool:
-    """A checkpoint at ``position`` (``step``, ``epoch``) has reached the end ``epochs``/``max_steps`` set."""
-    return int(position.get("epoch") or 0) >= epochs or bool(max_steps) and int(position.get("step") or 0) >= max_steps
+def is_finished(position: dict[str, Any], *, epochs: int, max_steps: int | None,
+                run_state: str | None = "finished") -> bool:
+    """The run has nothing left to do: its checkpoint at ``position`` (``step``, ``epoch``)
+    reached the end ``epochs``/``max_steps`` set, and the run recorded that it finished.
+
+    ``run_state`` is ``status.json``'s state (None when the run has none, e.g. a Python
+    run without a run directory). A run at its end that stopped or failed before its end
+    steps completed (the final evaluation, ``model_best.pth``, the ``final`` pointer) is
+    not finished: resuming it runs those steps, and trains nothing.
+    """
+    at_end = int(position.get("epoch") or 0) >= epochs or bool(max_steps) and int(position.get("step") or 0) >= max_steps
+    return at_end and run_state in ("finished", None)
 
 
 def finished_message(step: int, epoch: int, train: Any) -> str:

@@ -51,8 +51,8 @@ from .errors import CheckpointError, CheckpointSaveError, ConfigError, TrainingE
 from .models import build_model
 from .stop import StopRequest, read_stop_file, stop_file
 from .schedule import WarmupCosine
-from .run import CONFIG, LOG, METRICS, MetricsWriter, append_provenance, launch_record, code_version, now_iso, read_metrics, write_status
-from .topology import config_diff, finished_message, plan_resume
+from .run import CONFIG, LOG, METRICS, STATUS, MetricsWriter, append_provenance, launch_record, read_json, code_version, now_iso, read_metrics, write_status
+from .topology import config_diff, finished_message, is_finished, plan_resume
 
 log = logging.getLogger("pimm")
 
@@ -197,8 +197,13 @@ class Trainer:
         return min(end, t.max_steps) if t.max_steps else end
 
     def is_done(self, t: TrainConfig) -> bool:
-        """The position has reached ``t``'s end (all epochs, or ``t.max_steps``)."""
-        return self.state.epoch >= t.epochs or self._at_max_steps(t)
+        """Nothing is left to do: the position reached ``t``'s end (all epochs, or ``t.max_steps``)
+        and the run recorded that it finished (:func:`pimm_core.topology.is_finished`)."""
+        status = self.run_dir / STATUS if self.run_dir is not None else None
+        state = (read_json(status) or {}).get("state") if status is not None and status.exists() else None
+        s = self.state
+        return is_finished({"step": s.global_step, "epoch": s.epoch}, epochs=t.epochs, max_steps=t.max_steps,
+                           run_state=state)
 
     def _build_scheduler(self, t: TrainConfig) -> WarmupCosine:
         return WarmupCosine(self.optimizer, warmup=t.warmup_steps, total=self.end_step(t),
@@ -504,7 +509,9 @@ class Trainer:
                 self.state.stop_reason = self.stop.reason  # a best/iter write failed after the last stop check
             if self.state.stop_reason is not None:
                 self._record_stop()
-            self._status("finished" if self.state.finished else "stopped")
+            # a failed save (even the last model_best.pth write) is a failure, not the end of the run
+            save_failed = (self.state.stop_reason or "").startswith("checkpoint save failed")
+            self._status("failed" if save_failed else "finished" if self.state.finished else "stopped")
             if self._metrics is not None:
                 self._metrics.close()
             return self.state
