@@ -219,9 +219,14 @@ def checkpoints_ls(
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY_HELP),
 ) -> None:
     """List every checkpoint candidate and leftover, and which one resume would pick."""
-    from .checkpoint.selection import select_resume
+    from .checkpoint.selection import list_candidates, select_resume
+    from .runview import run_markers
 
     model_dir = _model_dir(run_dir)
+    if not (run_markers(run_dir) or (run_dir.name == "model" and run_markers(run_dir.parent))
+            or list_candidates(model_dir)):
+        raise UsageError(f"{run_dir} is not a run directory (no config.toml, status.json, metrics.jsonl or "
+                         "model/) nor a model/ directory with checkpoints; pass exp/<group>/<run>")
     chosen, cands = select_resume(model_dir, verify=not no_verify)
     if as_json:
         rows = [{**c.to_json(), "selected": chosen is not None and c.path == chosen.path} for c in cands]
@@ -229,18 +234,30 @@ def checkpoints_ls(
                           "selected": chosen.name if chosen else None, "candidates": rows}, indent=2))
         return
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title=str(model_dir))
-    for col in ("", "name", "format", "step", "epoch", "iter", "size", "status"):
-        table.add_column(col)
+    console = Console()
+    rows = []
     for c in cands:
         mark = "*" if chosen is not None and c.path == chosen.path else ""
         status = "complete" if c.complete else f"incomplete: {c.reason}"
         if c.verify_problems:
             status = f"corrupt: {'; '.join(c.verify_problems)}"
-        table.add_row(mark, c.name, c.format, _s(c.step), _s(c.epoch), _s(c.iter), _size(c.size), status)
-    Console().print(table)
+        rows.append((mark, c.name, c.format, _s(c.step), _s(c.epoch), _s(c.iter), _size(c.size), status))
+    if console.width < 100:
+        print(str(model_dir))
+        for line in _narrow_table(rows, console.width):
+            print(line)
+    else:
+        from rich.table import Table
+
+        table = Table(title=str(model_dir))
+        for col in ("", "name", "format", "step", "epoch", "iter", "size", "status"):
+            # Names are never cut; a long status wraps in its column.
+            table.add_column(col, no_wrap=col != "status", overflow="fold" if col == "status" else "ellipsis",
+                             justify="right" if col in ("step", "epoch", "iter", "size") else "left")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
     print(f"resume would select: {chosen.name if chosen else 'nothing (no complete candidate)'}")
 
 
@@ -299,7 +316,37 @@ def tui(run_dir: Path = typer.Argument(..., help="The run directory (exp/<group>
     check_run_dir(run_dir)
     from pimm_tui import build_app  # Textual is imported here only
 
-    build_app(run_dir).run()
+    console = build_app(run_dir)
+    console.run()
+    if console.crash is not None or console.return_code:  # never exit 0 after an error in the console
+        raise PimmError(console.crash_message())
+
+
+def _narrow_table(rows: list[tuple[str, ...]], width: int) -> list[str]:
+    """``checkpoints ls`` for a terminal under 100 columns: plain aligned columns, names never
+    cut, epoch and iter as one ``ep:iter`` column; the status follows on the row when it fits
+    in one line, else on the lines below it, indented and wrapped at words."""
+    import textwrap
+
+    head = ("", "name", "format", "step", "ep:iter", "size")
+    cells = [(m, n, f, st, f"{e}:{i}", sz) for m, n, f, st, e, i, sz, _ in rows]
+    widths = [max(len(r[k]) for r in [head, *cells]) for k in range(len(head))]
+    right = (False, False, False, True, False, True)
+
+    def line(r: tuple[str, ...]) -> str:
+        return " ".join(v.rjust(w) if rj else v.ljust(w) for v, w, rj in zip(r, widths, right))
+
+    out = [line(head) + "  status"]
+    indent = " " * (widths[0] + 5)
+    for r, row in zip(cells, rows):
+        text, status = line(r), row[-1]
+        if len(text) + 2 + len(status) <= width:
+            out.append(f"{text}  {status}")
+        else:
+            out.append(text.rstrip())
+            out += textwrap.wrap(status, max(20, width - len(indent)), initial_indent=indent,
+                                 subsequent_indent=indent, break_on_hyphens=False)
+    return out
 
 
 def _s(v: object) -> str:

@@ -19,7 +19,10 @@ imports torch or Textual, so both the CLI and the console (``pimm_tui``) use it:
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import math
 import os
 import socket
 import time
@@ -169,9 +172,9 @@ def read_status(run_dir: Path, *, now: float | None = None, stale_after: float =
     raw, problem = _status_file(run_dir)
     state = raw.get("state") if isinstance(raw.get("state"), str) else None
     view = StatusView(state, raw, problem, stale_after=stale_after)
-    hb = raw.get("heartbeat")
-    if isinstance(hb, (int, float)):
-        view.heartbeat_age = max(0.0, now - float(hb))
+    hb = _finite(raw.get("heartbeat"))
+    if hb is not None:
+        view.heartbeat_age = max(0.0, now - hb)
     try:
         view.stop_request = read_stop_file(run_dir) if stop_file(run_dir).exists() else None
     except OSError:
@@ -207,6 +210,9 @@ class Series:
         self.last: tuple[float, float] | None = None
 
     def add(self, x: float, y: float) -> None:
+        """Add a point; a non-finite ``x`` or ``y`` is ignored (see :class:`NonFinite`)."""
+        if not (math.isfinite(x) and math.isfinite(y)):
+            return
         self.last = (x, y)
         if self._seen % self.stride == 0:
             self.xs.append(x)
@@ -229,7 +235,92 @@ class Series:
 
 
 def _num(v: Any) -> float | None:
+    """``v`` as a float when it is a JSON number (NaN and +-Inf included), else None."""
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _finite(v: Any) -> float | None:
+    """``v`` as a float when it is a finite number, else None (NaN and +-Inf are None)."""
+    f = _num(v)
+    return f if f is not None and math.isfinite(f) else None
+
+
+def fmt_value(v: Any) -> str:
+    """A logged number for a note: ``NaN``, ``inf``, ``-inf`` as Python's json writes them, else ``%g``."""
+    f = _num(v)
+    if f is None:
+        return "-"
+    if math.isnan(f):
+        return "NaN"
+    if math.isinf(f):
+        return "inf" if f > 0 else "-inf"
+    return f"{f:g}"
+
+
+def _step_text(step: float | None) -> str:
+    return "?" if step is None else str(int(step))
+
+
+#: Record fields that are bookkeeping, not metric values.
+_NOT_METRICS = frozenset(("step", "epoch", "iter", "split", "time"))
+
+
+@dataclass
+class NonFinite:
+    """Where one logged metric stopped being finite (NaN, +Inf or -Inf in ``metrics.jsonl``).
+
+    Attributes:
+        key: ``loss``, ``lr``, ... for training records; ``val/<name>`` for evaluation ones.
+        first_step, last_step: global steps of the first and newest non-finite value.
+        count: non-finite values seen.
+        last_value: the newest non-finite value (NaN, inf or -inf).
+        finite_again: the global step from which the metric has been finite again since
+            ``last_step`` (None: it is still not finite).
+    """
+
+    key: str
+    first_step: float | None = None
+    last_step: float | None = None
+    count: int = 0
+    last_value: float = math.nan
+    finite_again: float | None = None
+
+    def seen(self, step: float | None, value: float) -> None:
+        self.count += 1
+        self.last_value = value
+        if step is not None:
+            if self.first_step is None or step < self.first_step:
+                self.first_step = step
+            if self.last_step is None or step >= self.last_step:
+                self.last_step = step
+                self.finite_again = None
+        else:
+            self.finite_again = None
+
+    def finite(self, step: float | None) -> None:
+        if step is None or self.last_step is None or step <= self.last_step:
+            return
+        if self.finite_again is None or step < self.finite_again:
+            self.finite_again = step
+
+    @property
+    def recovered(self) -> bool:
+        return self.finite_again is not None
+
+    def note(self) -> str:
+        """One line: ``loss not finite from step 2 (NaN at step 3)``."""
+        first, last = _step_text(self.first_step), _step_text(self.last_step)
+        if self.recovered:
+            span = f"step {first}" if first == last else f"steps {first}-{last}"
+            return (f"{self.key} was not finite at {span} ({self.count} value{'s' * (self.count != 1)}); "
+                    f"finite again from step {_step_text(self.finite_again)}")
+        if self.count == 1 or first == last:
+            return f"{self.key} not finite from step {first} ({fmt_value(self.last_value)})"
+        return f"{self.key} not finite from step {first} ({fmt_value(self.last_value)} at step {last})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "first_step": self.first_step, "last_step": self.last_step, "count": self.count,
+                "last_value": fmt_value(self.last_value), "finite_again": self.finite_again}
 
 
 class MetricsTail:
@@ -277,17 +368,21 @@ class MetricsTail:
         self.records = 0
         self.version = 0
         self.exists = False
+        self.nonfinite: dict[str, NonFinite] = {}
 
     @property
     def pending(self) -> int:
         return len(self._partial)
 
-    def _take(self, rec: dict[str, Any], *, sampled: bool = False) -> None:
+    def _take(self, rec: dict[str, Any], *, sampled: bool = False, odd: bool = True) -> None:
+        """Apply one record; ``odd=False``: its line has no ``NaN``/``Infinity`` token (skip the check
+        for non-finite values unless one was seen before: then finite values say where it recovered)."""
         split = rec.get("split", "train")
+        step = _finite(rec.get("step"))
         if split == "train":
-            step = _num(rec.get("step"))
             if step is not None:
-                loss, lr = _num(rec.get("loss")), _num(rec.get("lr"))
+                # Non-finite values are not plotted: :attr:`nonfinite` says where they are.
+                loss, lr = _finite(rec.get("loss")), _finite(rec.get("lr"))
                 if loss is not None:
                     self.loss.add(step, loss)
                 if lr is not None:
@@ -298,6 +393,24 @@ class MetricsTail:
         elif split == "val" and not sampled:
             self.val.append(rec)
             self.last_val = rec
+        if not sampled and split in ("train", "val") and (odd or self.nonfinite):
+            self._check_finite(rec, split, step)
+
+    def _check_finite(self, rec: dict[str, Any], split: str, step: float | None) -> None:
+        """Note NaN/+-Inf values of ``rec`` in :attr:`nonfinite` (and finite ones after them)."""
+        prefix = "" if split == "train" else f"{split}/"
+        for k, v in rec.items():
+            if k in _NOT_METRICS:
+                continue
+            f = _num(v)
+            if f is None:
+                continue
+            if math.isfinite(f):
+                nf = self.nonfinite.get(prefix + k)
+                if nf is not None:
+                    nf.finite(step)
+            else:
+                self.nonfinite.setdefault(prefix + k, NonFinite(prefix + k)).seen(step, f)
 
     def _parse_lines(self, data: bytes) -> None:
         for line in data.split(b"\n"):
@@ -312,7 +425,7 @@ class MetricsTail:
                 self.bad_lines += 1
                 continue
             self.records += 1
-            self._take(rec)
+            self._take(rec, odd=b"NaN" in line or b"Infinity" in line)
 
     def _open_large(self, f: Any, size: int) -> None:
         """First read of a large file: sampled history + val scan of the head, full tail."""
@@ -354,6 +467,7 @@ class MetricsTail:
         # Every evaluation record in the head, by a byte scan (no JSON parse of training lines).
         f.seek(0)
         pos, carry = 0, b""
+        odd: dict[int, dict[str, Any]] = {}
         while pos < head_end:
             block = f.read(min(self.chunk, head_end - pos))
             if not block:
@@ -366,6 +480,19 @@ class MetricsTail:
                 carry = data
                 continue
             body, carry = data[:last_nl + 1], data[last_nl + 1:]
+            # Training records with NaN/Infinity (the sample may have missed them).
+            for token in (b"NaN", b"Infinity"):
+                i = body.find(token)
+                while i >= 0:
+                    s = body.rfind(b"\n", 0, i) + 1
+                    e = body.find(b"\n", i)
+                    try:
+                        rec = json.loads(body[s:e])
+                    except ValueError:
+                        rec = None
+                    if isinstance(rec, dict) and rec.get("split", "train") == "train":
+                        odd[base + s] = rec
+                    i = body.find(token, e)
             i = body.find(b'"val"')
             while i >= 0:
                 s = body.rfind(b"\n", 0, i) + 1
@@ -377,6 +504,8 @@ class MetricsTail:
                 if isinstance(rec, dict) and rec.get("split") == "val":
                     vals.append((base + s, rec))
                 i = body.find(b'"val"', e)
+        for _, rec in sorted(odd.items()):
+            self._check_finite(rec, "train", _finite(rec.get("step")))
         for _, rec in vals:
             self._take(rec)
         self.sampled = True
@@ -431,8 +560,8 @@ class MetricsTail:
     # ------------------------------------------------------------ summaries
     def rate(self) -> tuple[float | None, float | None]:
         """``(steps_per_s, samples_per_s)`` from the newest training records of the current session."""
-        recs = [r for r in self.recent if _num(r.get("time")) is not None and _num(r.get("step")) is not None]
-        sps = _num(self.last_train.get("samples_per_s")) if self.last_train else None
+        recs = [r for r in self.recent if _finite(r.get("time")) is not None and _finite(r.get("step")) is not None]
+        sps = _finite(self.last_train.get("samples_per_s")) if self.last_train else None
         if len(recs) < 2:
             return None, sps
         # Walk back while steps and times increase (a resume or a long pause breaks the window).
@@ -447,17 +576,18 @@ class MetricsTail:
 
     def log_interval(self) -> float | None:
         """Median seconds between the newest training records (how often the heartbeat comes)."""
-        times = [_num(r.get("time")) for r in self.recent]
+        times = [_finite(r.get("time")) for r in self.recent]
         times = [t for t in times if t is not None]
         gaps = sorted(b - a for a, b in zip(times, times[1:]) if b > a)
         return gaps[len(gaps) // 2] if gaps else None
 
     def best_val(self, metric: str, mode: str) -> dict[str, Any] | None:
-        """The best evaluation record for ``metric`` (``val/acc`` reads the record's ``acc``)."""
+        """The best evaluation record for ``metric`` (``val/acc`` reads the record's ``acc``);
+        NaN and +-Inf values are never best."""
         key = metric.split("/", 1)[1] if "/" in metric else metric
         best = None
         for rec in self.val:
-            v = _num(rec.get(key))
+            v = _finite(rec.get(key))
             if v is None:
                 continue
             if best is None or (v > best[0] if mode == "max" else v < best[0]):
@@ -553,6 +683,14 @@ class RunSnapshot:
     candidates_key: tuple[Any, ...]
     config: dict[str, Any] | None
     provenance: dict[str, Any] | None
+    #: metrics that were NaN or +-Inf somewhere in metrics.jsonl (copies; key order of first sight)
+    nonfinite: tuple[NonFinite, ...] = ()
+    #: :func:`candidate_identity` of each of ``candidates`` (same order)
+    candidate_ids: tuple[tuple[Any, ...], ...] = ()
+
+    def nonfinite_of(self, key: str) -> NonFinite | None:
+        """The :class:`NonFinite` record of metric ``key`` (``loss``, ``lr``, ``val/loss``), or None."""
+        return next((n for n in self.nonfinite if n.key == key), None)
 
 
 def _read_toml(path: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -565,7 +703,10 @@ def _read_toml(path: Path) -> tuple[dict[str, Any] | None, str | None]:
 
 
 def _int(v: Any) -> int | None:
-    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    f = _finite(v)
+    return None if f is None else int(f)
 
 
 class RunReader:
@@ -577,6 +718,7 @@ class RunReader:
         self.log = LogTail(self.run_dir / LOG)
         self.checkpoint_every_s = checkpoint_every_s
         self._cands: tuple[tuple[Candidate, ...], str | None, tuple[Any, ...]] = ((), None, ())
+        self._ids: tuple[tuple[Any, ...], ...] = ()
         self._cands_at = 0.0
         self._model_key: Any = None
         self._config: tuple[Any, dict[str, Any] | None, str | None] = (None, None, None)
@@ -607,13 +749,24 @@ class RunReader:
         key = self._mtime_key(model)
         if not force and key == self._model_key and now - self._cands_at < self.checkpoint_every_s:
             return self._cands
-        self._model_key, self._cands_at = key, now
-        try:
-            chosen, cands = select_resume(model)
-        except OSError:
-            chosen, cands = None, []
-        ckey = tuple((c.name, c.complete, c.step, c.size, c.reason, c.created) for c in cands)
+        self._cands_at = now
+        # A save that rotates `last` (or replaces a file and then its sidecar) while the
+        # candidates are hashed can make an intact checkpoint look corrupt for a moment:
+        # read again until model/ did not change during the read (at most 3 times).
+        for _ in range(3):
+            try:
+                chosen, cands = select_resume(model)
+            except OSError:
+                chosen, cands = None, []
+            after = self._mtime_key(model)
+            if after == key:
+                break
+            key = after
+        self._model_key = key
+        ids = tuple(candidate_identity(c) for c in cands)
+        ckey = tuple((c.name, c.complete, c.step, c.size, c.reason, c.created, i) for c, i in zip(cands, ids))
         self._cands = (tuple(cands), chosen.name if chosen else None, ckey)
+        self._ids = ids
         return self._cands
 
     def poll(self, *, now: float | None = None, force_checkpoints: bool = False) -> RunSnapshot:
@@ -651,6 +804,9 @@ class RunReader:
             problems.append(f"metrics.jsonl ends with an unfinished line ({m.pending} bytes, ignored)")
         if status.state == "failed" and status.raw.get("error"):
             problems.append(f"run failed: {status.raw.get('error')}")
+        nonfinite = tuple(dataclasses.replace(n) for n in m.nonfinite.values())
+        if nonfinite:
+            problems.append("; ".join(n.note() for n in nonfinite))
         bad_manifests = [c.name for c in cands if c.reason and "unreadable" in c.reason]
         if bad_manifests:
             problems.append(f"damaged manifest: {', '.join(bad_manifests)}")
@@ -686,6 +842,7 @@ class RunReader:
             metrics_version=m.version, metrics_records=m.records, metrics_sampled=m.sampled,
             log_lines=tuple(self.log.lines), log_version=self.log.version,
             candidates=cands, chosen=chosen, candidates_key=ckey, config=config, provenance=prov,
+            nonfinite=nonfinite, candidate_ids=self._ids,
         )
 
 
@@ -707,6 +864,115 @@ def candidate_age(c: Candidate, now: float | None = None) -> float | None:
     return max(0.0, now - when)
 
 
+def candidate_identity(c: Candidate) -> tuple[Any, ...]:
+    """Which checkpoint a row shows: its name and the generation written under that name.
+
+    ``last`` names a new checkpoint after every save; its manifest's ``created`` time, step
+    and files table (sizes and sha256) tell the generations apart. A candidate without a manifest (a legacy file without
+    its sidecar, a temporary leftover) is told apart by its file's inode and mtime (this
+    stats the file: call it off the event loop).
+    """
+    if c.manifest is not None and (c.created is not None or c.step is not None):
+        files = c.manifest.get("files")
+        digest = hashlib.sha256(json.dumps(files, sort_keys=True, default=str).encode()).hexdigest()[:16] \
+            if isinstance(files, dict) else None
+        return (c.name, c.created, c.step, digest)
+    try:
+        st = os.stat(c.path)
+        return (c.name, None, c.step, st.st_ino, st.st_size, st.st_mtime_ns)
+    except OSError:
+        return (c.name, None, c.step, None, c.size, None)
+
+
+def _generation(c: Candidate) -> tuple[Any, ...]:
+    """What must not change while a candidate is hashed: its manifest, and what its path
+    (and its sidecar manifest) are on disk."""
+    p = Path(c.path)
+
+    def stat(q: Path) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(q)
+        except OSError:
+            return None
+        return st.st_ino, st.st_size if not os.path.isdir(q) else 0, st.st_mtime_ns
+
+    try:
+        link = os.readlink(p) if p.is_symlink() else None
+    except OSError:
+        link = None
+    manifest = json.dumps(c.manifest, sort_keys=True, default=str) if c.manifest is not None else None
+    return (c.name, link, stat(p), stat(p.with_name(p.name + ".json")), manifest)
+
+
+@dataclass
+class VerifyResult:
+    """The outcome of :func:`verify_checkpoint` for one generation of one candidate.
+
+    Attributes:
+        name: the candidate's name (``last``, ``iter_40.pth``, ...).
+        identity: :func:`candidate_identity` of the generation that was hashed.
+        step: its global step.
+        outcome: ``ok``; ``failed`` (``problems`` says why); ``changed``: a save replaced it
+            on every try (not a verdict on any checkpoint: check again).
+        problems: one line per problem.
+        tries: how many generations were read.
+    """
+
+    name: str
+    identity: tuple[Any, ...]
+    step: int | None
+    outcome: str
+    problems: list[str]
+    tries: int = 1
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "ok"
+
+
+def find_candidate(model_dir: Path, name: str) -> Candidate | None:
+    """The candidate named ``name`` in ``model_dir`` as it is now (None if there is none)."""
+    from .checkpoint.selection import list_candidates
+
+    return next((c for c in list_candidates(Path(model_dir)) if c.name == name), None)
+
+
+def verify_checkpoint(model_dir: Path, name: str, *, tries: int = 3, settle_s: float = 0.3) -> VerifyResult:
+    """Verify the current generation of candidate ``name``: its files against its own manifest.
+
+    The candidate is listed afresh (a snapshot's manifest may be older than the files now
+    under ``model/last``), hashed, and listed again: if a save rotated it in between (the
+    path, its manifest or sidecar changed) the result is discarded and the new generation is
+    checked, up to ``tries`` times; then the outcome is ``changed``, never a mismatch that
+    is not there. A mismatch is confirmed after ``settle_s`` (a file replaced just before
+    its sidecar manifest). Hashes are cached per file inode, size and mtime
+    (:func:`pimm_core.checkpoint.selection.verify_candidate`).
+    """
+    seen: Candidate | None = None
+    for attempt in range(1, tries + 1):
+        c = find_candidate(model_dir, name)
+        if c is None:  # between the two renames of a rotation, or deleted
+            time.sleep(settle_s)
+            continue
+        seen = c
+        before = _generation(c)
+        try:
+            problems = verify_candidate(c)
+        except OSError as e:  # a file went away under the hash (a rotation), or cannot be read
+            problems = [f"{Path(e.filename).name if e.filename else name}: {e.strerror or e.__class__.__name__}"]
+        if problems:
+            time.sleep(settle_s)
+        again = find_candidate(model_dir, name)
+        if again is not None and _generation(again) == before:
+            return VerifyResult(name, candidate_identity(c), c.step, "failed" if problems else "ok", problems, attempt)
+    if seen is None:
+        return VerifyResult(name, (name,), None, "changed",
+                            [f"{name} is no longer in {model_dir} (removed or being replaced); press v again"], tries)
+    return VerifyResult(name, candidate_identity(seen), seen.step, "changed",
+                        [f"{name} changed while it was checked (a save replaced it {tries} times); press v again"],
+                        tries)
+
+
 def verify_candidate(c: Candidate) -> list[str]:
     """Sizes and sha256 of a candidate's files against its manifest; one line per problem (empty: ok)."""
     from .checkpoint.selection import verify_candidate as verify_files_of
@@ -724,7 +990,7 @@ def verify_candidate(c: Candidate) -> list[str]:
 # ------------------------------------------------------------ resume diff
 def human_duration(seconds: float | None) -> str:
     """``42 s``, ``3 min 5 s``, ``2 h 10 min``, ``3 d 4 h``; ``-`` for None."""
-    if seconds is None:
+    if seconds is None or not math.isfinite(seconds):
         return "-"
     s = int(round(seconds))
     if s < 60:
@@ -770,7 +1036,8 @@ class ResumeDiff:
         candidate: the checkpoint compared (a resume's choice unless one was named).
         selected_by: ``resume`` (what ``--train.resume`` would load) or ``name``.
         recorded, planned: ``world_size``, ``workers_per_rank``, ``code_version``,
-            ``torch_version``, ``data_fingerprint`` (planned: None where only a launch knows).
+            ``torch_version``, ``data_fingerprint`` (planned: None where only a launch knows:
+            the data fingerprint, which the launch computes as it loads the data).
         config_diff: ``key: saved -> planned`` lines (:func:`pimm_core.topology.config_diff`).
         plan: :class:`pimm_core.topology.ResumePlan` as JSON, or None (weights-only file).
         notes: lines on what could not be compared and why.
@@ -799,7 +1066,7 @@ class ResumeDiff:
         for key, label in DIFF_ROWS:
             a, b = self.recorded.get(key), self.planned.get(key)
             mark = "" if b is None or a is None or a == b else "  <- changed"
-            out.append(f"{label:22}{_show(a):>24}  {_show(b, planned=True):<24}{mark}".rstrip())
+            out.append(f"{label:22}{_show(a):>24}  {_show(b, planned=True, key=key):<24}{mark}".rstrip())
         out.append("config diff:" + (" none" if not self.config_diff else ""))
         out += [f"  {line}" for line in self.config_diff]
         p = self.plan
@@ -827,9 +1094,20 @@ DIFF_ROWS = (("world_size", "world size"), ("batch_size", "per-rank micro-batch"
              ("data_fingerprint", "data fingerprint"))
 
 
-def _show(v: Any, planned: bool = False) -> str:
+#: What the planned side shows for a value only a launch knows (it loads the data to hash it).
+PLANNED_AT_LAUNCH = {"data_fingerprint": "computed at launch"}
+
+
+def planned_text(key: str, v: Any) -> str:
+    """The planned side of a diff row: the value, or why there is none (``computed at launch``)."""
     if v is None:
-        return "(checked at launch)" if planned else "-"
+        return PLANNED_AT_LAUNCH.get(key, "unknown")
+    return str(v)
+
+
+def _show(v: Any, planned: bool = False, key: str = "") -> str:
+    if v is None:
+        return f"({planned_text(key, v)})" if planned else "-"
     return str(v)
 
 
@@ -911,6 +1189,9 @@ def resume_diff(run_dir: Path, *, world_size: int = 1, workers: int | None = Non
                "batch_size": cfg.data.batch_size, "grad_accum": cfg.train.grad_accum,
                "code_version": current_code_version(), "torch_version": _installed_torch_version(),
                "data_fingerprint": None}
+    if recorded.get("data_fingerprint") is not None:
+        notes.append("the planned data fingerprint is computed when the launch loads the data; "
+                     "the resume warns if it differs from the recorded one")
     plan = None
     if cand.resumable:
         plan = plan_resume(manifest, world_size=world_size, workers_per_rank=cfg.data.num_workers,

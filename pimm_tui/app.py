@@ -1,7 +1,14 @@
-"""The console application: one run directory, polled by a worker thread once a second."""
+"""The console application: one run directory, polled by a worker thread once a second.
+
+The views (:mod:`pimm_tui.views`) do not import this module: they get snapshots through
+``show()`` and ask for tab changes and re-reads with messages (``OpenView``, ``RefreshRun``).
+"""
 
 from __future__ import annotations
 
+import os
+import tempfile
+import traceback
 from pathlib import Path
 
 from textual import on, work
@@ -14,7 +21,7 @@ from pimm_core.runview import RunReader, RunSnapshot
 from pimm_core.stop import write_stop_file
 
 from .screens import ConfirmStop
-from .views import CheckpointsView, ExportView, LiveView, TopologyView, _error_line
+from .views import CheckpointsView, ExportView, LiveView, OpenView, RefreshRun, TopologyView, _error_line
 from .widgets import RunBar
 
 TABS = ("live", "checkpoints", "topology", "export")
@@ -48,6 +55,11 @@ class PimmConsole(App[None]):
         Binding("s", "stop", "Stop run"),
         Binding("r", "refresh", "Refresh"),
         Binding("p", "toggle_plot", "Loss/LR"),
+        Binding("l", "toggle_log", "Log/lin"),
+        # The Checkpoints view's keys, here so that they work wherever the focus is on that tab.
+        Binding("v", "checkpoint('verify')", "Verify"),
+        Binding("e", "checkpoint('export')", "Export"),
+        Binding("t", "checkpoint('topology')", "Topology"),
         Binding("1", "tab('live')", "Live", show=False),
         Binding("2", "tab('checkpoints')", "Checkpoints", show=False),
         Binding("3", "tab('topology')", "Topology", show=False),
@@ -66,8 +78,10 @@ class PimmConsole(App[None]):
         self._reader = RunReader(self.run_dir)
         self._polling = False
         self._force_next = False
-        self._stoppable: bool | None = None
+        self._stop_label: str | None = None
         self.stop_sent_at: float | None = None
+        self.crash: BaseException | None = None  # the error that ended the app (pimm tui exits 1)
+        self.crash_log: Path | None = None  # its traceback
 
     # ---------------------------------------------------------------- layout
     def compose(self) -> ComposeResult:
@@ -85,6 +99,7 @@ class PimmConsole(App[None]):
 
     def on_mount(self) -> None:
         self.sub_title = str(self.run_dir)
+        self._update_stop_binding()
         self.set_interval(self.refresh_s, self.poll)
         self.poll()
 
@@ -127,24 +142,60 @@ class PimmConsole(App[None]):
                 self.query_one(RunBar).show(snap, f"display error: {_error_line(e)}")
             except Exception:
                 return
-        stoppable = self.can_stop()
-        if stoppable != self._stoppable:
-            self._stoppable = stoppable
-            self.refresh_bindings()
+        self._update_stop_binding()
+        if snap is not None and isinstance(self.screen, ConfirmStop):
+            self.screen.set_step(snap.step)  # the question shows the step the run is at now
         if self._force_next:
             self._force_next = False
             self.poll(force=True)
 
     # --------------------------------------------------------------- actions
     def can_stop(self) -> bool:
+        return self.stop_unavailable() is None
+
+    def stop_unavailable(self) -> str | None:
+        """Why the stop key does nothing now (shown in the footer), or None when it works."""
         s = self.snapshot
-        return bool(s is not None and s.status.stoppable and s.status.stop_request is None)
+        if s is None:
+            return "reading the run"
+        st = s.status
+        if st.stoppable:
+            return "requested" if st.stop_request is not None else None
+        if st.state in ("finished", "stopped", "failed"):
+            return f"run {st.state}"
+        if st.pid_alive is False:
+            return "process gone"
+        if st.stale:
+            return "no heartbeat"
+        if st.state == "stopping" or st.stop_request is not None:
+            return "already stopping"
+        if st.state is None:
+            return "no status.json"
+        return f"run {st.display_state}"
+
+    def _update_stop_binding(self) -> None:
+        why = self.stop_unavailable()
+        label = "Stop run" if why is None else f"Stop: {why}"
+        if label != self._stop_label:
+            self._stop_label = label
+            self._bindings.key_to_bindings["s"] = [Binding("s", "stop", label)]
+            self.refresh_bindings()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop":
             return True if self.can_stop() else None  # None: shown, but disabled
         if action == "focus_tabs":  # shown only while typing in a field (the other keys type there)
             return isinstance(self.focused, Input)
+        if action == "checkpoint":  # shown on the Checkpoints tab only
+            try:
+                return self.query_one(TabbedContent).active == "checkpoints"
+            except Exception:
+                return False
+        if action == "toggle_log":
+            try:
+                return self.query_one(TabbedContent).active == "live"
+            except Exception:
+                return True
         if action == "toggle_plot":  # narrow terminals show one plot at a time
             try:
                 return self.query_one(TabbedContent).active == "live" and not self.screen.has_class("-wide")
@@ -202,6 +253,23 @@ class PimmConsole(App[None]):
     def action_toggle_plot(self) -> None:
         self.query_one(LiveView).toggle_class("-show-lr")
 
+    def action_checkpoint(self, what: str) -> None:
+        view = self.query_one(CheckpointsView)
+        {"verify": view.action_verify, "export": view.action_export, "topology": view.action_topology}[what]()
+
+    def action_toggle_log(self) -> None:
+        log = self.query_one(LiveView).toggle_log()
+        self.notify(f"loss plot: {'log' if log else 'linear'} y axis", timeout=2)
+
+    def on_open_view(self, message: OpenView) -> None:
+        if message.tab == "export":
+            self.open_export(message.name)
+        elif message.tab == "topology":
+            self.open_topology(message.name)
+
+    def on_refresh_run(self, message: RefreshRun) -> None:
+        self.poll(force=True)
+
     @on(TabbedContent.TabActivated)
     def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
         if event.pane is not None and event.pane.id == "checkpoints":
@@ -217,6 +285,34 @@ class PimmConsole(App[None]):
     def open_topology(self, name: str) -> None:
         self.query_one(TabbedContent).active = "topology"
         self.query_one(TopologyView).select(name)
+
+    # ---------------------------------------------------------------- errors
+    def _handle_exception(self, error: Exception) -> None:
+        """An error nothing caught ends the console: keep it for ``pimm tui``'s one-line
+        report and exit status 1, and its traceback in a file (not on the terminal)."""
+        if self.crash is None:
+            self.crash = error
+            try:
+                fd, name = tempfile.mkstemp(prefix="pimm-tui-crash-", suffix=".log")
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(f"pimm tui {self.run_dir}\n")
+                    f.write("".join(traceback.format_exception(error)))
+                self.crash_log = Path(name)
+            except OSError:
+                self.crash_log = None
+        super()._handle_exception(error)
+
+    def _print_error_renderables(self) -> None:
+        if self.crash is not None:  # pimm tui prints one `error:` line instead of the traceback
+            self._exit_renderables.clear()
+            return
+        super()._print_error_renderables()
+
+    def crash_message(self) -> str:
+        """One line about the error that ended the console."""
+        what = _error_line(self.crash) if self.crash is not None else f"exit status {self.return_code}"
+        where = f" (traceback in {self.crash_log})" if self.crash_log else ""
+        return f"the console stopped on an error: {what}{where}"
 
 
 def build_app(run_dir: str | Path, *, refresh_s: float = 1.0) -> PimmConsole:

@@ -22,10 +22,20 @@ class ConfirmStop(ModalScreen[bool]):
         self.run_name = run_name
         self.step = step
 
-    def compose(self) -> ComposeResult:
+    def _title(self) -> str:
         at = f" (now at step {self.step})" if self.step is not None else ""
+        return f"Stop {self.run_name}{at}?"
+
+    def set_step(self, step: int | None) -> None:
+        """The run's current step (the console calls this on every read while the question is open)."""
+        if step is not None and step != self.step:
+            self.step = step
+            if self.is_mounted:
+                self.query_one("#confirm-title", Static).update(self._title())
+
+    def compose(self) -> ComposeResult:
         with Vertical(id="confirm-box"):
-            yield Static(f"Stop {self.run_name}{at}?", id="confirm-title")
+            yield Static(self._title(), id="confirm-title")
             yield Static("The trainer finishes the current accumulation window, saves model/last, "
                          "and exits; resume later with --train.resume.", id="confirm-text")
             with Horizontal(id="confirm-buttons"):

@@ -7,29 +7,62 @@ diff, export) runs in thread workers; nothing here reads files on the event loop
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.table import Table
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
-from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from textual.widget import Widget
 from textual.widgets import Button, Checkbox, DataTable, Input, Label, ProgressBar, RichLog, Select, Static
 from textual.worker import get_current_worker
 
 from pimm_core.checkpoint.selection import Candidate
 from pimm_core.errors import PimmError
-from pimm_core.runview import DIFF_ROWS, RunSnapshot, candidate_age, human_duration, resume_diff, verify_candidate
+from pimm_core.runview import (DIFF_ROWS, RunSnapshot, VerifyResult, candidate_age, candidate_identity, human_duration,
+                                planned_text, resume_diff, verify_checkpoint)
 
 from .widgets import MetricPlot, fmt_age, fmt_num, fmt_rate, fmt_size
 
-if TYPE_CHECKING:
-    from .app import PimmConsole
+#: Views narrower than this drop the Checkpoints table's format and epoch columns (the detail line shows them).
+WIDE_TABLE = 100
+
+
+class OpenView(Message):
+    """A view asks the console to show another view for checkpoint ``name`` (``export``, ``topology``).
+
+    The views never import the app: they post this and the app switches tabs.
+    """
+
+    def __init__(self, tab: str, name: str) -> None:
+        super().__init__()
+        self.tab = tab
+        self.name = name
+
+
+class RefreshRun(Message):
+    """A view saw the run change under it (a checkpoint was replaced): read it again now."""
+
+
+def _visible(widget: Widget) -> bool:
+    """The widget is on the active tab (its result can be read where it is, without a toast)."""
+    node: Any = widget
+    while node is not None and isinstance(node, Widget):
+        if not node.display:
+            return False
+        node = node.parent
+    return True
+
+
+def _bad(v: Any) -> bool:
+    return isinstance(v, float) and not math.isfinite(v)
 
 # "2026-11-29 12:11:37,807 INFO msg" -> "12:11:37 msg" (other levels are kept: they matter).
 _LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d (\d\d:\d\d:\d\d)(?:,\d+)? (?:INFO )?")
@@ -55,8 +88,8 @@ class LiveView(Vertical):
             yield Static("", id="progress-text")
         yield Static("", id="stats")
         with Horizontal(id="plots"):
-            yield MetricPlot("loss (train) vs step", "cyan", id="loss-plot")
-            yield MetricPlot("learning rate vs step", "magenta", id="lr-plot")
+            yield MetricPlot("loss (train) vs global step", "cyan", log_y=True, id="loss-plot")
+            yield MetricPlot("learning rate vs global step", "magenta", id="lr-plot")
         yield RichLog(id="log", max_lines=300, wrap=True, markup=False, highlight=False, min_width=20)
 
     def on_mount(self) -> None:
@@ -85,7 +118,8 @@ class LiveView(Vertical):
         tr = snap.last_train
         if tr:
             t.append("train ", style="bold")
-            t.append(f"loss {fmt_num(tr.get('loss'))}  lr {fmt_num(tr.get('lr'))}")
+            t.append(f"loss {fmt_num(tr.get('loss'))}", style="bold red" if _bad(tr.get("loss")) else "")
+            t.append(f"  lr {fmt_num(tr.get('lr'))}", style="bold red" if _bad(tr.get("lr")) else "")
             if snap.samples_per_s is not None:
                 t.append(f"  {fmt_rate(snap.samples_per_s)} samples/s")
             if snap.steps_per_s is not None and snap.status.live:
@@ -96,8 +130,9 @@ class LiveView(Vertical):
         if snap.last_val:
             v = snap.last_val
             t.append("\neval ", style="bold")
-            t.append(f"epoch {v.get('epoch', '?')} step {v.get('step', '?')}: "
-                     f"loss {fmt_num(v.get('loss'))} acc {fmt_num(v.get('acc'))}")
+            t.append(f"epoch {v.get('epoch', '?')} step {v.get('step', '?')}: ")
+            t.append(f"loss {fmt_num(v.get('loss'))}", style="bold red" if _bad(v.get("loss")) else "")
+            t.append(f" acc {fmt_num(v.get('acc'))}", style="bold red" if _bad(v.get("acc")) else "")
             if snap.best_val:
                 b = snap.best_val
                 t.append("  best ", style="bold")
@@ -108,8 +143,11 @@ class LiveView(Vertical):
 
         if snap.metrics_version != self._metrics_version:
             self._metrics_version = snap.metrics_version
-            self.query_one("#loss-plot", MetricPlot).set_data(*snap.loss)
-            self.query_one("#lr-plot", MetricPlot).set_data(*snap.lr)
+            last = snap.last_train or {}
+            self.query_one("#loss-plot", MetricPlot).set_data(*snap.loss, nonfinite=snap.nonfinite_of("loss"),
+                                                              latest=last.get("loss"))
+            self.query_one("#lr-plot", MetricPlot).set_data(*snap.lr, nonfinite=snap.nonfinite_of("lr"),
+                                                            latest=last.get("lr"))
         if snap.log_version != self._log_version:
             self._log_version = snap.log_version
             log = self.query_one("#log", RichLog)
@@ -117,18 +155,31 @@ class LiveView(Vertical):
             for line in snap.log_lines[-60:]:
                 log.write(_LOG_PREFIX.sub(r"\1 ", line))
 
+    def toggle_log(self) -> bool:
+        """Switch the loss plot between a log and a linear y axis; returns True for log."""
+        plot = self.query_one("#loss-plot", MetricPlot)
+        plot.set_log(not plot.log_y)
+        return plot.log_y
+
 
 # ------------------------------------------------------------ checkpoints
+def _problem_kind(problem: str) -> str:
+    for word in ("sha256", "missing", "size", "incomplete"):
+        if word in problem:
+            return word
+    return "see below"
+
+
 class CheckpointsView(Vertical):
-    """Every candidate in model/, which one resume picks; verify / export / topology actions."""
+    """Every candidate in model/, which one resume picks; verify / export / topology actions.
 
-    BINDINGS = [
-        Binding("v", "verify", "Verify"),
-        Binding("e", "export", "Export"),
-        Binding("t", "topology", "Topology"),
-    ]
+    A verify result belongs to the checkpoint generation that was hashed
+    (:func:`~pimm_core.runview.candidate_identity`: name, manifest created time, step), not
+    to the row name: when ``last`` is replaced by a newer save, its row shows the newer
+    checkpoint unverified, and the older one's result is kept for it.
+    """
 
-    app: "PimmConsole"
+    # Its keys (v, e, t) are the console's, shown while this tab is active.
 
     def compose(self) -> ComposeResult:
         yield DataTable(id="ckpt-table", cursor_type="row", zebra_stripes=True)
@@ -136,36 +187,73 @@ class CheckpointsView(Vertical):
 
     def on_mount(self) -> None:
         self._key: Any = None
+        self._layout: tuple[str, bool] | None = None
         self._metric: str | None = None
         self._cands: dict[str, Candidate] = {}
+        self._ids: dict[str, tuple[Any, ...]] = {}
         self._chosen: str | None = None
-        self._verified: dict[str, tuple[str, list[str]]] = {}  # name -> (state, problems)
+        self._live = False
+        self._running: set[tuple[Any, ...]] = set()
+        self.results: dict[tuple[Any, ...], VerifyResult] = {}  # identity -> the result of that generation
         self._drawn_at = 0.0
+        self.detail_text = ""
+
+    @property
+    def wide(self) -> bool:
+        return (self.size.width or 80) >= WIDE_TABLE
 
     def _columns(self, metric: str) -> None:
         table = self.query_one(DataTable)
         table.clear(columns=True)
-        for label, key in (("", "mark"), ("name", "name"), ("format", "format"), ("step", "step"),
-                           ("epoch", "epoch"), (metric, "metric"), ("size", "size"), ("age", "age"),
-                           ("status", "status")):
+        cols: list[tuple[str, str]] = [("", "mark"), ("name", "name")]
+        if self.wide:
+            cols.append(("format", "format"))
+        cols.append(("step", "step"))
+        if self.wide:
+            cols.append(("epoch", "epoch"))
+        cols += [(metric, "metric"), ("size", "size"), ("age", "age"), ("status", "status")]
+        for label, key in cols:
             table.add_column(label, key=key)
         self._metric = metric
+        self._layout = (metric, self.wide)
+
+    def on_resize(self) -> None:
+        if self._layout is not None and self._layout[1] != self.wide and self._metric is not None:
+            self._columns(self._metric)
+            self._draw()
+
+    def result_for(self, name: str) -> VerifyResult | None:
+        """The verify result of the generation row ``name`` shows now (None: not verified)."""
+        ident = self._ids.get(name)
+        return self.results.get(ident) if ident is not None else None
+
+    def _earlier_result(self, name: str) -> VerifyResult | None:
+        """The newest result for an earlier generation of ``name`` (replaced since)."""
+        ident = self._ids.get(name)
+        older = [r for i, r in self.results.items() if r.name == name and i != ident and r.outcome != "changed"]
+        return older[-1] if older else None
 
     def _status_cell(self, c: Candidate) -> Text:
-        v = self._verified.get(c.name)
-        if v is not None:
-            state, problems = v
-            if state == "running":
-                return Text("verifying…", style="yellow")
-            if not problems:
+        ident = self._ids.get(c.name)
+        if ident in self._running:
+            return Text("verifying…", style="yellow")
+        r = self.results.get(ident) if ident is not None else None
+        if r is not None:
+            if r.outcome == "ok":
                 return Text("verified ✓", style="bold green")
-            return Text(f"FAILED: {problems[0]}", style="bold red")
+            if r.outcome == "changed":
+                return Text("changed: v again", style="yellow")
+            return Text(f"FAILED: {_problem_kind(r.problems[0]) if r.problems else '?'}", style="bold red")
+        if c.kind == "tmp":  # while the trainer runs, a save in progress
+            return Text("being written", style="yellow") if self._live else Text("leftover", style="red")
+        if c.verify_problems:  # resume's own selection pass found a mismatch
+            return Text(f"corrupt: {_problem_kind(c.verify_problems[0])}", style="bold red")
         if c.complete:
             return Text("complete", style="green")
-        return Text(c.reason or "incomplete", style="red")
+        return Text("incomplete", style="red")
 
     def show(self, snap: RunSnapshot, force: bool = False) -> None:
-        if snap.metric != self._metric:
+        if snap.metric != self._metric or self._layout is None:
             self._columns(snap.metric)
             self._key = None
         now = time.time()
@@ -173,7 +261,11 @@ class CheckpointsView(Vertical):
             return
         self._key, self._drawn_at = snap.candidates_key, now
         self._cands = {c.name: c for c in snap.candidates}
+        ids = snap.candidate_ids if len(snap.candidate_ids) == len(snap.candidates) else \
+            tuple(candidate_identity(c) for c in snap.candidates)
+        self._ids = {c.name: i for c, i in zip(snap.candidates, ids)}
         self._chosen = snap.chosen
+        self._live = snap.status.live
         self._draw(snap.metric)
 
     def _draw(self, metric: str | None = None) -> None:
@@ -187,9 +279,15 @@ class CheckpointsView(Vertical):
             if value is None and c.manifest and isinstance(c.manifest.get("selection_metric"), dict):
                 sm = c.manifest["selection_metric"]
                 value = sm.get("value") if sm.get("name") == metric else None
-            table.add_row(mark, c.name, c.format, "-" if c.step is None else str(c.step),
-                          "-" if c.epoch is None else str(c.epoch), fmt_num(value), fmt_size(c.size),
-                          fmt_age(candidate_age(c)), self._status_cell(c), key=c.name)
+            cells: list[Any] = [mark, c.name]
+            if self.wide:
+                cells.append(c.format)
+            cells.append("-" if c.step is None else str(c.step))
+            if self.wide:
+                cells.append("-" if c.epoch is None else str(c.epoch))
+            cells += [Text(fmt_num(value), style="bold red" if _bad(value) else ""), fmt_size(c.size),
+                      fmt_age(candidate_age(c)), self._status_cell(c)]
+            table.add_row(*cells, key=c.name)
         names = list(self._cands)
         if current is not None and current.name in names:
             table.move_cursor(row=names.index(current.name), animate=False)
@@ -221,68 +319,98 @@ class CheckpointsView(Vertical):
             c = self.highlighted()
             if c is not None:
                 out.append(f"\n{c.name}: ", style="bold")
-                v = self._verified.get(c.name)
-                if v is not None and v[0] == "done":
-                    if v[1]:
-                        out.append("verify FAILED: " + "; ".join(v[1]), style="bold red")
-                    else:
-                        out.append("verified: every file matches its manifest size and sha256", style="green")
+                where = [c.format]
+                if c.step is not None:
+                    where.append(f"step {c.step}")
+                if c.epoch is not None:
+                    where.append(f"epoch {c.epoch}" + (f" iter {c.iter}" if c.iter is not None else ""))
+                out.append(", ".join(where) + "; ", style="dim")
+                ident = self._ids.get(c.name)
+                r = self.results.get(ident) if ident is not None else None
+                if ident in self._running:
+                    out.append("verifying sizes and sha256 against its manifest…", style="yellow")
+                elif r is not None and r.outcome == "ok":
+                    out.append("verified: every file matches its manifest size and sha256", style="green")
+                elif r is not None and r.outcome == "changed":
+                    out.append("; ".join(r.problems), style="yellow")
+                elif r is not None:
+                    out.append("verify FAILED: " + "; ".join(r.problems), style="bold red")
+                elif c.verify_problems:
+                    out.append("does not match its manifest: " + "; ".join(c.verify_problems), style="bold red")
+                elif c.kind == "tmp" and self._live:
+                    out.append("a save in progress (the running trainer renames it into place when complete)",
+                               style="yellow")
                 elif c.reason:
                     out.append(c.reason, style="red")
                 elif not c.resumable and c.kind != "tmp":
                     out.append("weights only: export or warm-start it; it cannot resume a run", style="dim")
                 else:
                     out.append("complete; resumable", style="green")
+                old = self._earlier_result(c.name) if r is None else None
+                if old is not None:
+                    verdict = "verified ✓" if old.ok else "FAILED: " + "; ".join(old.problems)
+                    out.append(f"\nthe earlier {c.name} (step {old.step}, replaced since): {verdict}", style="dim")
                 out.append(f"\n{c.path}", style="dim")
+        self.detail_text = out.plain
         self.query_one("#ckpt-detail", Static).update(out)
 
     def action_verify(self) -> None:
         c = self.highlighted()
         if c is None:
-            self.app.notify("no checkpoint highlighted", severity="warning")
+            self.notify("no checkpoint highlighted", severity="warning")
             return
-        if self._verified.get(c.name, ("",))[0] == "running":
+        ident = self._ids.get(c.name) or candidate_identity(c)
+        if ident in self._running:
             return
-        self._verified[c.name] = ("running", [])
+        self._running.add(ident)
+        self.results.pop(ident, None)
         self._draw()
-        self._verify(c)
+        self._verify(Path(c.path).parent, c.name, ident)
 
     @work(thread=True, group="verify")
-    def _verify(self, c: Candidate) -> None:
+    def _verify(self, model_dir: Path, name: str, ident: tuple[Any, ...]) -> None:
         try:
-            problems = verify_candidate(c)
+            result = verify_checkpoint(model_dir, name)
         except Exception as e:  # unreadable files: report, never crash
-            problems = [_error_line(e)]
-        self.app.call_from_thread(self._verified_done, c, problems)
+            result = VerifyResult(name, ident, None, "failed", [_error_line(e)])
+        self.app.call_from_thread(self._verified_done, ident, result)
 
-    def _verified_done(self, c: Candidate, problems: list[str]) -> None:
-        self._verified[c.name] = ("done", problems)
-        if problems:
-            self.app.notify(f"{c.name}: {'; '.join(problems)}", title="verify failed", severity="error")
-        else:
-            self.app.notify(f"{c.name}: every file matches its manifest", title="verified")
+    def _verified_done(self, ident: tuple[Any, ...], r: VerifyResult) -> None:
+        self._running.discard(ident)
+        self.results[r.identity] = r
+        if r.identity != ident:
+            # The row showed a generation that a save replaced before it was read: the result
+            # is the newer one's; say so on the old row and read the run again.
+            step = "?" if r.step is None else r.step
+            self.results[ident] = VerifyResult(r.name, ident, None, "changed",
+                                               [f"replaced by a newer {r.name} (step {step}) before it was "
+                                                "checked; its result is shown on its row"])
+            self.post_message(RefreshRun())
+        if not _visible(self):  # shown in the row and the detail line; a toast only when they are hidden
+            if r.outcome == "ok":
+                self.notify(f"{r.name} (step {r.step}): every file matches its manifest", title="verified")
+            elif r.outcome == "failed":
+                self.notify(f"{r.name}: {'; '.join(r.problems)}", title="verify failed", severity="error")
         self._draw()
 
     def action_export(self) -> None:
         c = self.highlighted()
         if c is None:
-            self.app.notify("no checkpoint highlighted", severity="warning")
+            self.notify("no checkpoint highlighted", severity="warning")
             return
-        self.app.open_export(c.name)
+        self.post_message(OpenView("export", c.name))
 
     def action_topology(self) -> None:
         c = self.highlighted()
         if c is None:
-            self.app.notify("no checkpoint highlighted", severity="warning")
+            self.notify("no checkpoint highlighted", severity="warning")
             return
-        self.app.open_topology(c.name)
+        self.post_message(OpenView("topology", c.name))
 
 
 # --------------------------------------------------------------- topology
 class TopologyView(Vertical):
     """Recorded vs. planned (world size, workers, config, versions) and the resume-policy row."""
-
-    app: "PimmConsole"
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="plan-inputs"):
@@ -296,6 +424,7 @@ class TopologyView(Vertical):
             yield Static("", id="topo-out")
 
     def on_mount(self) -> None:
+        self.run_dir: Path | None = None  # from the first snapshot
         self.candidate: str | None = None  # None: what resume would pick
         self._workers_edited = False
         self._timer = None
@@ -303,6 +432,7 @@ class TopologyView(Vertical):
         self.result_text = ""
 
     def show(self, snap: RunSnapshot) -> None:
+        self.run_dir = snap.run_dir
         if not self._workers_edited and snap.config:
             workers = (snap.config.get("data") or {}).get("num_workers")
             box = self.query_one("#plan-workers", Input)
@@ -340,16 +470,19 @@ class TopologyView(Vertical):
         return ws, workers, overrides
 
     def recompute(self) -> None:
+        if self.run_dir is None:  # before the first read of the run
+            return
         args = self.plan_args()
         if isinstance(args, str):
             self._render_error(args)
             return
-        self._compute(*args, self.candidate)
+        self._compute(self.run_dir, *args, self.candidate)
 
     @work(thread=True, exclusive=True, group="topology")
-    def _compute(self, ws: int, workers: int | None, overrides: list[str], candidate: str | None) -> None:
+    def _compute(self, run_dir: Path, ws: int, workers: int | None, overrides: list[str],
+                 candidate: str | None) -> None:
         try:
-            diff = resume_diff(self.app.run_dir, world_size=ws, workers=workers, overrides=overrides,
+            diff = resume_diff(run_dir, world_size=ws, workers=workers, overrides=overrides,
                                candidate=candidate)
             result: Any = diff
         except Exception as e:  # PimmError (bad override, no checkpoint) and anything unexpected
@@ -383,7 +516,8 @@ class TopologyView(Vertical):
         for key, label in DIFF_ROWS:
             a, b = d.recorded.get(key), d.planned.get(key)
             changed = a is not None and b is not None and a != b
-            table.add_row(label, "-" if a is None else str(a), "checked at launch" if b is None else str(b),
+            table.add_row(label, "-" if a is None else str(a),
+                          Text(planned_text(key, b), style="dim") if b is None else str(b),
                           Text("changed", style="bold yellow") if changed else "")
         out.add_row(table)
         diff = Text()
@@ -423,8 +557,6 @@ class TopologyView(Vertical):
 class ExportView(Vertical):
     """A form that exports one weight set of a checkpoint with pimm_core's export()."""
 
-    app: "PimmConsole"
-
     def compose(self) -> ComposeResult:
         with Horizontal(classes="form-row"):
             yield Label("checkpoint", classes="form-label")
@@ -450,6 +582,7 @@ class ExportView(Vertical):
         yield Static("", id="exp-result")
 
     def on_mount(self) -> None:
+        self.run_dir: Path | None = None  # from the first snapshot
         self._names: list[str] = []
         self._dest_auto = True
         self.running = False
@@ -458,6 +591,7 @@ class ExportView(Vertical):
         self.query_one("#exp-progress", ProgressBar).display = False
 
     def show(self, snap: RunSnapshot) -> None:
+        self.run_dir = snap.run_dir
         names = [c.name for c in snap.candidates if c.complete and c.kind != "tmp"]
         if names == self._names:
             return
@@ -478,7 +612,7 @@ class ExportView(Vertical):
         if name in self._names:
             sel.value = name
         else:
-            self.app.notify(f"{name} is not a complete checkpoint; it cannot be exported", severity="warning")
+            self.notify(f"{name} is not a complete checkpoint; it cannot be exported", severity="warning")
         self._default_dest()
 
     def _default_dest(self) -> None:
@@ -486,12 +620,12 @@ class ExportView(Vertical):
             return
         sel = self.query_one("#exp-cand", Select)
         weights = self.query_one("#exp-weights", Select).value
-        if sel.value is Select.NULL:
+        if sel.value is Select.NULL or self.run_dir is None:
             return
         stem = str(sel.value).removesuffix(".pth")
         box = self.query_one("#exp-dest", Input)
         with box.prevent(Input.Changed):
-            box.value = str(self.app.run_dir / "export" / f"{stem}-{weights}")
+            box.value = str(self.run_dir / "export" / f"{stem}-{weights}")
 
     @on(Select.Changed)
     def _select_changed(self) -> None:
@@ -507,7 +641,10 @@ class ExportView(Vertical):
 
     def start_export(self) -> bool:
         if self.running:
-            self.app.notify("an export is already running", severity="warning")
+            self.notify("an export is already running", severity="warning")
+            return False
+        if self.run_dir is None:
+            self._result(Text("the run has not been read yet", style="bold red"))
             return False
         sel = self.query_one("#exp-cand", Select)
         if sel.value is Select.NULL:
@@ -529,7 +666,7 @@ class ExportView(Vertical):
         self.query_one("#exp-go", Button).disabled = True
         self.query_one("#exp-progress", ProgressBar).display = True
         self._result(Text(f"exporting {name} ({weights}, {fmt}) to {dest_path}…", style="yellow"))
-        self._export(name, weights, fmt, dest_path, force)
+        self._export(self.run_dir, name, weights, fmt, dest_path, force)
         return True
 
     def _result(self, text: Text) -> None:
@@ -539,9 +676,9 @@ class ExportView(Vertical):
         self._result(Text(message, style="yellow"))
 
     @work(thread=True, group="export")
-    def _export(self, name: str, weights: str, fmt: str, dest: Path, force: bool) -> None:
+    def _export(self, run_dir: Path, name: str, weights: str, fmt: str, dest: Path, force: bool) -> None:
         start = time.perf_counter()
-        source = Path(self.app.run_dir) / "model" / name
+        source = Path(run_dir) / "model" / name
         try:
             self.app.call_from_thread(self._progress, f"loading torch to read {name}…")
             import json
@@ -549,7 +686,7 @@ class ExportView(Vertical):
             from pimm_core.checkpoint.export import EXPORT_JSON, export
 
             self.app.call_from_thread(self._progress, f"exporting {name} ({weights} weights, {fmt}) to {dest}…")
-            out = export(str(source), dest, weights=weights, fmt=fmt, run_dir=Path(self.app.run_dir), force=force)
+            out = export(str(source), dest, weights=weights, fmt=fmt, run_dir=Path(run_dir), force=force)
             record = json.loads((out / EXPORT_JSON).read_text(encoding="utf-8"))
             self.app.call_from_thread(self._done, record, None, time.perf_counter() - start, out)
         except BaseException as e:  # noqa: BLE001 - shown to the operator, never raised into the UI
@@ -564,7 +701,8 @@ class ExportView(Vertical):
             t = Text("export failed: ", style="bold red")
             t.append(error, style="red")
             self._result(t)
-            self.app.notify(error, title="export failed", severity="error")
+            if not _visible(self):  # the result line says it; a toast only when it is hidden
+                self.notify(error, title="export failed", severity="error")
             return
         assert record is not None
         self.last_result = record
@@ -575,4 +713,5 @@ class ExportView(Vertical):
         t.append(f"to {dest}: {', '.join(files)}\n")
         t.append(f"sha256 {record.get('sha256', '')[:16]}…", style="dim")
         self._result(t)
-        self.app.notify(f"{dest}", title="exported")
+        if not _visible(self):
+            self.notify(f"{dest}", title="exported")

@@ -140,3 +140,48 @@ def test_scripting_commands_do_not_import_torch(run):
         result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True,
                                 text=True, timeout=60)
         assert result.stdout.strip().splitlines()[-1] == "False", (command, describe(result))
+
+
+def _ls(*args, columns: int):
+    env = {**clean_env(), "COLUMNS": str(columns)}
+    return subprocess.run([sys.executable, "-m", "pimm_core.cli", "checkpoints", "ls", *map(str, args)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_ls_at_80_columns_shows_whole_names(copy):
+    import shutil
+
+    model = copy / "model"
+    shutil.copytree(model / "last", model / "last.prev")
+    (model / "last.prev" / ".complete").unlink()  # a long status: incomplete: missing .complete
+    (model / ".iter_100000.pth.123456.tmp").write_bytes(b"partial")
+    result = _ls(copy, columns=80)
+    assert result.returncode == 0, describe(result)
+    lines = result.stdout.splitlines()
+    names = [c["name"] for c in ls_json(copy)["candidates"]]
+    assert ".iter_100000.pth.123456.tmp" in names and "last.prev" in names
+    for name in names:  # every name whole, as a word of its row
+        assert any(name in line.split() for line in lines), (name, result.stdout)
+    assert "…" not in result.stdout and all(len(line) <= 80 for line in lines), result.stdout
+    assert "incomplete: missing .complete" in result.stdout
+    assert "temporary leftover of an interrupted save" in " ".join(" ".join(lines).split())
+    assert lines[-1] == "resume would select: last"
+    wide = _ls(copy, columns=140)
+    assert wide.returncode == 0 and "…" not in wide.stdout
+    assert all(any(name in line for line in wide.stdout.splitlines()) for name in names)
+
+
+@pytest.mark.parametrize("what", ["empty", "not-a-run", "a-file"])
+def test_ls_on_something_that_is_not_a_run_is_a_usage_error(tmp_path, what):
+    path = tmp_path / "x"
+    if what == "a-file":
+        path.write_text("hi")
+    else:
+        path.mkdir()
+        if what == "not-a-run":
+            (path / "notes.txt").write_text("hi")
+            (path / "sub").mkdir()
+    result = _ls(path, columns=80)
+    assert result.returncode == 2, describe(result)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and result.stdout == "", describe(result)

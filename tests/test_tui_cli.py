@@ -63,6 +63,9 @@ def test_checkpoints_diff(run: Path) -> None:
     assert "resume would pick this" in r.stdout
     assert "policy: same world size, per-rank micro-batch, accumulation window and per-rank workers" in r.stdout
     assert "replay boundary: none" in r.stdout
+    fingerprint = next(line for line in r.stdout.splitlines() if line.startswith("data fingerprint"))
+    assert fingerprint.endswith("(computed at launch)"), fingerprint
+    assert "the planned data fingerprint is computed when the launch loads the data" in r.stdout
 
     r = pimm("checkpoints", "diff", run, "--nproc-per-node", "2", "--json", "--", "data.num_workers=2")
     assert r.returncode == 0, describe(r)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -10,7 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from pimm_core.runview import LogTail, MetricsTail, RunReader, Series, is_run_dir, read_status
+from pimm_core.runview import (LogTail, MetricsTail, RunReader, Series, candidate_identity, find_candidate, is_run_dir,
+                               read_status, verify_checkpoint)
+from tui_support import rotate
 
 
 def _rec(step: int, split: str = "train", **kw: float) -> bytes:
@@ -140,3 +143,120 @@ def test_run_reader_on_a_half_created_run(tmp_path: Path) -> None:
     assert any("no status.json" in p for p in snap.problems)
     (run / "config.toml").write_text("[eval\n")
     assert any("config.toml is unreadable" in p for p in RunReader(run).poll().problems)
+
+
+# ------------------------------------------------------------ non-finite values
+def test_metrics_tail_keeps_nonfinite_values_out_of_the_plot_and_says_where(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    lines = [_rec(s) for s in range(1, 6)]
+    lines.append(_rec(6, loss=float("inf")))  # Python's json writes Infinity / NaN / -Infinity
+    lines.append(_rec(7, loss=float("nan"), lr=float("-inf")))
+    lines.append(_rec(7, "val", loss=float("nan"), acc=0.1))
+    path.write_bytes(b"".join(lines))
+    assert b'"loss": Infinity' in path.read_bytes() and b'"lr": -Infinity' in path.read_bytes()
+    tail = MetricsTail(path)
+    tail.poll()
+    xs, ys = tail.loss.points()
+    assert xs == [1, 2, 3, 4, 5] and all(math.isfinite(y) for y in ys)
+    loss, lr, val = tail.nonfinite["loss"], tail.nonfinite["lr"], tail.nonfinite["val/loss"]
+    assert (loss.first_step, loss.last_step, loss.count, loss.recovered) == (6, 7, 2, False)
+    assert loss.note() == "loss not finite from step 6 (NaN at step 7)"
+    assert lr.note() == "lr not finite from step 7 (-inf)"
+    assert val.note() == "val/loss not finite from step 7 (NaN)"
+    assert tail.best_val("val/loss", "min") is None  # NaN is never best
+    assert tail.best_val("val/acc", "max")["step"] == 7
+    # Finite again (an AMP step skipped on an inf loss): the note says so.
+    with open(path, "ab") as f:
+        f.write(_rec(8) + _rec(9))
+    tail.poll()
+    assert tail.nonfinite["loss"].note() == "loss was not finite at steps 6-7 (2 values); finite again from step 8"
+    assert tail.loss.points()[0][-2:] == [8, 9]
+
+
+def test_run_reader_with_nonfinite_status_and_metrics(tmp_path: Path) -> None:
+    run = tmp_path / "r"
+    _status(run, state="failed", step=float("inf"), heartbeat=float("nan"), total_steps=float("nan"),
+            error="TrainingError: loss is not finite")
+    (run / "metrics.jsonl").write_bytes(_rec(1) + _rec(2, loss=float("nan"), samples_per_s=float("inf"),
+                                                      time=float("inf")))
+    snap = RunReader(run).poll()
+    assert snap.step == 2 and snap.total_steps is None and snap.status.heartbeat_age is None
+    assert snap.nonfinite_of("loss").first_step == 2 and snap.samples_per_s is None
+    assert "loss not finite from step 2 (NaN)" in snap.problems[-1]
+    assert snap.loss == ((1.0,), (0.5,))
+
+
+def test_large_metrics_file_finds_nonfinite_records_in_the_sampled_head(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    with open(path, "wb") as f:
+        for step in range(1, 30_001):
+            f.write(_rec(step, loss=float("nan")) if step in (1234, 1300) else _rec(step))
+    tail = MetricsTail(path, full_read_bytes=1 << 20, tail_bytes=256 << 10, sample_lines=300)
+    tail.poll()
+    assert tail.sampled
+    nf = tail.nonfinite["loss"]
+    assert (nf.first_step, nf.last_step, nf.count) == (1234, 1300, 2)
+    assert nf.recovered and all(math.isfinite(y) for y in tail.loss.points()[1])
+
+
+# ------------------------------------------------------------ verify on a live run
+def test_verify_checkpoint_rotated_while_hashing_checks_the_new_generation(tmp_path: Path, monkeypatch) -> None:
+    import pimm_core.checkpoint.selection as selection
+
+    model = tmp_path / "model"
+    model.mkdir()
+    rotate(model, 10, b"a" * 5000)
+    real = selection.verify_candidate
+    pending = [20]
+
+    def rotating(c):  # a save publishes a new `last` just as the hash starts
+        if pending:
+            rotate(model, pending.pop(), b"b" * 7000)
+        return real(c)
+
+    monkeypatch.setattr(selection, "verify_candidate", rotating)
+    r = verify_checkpoint(model, "last", settle_s=0.01)
+    assert (r.outcome, r.step, r.tries, r.problems) == ("ok", 20, 2, [])
+    assert r.identity == candidate_identity(find_candidate(model, "last"))
+
+    def always(c):
+        rotate(model, (c.step or 0) + 10, os.urandom(3000))
+        return real(c)
+
+    monkeypatch.setattr(selection, "verify_candidate", always)
+    r = verify_checkpoint(model, "last", settle_s=0.01)
+    assert r.outcome == "changed" and r.tries == 3 and "changed while it was checked" in r.problems[0]
+
+
+def test_verify_checkpoint_never_reports_a_mismatch_while_saves_rotate_last(tmp_path: Path) -> None:
+    import threading
+
+    model = tmp_path / "model"
+    model.mkdir()
+    rotate(model, 1, os.urandom(2 << 20))
+    stop = threading.Event()
+    saves = [1]
+
+    def saver() -> None:
+        while not stop.is_set():
+            saves[0] += 1
+            rotate(model, saves[0], os.urandom((2 << 20) + saves[0]))
+
+    t = threading.Thread(target=saver)
+    t.start()
+    results = []
+    deadline = time.monotonic() + 30
+    try:
+        while (len(results) < 20 or saves[0] < 10) and time.monotonic() < deadline:
+            results.append(verify_checkpoint(model, "last", settle_s=0.05))
+    finally:
+        stop.set()
+        t.join()
+    assert saves[0] >= 10 and len(results) >= 20
+    assert not [r for r in results if r.outcome == "failed"], [r.problems for r in results]
+    assert any(r.ok for r in results) or all(r.outcome == "changed" for r in results)
+    # A damaged generation is still a failure.
+    rotate(model, 1000, b"c" * 4000)
+    (model / "last" / "weights.pth").write_bytes(b"d" * 4000)
+    r = verify_checkpoint(model, "last", settle_s=0.01)
+    assert r.outcome == "failed" and r.problems == ["weights.pth: sha256 mismatch"] and r.step == 1000

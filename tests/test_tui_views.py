@@ -44,7 +44,7 @@ async def test_live_view_finished_run(run: Path) -> None:
         assert "FINISHED" in text
         assert "step 90/90" in text and "epochs 2/2 done" in text
         assert "best acc 0.8969" in text and "eval epoch 1 step 90: loss 0.5584 acc 0.8969" in text
-        assert "loss (train) vs step" in text
+        assert "loss (train) vs global step" in text
         assert "saved" in text  # a train.log line
         # 18 training records (every 5 steps) + step 1, all plotted.
         assert app.query_one("#loss-plot", MetricPlot).points_shown == 19
@@ -116,7 +116,8 @@ async def test_checkpoints_view_lists_marks_and_verifies(run: Path, tmp_path: Pa
         await wait_for(pilot, lambda: view.highlighted().name == "iter_80.pth", what="cursor on iter_80.pth")
         await pilot.press("v")
         await wait_for(pilot, lambda: _cell(app, "iter_80.pth", "status").startswith("FAILED"), what="verify fails")
-        assert "sha256 mismatch" in _cell(app, "iter_80.pth", "status")
+        assert _cell(app, "iter_80.pth", "status") == "FAILED: sha256"
+        assert "verify FAILED: iter_80.pth: sha256 mismatch" in view.detail_text
         assert "sha256 mismatch" in screen_text(app)
         # `e` opens the Export view prefilled with the highlighted checkpoint.
         await pilot.press("e")
@@ -143,6 +144,8 @@ async def test_topology_view_follows_inputs(run: Path, tmp_path: Path) -> None:
         await wait_for(pilot, lambda: "policy: same world size" in view.result_text, what="the default plan")
         assert view.result_text == "\n".join(resume_diff(rd).lines())
         assert "exact continuation" in screen_text(app)
+        # Only a launch computes the planned data fingerprint (it loads the data): say so.
+        assert "computed at launch" in screen_text(app) and "checked at launch" not in screen_text(app)
         # World size 2: reshard, discard cursor and RNG, replay from the epoch start.
         app.query_one("#plan-ws").focus()
         await pilot.press("backspace", "2")

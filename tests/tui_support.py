@@ -81,3 +81,62 @@ def write_status(run_dir: Path, **fields: Any) -> None:
 
 async def settle(seconds: float = 0.2) -> None:
     await asyncio.sleep(seconds)
+
+
+# ------------------------------------------------------------ fake runs (no training)
+def fake_run(root: Path, name: str = "r", *, state: str = "finished", records: Any = (), host: str | None = None,
+             **status: Any) -> Path:
+    """A run directory written by hand: config.toml, status.json and metrics.jsonl (records are
+    written with Python's json, so NaN and +-Inf become ``NaN``, ``Infinity``, ``-Infinity``)."""
+    import os
+    import socket
+
+    rd = root / "digits" / name
+    rd.mkdir(parents=True, exist_ok=True)
+    (rd / "config.toml").write_text('[eval]\nmetric = "val/acc"\nmode = "max"\n')
+    st = {"state": state, "host": host or socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time(),
+          "pids": [os.getpid()]}
+    st.update(status)
+    (rd / "status.json").write_text(json.dumps(st) + "\n")
+    with open(rd / "metrics.jsonl", "w") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+    return rd
+
+
+def train_record(step: int, loss: float, lr: float = 1e-3, **kw: Any) -> dict[str, Any]:
+    return {"step": step, "epoch": 0, "iter": step, "split": "train", "loss": loss, "lr": lr,
+            "samples_per_s": 500.0, "time": 1000.0 + step, **kw}
+
+
+def write_generation(path: Path, step: int, payload: bytes, created: str | None = None) -> Path:
+    """A complete standard checkpoint directory at ``path`` (no torch: the files are opaque
+    bytes) whose manifest records their sizes and sha256."""
+    import hashlib
+
+    (path / "trainer.dcp").mkdir(parents=True)
+    (path / "weights.pth").write_bytes(payload)
+    (path / "trainer.dcp" / "__0_0.distcp").write_bytes(payload[::-1] + b"x")
+    (path / "trainer.dcp" / ".metadata").write_bytes(b"meta" + str(step).encode())
+    (path / "trainer.dcp" / ".complete").write_bytes(b"")
+    files = {}
+    for rel in ("trainer.dcp/.complete", "trainer.dcp/.metadata", "trainer.dcp/__0_0.distcp", "weights.pth"):
+        data = (path / rel).read_bytes()
+        files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest = {"manifest_version": 1, "format": "standard", "kind": "last", "step": step, "epoch": 0, "iter": step,
+                "world_size": 1, "workers_per_rank": 0, "metrics": {"val/acc": 0.5},
+                "created": created or f"2026-11-30T12:{step // 60 % 60:02d}:{step % 60:02d}+00:00", "files": files}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    (path / ".complete").write_bytes(b"")
+    return path
+
+
+def rotate(model_dir: Path, step: int, payload: bytes) -> None:
+    """Publish a new ``last`` the way a save does: write ``last.tmp``, rename ``last`` to
+    ``last.prev``, ``last.tmp`` to ``last``, remove ``last.prev``."""
+    tmp, last, prev = model_dir / "last.tmp", model_dir / "last", model_dir / "last.prev"
+    write_generation(tmp, step, payload)
+    if last.exists():
+        last.rename(prev)
+    tmp.rename(last)
+    shutil.rmtree(prev, ignore_errors=True)
