@@ -89,6 +89,13 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return data
 
 
+def _sha256_or_none(path: Path) -> str | None:
+    try:
+        return sha256_file(path)
+    except FileNotFoundError:
+        return None
+
+
 def verify_files(root: Path, files: dict[str, dict[str, Any]]) -> list[str]:
     """Compare files under ``root`` with a manifest's ``files`` table.
 
@@ -115,7 +122,9 @@ def verify_files(root: Path, files: dict[str, dict[str, Any]]) -> list[str]:
         from concurrent.futures import ThreadPoolExecutor  # here: `pimm checkpoints ls` imports this module
 
         with ThreadPoolExecutor(min(len(to_hash), os.cpu_count() or 1, 8), thread_name_prefix="pimm-verify") as pool:
-            for rel, digest in zip(to_hash, pool.map(lambda rel: sha256_file(root / rel), to_hash)):
-                if digest != files[rel].get("sha256"):
+            for rel, digest in zip(to_hash, pool.map(lambda rel: _sha256_or_none(root / rel), to_hash)):
+                if digest is None:  # removed or replaced between the size check and the read
+                    found[rel] = f"{rel}: missing"
+                elif digest != files[rel].get("sha256"):
                     found[rel] = f"{rel}: sha256 mismatch"
     return [found[rel] for rel in files if rel in found]
