@@ -257,3 +257,60 @@ def test_trained_run_export_reproduces_val_accuracy(tmp_path: Path) -> None:
     assert correct / len(y) == final_acc
     rec = json.loads((out / "export.json").read_text())
     assert rec["step"] == json.loads((run / "model" / "last" / "manifest.json").read_text())["step"]
+
+
+# ------------------------------------------------------------------ reproducible exports
+def _digests(out: Path) -> dict[str, str]:
+    return {p.name: sha256_file(p) for p in sorted(out.iterdir())}
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_export_twice_gives_the_same_bytes(tmp_path: Path, fmt: str) -> None:
+    """Two `pimm export` processes of one checkpoint: every file has the same sha256 (no export
+    time recorded; the safetensors header, whose metadata order the library leaves to a hash
+    map, is written in one order; model.bin's inner folder is not named after a temporary file)."""
+    torch.manual_seed(0)
+    model = Tied()
+    run = fake_run(tmp_path, model.state_dict(), ema=Tied().state_dict())
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"out{i}"
+        res = subprocess.run([sys.executable, "-m", "pimm_core.cli", "export", "--run-dir", str(run), "last",
+                              str(out), "--format", fmt, "--weights", "ema"], cwd=REPO, capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "PYTHONHASHSEED": str(i)})
+        assert res.returncode == 0, res.stderr[-2000:]
+        outs.append(_digests(out))
+    assert outs[0] == outs[1] and sorted(outs[0]) == sorted(["config.json", "export.json", f"model.{fmt}"])
+    rec = json.loads((tmp_path / "out0" / "export.json").read_text())
+    assert "created" not in rec and rec["sha256"] == outs[0][f"model.{fmt}"]
+
+
+def test_safetensors_header_is_canonical(tmp_path: Path) -> None:
+    from pimm_core.checkpoint.export import write_safetensors
+
+    sd = Small().state_dict()
+    meta = {f"k{i}": str(i) for i in range(12)}
+    digests = set()
+    for i in range(4):  # the library's own order differs from call to call
+        write_safetensors(sd, tmp_path / f"{i}.safetensors", metadata=meta)
+        digests.add(sha256_file(tmp_path / f"{i}.safetensors"))
+    assert len(digests) == 1
+    head = (tmp_path / "0.safetensors").read_bytes()
+    n = int.from_bytes(head[:8], "little")
+    header = json.loads(head[8:8 + n])
+    assert n % 8 == 0 and list(header)[0] == "__metadata__"
+    assert list(header["__metadata__"]) == sorted(header["__metadata__"])
+    sets = read_weight_sets(tmp_path / "0.safetensors")["raw"]
+    assert all(torch.equal(sets[k], v) for k, v in sd.items())
+
+
+def test_export_of_ema_from_a_run_without_ema_is_bad_input(tmp_path: Path) -> None:
+    run = fake_run(tmp_path, Small().state_dict())
+    res = subprocess.run([sys.executable, "-m", "pimm_core.cli", "export", "--run-dir", str(run), "last",
+                          str(tmp_path / "o"), "--weights", "ema"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: last has no ema weights (it has: raw)"), res.stderr
+    assert "--weights raw" in lines[0] and "Traceback" not in res.stderr
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.tmp").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -118,3 +119,83 @@ def test_run_root_that_is_a_file_is_refused(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "is a file" in lines[0], describe(result)
     assert root.read_text() == "not a directory"
+
+
+# --------------------------------------------------------------------------- same-second launches
+def test_claim_numbers_a_taken_timestamped_name(tmp_path):
+    from pimm_core.run import claim_run_dir
+
+    base = tmp_path / "exp" / "digits" / "digits-20261129-114130"
+    first = claim_run_dir(base, numbered_names=True)
+    second = claim_run_dir(base, numbered_names=True)
+    third = claim_run_dir(base, numbered_names=True)
+    assert [c.path for c in (first, second, third)] == [base, base.with_name(base.name + "-2"),
+                                                        base.with_name(base.name + "-3")]
+    assert all(c.created for c in (first, second, third))
+    again = claim_run_dir(base, numbered_names=False)  # --run.no-timestamp, a resume: the name as given
+    assert again.path == base and not again.created
+
+
+def _claim_in_child(base: str, queue) -> None:
+    from pimm_core.run import claim_run_dir
+
+    queue.put(str(claim_run_dir(Path(base), numbered_names=True).path))
+
+
+def test_concurrent_claims_never_share_a_directory(tmp_path):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    base = tmp_path / "g" / "run-20261129-114130"
+    procs = [ctx.Process(target=_claim_in_child, args=(str(base), queue)) for _ in range(6)]
+    for p in procs:
+        p.start()
+    got = sorted(queue.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert len(set(got)) == 6 and sorted(Path(g).name for g in got) == sorted(
+        [base.name] + [f"{base.name}-{n}" for n in range(2, 7)])
+
+
+def test_unstarted_claim_is_discarded_with_the_parents_it_made(tmp_path):
+    from pimm_core.run import claim_run_dir
+
+    claim = claim_run_dir(tmp_path / "root" / "g" / "r", numbered_names=False)
+    (claim.path / ".lock").touch()
+    (claim.path / "train.log").write_text("12:00:00 warm start from x\n")
+    (claim.path / "model").mkdir()
+    assert claim.discard_if_unstarted() and not (tmp_path / "root").exists()
+    kept = claim_run_dir(tmp_path / "root" / "g" / "r", numbered_names=False)
+    (kept.path / "config.toml").write_text("")  # the run started: it stays
+    assert not kept.discard_if_unstarted() and kept.path.is_dir()
+
+
+def _taken_seconds(parent: Path, base: str, seconds: int = 120) -> set[str]:
+    """Directories for every timestamp from now on (a launch in each of those seconds already exists)."""
+    now = time.time()
+    names = {f"{base}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now + i))}" for i in range(seconds)}
+    for n in names:
+        (parent / n / "model").mkdir(parents=True)
+    return names
+
+
+@pytest.mark.parametrize("nproc", [None, 2])
+def test_launch_in_a_taken_second_gets_a_numbered_directory(tmp_path, nproc):
+    """Whatever second the launch starts in, a directory of that name exists (an earlier launch in
+    the same second): the launch trains in ``<name>-2``; with two ranks the launcher chooses the
+    name once and both ranks train there."""
+    parent = tmp_path / "digits"
+    taken = _taken_seconds(parent, "digits")
+    args = ["launch", "--train.config", DIGITS, "--run.root", tmp_path]
+    if nproc:
+        args += ["--nproc-per-node", str(nproc)]
+    result = pimm(*args, "--", "train.epochs=1", "train.max_steps=2", "eval.every_epochs=0", timeout=240)
+    assert result.returncode == 0, describe(result)
+    new = sorted(p.name for p in parent.iterdir() if p.name not in taken)
+    assert len(new) == 1 and new[0].endswith("-2") and STAMP.search(new[0][:-2]), new
+    run_dir = parent / new[0]
+    assert str(run_dir) in result.stdout
+    prov = json.loads((run_dir / "provenance.json").read_text())
+    assert prov["world_size"] == (nproc or 1)
+    assert all(not any((parent / n / "model").iterdir()) for n in taken)  # the others untouched

@@ -356,6 +356,9 @@ def test_hf_source_through_local_fake(tmp_path: Path, monkeypatch) -> None:
         return str(path)
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    from pimm_core.checkpoint import sources
+
+    monkeypatch.setattr(sources, "hub_unreachable", lambda: None)  # the fake Hub answers
     assert resolve_weight_source("hf://org/repo") == (repo / "weights.pth").resolve()
     assert [c[1] for c in calls] == ["model.safetensors", "model.bin", "weights.pth"]
     assert resolve_weight_source("hf://org/repo@v1/sub/w.pth") == (repo / "sub" / "w.pth").resolve()

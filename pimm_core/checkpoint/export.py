@@ -8,8 +8,15 @@
       config.json         the run's training config when discoverable, load triggers
                           cleared (train.weight = "", train.resume = false) and every
                           other absolute path replaced by "<redacted>"
-      export.json         source checkpoint, step, weight set, format, sha256 of the
-                          model file, tied-tensor aliases
+      export.json         source checkpoint (path, layout, step, epoch, metrics, its
+                          creation time from its manifest), weight set, format, size and
+                          sha256 of the model file, tied-tensor aliases, torch version
+
+An export is reproducible: the same checkpoint exported again (same options, same torch
+and safetensors versions) gives the same bytes in every file. Nothing records the time
+of the export; the safetensors header is written in one canonical order
+(:func:`canonical_safetensors_header`) and ``model.bin`` always names its inner folder
+``archive/``.
 
 Tied tensors (several names for one tensor, e.g. ``head.weight is embed.weight``):
 safetensors stores each tensor once. The first name in sorted order keeps the data;
@@ -29,6 +36,7 @@ import copy
 import json
 import os
 import re
+import shutil
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -37,7 +45,6 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, UsageError
-from ..run import now_iso
 from .atomic import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, remove_tree
 from .manifest import sha256_file
 from .sources import BIN, SAFETENSORS, checkpoint_record, find_run_dir, is_remote
@@ -115,14 +122,55 @@ def write_safetensors(sd: StateDict, path: Path, *, metadata: dict[str, str] | N
     meta = {"format": "pt", **(metadata or {}), "pimm.aliases": json.dumps(aliases, sort_keys=True)}
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp), metadata=meta)
+        canonical_safetensors_header(tmp)
         os.chmod(tmp, 0o644)  # safetensors creates the file owner-only
 
     _atomic(path, write)
     return aliases
 
 
+def canonical_safetensors_header(path: Path) -> None:
+    """Rewrite a safetensors file's JSON header in one order, so equal contents give equal bytes.
+
+    The safetensors library writes the ``__metadata__`` map in hash order, which differs
+    from one call to the next. Here ``__metadata__`` comes first with its keys sorted, then
+    the tensors in the order of their data; the header is padded with spaces to a multiple
+    of 8 bytes, as safetensors does. The tensor data is not touched (rewritten in place
+    when the header keeps its length, else copied once).
+    """
+    path = Path(path)
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        meta = header.pop("__metadata__", None)
+        ordered: dict[str, Any] = {} if meta is None else {"__metadata__": dict(sorted(meta.items()))}
+        ordered.update(sorted(header.items(), key=lambda kv: (kv[1]["data_offsets"], kv[0])))
+        text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        text += b" " * (-len(text) % 8)
+        if len(text) == n:
+            f.seek(8)
+            f.write(text)
+            return
+        other = path.with_name(path.name + ".header")
+        try:
+            with open(other, "wb") as out:
+                out.write(len(text).to_bytes(8, "little"))
+                out.write(text)
+                f.seek(8 + n)
+                shutil.copyfileobj(f, out, 16 << 20)
+            os.replace(other, path)
+        finally:
+            other.unlink(missing_ok=True)
+
+
 def write_bin(sd: StateDict, path: Path) -> None:
-    """``torch.save`` of the state dict (CPU tensors, every name kept, sharing preserved), atomically."""
+    """``torch.save`` of the state dict (CPU tensors, every name kept, sharing preserved), atomically.
+
+    Saved through an open file, so the archive's inner folder is always ``archive/`` (a
+    path would name it after the temporary file): equal contents give equal bytes.
+    """
+
+
     cpu: dict[str, torch.Tensor] = {}
     moved: dict[int, torch.Tensor] = {}
     for k, v in sd.items():
@@ -130,7 +178,12 @@ def write_bin(sd: StateDict, path: Path) -> None:
             cpu[k] = v.detach()
         else:  # move each distinct tensor once so ties survive
             cpu[k] = moved.setdefault(id(v), v.detach().cpu())
-    _atomic(path, lambda tmp: torch.save(cpu, tmp))
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            torch.save(cpu, f)
+
+    _atomic(path, write)
 
 
 def _atomic(path: Path, write) -> None:
@@ -289,7 +342,7 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
             "config": CONFIG_JSON if cfg is not None else None,
             "config_cleared": cleared,
             "config_redacted": redacted,
-            "created": now_iso(),
+            "source_created": record.get("created"),
             "torch_version": torch.__version__,
         }
         atomic_write_bytes(tmp / EXPORT_JSON, (json.dumps(record_out, indent=2) + "\n").encode())

@@ -24,7 +24,9 @@ with relative symlinks ``last`` (every save, including a requested pause), ``bes
 (the selection metric improved) and ``final`` (a normal end). A symlink target is a
 bare file name in the same directory, so moving the run directory keeps them valid.
 Retention (``checkpoint.keep_last``) deletes the oldest ``step_*.pth`` files but never
-a pointer's target.
+a pointer's target; it runs after the pointers move, whether a save wrote a new file
+(:func:`save_single`) or only moved pointers to a position already on disk
+(:func:`move_pointers`), so no file is left that neither a pointer nor the count keeps.
 """
 
 from __future__ import annotations
@@ -124,16 +126,45 @@ def save_single(model_dir: Path, *, model: nn.Module, optimizer: torch.optim.Opt
     for name in pointers:
         set_pointer(model_dir, name, path.name)
     point("single.pointers_set", path)
-    if keep_last:
-        keep = pointer_targets(model_dir) | {path.name}
-        steps = sorted((int(m.group(1)), p) for p in model_dir.iterdir() if (m := SINGLE_RE.match(p.name)))
-        for _, old in steps[: max(0, len(steps) - keep_last)]:
-            if old.name not in keep:
-                old.unlink(missing_ok=True)
-                old.with_name(old.name + ".json").unlink(missing_ok=True)
-        fsync_dir(model_dir)
-        point("single.pruned", model_dir)
+    prune_single(model_dir, keep_last, current=path.name)
     return path
+
+
+def move_pointers(model_dir: Path, pointers: tuple[str, ...], target: str, *, keep_last: int) -> None:
+    """Point ``pointers`` at the existing ``target`` (a position saved already), then apply retention.
+
+    Moving a pointer can leave a file that no pointer targets any more beyond the
+    ``keep_last`` newest (e.g. ``best`` moving off an old step, or ``final``/``last``
+    moving at the end): retention runs after every pointer move, not only after a new
+    file, so none is left behind.
+    """
+    for name in pointers:
+        set_pointer(model_dir, name, target)
+    prune_single(model_dir, keep_last, current=target)
+
+
+def prune_single(model_dir: Path, keep_last: int, *, current: str | None = None) -> list[str]:
+    """Retention of the single format: delete ``step_*.pth`` (and sidecars) beyond the
+    ``keep_last`` newest, except a pointer's target and ``current``; 0 keeps everything.
+
+    Call it after the pointers have moved (:func:`save_single`, :func:`move_pointers`).
+
+    Returns:
+        The names deleted.
+    """
+    if not keep_last:
+        return []
+    keep = pointer_targets(model_dir) | ({current} if current else set())
+    steps = sorted((int(m.group(1)), p) for p in model_dir.iterdir() if (m := SINGLE_RE.match(p.name)))
+    removed = []
+    for _, old in steps[: max(0, len(steps) - keep_last)]:
+        if old.name not in keep:
+            old.unlink(missing_ok=True)
+            old.with_name(old.name + ".json").unlink(missing_ok=True)
+            removed.append(old.name)
+    fsync_dir(model_dir)
+    point("single.pruned", model_dir)
+    return removed
 
 
 def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int,

@@ -20,7 +20,9 @@ file                                       parsed with
 
 A file that these refuse (it would run code, or is not what pimm writes) or cannot parse
 raises :class:`~pimm_core.errors.CheckpointParseError` (exit code 2) naming the file;
-nothing in it has run.
+nothing in it has run. A file that is not a PyTorch file at all (text, random bytes) is
+named as such (``... is not a PyTorch checkpoint (a text file)``), from its first bytes
+(:func:`.foreign.sniff`, which never unpickles).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ..errors import CheckpointError, CheckpointParseError
+from .foreign import not_a_checkpoint, sniff
 
 _DCP_CLASSES = ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
                 "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
@@ -149,9 +152,21 @@ def load_torch_file(path: Path, *, mmap: bool = False, hint: str = "") -> Any:
 
 
 def load_failure(path: Path, e: BaseException, hint: str = "") -> str:
-    """One line for a ``torch.load(weights_only=True)`` of ``path`` that raised ``e``."""
+    """One line for a ``torch.load(weights_only=True)`` of ``path`` that raised ``e``.
+
+    A file that is not a PyTorch file at all (text, random bytes, a zip archive: see
+    :func:`.foreign.sniff`) is called that, unless the unpickler refused a global it names
+    (code that would have run): then the refusal is the message.
+    """
     text = str(e)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if not any("unsupported global" in ln.lower() for ln in lines):
+        try:
+            sniffed = sniff(path)
+        except OSError:
+            sniffed = None
+        if sniffed is not None and sniffed.not_a_checkpoint:
+            return not_a_checkpoint(path, sniffed.describe())
     reason = next((ln for ln in lines if "unsupported global" in ln.lower() or "Unsupported operand" in ln), None)
     if reason is not None or "Weights only load failed" in text or isinstance(e, pickle.UnpicklingError):
         reason = reason or (lines[0] if lines else e.__class__.__name__)

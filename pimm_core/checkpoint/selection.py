@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .foreign import why_not_resumable
 from .manifest import COMPLETE, MANIFEST, read_manifest
 
 WEIGHTS = "weights.pth"
@@ -254,12 +255,17 @@ def resolve_resume_path(path: str | Path) -> Candidate:
     """Validate an explicit resume source and return it as a candidate.
 
     ``path`` may be a checkpoint directory (``.../model/last``), a legacy
-    ``model_last.pth``, or a ``model/`` directory (its :func:`select_resume` choice).
+    ``model_last.pth``, a single-format file or pointer, or a ``model/`` directory (or the
+    run directory holding it: its :func:`select_resume` choice).
 
     Raises:
         CheckpointError: ``hf://`` sources (Hub artifacts carry no trainer state);
             "No weight found" for a path that does not exist; "Incomplete checkpoint
-            directory" naming the missing parts and the complete candidates beside it.
+            directory" naming the missing parts and the complete candidates beside it;
+            (exit code 2) something pimm did not write, named when recognisable
+            (:func:`.foreign.why_not_resumable`: an Accelerate ``save_state`` directory,
+            a Lightning ``.ckpt``, a Hugging Face model directory, a plain state dict)
+            with the warm start to use instead, or "not a PyTorch checkpoint".
     """
     from ..errors import CheckpointError
 
@@ -273,12 +279,25 @@ def resolve_resume_path(path: str | Path) -> Candidate:
     if not text or not p.exists():
         raise CheckpointError(f"No weight found: {text!r} does not exist; check the run path "
                               "(pimm checkpoints latest MODEL_DIR finds the newest complete checkpoint)", exit_code=2)
-    if p.is_dir() and not (p / WEIGHTS).exists() and not (p / TRAINER_DCP).exists() and not (p / COMPLETE).exists():
+    if p.is_dir() and not is_model_dir(p) and is_model_dir(p / "model"):
+        p = p / "model"  # a run directory: its model/ directory's choice
+    looks_standard = any((p / n).exists() for n in (WEIGHTS, TRAINER_DCP, COMPLETE, MANIFEST))
+    if p.is_dir() and not looks_standard:
         if is_model_dir(p):
             chosen, cands = select_resume(p)
             if chosen is None:
                 raise CheckpointError(f"no complete checkpoint in {p}: " + "; ".join(explain(cands, None)), exit_code=2)
             return chosen
+        if p.name not in RESUME_ORDER and ".tmp" not in p.name:
+            refusal = why_not_resumable(p) or (
+                f"{p} is not a pimm checkpoint directory (it has no {WEIGHTS}, {TRAINER_DCP}/, {MANIFEST} or "
+                f"{COMPLETE}); --train.resume-from takes a run's model/last, its model/ directory, model_last.pth "
+                "or step_<N>.pth")
+            raise CheckpointError(refusal, exit_code=2)
+    if p.is_file() and p.name != LEGACY_LAST and not SINGLE_RE.match(p.name):
+        refusal = why_not_resumable(p)  # text, Lightning, a plain state dict... (pimm's own files: None)
+        if refusal is not None:
+            raise CheckpointError(refusal, exit_code=2)
     if p.is_file():
         if p.is_symlink():
             return _pointer(p) if _pointer(p).complete else _raise_incomplete(p, _pointer(p))
@@ -316,13 +335,19 @@ def verify_candidate(c: Candidate) -> list[str]:
     p = Path(c.path)
     root = p if p.is_dir() else p.resolve().parent
     files = c.manifest.get("files", {})
-    key = (str(root), tuple((rel, _stat_key(root / rel), want.get("sha256"), want.get("size"))
-                            for rel, want in files.items()))
-    if key not in _VERIFIED:
+    def key() -> tuple:
+        return str(root), tuple((rel, _stat_key(root / rel), want.get("sha256"), want.get("size"))
+                                for rel, want in files.items())
+
+    before = key()
+    if before in _VERIFIED:
+        return list(_VERIFIED[before])
+    problems = verify_files(root, files)
+    if key() == before:  # a file replaced while it was hashed (a live rotation) is not cached
         if len(_VERIFIED) > 64:
             _VERIFIED.clear()
-        _VERIFIED[key] = verify_files(root, files)
-    return list(_VERIFIED[key])
+        _VERIFIED[before] = problems
+    return list(problems)
 
 
 _VERIFIED: dict[tuple, list[str]] = {}

@@ -18,6 +18,9 @@ single-format checkpoint                       ``{"format": "single", "weights":
 ``model.safetensors`` (export)                 a flat sd; tied keys dropped at export and
                                                re-added from the ``pimm.aliases`` metadata
 ``model.bin`` (export), a user's file          a flat sd (``{"model": sd}`` is also accepted)
+a PyTorch Lightning ``.ckpt``                  ``{"state_dict": sd, "pytorch-lightning_version", ...}``
+                                               (keys carry the LightningModule's attribute
+                                               prefix: see ``train.key_rules``)
 =============================================  =======================================
 
 Which *file* a source names (a run's ``last``, an export directory, ``hf://``...)
@@ -91,7 +94,8 @@ def read_checkpoint(path: Path) -> tuple[dict[str, StateDict], dict[str, Any]]:
 
     Returns:
         ``(sets, info)``: ``info["layout"]`` is ``weights`` | ``legacy`` | ``single`` |
-        ``safetensors`` | ``state_dict``; ``info["step"]`` is the global step when the
+        ``safetensors`` | ``state_dict`` | ``lightning`` (a PyTorch Lightning ``.ckpt``: its
+        ``state_dict``, keys as the LightningModule names them); ``info["step"]`` is the global step when the
         file records one (else absent); ``info["aliases"]`` (safetensors exports) maps a
         dropped tied key to the key it aliases.
     """
@@ -187,6 +191,11 @@ def _find_step(obj: dict[str, Any]) -> int | None:
     return None
 
 
+def _is_lightning(obj: dict[str, Any]) -> bool:
+    """A PyTorch Lightning ``.ckpt`` (``trainer.save_checkpoint``): its version key, or its loop state."""
+    return "pytorch-lightning_version" in obj or {"optimizer_states", "loops"} <= obj.keys()
+
+
 def _interpret(obj: Any, path: Path) -> tuple[dict[str, StateDict], dict[str, Any]]:
     if not isinstance(obj, dict):
         raise CheckpointParseError(f"{path} holds a {type(obj).__name__}, not a state dict or a pimm checkpoint")
@@ -197,6 +206,9 @@ def _interpret(obj: Any, path: Path) -> tuple[dict[str, StateDict], dict[str, An
             raise CheckpointParseError(f"{path}: single-format checkpoint has no raw weights (sets: {sorted(named)})")
         sets = {name: _check_state_dict(sd, f"weights[{name!r}]", path) for name, sd in named.items()}
         info["layout"] = "single"
+    elif "state_dict" in obj and _is_lightning(obj):
+        sets = {"raw": _check_state_dict(obj["state_dict"], "state_dict", path)}
+        info["layout"] = "lightning"
     elif "state_dict" in obj:
         sets = {"raw": _check_state_dict(obj["state_dict"], "state_dict", path)}
         if obj.get("ema_state_dict") is not None:
@@ -227,13 +239,15 @@ def select_weight_set(sets: dict[str, StateDict], weight_set: str, source: str |
 
     Raises:
         UsageError: ``weight_set`` is not ``raw`` or ``ema``.
-        CheckpointError: the file has no such set (e.g. ``ema`` from a run without EMA).
+        CheckpointError: (exit code 2) the file has no such set (e.g. ``ema`` from a run
+            without EMA).
     """
     if weight_set not in WEIGHT_SETS:
         raise UsageError(f"weights = {weight_set!r} is not a weight set; use one of {list(WEIGHT_SETS)}")
     if weight_set not in sets:
         raise CheckpointError(f"{source} has no {weight_set} weights (it has: {', '.join(sorted(sets))}); "
-                              f"was EMA enabled in that run? Use weights 'raw'")
+                              f"was EMA enabled in that run (ema.enabled)? Use the raw weights (--weights raw, "
+                              f"train.weight_set = 'raw')", exit_code=2)
     sd = dict(sets[weight_set])
     if weight_set == "ema":
         for k, v in sets["raw"].items():
@@ -383,7 +397,7 @@ def warm_start(model: nn.Module, source: str | os.PathLike[str], *, weight_set: 
     logger = logger or log
     used_rules = [tuple(r) for r in (DEFAULT_KEY_RULES if rules is None else rules)]
     path = resolve_weight_source(source, run_dir=run_dir)
-    sets = read_weight_sets(path)
+    sets, info = read_checkpoint(path)
     raw = select_weight_set(sets, weight_set, source)
     sd = apply_key_rules(raw, used_rules)  # type: ignore[arg-type]
     renamed = sum(1 for a, b in zip(raw, sd) if a != b)
@@ -402,15 +416,58 @@ def warm_start(model: nn.Module, source: str | os.PathLike[str], *, weight_set: 
     if report.loaded_params == 0:
         ckpt_keys = ", ".join(list(sd)[:3]) or "none"
         model_keys = ", ".join(sorted(param_names)[:3]) or "none"
+        what = " (a PyTorch Lightning checkpoint)" if info.get("layout") == "lightning" else ""
+        rule = suggest_key_rule(list(sd), own)
+        fix = ("its keys match the model's after one key rule: add train.key_rules = "
+               f"[[{_toml_literal(rule[0])}, {_toml_literal(rule[1])}]]" if rule else "fix the source or the key rules")
         raise CheckpointError(
-            f"no parameters matched between {source} and the model (0 of {len(param_names)} model parameters have a "
-            f"checkpoint tensor of the same name and shape; checkpoint keys e.g. {ckpt_keys}; model keys e.g. "
-            f"{model_keys}; key rules: {_format_rules(used_rules)}); fix the source or the key rules", exit_code=2)
+            f"no parameters matched between {source}{what} and the model (0 of {len(param_names)} model parameters "
+            f"have a checkpoint tensor of the same name and shape; checkpoint keys e.g. {ckpt_keys}; model keys e.g. "
+            f"{model_keys}; key rules: {_format_rules(used_rules)}); {fix}", exit_code=2)
     with torch.no_grad():
         target.load_state_dict({k: sd[k] for k in loaded}, strict=False)
     for line in report.lines():
         logger.info("%s", line)
     return report
+
+
+def suggest_key_rule(ckpt_keys: list[str], own: dict[str, torch.Tensor]) -> tuple[str, str] | None:
+    """A ``(regex, replacement)`` rule that maps most checkpoint keys onto model keys, or None.
+
+    Tries removing a leading prefix that the checkpoint keys share (``model.``, as
+    Lightning writes them; ``encoder.backbone.``...) and adding one the model keys share.
+    """
+    model_keys = set(own)
+    if not ckpt_keys or not model_keys:
+        return None
+    best: tuple[int, tuple[str, str]] | None = None
+    prefixes: dict[str, int] = {}
+    for k in ckpt_keys:
+        parts = k.split(".")
+        for i in range(1, len(parts)):
+            if ".".join(parts[i:]) in model_keys:
+                prefix = ".".join(parts[:i]) + "."
+                prefixes[prefix] = prefixes.get(prefix, 0) + 1
+    for prefix, n in prefixes.items():
+        if best is None or n > best[0]:
+            best = (n, ("^" + re.escape(prefix), ""))
+    added: dict[str, int] = {}
+    ckpt = set(ckpt_keys)
+    for m in model_keys:
+        parts = m.split(".")
+        for i in range(1, len(parts)):
+            if ".".join(parts[i:]) in ckpt:
+                prefix = ".".join(parts[:i]) + "."
+                added[prefix] = added.get(prefix, 0) + 1
+    for prefix, n in added.items():
+        if best is None or n > best[0]:
+            best = (n, ("^", prefix))
+    return best[1] if best is not None else None
+
+
+def _toml_literal(text: str) -> str:
+    """``text`` as a TOML string: a literal string ('...') unless it holds a quote."""
+    return f"'{text}'" if "'" not in text and "\n" not in text else json.dumps(text)
 
 
 # --------------------------------------------------------------- strict load
