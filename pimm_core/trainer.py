@@ -36,7 +36,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import dist
-from .checkpoint.files import load_file_checkpoint, save_legacy, save_single, set_pointer
+from .checkpoint.files import load_file_checkpoint, move_pointers, save_legacy, save_single
 from .checkpoint.selection import (BEST, ITER_RE, LEGACY_LAST, is_model_dir, resolve_resume_path, select_verified,
                                    verify_candidate)
 from .checkpoint.standard import (AsyncStandardSaver, load_standard, on_main, save_standard, unwrap, wait_for_purges,
@@ -344,8 +344,8 @@ class Trainer:
                     save_legacy(checkpoint_dir, model=self.model, optimizer=self.optimizer, meta=self._meta(),
                                 rank0_state=rank_state, manifest=manifest, ema_state_dict=self._ema_sd())
                 elif self._single_saved_step == self.state.global_step:
-                    for name in pointers:  # this position is already on disk: only move pointers
-                        set_pointer(checkpoint_dir, name, path.name)
+                    # this position is already on disk: only move pointers (then retention)
+                    move_pointers(checkpoint_dir, pointers, path.name, keep_last=self.config.checkpoint.keep_last)
                 else:
                     save_single(checkpoint_dir, model=self.model, optimizer=self.optimizer, meta=self._meta(),
                                 rank_states=states, manifest=manifest, ema_state_dict=self._ema_sd(),

@@ -36,7 +36,6 @@ def test_keep_last_zero_keeps_everything(tmp_path):
     assert len([n for n in os.listdir(tmp_path) if STEP_FILE.match(n)]) == 3
 
 
-@pytest.mark.xfail(strict=True, reason="needs trainer.py's pointer-only save to call files.move_pointers")
 def test_keep_last_1_run_leaves_no_file_that_nothing_keeps(tmp_path):
     """3 epochs with a save every 20 steps: at the end ``best`` (a new file at step 135) and then
     ``last``/``final`` (moved to it) leave step_120 unreferenced; it must be gone."""
