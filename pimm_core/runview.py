@@ -323,6 +323,22 @@ class NonFinite:
                 "last_value": fmt_value(self.last_value), "finite_again": self.finite_again}
 
 
+def _lines_holding(body: bytes, token: bytes):
+    """``(offset, record)`` for each whole line of ``body`` that contains ``token`` and parses
+    as a JSON object (byte scan: lines without the token are never parsed)."""
+    i = body.find(token)
+    while i >= 0:
+        start = body.rfind(b"\n", 0, i) + 1
+        end = body.find(b"\n", i)
+        try:
+            rec = json.loads(body[start:end])
+        except ValueError:
+            rec = None
+        if isinstance(rec, dict):
+            yield start, rec
+        i = body.find(token, end)
+
+
 class MetricsTail:
     """Incremental reader of ``metrics.jsonl``.
 
@@ -482,28 +498,10 @@ class MetricsTail:
             body, carry = data[:last_nl + 1], data[last_nl + 1:]
             # Training records with NaN/Infinity (the sample may have missed them).
             for token in (b"NaN", b"Infinity"):
-                i = body.find(token)
-                while i >= 0:
-                    s = body.rfind(b"\n", 0, i) + 1
-                    e = body.find(b"\n", i)
-                    try:
-                        rec = json.loads(body[s:e])
-                    except ValueError:
-                        rec = None
-                    if isinstance(rec, dict) and rec.get("split", "train") == "train":
-                        odd[base + s] = rec
-                    i = body.find(token, e)
-            i = body.find(b'"val"')
-            while i >= 0:
-                s = body.rfind(b"\n", 0, i) + 1
-                e = body.find(b"\n", i)
-                try:
-                    rec = json.loads(body[s:e])
-                except ValueError:
-                    rec = None
-                if isinstance(rec, dict) and rec.get("split") == "val":
-                    vals.append((base + s, rec))
-                i = body.find(b'"val"', e)
+                for at, rec in _lines_holding(body, token):
+                    if rec.get("split", "train") == "train":
+                        odd[base + at] = rec
+            vals += [(base + at, rec) for at, rec in _lines_holding(body, b'"val"') if rec.get("split") == "val"]
         for _, rec in sorted(odd.items()):
             self._check_finite(rec, "train", _finite(rec.get("step")))
         for _, rec in vals:

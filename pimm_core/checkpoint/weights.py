@@ -440,29 +440,22 @@ def suggest_key_rule(ckpt_keys: list[str], own: dict[str, torch.Tensor]) -> tupl
     model_keys = set(own)
     if not ckpt_keys or not model_keys:
         return None
-    best: tuple[int, tuple[str, str]] | None = None
-    prefixes: dict[str, int] = {}
-    for k in ckpt_keys:
+    # a prefix the checkpoint has and the model lacks (strip it), or the other way round (add it)
+    rules = [(n, ("^" + re.escape(p), "")) for p, n in _prefix_counts(ckpt_keys, model_keys).items()]
+    rules += [(n, ("^", p)) for p, n in _prefix_counts(model_keys, set(ckpt_keys)).items()]
+    return max(rules, key=lambda r: r[0])[1] if rules else None
+
+
+def _prefix_counts(keys, targets: set[str]) -> dict[str, int]:
+    """How many of ``keys`` become a member of ``targets`` once each leading dotted prefix is removed."""
+    counts: dict[str, int] = {}
+    for k in keys:
         parts = k.split(".")
         for i in range(1, len(parts)):
-            if ".".join(parts[i:]) in model_keys:
+            if ".".join(parts[i:]) in targets:
                 prefix = ".".join(parts[:i]) + "."
-                prefixes[prefix] = prefixes.get(prefix, 0) + 1
-    for prefix, n in prefixes.items():
-        if best is None or n > best[0]:
-            best = (n, ("^" + re.escape(prefix), ""))
-    added: dict[str, int] = {}
-    ckpt = set(ckpt_keys)
-    for m in model_keys:
-        parts = m.split(".")
-        for i in range(1, len(parts)):
-            if ".".join(parts[i:]) in ckpt:
-                prefix = ".".join(parts[:i]) + "."
-                added[prefix] = added.get(prefix, 0) + 1
-    for prefix, n in added.items():
-        if best is None or n > best[0]:
-            best = (n, ("^", prefix))
-    return best[1] if best is not None else None
+                counts[prefix] = counts.get(prefix, 0) + 1
+    return counts
 
 
 def _toml_literal(text: str) -> str:
