@@ -49,8 +49,10 @@ from .data import build_datasets, eval_loader, train_loader
 from .ema import EMA
 from .errors import CheckpointError, CheckpointSaveError, ConfigError, TrainingError
 from .models import build_model
-from .stop import StopRequest, read_stop_file, stop_file
+from .stop import StopRequest
 from .schedule import WarmupCosine
+from .train.best import BestTracker
+from .train.stop_agreement import StopAgreement
 from .run import CONFIG, LOG, METRICS, STATUS, MetricsWriter, append_provenance, launch_record, read_json, code_version, now_iso, read_metrics, write_status
 from .topology import config_diff, finished_message, is_finished, plan_resume
 
@@ -122,7 +124,6 @@ class Trainer:
     def __init__(self, config: Config, run_dir: Path | None = None, *, stop: StopRequest | None = None):
         self.config = config
         self.stop = stop or StopRequest()
-        self._last_poll = 0.0
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.info = dist.env_world()
         self.device = dist.pick_device(config.train.device, self.info)
@@ -149,6 +150,8 @@ class Trainer:
         self._save_failed = False
         self._async = AsyncStandardSaver(self.info) if config.checkpoint.async_ else None
         self.callbacks: list[Callable[["Trainer"], None]] = []
+        self.stop_agreement = StopAgreement(self.stop, self.info, self.run_dir, self.device)
+        self.best = BestTracker(config.eval.metric, config.eval.mode)
         self._pids = [os.getpid()]
         self._log_handler: logging.Handler | None = None
         self._detach_console: Callable[[], None] = lambda: None
@@ -401,12 +404,9 @@ class Trainer:
     def _update_best(self, metrics: dict[str, float], epoch: int, checkpoint_dir: Path | None) -> None:
         e = self.config.eval
         value = metrics[e.metric]
-        best = self.state.best_metric
-        if not math.isfinite(value):
-            return  # NaN/Inf is never the best (and would block every later comparison)
-        if best is not None and not (value > best if e.mode == "max" else value < best):
+        if not self.best.update(value, epoch):
             return
-        self.state.best_metric, self.state.best_epoch = value, epoch
+        self.state.best_metric, self.state.best_epoch = self.best.best, self.best.epoch
         if checkpoint_dir is None:
             return
         selection = {"name": e.metric, "value": value, "mode": e.mode, "split": "val", "epoch": epoch,
@@ -495,9 +495,9 @@ class Trainer:
                     return self.state
                 self._total = self.scheduler.total
             self._setup_files(entry, fresh=resume_from is None)
-            self._discard_stale_stop_file()
+            self.stop_agreement.discard_stale()
             self._pids = dist.all_gather_object(os.getpid())  # every rank's pid, for operators and tests
-            self._stop_file_used = False
+            self.stop_agreement.file_used = False
             self._status("running")
             try:
                 self._loop(t, checkpoint_dir)
@@ -600,7 +600,7 @@ class Trainer:
                     window_start = s.iter
                     for callback in self.callbacks:
                         callback(self)  # e.g. lambda tr: tr.stop.request("budget") if ... else None
-                    reason = self._agreed_stop_reason()
+                    reason = self.stop_agreement.agree()
                     if reason is not None:
                         s.stop_reason = reason
                         self._status("stopping")  # the console shows it until `last` is saved
@@ -653,44 +653,6 @@ class Trainer:
         finally:
             progress.stop()
 
-    # ------------------------------------------------------------------- stop
-    def _poll_stop_file(self) -> None:
-        """Rank 0 looks for ``control/stop`` at most once a second (one stat, no per-sample I/O)."""
-        now = time.monotonic()
-        if self.run_dir is None or not self.info.is_main or now - self._last_poll < 1.0:
-            return
-        self._last_poll = now
-        if stop_file(self.run_dir).exists():
-            req = read_stop_file(self.run_dir) or {}
-            self._stop_file_used = True
-            self.stop.request(str(req.get("reason") or "operator"))
-
-    def _agreed_stop_reason(self) -> str | None:
-        """Every rank's verdict on stopping now; the same answer on all ranks (no deadlock).
-
-        One all-reduce (MAX) of a flag per accumulation window; only when some rank wants
-        to stop are the reasons gathered, and the lowest rank's reason wins.
-        """
-        if self.stop.reason is None:
-            self._poll_stop_file()
-        if not self.info.distributed:
-            return self.stop.reason
-        flag = torch.tensor([0 if self.stop.reason is None else 1], device=self.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        if not flag.item():
-            return None
-        reason = next(r for r in dist.all_gather_object(self.stop.reason) if r is not None)
-        self.stop.request(reason)
-        return reason
-
-    def _discard_stale_stop_file(self) -> None:
-        if self.run_dir is not None and self.info.is_main and stop_file(self.run_dir).exists():
-            req = read_stop_file(self.run_dir) or {}
-            log.warning("ignoring a stop request left from an earlier session (%s, reason %r); removed %s",
-                        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(req.get("time", 0))), req.get("reason"),
-                        stop_file(self.run_dir))
-            stop_file(self.run_dir).unlink(missing_ok=True)
-
     # ----------------------------------------------------------------- resume
     def _resume(self, source: Path | str, checkpoint_dir: Path | None) -> dict[str, Any]:
         """Restore state from ``source`` following the resume policy; returns the provenance entry."""
@@ -720,6 +682,7 @@ class Trainer:
         self.state = TrainState(global_step=tr["global_step"], epoch=tr["epoch"], iter=tr["iter"],
                                 best_metric=tr["best_metric"], best_epoch=tr["best_epoch"], last_eval=tr["last_eval"],
                                 epoch_start_step=tr.get("epoch_start_step", plan.step if plan.iter == 0 else 0))
+        self.best.load_state_dict(tr)
         self.scheduler.load_state_dict(meta["scheduler"])
         if meta.get("scaler"):
             self.scaler.load_state_dict(meta["scaler"])
@@ -919,8 +882,7 @@ class Trainer:
         log.info("stopped (%s) at step %d, epoch %d, iter %d; final evaluation skipped", s.stop_reason,
                  s.global_step, s.epoch, s.iter)
         if self.run_dir is not None:
-            if self._stop_file_used:
-                stop_file(self.run_dir).unlink(missing_ok=True)  # consumed: must not stop the resumed run
+            self.stop_agreement.consume()  # consumed: must not stop the resumed run
             append_provenance(self.run_dir, {}, {"time": now_iso(), "kind": "stop", "reason": s.stop_reason,
                                                  "step": s.global_step, "epoch": s.epoch, "iter": s.iter})
 

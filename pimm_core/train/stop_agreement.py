@@ -1,0 +1,83 @@
+"""Every rank stops at the same optimizer step, for whichever reason any of them has.
+
+The sources of a stop are a :class:`~pimm_core.stop.StopRequest` (signals, ``request()``
+from any thread or a callback) and the run's ``control/stop`` file (``pimm stop``, the
+console), which rank 0 polls at most once a second (one ``stat``; no per-sample I/O).
+At each accumulation-window boundary :meth:`StopAgreement.agree` returns the same
+verdict on every rank: one all-reduce (MAX) of a flag; only when some rank wants to stop
+are the reasons gathered, and the lowest rank's reason wins (no deadlock, no rank left
+training alone).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from .. import dist
+from ..stop import StopRequest, read_stop_file, stop_file
+
+log = logging.getLogger("pimm")
+
+
+class StopAgreement:
+    """Agree on stopping across ranks.
+
+    Args:
+        stop: the request this run obeys (``trainer.stop``).
+        info: this process's rank layout.
+        run_dir: the run directory whose ``control/stop`` rank 0 polls (None: no file).
+        device: where the all-reduced flag lives (the training device).
+        poll_every_s: the least time between two polls of ``control/stop``.
+    """
+
+    def __init__(self, stop: StopRequest, info: dist.DistInfo, run_dir: Path | None, device: torch.device, *,
+                 poll_every_s: float = 1.0):
+        self.stop, self.info, self.run_dir, self.device = stop, info, run_dir, device
+        self.poll_every_s = poll_every_s
+        self._last_poll = float("-inf")
+        self.file_used = False  # the stop came from control/stop: consume it once the stop is recorded
+
+    def discard_stale(self) -> None:
+        """At the start of a session: a ``control/stop`` left from an earlier one never stops this run."""
+        if self.run_dir is None or not self.info.is_main or not stop_file(self.run_dir).exists():
+            return
+        req = read_stop_file(self.run_dir) or {}
+        log.warning("ignoring a stop request left from an earlier session (%s, reason %r); removed %s",
+                    time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(req.get("time", 0))), req.get("reason"),
+                    stop_file(self.run_dir))
+        stop_file(self.run_dir).unlink(missing_ok=True)
+
+    def poll(self) -> None:
+        """Rank 0: turn ``control/stop`` into a stop request (at most once per ``poll_every_s``)."""
+        now = time.monotonic()
+        if self.run_dir is None or not self.info.is_main or now - self._last_poll < self.poll_every_s:
+            return
+        self._last_poll = now
+        if stop_file(self.run_dir).exists():
+            req = read_stop_file(self.run_dir) or {}
+            self.file_used = True
+            self.stop.request(str(req.get("reason") or "operator"))
+
+    def agree(self) -> str | None:
+        """The reason to stop now, the same on every rank, or None to go on."""
+        if self.stop.reason is None:
+            self.poll()
+        if not self.info.distributed:
+            return self.stop.reason
+        flag = torch.tensor([0 if self.stop.reason is None else 1], device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if not flag.item():
+            return None
+        reason = next(r for r in dist.all_gather_object(self.stop.reason) if r is not None)
+        self.stop.request(reason)
+        return reason
+
+    def consume(self) -> None:
+        """Rank 0, after the stop is recorded: remove the ``control/stop`` that caused it, so
+        that it does not stop the resumed run."""
+        if self.file_used and self.run_dir is not None and self.info.is_main:
+            stop_file(self.run_dir).unlink(missing_ok=True)
