@@ -4,7 +4,7 @@ On VMs with free page reporting (this project's Firecracker machines boot with
 ``page_reporting.page_reporting_order=11``) the guest hands memory that has been free for
 about a second back to the host, and faulting it in again is slow. A checkpoint write
 that reuses pages freed just before (pimm releases the previous checkpoint's page cache
-right before writing the next, ``pimm_core.checkpoint.atomic.release_cached_pages``)
+right before writing the next, ``pimm_core.fsio.release_cached_pages``)
 runs at memory speed; one that takes pages freed earlier pays the host faults.
 
 For each pause in ``--pauses``: write ``--mib`` MiB to a file, remove it, sleep the pause,

@@ -16,10 +16,14 @@ def __getattr__(name: str) -> Any:
         from . import trainer
 
         return getattr(trainer, name)
-    if name in ("load_weights", "export_weights"):
-        from .checkpoint import weights
+    if name == "load_weights":
+        from .checkpoint.weights import load_weights
 
-        return getattr(weights, name)
+        return load_weights
+    if name == "export_weights":
+        from .checkpoint.export import export_weights
+
+        return export_weights
     if name == "StopRequest":
         from .stop import StopRequest
 

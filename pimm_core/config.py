@@ -389,7 +389,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
 
 def write_config(cfg: Config, path: Path) -> None:
     """Write the resolved config as TOML (tomli-w) atomically."""
-    from .checkpoint.atomic import atomic_write_bytes
+    from .fsio import atomic_write_bytes
 
     atomic_write_bytes(path, tomli_w.dumps(cfg.to_dict()).encode())
 

@@ -48,7 +48,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from .checkpoint.atomic import atomic_write_bytes
+from .fsio import atomic_write_bytes
 from .errors import UsageError
 from .run import STATUS, now_iso, read_json
 from .shell import command

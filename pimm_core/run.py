@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .checkpoint.atomic import atomic_write_bytes
+from .fsio import atomic_write_bytes
 
 CONFIG = "config.toml"
 PROVENANCE = "provenance.json"

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from .checkpoint.atomic import atomic_write_bytes
+from .fsio import atomic_write_bytes
 
 CONTROL_DIR = "control"
 STOP_FILE = "stop"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pimm_core.checkpoint import atomic
-from pimm_core.checkpoint.atomic import atomic_write_bytes
+from pimm_core import fsio as atomic
+from pimm_core.fsio import atomic_write_bytes
 from pimm_core.checkpoint.selection import select_resume
 from pimm_core.checkpoint.standard import rotate_into_place, wait_for_purges
 

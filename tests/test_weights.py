@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch import nn
 
+from pimm_core.checkpoint.export import export_weights
 from pimm_core.checkpoint.sources import IncompleteCheckpointError, WeightNotFoundError
 from pimm_core.checkpoint.weights import (
     DEFAULT_KEY_RULES,
     WarmStartReport,
     apply_key_rules,
-    export_weights,
     load_weights,
     read_weight_sets,
     resolve_weight_source,

@@ -45,11 +45,13 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, UsageError
-from .atomic import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, remove_tree
+from ..fsio import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, remove_tree
 from .manifest import sha256_file
 from .sources import BIN, SAFETENSORS, checkpoint_record, find_run_dir, is_remote
 from .weights import (
     DEFAULT_KEY_RULES,
+    _check_unwrapped,
+    read_weight_sets,
     StateDict,
     WEIGHT_SETS,
     apply_key_rules,
@@ -396,8 +398,6 @@ def load_exported(model: nn.Module, out_dir: str | os.PathLike[str], *, retie_pa
         WeightNotFoundError: no model file in ``out_dir``.
         CheckpointError: unreadable file, or keys/shapes that differ from the model.
     """
-    from .weights import _check_unwrapped
-
     _check_unwrapped(model)
     path = resolve_weight_source(out_dir)
     sets, info = read_checkpoint(path)
@@ -432,3 +432,35 @@ def _tie(model: nn.Module, alias: str, kept: str) -> None:
         if a_name in at and k_name in kt and at[a_name] is not kt[k_name] and kt[k_name] is not None:
             at[a_name] = kt[k_name]
             return
+
+
+def export_weights(checkpoint: str | os.PathLike[str], path: str | os.PathLike[str], *,
+                   weights: str = "raw") -> None:
+    """Write one weight set of a saved checkpoint as an ordinary state dict.
+
+    No DDP or compile prefixes. The output is chosen by ``path``'s suffix:
+
+    - ``.safetensors``: one safetensors file (tied tensors stored once; the aliases are
+      in its ``pimm.aliases`` metadata and :func:`read_weight_sets` re-ties them);
+    - ``.bin``, ``.pth``, ``.pt``: ``torch.save`` of the state dict;
+    - anything else: an export directory, as :func:`export`
+      writes it (``model.safetensors``, ``config.json`` when found, ``export.json``);
+      an existing non-empty directory is refused.
+
+    The file is written atomically (temporary name, fsync, rename).
+
+    Raises:
+        UsageError: bad ``weights``; ``path`` is an existing non-empty directory.
+        WeightNotFoundError, IncompleteCheckpointError, CheckpointError: as :func:`load_weights`.
+    """
+    out = Path(path)
+    if out.suffix in (".safetensors", ".bin", ".pth", ".pt"):
+        src = resolve_weight_source(checkpoint)
+        sd = apply_key_rules(select_weight_set(read_weight_sets(src), weights, checkpoint))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.suffix == ".safetensors":
+            write_safetensors(sd, out, metadata={"pimm.weights": weights})
+        else:
+            write_bin(sd, out)
+        return
+    export(checkpoint, out, weights=weights)

@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from ..errors import CheckpointError, CheckpointParseError
-from .atomic import fsync_dir
+from ..fsio import fsync_dir
 from .manifest import sha256_file, write_manifest
 from .selection import LEGACY_LAST
 from .safe_read import load_torch_file

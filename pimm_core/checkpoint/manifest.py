@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .atomic import atomic_write_bytes
+from ..fsio import atomic_write_bytes
 
 MANIFEST = "manifest.json"
 COMPLETE = ".complete"

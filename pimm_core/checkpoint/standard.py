@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from .. import dist
 from ..dist import DistInfo
 from ..errors import CheckpointError, CheckpointParseError, CheckpointSaveError
-from .atomic import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, release_cached_pages, remove_tree
+from ..fsio import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, release_cached_pages, remove_tree
 from .follow import FollowingHasher
 from .manifest import COMPLETE, MANIFEST, describe_files, write_manifest
 from .mapped_reader import MappedFileSystemReader

@@ -533,37 +533,3 @@ def load_weights(model: nn.Module, checkpoint: str | os.PathLike[str], *, weight
     check_strict(model, sd, str(path))
     with torch.no_grad():
         model.load_state_dict(sd, strict=True)
-
-
-def export_weights(checkpoint: str | os.PathLike[str], path: str | os.PathLike[str], *,
-                   weights: str = "raw") -> None:
-    """Write one weight set of a saved checkpoint as an ordinary state dict.
-
-    No DDP or compile prefixes. The output is chosen by ``path``'s suffix:
-
-    - ``.safetensors``: one safetensors file (tied tensors stored once; the aliases are
-      in its ``pimm.aliases`` metadata and :func:`read_weight_sets` re-ties them);
-    - ``.bin``, ``.pth``, ``.pt``: ``torch.save`` of the state dict;
-    - anything else: an export directory, as :func:`pimm_core.checkpoint.export.export`
-      writes it (``model.safetensors``, ``config.json`` when found, ``export.json``);
-      an existing non-empty directory is refused.
-
-    The file is written atomically (temporary name, fsync, rename).
-
-    Raises:
-        UsageError: bad ``weights``; ``path`` is an existing non-empty directory.
-        WeightNotFoundError, IncompleteCheckpointError, CheckpointError: as :func:`load_weights`.
-    """
-    from . import export as _export
-
-    out = Path(path)
-    if out.suffix in (".safetensors", ".bin", ".pth", ".pt"):
-        src = resolve_weight_source(checkpoint)
-        sd = apply_key_rules(select_weight_set(read_weight_sets(src), weights, checkpoint))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.suffix == ".safetensors":
-            _export.write_safetensors(sd, out, metadata={"pimm.weights": weights})
-        else:
-            _export.write_bin(sd, out)
-        return
-    _export.export(checkpoint, out, weights=weights)
