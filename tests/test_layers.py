@@ -1,0 +1,151 @@
+"""The import-layer rule: each module imports only from its own layer or the layers below.
+
+Layers, bottom to top (a module's layer is the longest prefix below that names it):
+
+0. **fsio**: ``errors``, ``faults`` (fault-injection points), ``fsio`` (atomic write,
+   directory swap, fsync). Standard library only.
+1. **run**: the run directory and the process it runs in: ``run``, ``status``,
+   ``metrics``, ``lock``, ``stop``, ``shell``, ``console_log``, ``config``,
+   ``topology``, and ``dist`` (the process group; the checkpoint formats and the
+   stop agreement both need it, and it imports nothing of pimm's).
+2. **checkpoint**: ``checkpoint.*``. Inside it nothing imports ``checkpoint.export``
+   (export reads weights, never the other way round).
+3. **train** (``trainer``, ``train.*``, ``schedule``, ``ema``, ``data``, ``models``)
+   and **watch** (``runview``: what the console and ``checkpoints diff`` read), two
+   independent siblings: neither imports the other.
+4. **cli**: ``launch``, ``cli``/``cli.*``, ``cli_export``, ``utils.*``, and the
+   ``pimm`` alias package.
+5. **console**: ``pimm_tui``.
+
+Every import counts, including ones inside functions (a lazy import is still a
+dependency); :data:`ALLOWED` lists the few upward ones that are the point of their
+module, each with its reason. ``import pimm_core`` alone (the package's lazy
+``__getattr__``) is not a dependency on any layer. The run-time checks that the
+scripting commands do not import torch and ``pimm_core`` does not import Textual are
+in ``test_checkpoints_cli.py`` and ``test_tui_cli.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("pimm_core", "pimm_tui", "pimm")
+
+#: (layer rank, layer name); siblings share a rank but may not import each other.
+LAYERS: dict[str, tuple[int, str]] = {
+    "pimm_core.errors": (0, "fsio"),
+    "pimm_core.faults": (0, "fsio"),
+    "pimm_core.fsio": (0, "fsio"),
+    "pimm_core.run": (1, "run"),
+    "pimm_core.status": (1, "run"),
+    "pimm_core.metrics": (1, "run"),
+    "pimm_core.lock": (1, "run"),
+    "pimm_core.stop": (1, "run"),
+    "pimm_core.shell": (1, "run"),
+    "pimm_core.console_log": (1, "run"),
+    "pimm_core.config": (1, "run"),
+    "pimm_core.topology": (1, "run"),
+    "pimm_core.dist": (1, "run"),
+    "pimm_core.checkpoint": (2, "checkpoint"),
+    "pimm_core.trainer": (3, "train"),
+    "pimm_core.train": (3, "train"),
+    "pimm_core.schedule": (3, "train"),
+    "pimm_core.ema": (3, "train"),
+    "pimm_core.data": (3, "train"),
+    "pimm_core.models": (3, "train"),
+    "pimm_core.runview": (3, "watch"),
+    "pimm_core.watch": (3, "watch"),
+    "pimm_core.launch": (4, "cli"),
+    "pimm_core.cli": (4, "cli"),
+    "pimm_core.cli_export": (4, "cli"),
+    "pimm_core.utils": (4, "cli"),
+    "pimm": (4, "cli"),
+    "pimm_tui": (5, "console"),
+}
+
+#: Upward imports that are the point of their module: (importer prefix, imported prefix) -> why.
+ALLOWED: dict[tuple[str, str], str] = {
+    ("pimm_core.cli", "pimm_tui"): "`pimm tui` starts the console (imported only when that command runs)",
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def layer_of(module: str) -> tuple[int, str] | None:
+    best = None
+    for prefix, layer in LAYERS.items():
+        if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > len(best[0])):
+            best = (prefix, layer)
+    return best[1] if best else None
+
+
+def imports_of(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The pimm modules ``module`` imports (anywhere in the file), resolved to known module names."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = module.split(".") if is_package else module.split(".")[:-1]
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            for alias in node.names:
+                child = f"{base}.{alias.name}"
+                found.add(child if child in known else base)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m in known and m != module and m not in PACKAGES[:1]}
+
+
+def violations() -> list[str]:
+    known = _modules()
+    bad = []
+    for module, path in known.items():
+        if module in PACKAGES:  # the packages' own __init__: lazy re-exports of the public API
+            continue
+        mine = layer_of(module)
+        if mine is None:
+            bad.append(f"{module}: no layer; add it to LAYERS in tests/test_layers.py")
+            continue
+        for target in sorted(imports_of(module, path, known)):
+            theirs = layer_of(target)
+            if theirs is None:
+                continue  # reported as its own module above
+            upward = theirs[0] > mine[0] or (theirs[0] == mine[0] and theirs[1] != mine[1])
+            back_to_export = (target == "pimm_core.checkpoint.export" and mine[1] == "checkpoint"
+                              and module != target)
+            if (upward or back_to_export) and not any(
+                    (module == a or module.startswith(a + ".")) and (target == b or target.startswith(b + ".")) for a, b in ALLOWED):
+                bad.append(f"{module} ({mine[1]}) imports {target} ({theirs[1]})")
+    return bad
+
+
+def test_every_module_imports_only_its_layer_or_below() -> None:
+    assert violations() == []
+
+
+def test_the_rule_sees_an_upward_import(tmp_path: Path, monkeypatch) -> None:
+    """The checker itself: an upward import (run -> trainer) and one back to export are reported."""
+    fake = {"pimm_core.run": tmp_path / "run.py", "pimm_core.trainer": tmp_path / "trainer.py",
+            "pimm_core.checkpoint.weights": tmp_path / "weights.py",
+            "pimm_core.checkpoint.export": tmp_path / "export.py"}
+    fake["pimm_core.run"].write_text("def f():\n    from .trainer import Trainer\n")
+    fake["pimm_core.trainer"].write_text("from .run import STATUS\n")
+    fake["pimm_core.checkpoint.weights"].write_text("from . import export\n")
+    fake["pimm_core.checkpoint.export"].write_text("from .weights import x\n")
+    monkeypatch.setitem(globals(), "_modules", lambda: fake)
+    assert sorted(violations()) == [
+        "pimm_core.checkpoint.weights (checkpoint) imports pimm_core.checkpoint.export (checkpoint)",
+        "pimm_core.run (run) imports pimm_core.trainer (train)",
+    ]
