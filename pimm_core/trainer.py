@@ -52,6 +52,7 @@ from .models import build_model
 from .stop import StopRequest
 from .schedule import WarmupCosine
 from .train.best import BestTracker
+from .train.step import SKIPPED, STOP, WindowStep
 from .train.stop_agreement import StopAgreement
 from .run import CONFIG, LOG, METRICS, STATUS, MetricsWriter, append_provenance, launch_record, read_json, code_version, now_iso, read_metrics, write_status
 from .topology import config_diff, finished_message, is_finished, plan_resume
@@ -523,8 +524,12 @@ class Trainer:
         ckpt = self.config.checkpoint
         accum = t.grad_accum
         n_micro = self.micro_batches_per_epoch
-        model, optimizer, scheduler, scaler = self.model, self.optimizer, self.scheduler, self.scaler
+        model, scheduler = self.model, self.scheduler
         model.train()
+        # (the async saver's staging must finish copying the weights before the optimizer step)
+        step = WindowStep(model, self.optimizer, self.scaler, self.ema, t, autocast=self._autocast,
+                          distributed=self.info.distributed,
+                          before_step=self._async.wait_staged if self._async is not None else None)
         progress = _Progress(self.info.is_main, total=self._total)
         progress.start(s.global_step)
         evaluated_at_end = False
@@ -545,20 +550,14 @@ class Trainer:
                     x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
                     window_len = min(accum, n_micro - window_start)
                     last_in_window = s.iter + 1 == window_start + window_len
-                    sync = contextlib.nullcontext() if (last_in_window or not self.info.distributed) else model.no_sync()
-                    with sync:
-                        with self._autocast():
-                            loss = F.cross_entropy(model(x), y) / window_len
-                        scaler.scale(loss).backward()
-                    window_loss += loss.detach()
+                    window_loss += step.backward(x, y, window_len=window_len, last_in_window=last_in_window)
                     s.iter += 1
                     samples += len(y)
                     if not last_in_window:
                         continue
-                    finite = self._gradients_finite(t)
-                    if not finite and t.on_nonfinite == "stop":
+                    outcome = step.finish()
+                    if outcome == STOP:
                         # nothing of this window is applied: `last` keeps the weights from before it
-                        optimizer.zero_grad(set_to_none=True)
                         s.error = (f"non-finite loss or gradient at step {s.global_step + 1} (epoch {epoch}, "
                                    f"iter {s.iter}); the step was not applied")
                         self.stop.request(s.error)
@@ -572,17 +571,9 @@ class Trainer:
                             break
                         stop_at_epoch_end = True
                         break
-                    if self._async is not None:
-                        self._async.wait_staged()  # a background save may still be copying the weights
-                    if finite or t.on_nonfinite == "continue":
-                        scaler.step(optimizer)
-                        scaler.update()
-                    elif self.info.is_main:
+                    if outcome == SKIPPED and self.info.is_main:
                         log.warning("warning: non-finite loss or gradient at step %d: step skipped "
                                     "(train.on_nonfinite = 'skip')", s.global_step + 1)
-                    optimizer.zero_grad(set_to_none=True)
-                    if self.ema is not None:
-                        self.ema.update(unwrap(model))
                     lr = scheduler.get_last_lr()[0]
                     scheduler.step()
                     s.global_step += 1
@@ -844,24 +835,6 @@ class Trainer:
             return [f"LR schedule differs from the interrupted run: at step {last['step']} the log says "
                     f"{last.get('lr')}, this config gives {expected}"]
         return []
-
-    def _gradients_finite(self, t: TrainConfig) -> bool:
-        """Unscale, clip (``train.grad_clip``) and say whether the window's gradients are finite.
-
-        The check is on the total gradient norm: after DDP's all-reduce every rank holds
-        the same gradients, so every rank reaches the same verdict without a collective
-        (a NaN loss on one rank makes the averaged gradients NaN everywhere). With
-        ``amp = "fp16"`` the GradScaler's own skip-and-rescale handles overflow instead.
-        """
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if t.grad_clip:
-            self.scaler.unscale_(self.optimizer)
-            norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
-        elif t.on_nonfinite == "continue" or self.scaler.is_enabled():
-            return True
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        return self.scaler.is_enabled() or bool(torch.isfinite(norm))
 
     def _check_finite(self) -> None:
         """A run whose weights are NaN/Inf never ends as ``done`` with exit 0.

@@ -1,0 +1,96 @@
+"""The train step: accumulation windows of micro-batches and the optimizer step that ends one.
+
+For each micro-batch, :meth:`WindowStep.backward` runs forward (under autocast) and
+backward with the loss divided by the window's length, so the accumulated gradient is
+the mean over the micro-batches the window actually holds; under DDP the gradient
+all-reduce happens only on the window's last micro-batch (``no_sync`` before). At the
+window's end :meth:`WindowStep.finish` unscales and clips (``train.grad_clip``, the
+global L2 norm), applies the ``train.on_nonfinite`` policy, steps the optimizer through
+the AMP GradScaler, clears the gradients and updates the EMA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import TrainConfig
+from ..ema import EMA
+from ..checkpoint.standard import unwrap
+
+APPLIED, SKIPPED, STOP = "applied", "skipped", "stop"
+
+
+class WindowStep:
+    """Forward/backward per micro-batch and one optimizer step per window.
+
+    Args:
+        model: the (DDP-wrapped, where distributed) model.
+        optimizer, scaler: stepped at the end of each window.
+        ema: updated after each applied or skipped step (None: no EMA).
+        train: ``grad_clip`` and ``on_nonfinite`` are read from it.
+        autocast: a context-manager factory for the forward pass (mixed precision).
+        distributed: the model is DDP (use ``no_sync`` inside a window).
+        loss_fn: ``(outputs, targets) -> scalar loss`` (cross-entropy by default).
+        before_step: called just before the optimizer step (e.g. an async save's staging
+            must finish copying the weights first).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                 ema: EMA | None, train: TrainConfig, *, autocast: Callable[[], contextlib.AbstractContextManager],
+                 distributed: bool, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+                 before_step: Callable[[], None] | None = None):
+        self.model, self.optimizer, self.scaler, self.ema, self.train = model, optimizer, scaler, ema, train
+        self.autocast, self.distributed, self.loss_fn, self.before_step = autocast, distributed, loss_fn, before_step
+
+    def backward(self, x: torch.Tensor, y: torch.Tensor, *, window_len: int, last_in_window: bool) -> torch.Tensor:
+        """One micro-batch; returns its (detached) share of the window's mean loss."""
+        sync = contextlib.nullcontext() if (last_in_window or not self.distributed) else self.model.no_sync()
+        with sync:
+            with self.autocast():
+                loss = self.loss_fn(self.model(x), y) / window_len
+            self.scaler.scale(loss).backward()
+        return loss.detach()
+
+    def gradients_finite(self) -> bool:
+        """Unscale, clip (``train.grad_clip``) and say whether the window's gradients are finite.
+
+        The check is on the total gradient norm: after DDP's all-reduce every rank holds
+        the same gradients, so every rank reaches the same verdict without a collective
+        (a NaN loss on one rank makes the averaged gradients NaN everywhere). With
+        ``amp = "fp16"`` the GradScaler's own skip-and-rescale handles overflow instead.
+        """
+        t = self.train
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if t.grad_clip:
+            self.scaler.unscale_(self.optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        elif t.on_nonfinite == "continue" or self.scaler.is_enabled():
+            return True
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        return self.scaler.is_enabled() or bool(torch.isfinite(norm))
+
+    def finish(self) -> str:
+        """End the window: :data:`APPLIED`, :data:`SKIPPED` (non-finite, ``on_nonfinite = "skip"``)
+        or :data:`STOP` (non-finite, ``"stop"``: nothing applied, the caller stops the run)."""
+        finite = self.gradients_finite()
+        if not finite and self.train.on_nonfinite == "stop":
+            self.optimizer.zero_grad(set_to_none=True)
+            return STOP
+        if self.before_step is not None:
+            self.before_step()
+        outcome = APPLIED
+        if finite or self.train.on_nonfinite == "continue":
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            outcome = SKIPPED
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update(unwrap(self.model))
+        return outcome
