@@ -31,7 +31,6 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -52,6 +51,7 @@ from .models import build_model
 from .stop import StopRequest
 from .schedule import WarmupCosine
 from .train.best import BestTracker
+from .train.evaluator import Evaluator
 from .train.step import SKIPPED, STOP, WindowStep
 from .train.stop_agreement import StopAgreement
 from .run import CONFIG, LOG, METRICS, STATUS, MetricsWriter, append_provenance, launch_record, read_json, code_version, now_iso, read_metrics, write_status
@@ -153,6 +153,7 @@ class Trainer:
         self.callbacks: list[Callable[["Trainer"], None]] = []
         self.stop_agreement = StopAgreement(self.stop, self.info, self.run_dir, self.device)
         self.best = BestTracker(config.eval.metric, config.eval.mode)
+        self.evaluator = Evaluator(self.val_loader, self.device, self._autocast, config.eval.weights)
         self._pids = [os.getpid()]
         self._log_handler: logging.Handler | None = None
         self._detach_console: Callable[[], None] = lambda: None
@@ -272,31 +273,14 @@ class Trainer:
             self._metrics.write(record)
 
     # ------------------------------------------------------------- evaluation
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Accuracy and mean cross-entropy on the validation split, summed exactly over ranks.
-
-        Evaluates the raw weights, or the EMA weights when ``eval.weights = "ema"``.
+        """Metrics of the validation split (:class:`~pimm_core.train.evaluator.Evaluator`): the raw
+        weights, or the EMA weights when ``eval.weights = "ema"``.
 
         Returns:
             ``{"val/acc": fraction in [0, 1], "val/loss": nats per sample}``.
         """
-        model = unwrap(self.model)
-        was_training = model.training
-        model.eval()
-        use_ema = self.config.eval.weights == "ema" and self.ema is not None
-        ema_sd = self.ema.state_dict_for(model) if use_ema else None
-        totals = torch.zeros(3, dtype=torch.float64)
-        for x, y, _ in self.val_loader:
-            x, y = x.to(self.device), y.to(self.device)
-            with self._autocast():
-                logits = torch.func.functional_call(model, ema_sd, (x,)) if use_ema else model(x)
-            totals[0] += F.cross_entropy(logits.float(), y, reduction="sum").item()
-            totals[1] += (logits.argmax(1) == y).sum().item()
-            totals[2] += len(y)
-        dist.all_reduce_sum(totals)
-        model.train(was_training)
-        return {"val/acc": float(totals[1] / totals[2]), "val/loss": float(totals[0] / totals[2])}
+        return self.evaluator.evaluate(self.model, self.ema)
 
     # ------------------------------------------------------------ checkpoints
     def _meta(self) -> dict[str, Any]:
