@@ -1,0 +1,111 @@
+"""The ``pimm`` command line (Typer).
+
+Commands: ``launch`` (train), ``checkpoints ls|latest|verify`` (torch-free scripting).
+
+Errors a person can fix print one line, ``error: <what> ...<how to fix>``, and exit
+with 2 (usage, input) or 1 (an operation failed); never a traceback. Heavy modules
+(torch) are imported inside the commands that need them, so the scripting commands
+answer in a fraction of a second.
+
+One module per command group, each a Typer sub-app joined to the root app here with
+``add_typer``: :mod:`.train` (``launch``, ``resume``, ``stop``), :mod:`.checkpoints`
+(``checkpoints ls|latest|verify|diff``, torch-free), :mod:`.export` (``export``) and
+:mod:`.console` (``tui``). This module holds the root app, the shared :class:`Command`
+(plain help and usage lines) and the entry points :func:`main` and :func:`run`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+import typer.core
+
+from ..errors import RANK_ERRORS_ENV, PimmError, is_peer_loss, report
+
+
+class Command(typer.core.TyperCommand):
+    """Usage lines in the usual style (``RUN_DIR``, ``[OVERRIDES]...``), not Typer's ``{run_dir}``."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if isinstance(param, typer.core.TyperArgument):
+                name = (param.metavar or param.name or "").upper()
+                pieces.append((name if param.required else f"[{name}]") + ("..." if param.nargs != 1 else ""))
+        return pieces
+
+
+# Plain (click) help: flags without a <bool> placeholder, choices as [a|b], pipe-friendly.
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
+                  help="pimm: a PyTorch training engine that never loses a run.")
+
+_ARGV: list[str] = []  # this process's command line (``launch`` hands it on to the ranks it spawns)
+
+# The command groups (imported after Command, which they use). Unnamed sub-apps add their
+# commands to the root; the order here is the order of `pimm --help`.
+from . import checkpoints, console, export, train  # noqa: E402
+
+app.add_typer(export.app)
+app.add_typer(train.app)
+app.add_typer(console.app)
+app.add_typer(checkpoints.app, name="checkpoints")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"pimm {version('pimm')}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(_: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print pimm's version and exit.")) -> None:
+    """pimm: a PyTorch training engine that never loses a run."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``pimm`` console script; returns the exit code."""
+    global _ARGV
+    _ARGV = list(sys.argv[1:] if argv is None else argv)
+    try:
+        # With standalone_mode=False Typer returns (not raises) the code of typer.Exit.
+        rc = app(args=_ARGV, prog_name="pimm", standalone_mode=False)
+    except PimmError as e:
+        report(e)  # one line; a rank under `pimm launch --nproc-per-node` hands it to the launcher
+        return e.exit_code
+    except typer.Exit as e:
+        return e.exit_code
+    except typer.TyperException as e:  # Typer's usage errors (unknown option, bad value)
+        print(f"error: {e.format_message()}; see `pimm --help`", file=sys.stderr)
+        return 2
+    except typer.Abort:
+        print("error: aborted", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except RuntimeError as e:
+        # A rank under `pimm launch` whose peer died: the collective it was in fails here. Hand
+        # the launcher a one-line note (it reports the rank that died) instead of a traceback.
+        if os.environ.get(RANK_ERRORS_ENV) and is_peer_loss(e):
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            report(PimmError(f"lost contact with another rank ({first[:200]})"), secondary=True)
+            return 1
+        raise
+    return rc if isinstance(rc, int) else 0
+
+
+def run() -> None:
+    """Console-script entry: :func:`main`, then exit ignoring further SIGINT/SIGTERM, so a
+    repeated Ctrl-C after a clean stop cannot turn the exit (DataLoader worker shutdown)
+    into a traceback or a signal exit code."""
+    import signal
+
+    code = main()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(code)

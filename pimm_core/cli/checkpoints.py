@@ -1,0 +1,187 @@
+"""``pimm checkpoints ls|latest|verify|diff``: inspect a run's checkpoints for scripts.
+
+Torch-free (a test checks that these commands never import torch): the checkpoint
+modules they use are imported inside each command.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import PimmError, UsageError
+from ..shell import command
+from . import Command
+
+app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Inspect checkpoints without importing torch.")
+
+NO_VERIFY_HELP = ("Skip the sha256 pass: pick by completeness only (faster on large checkpoints; "
+                  "a resume still verifies and may pick another).")
+
+
+def _model_dir(path: Path) -> Path:
+    """Accept a run directory or its model/ directory."""
+    if not path.exists():
+        raise UsageError(f"{path} does not exist; pass a run directory (exp/<group>/<run>) or its model/ directory")
+    if not path.is_dir():
+        raise UsageError(f"{path} is a file; pass a run directory (exp/<group>/<run>) or its model/ directory")
+    return path / "model" if (path / "model").is_dir() else path
+
+
+@app.command("latest", cls=Command)
+def checkpoints_latest(
+    model_dir: Path = typer.Argument(..., help="A run's model/ directory (or the run directory)."),
+    explain: bool = typer.Option(False, "--explain", help="List every candidate, accepted or rejected, and why."),
+    no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY_HELP),
+) -> None:
+    """Print the checkpoint a resume would load (exit 1 if there is none)."""
+    from ..checkpoint.selection import explain as explain_lines
+    from ..checkpoint.selection import select_resume
+
+    chosen, cands = select_resume(_model_dir(model_dir), verify=not no_verify)
+    if explain:
+        for line in explain_lines(cands, chosen) or ["(no candidates)"]:
+            print(line, file=sys.stderr)
+    if chosen is None:
+        raise PimmError(f"no complete checkpoint in {model_dir}; run `{command('checkpoints', 'ls', model_dir)}` "
+                        "to see what is there")
+    print(chosen.path)
+
+
+@app.command("ls", cls=Command)
+def checkpoints_ls(
+    run_dir: Path = typer.Argument(..., help="A run directory (or its model/ directory)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output (stable schema)."),
+    no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY_HELP),
+) -> None:
+    """List every checkpoint candidate and leftover, and which one resume would pick."""
+    from ..checkpoint.selection import list_candidates, select_resume
+    from ..runview import run_markers
+
+    model_dir = _model_dir(run_dir)
+    if not (run_markers(run_dir) or (run_dir.name == "model" and run_markers(run_dir.parent))
+            or list_candidates(model_dir)):
+        raise UsageError(f"{run_dir} is not a run directory (no config.toml, status.json, metrics.jsonl or "
+                         "model/) nor a model/ directory with checkpoints; pass exp/<group>/<run>")
+    chosen, cands = select_resume(model_dir, verify=not no_verify)
+    if as_json:
+        rows = [{**c.to_json(), "selected": chosen is not None and c.path == chosen.path} for c in cands]
+        print(json.dumps({"schema_version": 1, "model_dir": str(model_dir),
+                          "selected": chosen.name if chosen else None, "candidates": rows}, indent=2))
+        return
+    from rich.console import Console
+
+    console = Console()
+    rows = []
+    for c in cands:
+        mark = "*" if chosen is not None and c.path == chosen.path else ""
+        status = "complete" if c.complete else f"incomplete: {c.reason}"
+        if c.verify_problems:
+            status = f"corrupt: {'; '.join(c.verify_problems)}"
+        rows.append((mark, c.name, c.format, _s(c.step), _s(c.epoch), _s(c.iter), _size(c.size), status))
+    if console.width < 100:
+        print(str(model_dir))
+        for line in _narrow_table(rows, console.width):
+            print(line)
+    else:
+        from rich.table import Table
+
+        table = Table(title=str(model_dir))
+        for col in ("", "name", "format", "step", "epoch", "iter", "size", "status"):
+            # Names are never cut; a long status wraps in its column.
+            table.add_column(col, no_wrap=col != "status", overflow="fold" if col == "status" else "ellipsis",
+                             justify="right" if col in ("step", "epoch", "iter", "size") else "left")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    print(f"resume would select: {chosen.name if chosen else 'nothing (no complete candidate)'}")
+
+
+@app.command("verify", cls=Command)
+def checkpoints_verify(
+    target: Path = typer.Argument(..., help="A run directory, model/ directory, or one candidate."),
+) -> None:
+    """Check sizes and sha256 of checkpoint files against their manifests (exit 1 on mismatch)."""
+    from ..checkpoint.manifest import verify_files
+    from ..checkpoint.selection import list_candidates
+
+    if not target.exists():
+        raise UsageError(f"{target} does not exist; pass a run directory or a checkpoint")
+    if (target / "manifest.json").exists() or target.is_file():
+        cands = [c for c in list_candidates(target.parent) if Path(c.path) == target]
+    else:
+        cands = [c for c in list_candidates(_model_dir(target)) if c.kind != "tmp"]
+    if not cands:
+        raise UsageError(f"no checkpoint found at {target}")
+    bad = 0
+    for c in cands:
+        if c.manifest is None:
+            print(f"{c.name}: cannot verify ({c.reason or 'no manifest'})")
+            bad += 1
+            continue
+        root = Path(c.path) if Path(c.path).is_dir() else Path(c.path).parent
+        problems = verify_files(root, c.manifest.get("files", {}))
+        if not c.complete:
+            problems.insert(0, c.reason or "incomplete")
+        print(f"{c.name}: {'ok' if not problems else 'FAILED: ' + '; '.join(problems)}")
+        bad += bool(problems)
+    if bad:
+        raise typer.Exit(1)
+
+
+@app.command("diff", cls=Command)
+def checkpoints_diff(
+    run_dir: Path = typer.Argument(..., help="The run directory (exp/<group>/<run>)."),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Planned world size (ranks) of the resume."),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Candidate name (default: resume's choice)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Planned config overrides after --, e.g. -- data.num_workers=2"),
+) -> None:
+    """What the checkpoint a resume would load recorded vs. the planned resume, and the policy that applies."""
+    from ..runview import resume_diff
+
+    diff = resume_diff(run_dir, world_size=nproc_per_node, overrides=overrides or [], candidate=checkpoint)
+    print(json.dumps(diff.to_json(), indent=2) if as_json else "\n".join(diff.lines()))
+
+
+def _narrow_table(rows: list[tuple[str, ...]], width: int) -> list[str]:
+    """``checkpoints ls`` for a terminal under 100 columns: plain aligned columns, names never
+    cut, epoch and iter as one ``ep:iter`` column; the status follows on the row when it fits
+    in one line, else on the lines below it, indented and wrapped at words."""
+    import textwrap
+
+    head = ("", "name", "format", "step", "ep:iter", "size")
+    cells = [(m, n, f, st, f"{e}:{i}", sz) for m, n, f, st, e, i, sz, _ in rows]
+    widths = [max(len(r[k]) for r in [head, *cells]) for k in range(len(head))]
+    right = (False, False, False, True, False, True)
+
+    def line(r: tuple[str, ...]) -> str:
+        return " ".join(v.rjust(w) if rj else v.ljust(w) for v, w, rj in zip(r, widths, right))
+
+    out = [line(head) + "  status"]
+    indent = " " * (widths[0] + 5)
+    for r, row in zip(cells, rows):
+        text, status = line(r), row[-1]
+        if len(text) + 2 + len(status) <= width:
+            out.append(f"{text}  {status}")
+        else:
+            out.append(text.rstrip())
+            out += textwrap.wrap(status, max(20, width - len(indent)), initial_indent=indent,
+                                 subsequent_indent=indent, break_on_hyphens=False)
+    return out
+
+
+def _s(v: object) -> str:
+    return "-" if v is None else str(v)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

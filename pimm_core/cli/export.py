@@ -1,0 +1,40 @@
+"""``pimm export``: write a portable model directory from a run's checkpoint.
+
+The command's torch import happens only when it runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+import typer
+
+from . import Command
+
+app = typer.Typer()
+
+
+@app.command("export", cls=Command)
+def export_cmd(
+    checkpoint: str = typer.Argument(
+        ..., metavar="CHECKPOINT",
+        help="Checkpoint of --run-dir (last, best, final, iter_<step>), or a path / hf://org/repo."),
+    out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="Directory to create (must not exist or be empty)."),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Run directory exp/<group>/<run>."),
+    weights: Literal["raw", "ema"] = typer.Option("raw", "--weights", help="Weight set."),
+    fmt: Literal["safetensors", "bin"] = typer.Option("safetensors", "--format", help="File format."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing non-empty OUT_DIR."),
+) -> None:
+    """Export a checkpoint's weights (model.safetensors or model.bin, config.json, export.json)."""
+    import json
+
+    from ..checkpoint.export import EXPORT_JSON, export
+
+    out = export(checkpoint, out_dir, weights=weights, fmt=fmt, run_dir=run_dir, force=force)
+    rec = json.loads((out / EXPORT_JSON).read_text(encoding="utf-8"))
+    step = f"step {rec['step']}, " if rec.get("step") is not None else ""
+    files = [rec["file"], *([rec["config"]] if rec.get("config") else []), EXPORT_JSON]
+    ties = f", {len(rec['aliases'])} tied" if rec.get("aliases") else ""
+    print(f"exported {checkpoint} ({step}{rec['weights']} weights, {rec['num_tensors']} tensors{ties}) "
+          f"from {rec['source']} to {out}: {', '.join(files)}")

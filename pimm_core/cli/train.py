@@ -1,0 +1,141 @@
+"""``pimm launch``, ``pimm resume`` and ``pimm stop``: start, continue and stop a run.
+
+The work is in :mod:`pimm_core.launch` (imported when a command runs: it needs torch);
+these commands turn flags into its calls.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import PimmError, UsageError
+from ..shell import command
+from . import Command
+
+app = typer.Typer()
+
+
+@app.command(cls=Command, context_settings={"allow_interspersed_args": False})
+def launch(
+    config: Optional[Path] = typer.Option(None, "--train.config", help="TOML config file (required)."),
+    name: Optional[str] = typer.Option(None, "--run.name", help="Run name (default: the config file's stem)."),
+    no_timestamp: bool = typer.Option(False, "--run.no-timestamp", help="Do not add -YYYYmmdd-HHMMSS to the name."),
+    root: Optional[str] = typer.Option(None, "--run.root", help="Root of run directories (default: exp)."),
+    resume: bool = typer.Option(False, "--train.resume", help="Resume this run from its newest complete checkpoint."),
+    auto_resume: bool = typer.Option(False, "--train.auto-resume",
+                                     help="Resume if the run has an intact checkpoint, else start it fresh "
+                                          "(the command a cluster job repeats on every requeue)."),
+    resume_from: Optional[str] = typer.Option(None, "--train.resume-from",
+                                              help="Resume from this checkpoint directory (implies --train.resume)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what a (resumed) launch would do, then exit."),
+    weight: Optional[str] = typer.Option(None, "--train.weight",
+                                         help="Warm start: load model weights (only) from this path or hf://org/repo."),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Ranks on this node (torchrun)."),
+    nnodes: Optional[str] = typer.Option(None, "--nnodes", help="Nodes, or MIN:MAX (torchrun)."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's rank (torchrun)."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the rendezvous (torchrun)."),
+    rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend", help="Rendezvous backend, e.g. c10d (torchrun)."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Rank-0 host for static rendezvous (torchrun)."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", help="Rank-0 port for static rendezvous (torchrun)."),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Config overrides after --, e.g. -- train.epochs=3"),
+) -> None:
+    """Train a model from a config (one process, or many through torchrun)."""
+    from ..config import load_config
+    from ..launch import LaunchOptions, auto_resume as auto_resume_cfg, dry_run as plan_only, resolve_run_dir, spawn
+    from ..launch import strip_launcher_flags, train_here
+    from . import _ARGV  # this process's command line, set by main()
+
+    if config is None:
+        raise UsageError("pimm launch needs --train.config FILE (e.g. --train.config configs/digits.toml); "
+                         "to continue a run, use pimm resume RUN_DIR")
+    extra: dict[str, object] = {}
+    if name is not None:
+        extra["run.name"] = name
+    if no_timestamp:
+        extra["run.no_timestamp"] = True
+    if root is not None:
+        extra["run.root"] = root
+    if resume or resume_from:
+        extra["train.resume"] = True
+    if weight is not None:
+        extra["train.weight"] = weight
+    cfg = load_config(config, overrides or [], extra)
+    opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend, master_addr, master_port)
+    opts.check()
+    from ..dist import under_launcher
+
+    is_rank0 = not under_launcher() or os.environ.get("RANK", "0") == "0"
+    if auto_resume and not (resume or resume_from):
+        cfg = auto_resume_cfg(cfg, resolve_run_dir(cfg, config), is_main=is_rank0 and not dry_run)
+    if dry_run:
+        raise typer.Exit(plan_only(cfg, config, resume_from, opts.world_size()))
+    if opts.wants_spawn() and not under_launcher():
+        argv = strip_launcher_flags(_ARGV[_ARGV.index("launch") + 1:] if "launch" in _ARGV else [])
+        if auto_resume:  # decided here, once, for every rank
+            argv = [a for a in argv if a != "--train.auto-resume"]
+            if cfg.train.resume:
+                argv.insert(argv.index("--") if "--" in argv else len(argv), "--train.resume")
+        raise typer.Exit(spawn(cfg, config, argv, opts))
+    raise typer.Exit(train_here(cfg, config, resume_from, leftovers_ok=auto_resume))
+
+
+@app.command(cls=Command, context_settings={"allow_interspersed_args": True})
+def resume(
+    run_dir: Path = typer.Argument(..., help="The run directory (exp/<group>/<run>)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what the resume would do, then exit."),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node",
+                                                 help="Ranks on this node (default: as the run was launched)."),
+    nnodes: Optional[str] = typer.Option(None, "--nnodes", help="Nodes, or MIN:MAX (default: as recorded)."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's rank (torchrun)."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the rendezvous."),
+    rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend", help="Rendezvous backend, e.g. c10d."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Rank-0 host for static rendezvous."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", help="Rank-0 port for static rendezvous."),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Config changes after --, e.g. -- train.epochs=40"),
+) -> None:
+    """Resume a run from its own directory: its config.toml and recorded launch, plus explicit overrides."""
+    from ..dist import under_launcher
+    from ..launch import LaunchOptions, dry_run as plan_only, recorded_launch, resume_config, spawn, train_here
+
+    cfg = resume_config(run_dir, overrides or [])
+    config_path = run_dir / "config.toml"
+    if under_launcher():  # a rank (of our own spawn below, or of the user's torchrun/srun)
+        raise typer.Exit(train_here(cfg, config_path))
+    given = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend, master_addr, master_port)
+    given.check()
+    record = recorded_launch(run_dir)
+    if record.get("launcher") == "external" and nproc_per_node is None:
+        raise UsageError(f"{run_dir} was launched by an external launcher (torchrun/srun, world size "
+                         f"{record.get('world_size')}); run `{command('resume', run_dir)}` under that launcher again, "
+                         "or pass --nproc-per-node N to start the ranks here")
+    opts = LaunchOptions.recorded(record, given)
+    if dry_run:
+        print(f"launch: {opts.describe()}")
+        raise typer.Exit(plan_only(cfg, config_path, None, opts.world_size()))
+    if opts.wants_spawn():
+        worker_args = ["resume", str(run_dir), *(["--"] + list(overrides) if overrides else [])]
+        raise typer.Exit(spawn(cfg, config_path, [], opts, worker_args=worker_args))
+    raise typer.Exit(train_here(cfg, config_path))
+
+
+@app.command(cls=Command)
+def stop(
+    run_dir: Path = typer.Argument(..., help="The run directory (exp/<group>/<run>)."),
+    reason: str = typer.Option("operator", "--reason", help="Recorded as the run's stop_reason."),
+) -> None:
+    """Ask a live run to stop cleanly: it saves `last` at the next accumulation window and exits 0."""
+    from ..run import STATUS, read_json
+    from ..stop import write_stop_file
+
+    if not run_dir.is_dir() or not ((run_dir / STATUS).exists() or (run_dir / "config.toml").exists()):
+        raise UsageError(f"{run_dir} is not a run directory (no status.json or config.toml); pass exp/<group>/<run>")
+    status = read_json(run_dir / STATUS) or {}
+    state = status.get("state")
+    if state in ("finished", "stopped", "failed"):
+        raise PimmError(f"{run_dir} is not live (state {state}); nothing to stop")
+    path = write_stop_file(run_dir, reason)
+    print(f"stop requested ({reason}): wrote {path}; the run saves last and exits at its next step")
