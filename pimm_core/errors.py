@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
+
+from .fsio import atomic_write_bytes
 
 
 class PimmError(Exception):
@@ -26,6 +29,15 @@ class PimmError(Exception):
         super().__init__(message)
         if exit_code is not None:
             self.exit_code = exit_code
+
+    def __reduce__(self):
+        """Pickle with the class and exit code (``Exception``'s default drops keyword arguments),
+        so an error crosses ranks as itself (``dist.broadcast_object``), not as a string to parse."""
+        return _rebuild, (type(self), str(self), self.exit_code)
+
+
+def _rebuild(cls: type[PimmError], message: str, exit_code: int) -> PimmError:
+    return cls(message, exit_code=exit_code)
 
 
 class ConfigError(PimmError):
@@ -61,6 +73,18 @@ class CheckpointSaveError(CheckpointError):
     """Writing a checkpoint failed (disk full, I/O error); the previous one is intact."""
 
 
+def first_line(e: BaseException, *, empty: str | None = None) -> str:
+    """The first non-blank line of ``str(e)``, stripped: an error's text on one line.
+
+    Args:
+        empty: what an error without text gives; ``None``: its class name.
+    """
+    for line in str(e).splitlines():
+        if line.strip():
+            return line.strip()
+    return e.__class__.__name__ if empty is None else empty
+
+
 # A rank started by ``pimm launch --nproc-per-node`` hands its error message to the launcher
 # through a file in this directory instead of printing it: with N ranks failing together
 # (a collective save error reaches every rank) the user would otherwise read N+1 ``error:``
@@ -85,9 +109,8 @@ def report(e: PimmError, *, secondary: bool = False, file=None) -> None:
     if where and rank is not None and os.path.isdir(where):
         final = os.path.join(where, f"rank{rank}.json")
         try:
-            with open(final + ".tmp", "w") as f:
-                json.dump({"code": e.exit_code, "message": str(e), "secondary": secondary}, f)
-            os.replace(final + ".tmp", final)
+            data = json.dumps({"code": e.exit_code, "message": str(e), "secondary": secondary}).encode()
+            atomic_write_bytes(Path(final), data, durable=False)
             return
         except OSError:
             pass  # fall back to printing: a lost message is worse than an extra line

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 from .faults import point, register
 
@@ -43,8 +44,54 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
+def temp_path(path: Path) -> Path:
+    """The temporary name ``path`` is written under before its rename: ``.<name>.<pid>.tmp`` beside it."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
+
+
+def atomic_write(path: Path, write: Callable[[Path], None], *, durable: bool = True, points: str | None = "atomic",
+                 before_replace: Callable[[], None] | None = None) -> None:
+    """Replace ``path`` atomically with what ``write(tmp)`` writes to a temporary file beside it.
+
+    The one copy of the rule: write the temporary file, fsync it, rename it over ``path``,
+    fsync the directory. The temporary file is removed if any step fails.
+
+    Args:
+        durable: fsync the file and its directory. ``False`` is for frequently
+            replaced status files where atomicity matters but durability does not.
+        points: prefix of the fault-injection points fired after the write, the fsync
+            and the rename (``<points>.written``, ``.synced``, ``.renamed``); ``None``: none.
+        before_replace: called after the fsync, just before the rename (a checkpoint
+            file drops its stale sidecar manifest there).
+
+    Raises:
+        OSError: the write, fsync or rename failed (the old ``path`` is untouched).
+    """
+    path = Path(path)
+    tmp = temp_path(path)
+    try:
+        write(tmp)
+        if durable:
+            if points:
+                point(f"{points}.written", tmp)
+            fsync_file(tmp)
+            if points:
+                point(f"{points}.synced", tmp)
+        if before_replace is not None:
+            before_replace()
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        if points:
+            point(f"{points}.renamed", path)
+        fsync_dir(path.parent)
+
+
 def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = True) -> None:
-    """Replace ``path`` with ``data`` atomically.
+    """Replace ``path`` with ``data`` atomically (:func:`atomic_write`; fault points ``atomic.*``).
 
     The temporary file lives next to ``path`` (same filesystem, so ``os.replace``
     is atomic) and is removed if the write fails.
@@ -56,23 +103,12 @@ def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = True) -> None
     Raises:
         OSError: the write, fsync or rename failed (the old ``path`` is untouched).
     """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
-    try:
+
+    def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
             f.write(data)
-            f.flush()
-            if durable:
-                point("atomic.written", tmp)
-                os.fsync(f.fileno())
-                point("atomic.synced", tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if durable:
-        point("atomic.renamed", path)
-        fsync_dir(path.parent)
+
+    atomic_write(path, write, durable=durable)
 
 
 def release_cached_pages(path: Path) -> None:

@@ -407,3 +407,32 @@ def test_export_weights_files(tmp_path: Path) -> None:
     export_weights(tmp_path / "ckpt.pth", tmp_path / "outdir")
     assert (tmp_path / "outdir" / "model.safetensors").is_file()
     assert not list(tmp_path.glob("out/.*tmp"))
+
+
+def test_unwrap_follows_wrappers_only() -> None:
+    """One unwrap rule (checkpoint.state.unwrap): ``.module`` only on a data-parallel wrapper,
+    ``._orig_mod`` on a torch.compile wrapper; a model's own submodule named ``module`` stays."""
+    from pimm_core.checkpoint.standard import unwrap as standard_unwrap
+    from pimm_core.checkpoint.state import unwrap
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+            self.head = nn.Linear(2, 1)
+
+    class DistributedDataParallel(nn.Module):  # matched by name, as FSDP is
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.module = inner
+
+    class Compiled(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self._orig_mod = inner
+
+    plain = Holder()
+    assert standard_unwrap is unwrap
+    assert unwrap(plain) is plain
+    assert unwrap(Compiled(DistributedDataParallel(plain))) is plain
+    assert unwrap(nn.DataParallel(plain)) is plain

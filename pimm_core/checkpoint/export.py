@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, UsageError
-from ..fsio import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, remove_tree
+from ..fsio import atomic_write, atomic_write_bytes, fsync_dir, fsync_tree, remove_tree
 from .manifest import sha256_file
 from .sources import BIN, SAFETENSORS, checkpoint_record, find_run_dir, is_remote
 from .weights import (
@@ -189,16 +189,7 @@ def write_bin(sd: StateDict, path: Path) -> None:
 
 
 def _atomic(path: Path, write) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        fsync_file(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    atomic_write(path, write, points=None)
 
 
 # -------------------------------------------------------------------- config

@@ -37,7 +37,7 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from ..errors import CheckpointError, CheckpointParseError
+from ..errors import CheckpointError, CheckpointParseError, first_line
 from .foreign import not_a_checkpoint, sniff
 
 _DCP_CLASSES = ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
@@ -91,7 +91,7 @@ def read_dcp_metadata(path: Path) -> dcp_metadata.Metadata:
     try:
         md = _DcpMetadataUnpickler(io.BytesIO(data)).load()
     except Exception as e:  # UnpicklingError (refused global), EOFError, ValueError, TypeError, ...
-        raise CheckpointParseError(f"refusing to load {path}: {_first_line(e)}; pimm reads DCP metadata admitting "
+        raise CheckpointParseError(f"refusing to load {path}: {first_line(e)}; pimm reads DCP metadata admitting "
                                    "only DCP's metadata types and never runs code from a checkpoint") from None
     problem = _metadata_problem(md)
     if problem:
@@ -173,8 +173,3 @@ def load_failure(path: Path, e: BaseException, hint: str = "") -> str:
         return (f"refusing to load {path}: torch.load(weights_only=True) rejected it ({reason}); a checkpoint file "
                 f"may hold only tensors and plain containers and pimm never runs code from a checkpoint{hint}")
     return f"cannot load {path}: {e.__class__.__name__}: {lines[0] if lines else ''}".rstrip(": ")
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return lines[0] if lines else e.__class__.__name__

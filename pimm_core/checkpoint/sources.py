@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointParseError, UsageError
+from ..errors import CheckpointError, CheckpointParseError, UsageError, first_line
 from .foreign import directory_layout, not_a_checkpoint, sniff
 from .manifest import COMPLETE, MANIFEST, read_manifest
 from .selection import BEST, LEGACY_LAST, TRAINER_DCP, WEIGHTS, select_resume
@@ -313,7 +313,7 @@ def hub_unreachable() -> str | None:
     try:
         get_session().head(constants.ENDPOINT, timeout=timeout)
     except Exception as e:  # a connection refused or timed out, DNS, proxy, TLS
-        return f"{e.__class__.__name__}: {_first_line(e)}".rstrip(": ")
+        return f"{e.__class__.__name__}: {first_line(e, empty='')}".rstrip(": ")
     return None
 
 
@@ -376,7 +376,7 @@ def _resolve_hf(text: str) -> Path:
                 continue
             except Exception as e:  # auth, unknown repo or revision
                 raise WeightNotFoundError(
-                    f"No weight found: {text}: {e.__class__.__name__}: {_first_line(e)}") from None
+                    f"No weight found: {text}: {e.__class__.__name__}: {first_line(e, empty='')}") from None
             return Path(local).resolve()
     if offline:
         raise HubUnreachableError(
@@ -449,7 +449,7 @@ def plan_hf(text: str) -> HubFile:
                 tried.append(name)
                 continue
             except Exception as e:
-                raise WeightNotFoundError(f"No weight found: {text}: {e.__class__.__name__}: {_first_line(e)}") from None
+                raise WeightNotFoundError(f"No weight found: {text}: {e.__class__.__name__}: {first_line(e, empty='')}") from None
             local = Path(info.local_path) if getattr(info, "is_cached", False) else None
             return HubFile(name, getattr(info, "file_size", None), local)
     raise WeightNotFoundError(f"No weight found: {text}: the repository has none of {', '.join(tried)}")
@@ -475,11 +475,6 @@ def check_weight_source(source: str | os.PathLike[str], *, run_dir: Path | None 
     if sniffed.not_a_checkpoint:
         raise CheckpointParseError(not_a_checkpoint(path, sniffed.describe()))
     return path
-
-
-def _first_line(e: BaseException) -> str:
-    s = str(e).strip()
-    return s.splitlines()[0] if s else ""
 
 
 def find_run_dir(path: Path) -> Path | None:

@@ -37,31 +37,20 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from .. import dist
 from ..dist import DistInfo
-from ..errors import CheckpointError, CheckpointParseError, CheckpointSaveError
-from ..fsio import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, release_cached_pages, remove_tree
+from ..errors import CheckpointError, CheckpointParseError, CheckpointSaveError, first_line
+from ..fsio import atomic_write, atomic_write_bytes, fsync_dir, fsync_tree, release_cached_pages, remove_tree
 from .follow import FollowingHasher
 from .manifest import COMPLETE, MANIFEST, describe_files, write_manifest
 from .mapped_reader import MappedFileSystemReader
 from .safe_read import load_failure, load_torch_file
 from .selection import TRAINER_DCP, WEIGHTS, select_resume
-from .state import join_tensors, pack, split_tensors, unpack
+from .state import join_tensors, pack, split_tensors, unpack, unwrap  # noqa: F401  (unwrap: re-exported)
 from ..faults import point, register
 
 register("file.written", "file.synced", "file.renamed", "standard.prepared", "standard.dcp_written",
          "standard.dcp_complete", "standard.weights_written", "standard.synced", "standard.manifest_written",
          "standard.complete_written", "rotate.old_prev_removed", "rotate.renamed_to_prev", "rotate.renamed_into_place",
          "rotate.prev_removed")
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module under DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
-    while True:
-        if hasattr(model, "module") and isinstance(model.module, nn.Module):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        else:
-            return model
 
 
 # DCP warns "assuming the intent is to save/load in a single process" whenever no process
@@ -114,23 +103,16 @@ def save_torch_file(path: Path, obj: Any) -> None:
     rename and the new sidecar leaves an intact file without a manifest (resumable, the file
     is the authority) rather than one whose checksum no longer matches (rejected as corrupt).
     """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     release_cached_pages(path)  # the file being replaced: its pages are reused by the write
-    try:
-        torch.save(obj, tmp)  # zip CRCs as torch.save is set (see without_zip_crc32)
-        point("file.written", tmp)
-        fsync_file(tmp)
-        point("file.synced", tmp)
-        sidecar = path.with_name(path.name + ".json")
+    sidecar = path.with_name(path.name + ".json")
+
+    def drop_sidecar() -> None:
         if sidecar.exists():
             sidecar.unlink()
             fsync_dir(path.parent)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    point("file.renamed", path)
-    fsync_dir(path.parent)
+
+    # torch.save: zip CRCs as it is set (see without_zip_crc32)
+    atomic_write(path, lambda tmp: torch.save(obj, tmp), points="file", before_replace=drop_sidecar)
 
 
 def rotate_into_place(tmp: Path, final: Path) -> None:
@@ -326,8 +308,7 @@ def publish(tmp: Path, final: Path, weights: dict[str, Any], manifest: dict[str,
 def _short(e: BaseException) -> str:
     if isinstance(e, OSError) and e.filename:
         return f"{e.filename}: {e.strerror or e}"
-    text = str(e).strip().splitlines()
-    return f"{e.__class__.__name__}: {text[0] if text else ''}"
+    return f"{e.__class__.__name__}: {first_line(e, empty='')}"
 
 
 def _cleanup(tmp: Path) -> None:

@@ -93,3 +93,22 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss_next))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def is_parallel_wrapper(model: Any) -> bool:
+    """True for a data-parallel wrapper (DDP, DataParallel, FSDP) whose ``.module`` is the model."""
+    return isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)) or \
+        type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module under data-parallel (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers.
+
+    The one rule: ``.module`` is followed only on a data-parallel wrapper, so a user's model
+    with a submodule named ``module`` is not mistaken for one.
+    """
+    while True:
+        inner = getattr(model, "module", None) if is_parallel_wrapper(model) else getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner

@@ -42,6 +42,7 @@ from torch import nn
 
 from ..errors import CheckpointError, CheckpointParseError, UsageError
 from .safe_read import load_torch_file
+from .state import is_parallel_wrapper, unwrap
 from .sources import (  # noqa: F401  (re-exported: the weights API in one place)
     IncompleteCheckpointError,
     WeightNotFoundError,
@@ -402,7 +403,7 @@ def warm_start(model: nn.Module, source: str | os.PathLike[str], *, weight_set: 
     sd = apply_key_rules(raw, used_rules)  # type: ignore[arg-type]
     renamed = sum(1 for a, b in zip(raw, sd) if a != b)
 
-    target = _unwrap(model)
+    target = unwrap(model)
     own = target.state_dict()
     param_names = {n for n, _ in target.named_parameters(remove_duplicate=False)}
     loaded = sorted(k for k in own.keys() & sd.keys() if tuple(own[k].shape) == tuple(sd[k].shape))
@@ -464,23 +465,10 @@ def _toml_literal(text: str) -> str:
 
 
 # --------------------------------------------------------------- strict load
-def _unwrap(model: nn.Module) -> nn.Module:
-    while True:
-        inner = getattr(model, "module", None) if _is_ddp(model) else getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
-
-
-def _is_ddp(model: nn.Module) -> bool:
-    return isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or \
-        type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel")
-
-
 def _check_unwrapped(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
         raise UsageError(f"expected a torch.nn.Module, got {type(model).__name__}")
-    if _is_ddp(model):
+    if is_parallel_wrapper(model):
         raise UsageError(f"load_weights needs an unwrapped model, got {type(model).__name__}; load into "
                          "model.module, or load before wrapping")
     if isinstance(getattr(model, "_orig_mod", None), nn.Module):
