@@ -245,6 +245,18 @@ def _finite(v: Any) -> float | None:
     return f if f is not None and math.isfinite(f) else None
 
 
+def fmt_size(n: int | None) -> str:
+    """A byte count in binary units: ``512 B``, ``1.5 KiB`` ... ``2.0 TiB``; ``-`` for None (the CLI and the console)."""
+    if n is None or not math.isfinite(n):
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return str(n)
+
+
 def fmt_value(v: Any) -> str:
     """A logged number for a note: ``NaN``, ``inf``, ``-inf`` as Python's json writes them, else ``%g``."""
     f = _num(v)

@@ -26,10 +26,10 @@ from textual.worker import get_current_worker
 
 from pimm_core.checkpoint.selection import Candidate
 from pimm_core.errors import PimmError
-from pimm_core.runview import (DIFF_ROWS, RunSnapshot, VerifyResult, candidate_age, candidate_identity, human_duration,
-                                planned_text, resume_diff, verify_checkpoint)
+from pimm_core.runview import (DIFF_ROWS, RunSnapshot, VerifyResult, candidate_age, candidate_identity, fmt_size,
+                                human_duration, planned_text, resume_diff, verify_checkpoint)
 
-from .widgets import MetricPlot, fmt_age, fmt_num, fmt_rate, fmt_size
+from .widgets import MetricPlot, fmt_age, fmt_num, fmt_rate
 
 #: Views narrower than this drop the Checkpoints table's format and epoch columns (the detail line shows them).
 WIDE_TABLE = 100

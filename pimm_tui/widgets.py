@@ -49,17 +49,6 @@ def fmt_rate(v: float | None) -> str:
     return f"{v:.1f}"
 
 
-def fmt_size(n: int | None) -> str:
-    if n is None or not math.isfinite(n):
-        return "-"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return str(n)
-
-
 def fmt_age(seconds: float | None) -> str:
     """Compact age: ``12s``, ``5m``, ``3h``, ``2d``."""
     if seconds is None or not math.isfinite(seconds):
