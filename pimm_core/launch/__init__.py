@@ -1,0 +1,28 @@
+"""``pimm launch``: resolve the run directory, then train here or hand over to torchrun.
+
+- No ``--nproc-per-node``/``--nnodes`` (or already inside torchrun/srun): this process
+  is a rank and trains.
+- Otherwise ``torch.distributed.run`` (torchrun/elastic) starts the ranks, each running
+  ``python -m pimm_core.cli launch`` with the same arguments and the resolved run name
+  (so every rank agrees on the directory even with a timestamp suffix).
+
+The parts, by job: :mod:`.options` (launcher flags), :mod:`.rundir` (the run directory's
+name and claim, the pre-launch checks, ``--train.auto-resume``, ``pimm resume``'s config),
+:mod:`.preview` (``--dry-run``), :mod:`.local` (training in this process) and
+:mod:`.torchrun` (spawning the ranks, the failure report). Their public names are
+importable from here.
+"""
+
+from __future__ import annotations
+
+from ..console_log import setup_logging
+from .local import train_here
+from .options import LaunchOptions, strip_launcher_flags
+from .preview import dry_run
+from .rundir import (auto_resume, check_config, check_run_dir, claim, finished, recorded_launch, resolve_run_dir,
+                     resume_config, resume_source, set_aside)
+from .torchrun import spawn
+
+__all__ = ["LaunchOptions", "auto_resume", "check_config", "check_run_dir", "claim", "dry_run", "finished",
+           "recorded_launch", "resolve_run_dir", "resume_config", "resume_source", "set_aside", "setup_logging",
+           "spawn", "strip_launcher_flags", "train_here"]

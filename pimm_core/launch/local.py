@@ -1,0 +1,99 @@
+"""Training in this process: one rank of the run (alone, or started by torchrun/srun),
+under the run lock, with SIGINT/SIGTERM turned into a clean stop; the summary line."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+from ..config import Config
+from ..console_log import setup_logging
+from ..errors import CheckpointError, TrainingError
+from ..lock import follow_launcher, hold_run
+from ..run import MODEL
+from ..shell import resume_command
+from ..stop import StopRequest
+from .rundir import check_run_dir, claim, finished, resolve_run_dir, resume_source
+
+
+def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = None, *,
+               leftovers_ok: bool = False) -> int:
+    """Run this process as one rank of the run; returns the exit code.
+
+    ``leftovers_ok`` (``--train.auto-resume``): a model/ directory with nothing resumable
+    in it does not stop a fresh start (rank 0 has moved it aside)."""
+    follow_launcher()  # a rank of `pimm launch --nproc-per-node` dies with it (lock.py)
+    from .. import dist
+
+    info = dist.env_world()
+    setup_logging(info.is_main)
+    run_dir = resolve_run_dir(cfg, config_path)
+    check_run_dir(cfg, run_dir, leftovers_ok=leftovers_ok)
+    claimed = claim(cfg, run_dir) if info.is_main else None
+    run_dir = claimed.path if claimed is not None else run_dir
+    try:
+        return _train_claimed(cfg, config_path, run_dir, resume_from, info)
+    except BaseException:
+        if claimed is not None:
+            claimed.discard_if_unstarted()  # a launch that failed before the run started leaves nothing behind
+        raise
+
+
+def _train_claimed(cfg: Config, config_path: Path | None, run_dir: Path, resume_from: str | None, info) -> int:
+    lock = hold_run(run_dir, info.is_main)  # see lock.py: who holds what
+    try:
+        source = resume_source(cfg, run_dir, resume_from)
+        message = finished(cfg, source, run_dir)
+    except BaseException:
+        lock.__exit__(None, None, None)
+        raise
+    if message is not None:  # nothing to train: no metrics, no checkpoint, no status change
+        lock.__exit__(None, None, None)
+        if info.is_main:
+            print(message, flush=True)
+        return 0
+    start = time.perf_counter()
+    stop = StopRequest()
+    # SIGINT/SIGTERM (Ctrl-C, a scheduler's pre-emption notice, torchrun forwarding either)
+    # become a clean stop: finish the accumulation window, save last, exit 0. Once training
+    # has returned, later ones are ignored until this function returns (catch_signals restores
+    # what it found: SIG_IGN), so a repeated Ctrl-C cannot turn the clean exit into a traceback;
+    # the console script keeps ignoring them while the interpreter exits (cli.run).
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _train_and_report(cfg, config_path, run_dir, source, lock, stop, info, start)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _train_and_report(cfg: Config, config_path: Path | None, run_dir: Path, source: str | None, lock,
+                      stop: StopRequest, info, start: float) -> int:
+    """Train under the run lock with signals turned into stop requests; print the summary line."""
+    from .. import dist
+    from ..trainer import Trainer
+
+    with lock, stop.catch_signals():
+        try:
+            trainer = Trainer(cfg, run_dir=run_dir, stop=stop)
+            state = trainer.train(checkpoint_dir=run_dir / MODEL, resume_from=source)
+        finally:
+            dist.shutdown()
+    if info.is_main:
+        best = f"{state.best_metric:.4f}" if state.best_metric is not None else "n/a"
+        took = f"{time.perf_counter() - start:.1f} s"
+        if state.error is not None:
+            raise TrainingError(f"{state.error}; the run's last checkpoint (step {state.global_step}) holds the "
+                                "weights from before it. "
+                                f"Resume with a lower LR: {resume_command(run_dir)} -- train.lr={cfg.train.lr / 10:g}")
+        if state.stop_reason is not None and state.stop_reason.startswith("checkpoint save failed"):
+            raise CheckpointError(f"{state.stop_reason}; training stopped at step {state.global_step} | run {run_dir}")
+        if state.stop_reason is not None:
+            print(f"stopped ({state.stop_reason}): last saved at step {state.global_step} "
+                  f"(epoch {state.epoch}, iter {state.iter}) | {took} | run {run_dir}\n"
+                  f"resume with: {resume_command(run_dir)}", flush=True)
+        else:
+            print(f"done: best {cfg.eval.metric} {best} (epoch {state.best_epoch}) | epochs {state.epoch} | "
+                  f"steps {state.global_step} | {took} | run {run_dir}", flush=True)
+    return 0

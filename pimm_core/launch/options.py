@@ -1,0 +1,87 @@
+"""The launcher flags (``--nproc-per-node``, ``--nnodes``, rendezvous), as torchrun takes them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..errors import UsageError
+
+
+@dataclass
+class LaunchOptions:
+    """Launcher flags passed through to torchrun (names as torchrun spells them)."""
+
+    nproc_per_node: int | None = None
+    nnodes: str | None = None
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    @classmethod
+    def recorded(cls, record: dict | None, given: "LaunchOptions") -> "LaunchOptions":
+        """``given`` flags, with the ones not given taken from a recorded launch
+        (:func:`pimm_core.dist.launch_record`; ``node_rank`` is never recorded: it differs per node)."""
+        record = record or {}
+        values = {}
+        for name in cls.__dataclass_fields__:
+            value = getattr(given, name)
+            values[name] = value if value is not None or name == "node_rank" else record.get(name)
+        return cls(**values)
+
+    def record(self) -> dict:
+        """What ``pimm resume`` needs to start the same ranks again (None fields left out)."""
+        return {"launcher": "pimm", **{k: v for k, v in self.__dict__.items() if v is not None and k != "node_rank"}}
+
+    def check(self) -> None:
+        """Raises UsageError for flag values torchrun would misread (e.g. ``--nproc-per-node 0``)."""
+        if self.nproc_per_node is not None and self.nproc_per_node < 1:
+            raise UsageError(f"--nproc-per-node must be at least 1 (got {self.nproc_per_node})")
+        if self.nnodes is not None:
+            parts = str(self.nnodes).split(":")
+            if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+                raise UsageError(f"--nnodes must be N or MIN:MAX with N >= 1 (got {self.nnodes!r})")
+
+    def world_size(self) -> int:
+        """Ranks in all (the largest node count for ``MIN:MAX``)."""
+        return (self.nproc_per_node or 1) * int(str(self.nnodes or "1").split(":")[-1])
+
+    def describe(self) -> str:
+        flags = [f"--{k.replace('_', '-')} {v}" for k, v in self.__dict__.items() if v is not None]
+        return f"world size {self.world_size()}" + (f" ({' '.join(flags)})" if flags else "")
+
+    def wants_spawn(self) -> bool:
+        return (self.nproc_per_node or 1) > 1 or (self.nnodes not in (None, "1", "1:1"))
+
+    def torchrun_args(self) -> list[str]:
+        args = ["--nproc-per-node", str(self.nproc_per_node or 1), "--max-restarts", "0"]
+        # After forwarding a stop signal torchrun waits this long before SIGKILLing the ranks:
+        # leave time to finish the accumulation window and save `last` (torchrun's default is 30 s).
+        args += ["--shutdown-timeout", os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")]
+        for flag, value in (("--nnodes", self.nnodes), ("--node-rank", self.node_rank),
+                            ("--rdzv-endpoint", self.rdzv_endpoint), ("--rdzv-backend", self.rdzv_backend),
+                            ("--master-addr", self.master_addr), ("--master-port", self.master_port)):
+            if value is not None:
+                args += [flag, str(value)]
+        if not any(v is not None for v in (self.rdzv_endpoint, self.master_addr, self.nnodes)):
+            args.append("--standalone")  # single node: torchrun picks a free port
+        return args
+
+
+def strip_launcher_flags(argv: list[str]) -> list[str]:
+    """Remove torchrun-level flags (and their values) from ``launch`` arguments."""
+    flags = {"--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend",
+             "--master-addr", "--master-port"}
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in flags:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out

@@ -1,0 +1,131 @@
+"""``--dry-run``: what a launch would do, checked as the launch checks it, with nothing written."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ..checkpoint.selection import fallback_warnings, resolve_resume_path, select_resume
+from ..config import Config
+from ..run import MODEL
+from .rundir import check_run_dir, finished, resolve_run_dir, resume_source
+
+
+def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, world_size: int) -> int:
+    """Print what a launch would do (run path, model, warm start or resume candidate,
+    restored/discarded, topology, replay) and exit, having checked what the launch checks.
+
+    Nothing is written (no run directory, no lock, no download: an ``hf://`` warm start
+    not in the local cache is looked up on the Hub only). The model is built, a warm start
+    is loaded into it and a resume candidate's weights are matched against it, so a
+    config or source the launch would refuse fails here the same way.
+    """
+    import tomllib
+
+    from ..topology import config_diff, plan_resume
+
+    run_dir = resolve_run_dir(cfg, config_path)
+    check_run_dir(cfg, run_dir, warm_start=False)
+    source = resume_source(cfg, run_dir, resume_from)
+    print(f"run: {run_dir}")
+    model = _dry_model(cfg)
+    if source is None:
+        if cfg.train.weight:
+            print(f"fresh start (no resume requested); warm start from {cfg.train.weight}: model weights only")
+            for line in _dry_warm_start(cfg, model):
+                print(line)
+        else:
+            print("fresh start (no resume requested); nothing will be restored")
+        print("dry run: nothing was trained or written")
+        return 0
+    if Path(source) == run_dir / MODEL:  # the selection, with the candidates it passed over and why
+        cand, cands = select_resume(run_dir / MODEL)
+        fallbacks = fallback_warnings(cands, cand)
+    else:
+        cand, fallbacks = resolve_resume_path(source), []
+    _dry_check_resume(cand.path, model)
+    plan = plan_resume(cand.manifest or {}, world_size=world_size, workers_per_rank=cfg.data.num_workers,
+                       strict=cfg.resume_strict_state, grad_accum=cfg.train.grad_accum,
+                       batch_size=cfg.data.batch_size, legacy=cand.format == "legacy")
+    t = plan.topology
+    print(f"checkpoint: {cand.path} (step {cand.step}, epoch {cand.epoch}, iter {cand.iter})")
+    for w in fallbacks:
+        print(f"warning: {w}")
+    message = finished(cfg, cand.path, run_dir)
+    if message is not None:
+        print(message)
+        print("dry run: nothing was trained or written")
+        return 0
+    print(f"policy: {plan.description}")
+    print(f"topology: world size {t['saved_world_size']} -> {t['world_size']}, "
+          f"per-rank workers {t['saved_workers_per_rank']} -> {t['workers_per_rank']}, "
+          f"per-rank micro-batch {t['saved_batch_size']} -> {t['batch_size']}, "
+          f"grad_accum {t['saved_grad_accum']} -> {t['grad_accum']}")
+    print(f"restore: {', '.join(plan.restored)}")
+    print(f"discard: {', '.join(plan.discarded) or 'nothing'}")
+    rb = plan.replay_boundary
+    print(f"continue at: step {plan.step}, epoch {plan.epoch}, iter {plan.iter}"
+          + (f" (replay boundary: epoch {rb['epoch']} start, step {rb['step']}; {rb['from_iter']} batches replay)" if rb else
+             " (exact continuation)" if plan.exact else ""))
+    saved_cfg = run_dir / "config.toml"
+    if saved_cfg.is_file():
+        diff = config_diff(tomllib.loads(saved_cfg.read_text()), cfg.to_dict())
+        print("config diff: " + ("none" if not diff else "; ".join(diff)))
+    for w in plan.warnings:
+        print(f"warning: {w}")
+    print("dry run: nothing was trained or written")
+    return 0
+
+
+def _dry_model(cfg: Config):
+    """Build the data and the model as the trainer would (a bad name or size fails as at launch)."""
+    from ..data import build_datasets
+    from ..models import build_model
+
+    data = build_datasets(cfg.data)
+    model = build_model(cfg.model, data.in_features, data.in_shape, data.num_classes)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: {cfg.model.name} ({params:,} parameters), data: {cfg.data.name} "
+          f"({len(data.train)} train / {len(data.val)} val samples)")
+    return model
+
+
+def _dry_warm_start(cfg: Config, model) -> list[str]:
+    """Warm-start ``model`` from ``train.weight`` as the trainer would; the report's lines.
+
+    An ``hf://`` file that is not in the local cache is only looked up (name, size).
+
+    Raises:
+        as :func:`pimm_core.checkpoint.weights.warm_start` (a missing source, one that is not
+        a checkpoint, no matching parameters...).
+    """
+    from ..checkpoint.sources import is_remote, plan_hf
+    from ..checkpoint.weights import warm_start
+
+    t = cfg.train
+    source: str | Path = t.weight
+    if is_remote(t.weight):
+        hub = plan_hf(t.weight)
+        if hub.local is None:
+            size = f"{hub.size:,} bytes" if hub.size is not None else "size unknown"
+            return [f"  {hub.name} ({size}) is downloaded at launch; its keys are matched against the model then"]
+        source = hub.local
+    quiet = logging.getLogger("pimm.dry_run")
+    quiet.propagate = False
+    rules = [tuple(r) for r in t.key_rules] if t.key_rules is not None else None
+    report = warm_start(model, source, weight_set=t.weight_set, rules=rules, logger=quiet)
+    return [f"  reads {report.resolved}, {report.weight_set} weights", *report.lines()[1:]]
+
+
+def _dry_check_resume(path: str, model) -> None:
+    """Match the resume candidate's weights against the model, as the resume does first.
+
+    Raises:
+        CheckpointError: names the missing, unexpected and shape-mismatched tensors.
+    """
+    from ..checkpoint.sources import resolve_weight_source
+    from ..checkpoint.standard import check_compatible
+    from ..checkpoint.weights import read_weight_sets
+
+    weights = resolve_weight_source(path)
+    check_compatible(model, read_weight_sets(weights)["raw"], str(weights))

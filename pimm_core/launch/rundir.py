@@ -1,0 +1,212 @@
+"""The run directory before a launch: its name, claiming it, and the checks that refuse
+what the launch would refuse later (a file in the way, checkpoints a fresh start would
+overwrite, a resume with nothing to resume, a finished run); ``--train.auto-resume`` and
+``pimm resume``'s config and recorded launch."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from ..checkpoint.selection import explain, list_candidates, resolve_resume_path, select_resume
+from ..config import Config
+from ..errors import CheckpointError, ConfigError, UsageError
+from ..run import (CONFIG, MODEL, PROVENANCE, STATUS, RunDirClaim, claim_run_dir, free_run_dir, read_json, run_dir_for,
+                   run_name)
+from ..shell import resume_command
+from ..topology import continue_override, finished_message, is_finished
+
+
+def resolve_run_dir(cfg: Config, config_path: Path | None, *, when: float | None = None) -> Path:
+    """``<run.root>/<run.group>/<name>[-timestamp]`` where name defaults to the config file's stem.
+
+    A timestamped name that exists already (a launch in the same second) becomes
+    ``<name>-<stamp>-2``, ``-3``... (the first free one; :func:`claim_run_dir` takes it),
+    except in a rank of an external launcher, whose ranks must all compute the same name.
+    """
+    base = cfg.run.name or (config_path.stem if config_path else "run")
+    run_dir = run_dir_for(cfg.run.root, cfg.run.group, run_name(base, timestamp=not cfg.run.no_timestamp, when=when))
+    return free_run_dir(run_dir) if _numbered_names(cfg) else run_dir
+
+
+def _numbered_names(cfg: Config) -> bool:
+    """This process chooses a timestamped run name alone (not a rank of an external torchrun/srun)."""
+    from ..dist import under_launcher
+
+    return not cfg.run.no_timestamp and not under_launcher()
+
+
+def claim(cfg: Config, run_dir: Path, *, single_node: bool = True) -> RunDirClaim:
+    """Create the run directory before the launch writes anything (see :func:`pimm_core.run.claim_run_dir`)."""
+    return claim_run_dir(run_dir, numbered_names=_numbered_names(cfg) and single_node)
+
+
+def check_run_dir(cfg: Config, run_dir: Path, *, leftovers_ok: bool = False, warm_start: bool = True) -> None:
+    """Refuse, before the run directory is created and before any rank starts, what the
+    launch would refuse later or what would lose work or silently start over.
+
+    Args:
+        warm_start: also resolve ``train.weight`` (downloading ``hf://``) and refuse a
+            source that is missing or not a PyTorch checkpoint (``--dry-run`` checks it
+            its own way, without downloading).
+
+    Raises:
+        UsageError: the run root is a file; a fresh run would start in a directory that
+            already has checkpoints; a resume was asked for but the run has none.
+        ConfigError: a config value the trainer would refuse (:func:`check_config`).
+        CheckpointError: the warm-start source does not resolve or is not a checkpoint.
+    """
+    for parent in [run_dir, *run_dir.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise UsageError(f"{parent} is a file, not a directory; choose another --run.root or --run.name")
+    check_config(cfg)
+    if cfg.train.resume:
+        return
+    if warm_start and cfg.train.weight:
+        from ..checkpoint.sources import check_weight_source
+
+        check_weight_source(cfg.train.weight)
+    # Even a leftover of an interrupted save belongs to an earlier run of this name: never
+    # start over on top of it (the new run would delete it) without the user's say-so.
+    found = list_candidates(run_dir / MODEL)
+    if not found:
+        return
+    names = ", ".join(c.name for c in found[:4])
+    if any(c.complete and c.resumable for c in found):
+        raise UsageError(f"{run_dir} already has checkpoints ({names}); continue it with: {resume_command(run_dir)} "
+                         "(or add --train.resume), or choose another --run.name")
+    # Nothing resumable (e.g. killed during its first save): neither a fresh start nor a resume
+    # can proceed, so say how to get out instead of pointing at --train.resume.
+    if leftovers_ok:
+        return  # --train.auto-resume: rank 0 moves them aside (auto_resume)
+    raise UsageError(f"{run_dir} has checkpoint files ({names}) but none can be resumed; move or remove "
+                     f"{run_dir / MODEL} to start this run over (--train.auto-resume moves it aside for you), "
+                     "or choose another --run.name")
+
+
+def check_config(cfg: Config) -> None:
+    """Refuse the config values that only building the run would otherwise reject: an
+    unknown ``data.name`` or ``model.name``, ``train.device = "cuda"`` without CUDA,
+    ``train.amp = "fp16"`` without CUDA (cheap: nothing is built).
+
+    Raises:
+        ConfigError: names the key and the values that work.
+    """
+    import torch
+
+    from ..data import DATASETS
+    from ..models import MODELS
+
+    if cfg.data.name not in DATASETS:
+        raise ConfigError(f"data.name = {cfg.data.name!r} is not a known dataset; use one of {sorted(DATASETS)}")
+    if cfg.model.name not in MODELS:
+        raise ConfigError(f"model.name = {cfg.model.name!r} is not a known model; use one of {sorted(MODELS)}")
+    cuda = torch.cuda.is_available()
+    if cfg.train.device == "cuda" and not cuda:
+        raise ConfigError("train.device = 'cuda' but CUDA is not available here; use 'auto' or 'cpu'")
+    if cfg.train.amp == "fp16" and not (cuda and cfg.train.device != "cpu"):
+        raise ConfigError("train.amp = 'fp16' needs CUDA; use 'bf16' or 'none' on CPU")
+
+
+def recorded_launch(run_dir: Path) -> dict:
+    """The launch of the run's latest start (``provenance.json``): ``launcher`` (``pimm`` or
+    ``external``), ``nproc_per_node`` and the multi-node flags ``pimm launch`` was given."""
+    prov = read_json(run_dir / PROVENANCE) or {}
+    for entry in reversed(prov.get("starts") or []):
+        if isinstance(entry, dict) and isinstance(entry.get("launch"), dict):
+            return entry["launch"]
+    # runs written before pimm recorded the launch: one node with the recorded world size
+    return {"launcher": "pimm", "nproc_per_node": int(prov.get("world_size") or 1)}
+
+
+def resume_config(run_dir: Path, overrides: list[str]) -> Config:
+    """The run's own resolved ``config.toml`` plus explicit ``overrides``, pointed at ``run_dir``.
+
+    Raises:
+        UsageError: ``run_dir`` is not a run directory written by pimm (no ``config.toml``).
+        ConfigError: the saved config or an override is invalid.
+    """
+    from ..config import load_config
+
+    if not (run_dir / CONFIG).is_file():
+        what = "does not exist" if not run_dir.exists() else "has no config.toml"
+        raise UsageError(f"{run_dir} {what}; pass a run directory written by pimm launch (exp/<group>/<run>)")
+    extra = {"run.root": str(run_dir.parent.parent), "run.group": run_dir.parent.name, "run.name": run_dir.name,
+             "run.no_timestamp": True, "train.resume": True}
+    return load_config(run_dir / CONFIG, overrides, extra)
+
+
+def auto_resume(cfg: Config, run_dir: Path, *, is_main: bool = True) -> Config:
+    """``--train.auto-resume``: resume when the run has an intact checkpoint, else start it fresh.
+
+    The command a cluster job script repeats on every (re)start. Leftovers of saves that
+    never completed (nothing resumable in ``model/``) do not block it and are not deleted:
+    rank 0 moves the whole ``model/`` directory to ``<run>/abandoned/<time>/`` and says so.
+    """
+    chosen, cands = select_resume(run_dir / MODEL)
+    if chosen is not None:
+        return replace(cfg, train=replace(cfg.train, resume=True))
+    if cands and is_main:
+        moved = set_aside(run_dir / MODEL, run_dir / "abandoned")
+        logging.getLogger("pimm").warning(
+            "warning: %s held no resumable checkpoint (%s); moved it to %s and starting the run fresh "
+            "(nothing was deleted; remove it when you no longer need it)",
+            run_dir / MODEL, "; ".join(explain(cands, None)), moved)
+    return replace(cfg, train=replace(cfg.train, resume=False))
+
+
+def set_aside(path: Path, under: Path) -> Path:
+    """Move ``path`` (one rename, nothing copied or deleted) to ``under/<YYYYmmdd-HHMMSS>[-N]``."""
+    under.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest, n = under / stamp, 1
+    while dest.exists():
+        dest, n = under / f"{stamp}-{n}", n + 1
+    os.replace(path, dest)
+    return dest
+
+
+def finished(cfg: Config, source: str | None, run_dir: Path) -> str | None:
+    """The finished-run message when the checkpoint a resume would load is already at
+    the end this config sets (all epochs, or ``train.max_steps``); else None."""
+    if source is None:
+        return None
+    cand = resolve_resume_path(source)
+    m = cand.manifest or {}
+    state = (read_json(run_dir / STATUS) or {}).get("state") if (run_dir / STATUS).exists() else None
+    if m.get("step") is None or not is_finished(m, epochs=cfg.train.epochs, max_steps=cfg.train.max_steps,
+                                                run_state=state):
+        return None
+    step = int(m["step"])
+    return (f"{finished_message(step, int(m.get('epoch') or 0), cfg.train)}, e.g.: "
+            f"{resume_command(run_dir)} -- "
+            f"{continue_override(step, cfg.train)}")
+
+
+def resume_source(cfg: Config, run_dir: Path, resume_from: str | None) -> str | None:
+    """The checkpoint a resume loads: ``resume_from`` as given, else the run's newest complete one.
+
+    Raises:
+        CheckpointError: ``--train.resume`` on a run with no complete candidate (lists what was found).
+    """
+    if resume_from:
+        return resume_from
+    if not cfg.train.resume:
+        return None
+    chosen, cands = select_resume(run_dir / MODEL)
+    if chosen is None:
+        found = "; ".join(explain(cands, None)) if cands else "nothing"
+        if not cfg.run.no_timestamp:
+            hint = " (to resume a run, pass its --run.name and --run.no-timestamp, or use pimm resume RUN_DIR)"
+        elif cands:
+            hint = (f"; to start this run over, move or remove {run_dir / MODEL} and launch without --train.resume "
+                    "(or launch with --train.auto-resume, which moves it aside for you)")
+        else:
+            hint = "; launch without --train.resume to start it"
+        if any(c.verify_problems for c in cands):  # complete candidates, all damaged: an operation failed
+            raise CheckpointError(f"cannot resume {run_dir}: no intact checkpoint; found: {found}", exit_code=1)
+        raise CheckpointError(f"cannot resume {run_dir}: no complete checkpoint; found: {found}{hint}", exit_code=2)
+    return str(run_dir / MODEL)  # the trainer verifies checksums and falls back past corrupt candidates

@@ -1,0 +1,151 @@
+"""Starting the ranks through ``torch.distributed.run`` (torchrun/elastic) and turning
+their outcome into one report: the exit code and one ``error:`` line naming the cause."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..config import Config
+from ..errors import RANK_ERRORS_ENV, rank_errors
+from ..lock import LauncherLock
+from ..run import LAUNCH_ENV, STATUS, read_json
+from ..shell import PROGRAM_ENV, program, resume_command
+from .options import LaunchOptions
+from .rundir import check_run_dir, claim, resolve_run_dir
+
+
+def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOptions, *,
+          worker_args: list[str] | None = None) -> int:
+    """Start the ranks with ``torch.distributed.run`` and wait for them.
+
+    Args:
+        argv: the ``launch`` arguments to give each rank (launcher flags removed).
+        worker_args: the whole command line of each rank instead (``pimm resume`` passes
+            ``resume RUN_DIR -- overrides``).
+
+    Returns:
+        0 on success, else the first failed rank's exit code.
+    """
+    run_dir = resolve_run_dir(cfg, config_path)
+    check_run_dir(cfg, run_dir)
+    single_node = opts.nnodes in (None, "1", "1:1")
+    claimed = claim(cfg, run_dir, single_node=single_node)
+    try:
+        code = _spawn_claimed(cfg, claimed.path, opts, argv, worker_args, single_node)
+    except BaseException:
+        claimed.discard_if_unstarted()
+        raise
+    if code != 0:
+        claimed.discard_if_unstarted()  # the ranks failed before the run started: leave nothing behind
+    return code
+
+
+def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[str], worker_args: list[str] | None,
+                   single_node: bool) -> int:
+    # refuse at once if the run is in use; on one node, held until the ranks are gone (lock.py)
+    lock = LauncherLock(run_dir, single_node=single_node).acquire()
+    if worker_args is None:
+        head, sep, tail = _split_at_dashdash(argv)
+        worker_args = ["launch", *head, "--run.name", run_dir.name, "--run.no-timestamp", *sep, *tail]
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args([*opts.torchrun_args(), "--module", "pimm_core.cli", *worker_args])
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    # torchrun's agent announces the forwarded stop signal ("Received 15 death signal, shutting
+    # down workers"): the ranks' stop summary says it for the user. Its loggers set their own level.
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
+    # torchrun logs each failed rank at ERROR; pimm prints one line naming the cause instead
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    with lock, tempfile.TemporaryDirectory(prefix="pimm-rank-errors-") as errors_dir:
+        os.environ[RANK_ERRORS_ENV] = errors_dir  # the ranks inherit it (see errors.report)
+        os.environ[LAUNCH_ENV] = json.dumps(opts.record())  # recorded in provenance for `pimm resume`
+        os.environ[PROGRAM_ENV] = json.dumps(program())  # the ranks print commands as the user started pimm
+        # torchrun sets OMP_NUM_THREADS=1 for the ranks when it is unset, with a four-line
+        # warning on every launch; set the same value here (a user's own value is kept).
+        omp_was_set = "OMP_NUM_THREADS" in os.environ
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        try:
+            return _run_ranks(run, args, run_dir, errors_dir)
+        finally:
+            os.environ.pop(RANK_ERRORS_ENV, None)
+            os.environ.pop(LAUNCH_ENV, None)
+            os.environ.pop(PROGRAM_ENV, None)
+            if not omp_was_set:
+                os.environ.pop("OMP_NUM_THREADS", None)
+
+
+def _run_ranks(run, args, run_dir: Path, errors_dir: str) -> int:
+    """``torch.distributed.run.run(args)``, turning its outcome into one report and an exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        run(args)
+    except SignalException as e:
+        # torchrun forwarded the signal to the ranks; they stop cleanly and save `last`. A
+        # further signal raises again inside torchrun's wait for the ranks and lands here
+        # early: ignore any more and wait for the ranks before reporting.
+        _wait_for_children()
+        status = read_json(run_dir / STATUS) or {}
+        if status.get("state") == "stopped":
+            return 0  # rank 0 printed the stop summary and the resume command
+        print(f"error: interrupted by signal {e.sigval.name} before the ranks could stop cleanly; "
+              f"see {run_dir / 'train.log'}", file=sys.stderr)
+        return 1
+    except ChildFailedError as e:
+        code, line = _failure_report(e.failures, rank_errors(errors_dir), run_dir)
+        print(line, file=sys.stderr)
+        return code
+    return 0
+
+
+def _failure_report(failures: dict, reports: dict[int, dict], run_dir: Path) -> tuple[int, str]:
+    """One ``error:`` line and the exit code for failed ranks, naming the root cause.
+
+    When one rank fails, torchrun stops the others with SIGTERM and the ranks blocked in a
+    collective with it fail too ("secondary" reports): the cause is, in order, the lowest
+    rank that reported a primary error, else the lowest rank that died some other way
+    (killed by a signal, a crash with its traceback above), else the lowest failed rank.
+    """
+    primary = {r: v for r, v in reports.items() if not v.get("secondary")}
+    if primary:
+        rank = min(primary)
+        msg = primary[rank]["message"]
+        return int(primary[rank]["code"]), (f"error: {msg}" if rank == 0 else f"error: rank {rank}: {msg}")
+    died = [r for r, f in failures.items() if r not in reports and f.exitcode != -signal.SIGTERM]
+    rank = min(died or failures)
+    exitcode = failures[rank].exitcode
+    if exitcode is not None and exitcode < 0:
+        how = f"was killed by {signal.Signals(-exitcode).name}"
+    else:
+        how = f"failed with exit code {exitcode} (its output is above)"
+    return 1, (f"error: rank {rank} {how}; the run stopped; see {run_dir / 'train.log'} and resume with: "
+               f"{resume_command(run_dir)}")
+
+
+def _wait_for_children(timeout: float = 300.0) -> None:
+    """Ignore SIGINT/SIGTERM and reap this process's children (the local ranks) until none is left."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return  # no child left
+        if pid == 0:
+            time.sleep(0.05)
+
+
+def _split_at_dashdash(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], ["--"], argv[i + 1:]
+    return argv, [], []
