@@ -967,7 +967,7 @@ def verify_checkpoint(model_dir: Path, name: str, *, tries: int = 3, settle_s: f
         seen = c
         before = _generation(c)
         try:
-            problems = verify_candidate(c)
+            problems = candidate_problems(c)
         except OSError as e:  # a file went away under the hash (a rotation), or cannot be read
             problems = [f"{Path(e.filename).name if e.filename else name}: {e.strerror or e.__class__.__name__}"]
         if problems:
@@ -983,8 +983,13 @@ def verify_checkpoint(model_dir: Path, name: str, *, tries: int = 3, settle_s: f
                         tries)
 
 
-def verify_candidate(c: Candidate) -> list[str]:
-    """Sizes and sha256 of a candidate's files against its manifest; one line per problem (empty: ok)."""
+def candidate_problems(c: Candidate) -> list[str]:
+    """What an operator is told is wrong with a candidate; one line per problem (empty: ok).
+
+    Sizes and sha256 against its manifest
+    (:func:`pimm_core.checkpoint.selection.verify_candidate`, the check resume applies), plus
+    what that check lets pass: no manifest to verify against, or an incomplete candidate.
+    """
     from .checkpoint.selection import verify_candidate as verify_files_of
 
     if c.manifest is None:

@@ -241,7 +241,7 @@ def test_export_of_a_hostile_file_runs_nothing(run_copy, tmp_path, kind):
 
 # ------------------------------------------------------------ readers that only look
 def test_checkpoint_commands_and_the_console_reader_run_nothing(run_copy, tmp_path):
-    from pimm_core.runview import RunReader, resume_diff, verify_candidate
+    from pimm_core.runview import RunReader, candidate_problems, resume_diff
 
     marker = tmp_path / "pwned"
     model = run_copy / "model"
@@ -253,7 +253,7 @@ def test_checkpoint_commands_and_the_console_reader_run_nothing(run_copy, tmp_pa
         assert result.returncode == 0 and "Traceback" not in result.stderr, describe(result)
     snap = RunReader(run_copy).poll(force_checkpoints=True)
     for cand in snap.candidates:
-        assert verify_candidate(cand) == [], cand
+        assert candidate_problems(cand) == [], cand
     resume_diff(run_copy)
     assert not list(tmp_path.glob("pwned*"))
 
