@@ -60,7 +60,7 @@ def checkpoints_ls(
 ) -> None:
     """List every checkpoint candidate and leftover, and which one resume would pick."""
     from ..checkpoint.selection import list_candidates, select_resume
-    from ..runview import run_markers
+    from ..runview import fmt_size, run_markers
 
     model_dir = _model_dir(run_dir)
     if not (run_markers(run_dir) or (run_dir.name == "model" and run_markers(run_dir.parent))
@@ -82,7 +82,7 @@ def checkpoints_ls(
         status = "complete" if c.complete else f"incomplete: {c.reason}"
         if c.verify_problems:
             status = f"corrupt: {'; '.join(c.verify_problems)}"
-        rows.append((mark, c.name, c.format, _s(c.step), _s(c.epoch), _s(c.iter), _size(c.size), status))
+        rows.append((mark, c.name, c.format, _s(c.step), _s(c.epoch), _s(c.iter), fmt_size(c.size), status))
     if console.width < 100:
         print(str(model_dir))
         for line in _narrow_table(rows, console.width):
@@ -177,11 +177,3 @@ def _narrow_table(rows: list[tuple[str, ...]], width: int) -> list[str]:
 
 def _s(v: object) -> str:
     return "-" if v is None else str(v)
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
