@@ -239,6 +239,25 @@ def launch_record(world_size: int) -> dict[str, Any]:
     return {"launcher": "pimm", "nproc_per_node": 1}
 
 
+def recorded_launch(run_dir: Path) -> dict[str, Any]:
+    """The launch of the run's latest start (``provenance.json``): ``launcher`` (``pimm`` or
+    ``external``), ``nproc_per_node`` and the multi-node flags ``pimm launch`` was given."""
+    prov = read_json(run_dir / PROVENANCE) or {}
+    for entry in reversed(prov.get("starts") or []):
+        if isinstance(entry, dict) and isinstance(entry.get("launch"), dict):
+            return entry["launch"]
+    # runs written before pimm recorded the launch: one node with the recorded world size
+    return {"launcher": "pimm", "nproc_per_node": int(prov.get("world_size") or 1)}
+
+
+def recorded_world_size(record: dict[str, Any]) -> int:
+    """Ranks in all of a recorded launch (the largest node count for ``MIN:MAX``)."""
+    if record.get("world_size"):
+        return int(record["world_size"])
+    nodes = str(record.get("nnodes") or "1").split(":")[-1]
+    return int(record.get("nproc_per_node") or 1) * (int(nodes) if nodes.isdigit() else 1)
+
+
 def append_provenance(run_dir: Path, base: dict[str, Any], entry: dict[str, Any]) -> None:
     """Merge ``base`` into ``provenance.json`` and append ``entry`` to its ``starts`` list."""
     path = run_dir / PROVENANCE

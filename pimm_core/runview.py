@@ -35,7 +35,7 @@ from typing import Any
 
 from .checkpoint.selection import Candidate, select_resume
 from .errors import CheckpointError, ConfigError, UsageError
-from .run import CONFIG, LOG, METRICS, MODEL, PROVENANCE, STATUS, read_json
+from .run import CONFIG, LOG, METRICS, MODEL, PROVENANCE, STATUS, read_json, recorded_launch, recorded_world_size
 from .stop import read_stop_file, stop_file
 
 #: A directory is a run directory when it holds at least one of these.
@@ -1138,13 +1138,14 @@ def current_code_version() -> str | None:
     return _CODE_VERSION[0]
 
 
-def resume_diff(run_dir: Path, *, world_size: int = 1, workers: int | None = None,
+def resume_diff(run_dir: Path, *, world_size: int | None = None, workers: int | None = None,
                 overrides: list[str] | tuple[str, ...] = (), candidate: str | None = None) -> ResumeDiff:
     """Compare a run's checkpoint with a planned resume (torch-free).
 
     Args:
         run_dir: the run directory.
-        world_size: planned world size (ranks).
+        world_size: planned world size (ranks); None: the run's recorded launch (what ``pimm
+            resume RUN_DIR`` would start).
         workers: planned per-rank loader workers; None: ``data.num_workers`` of the plan's config.
         overrides: ``key=value`` config overrides applied to the run's own ``config.toml``.
         candidate: a candidate name in ``model/`` (default: what a resume would select).
@@ -1158,6 +1159,8 @@ def resume_diff(run_dir: Path, *, world_size: int = 1, workers: int | None = Non
     from .topology import config_diff, plan_resume
 
     run_dir = check_run_dir(run_dir)
+    if world_size is None:
+        world_size = recorded_world_size(recorded_launch(run_dir))
     if world_size < 1:
         raise UsageError(f"world size must be at least 1 (got {world_size})")
     if workers is not None and workers < 0:

@@ -31,13 +31,26 @@ def program() -> list[str]:
         except (ValueError, TypeError):
             pass
     if os.environ.get("UV"):  # set by `uv run`: the user's shell may not have the venv on PATH
-        return ["uv", "run", "pimm"]
+        return ["uv", "run", *_uv_project(), "pimm"]
     script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
     found = shutil.which("pimm")
     if script is not None and script.name == "pimm":
         on_path = found is not None and Path(found).resolve() == script.resolve()
         return ["pimm"] if on_path else [str(script.resolve())]
     return [sys.executable, "-m", "pimm_core.cli"]
+
+
+def _uv_project() -> list[str]:
+    """``--project ROOT`` when the current directory is outside the project ``uv run`` used
+    (its ``.venv``'s parent), so that the printed ``uv run pimm ...`` finds it from here."""
+    venv = os.environ.get("VIRTUAL_ENV")
+    if not venv:
+        return []
+    root = Path(venv).resolve().parent
+    cwd = Path.cwd().resolve()
+    if not (root / "pyproject.toml").is_file() or cwd == root or root in cwd.parents:
+        return []
+    return ["--project", str(root)]
 
 
 def command(*args: str | Path) -> str:

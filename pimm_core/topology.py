@@ -159,8 +159,9 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, workers_per_rank: 
     if it > 0 and not restore_cursor:
         new_step, new_iter = replay_step(manifest, grad_accum), 0
         replay = {"epoch": epoch, "step": new_step, "from_iter": it}
+        per_rank = " per rank" if saved_ws > 1 else ""
         warnings.append(f"loader cursor skipped ({ROWS[row].split(':')[0]}): restarting epoch {epoch} at step "
-                        f"{new_step}; the {it} batches already completed in that epoch will replay")
+                        f"{new_step}; the {it} batches{per_rank} already completed in that epoch will replay")
     if saved_ws != world_size:
         warnings.append(f"world size changed {saved_ws} -> {world_size}: sample order and per-rank RNG differ "
                         "from the interrupted run (recovery, not bitwise continuation)")
@@ -213,15 +214,27 @@ def is_finished(position: dict[str, Any], *, epochs: int, max_steps: int | None,
     return at_end and run_state in ("finished", None)
 
 
-def finished_message(step: int, epoch: int, train: Any) -> str:
-    """What a resume of a finished run says: where it ended and which key to raise to continue."""
-    key, now = ("train.max_steps", train.max_steps) if train.max_steps and step >= train.max_steps \
-        else ("train.epochs", train.epochs)
-    return f"the run finished at step {step} (epoch {epoch}; {key} = {now}); nothing to train. To continue, raise {key}"
-
-
-def continue_override(step: int, train: Any) -> str:
-    """The override that continues a finished run: its limit raised (``train.epochs=40``)."""
+def _binding(step: int, epoch: int, train: Any) -> list[tuple[str, int]]:
+    """The limits the position has reached: ``[("train.epochs", 30), ("train.max_steps", 500)]``."""
+    out = []
+    if epoch >= train.epochs:
+        out.append(("train.epochs", train.epochs))
     if train.max_steps and step >= train.max_steps:
-        return f"train.max_steps={train.max_steps * 2}"
-    return f"train.epochs={train.epochs + max(1, train.epochs // 2)}"
+        out.append(("train.max_steps", train.max_steps))
+    return out
+
+
+def finished_message(step: int, epoch: int, train: Any) -> str:
+    """What a resume of a finished run says: where it ended and which keys to raise to continue."""
+    keys = _binding(step, epoch, train) or [("train.epochs", train.epochs)]
+    now = ", ".join(f"{k} = {v}" for k, v in keys)
+    return (f"the run finished at step {step} (epoch {epoch}; {now}); nothing to train. To continue, raise "
+            + " and ".join(k for k, _ in keys))
+
+
+def continue_override(step: int, epoch: int, train: Any) -> str:
+    """The overrides that continue a finished run: every limit it reached, raised (``train.epochs=45``)."""
+    raised = {"train.epochs": f"train.epochs={max(train.epochs, epoch) + max(1, train.epochs // 2)}",
+              "train.max_steps": f"train.max_steps={max(train.max_steps or 0, step) * 2}"}
+    keys = _binding(step, epoch, train) or [("train.epochs", train.epochs)]
+    return " ".join(raised[k] for k, _ in keys)

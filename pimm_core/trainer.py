@@ -24,8 +24,7 @@ import random
 import socket
 import sys
 import time
-import tomllib
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,61 +34,31 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import dist
-from .checkpoint.files import load_file_checkpoint, move_pointers, save_legacy, save_single
-from .checkpoint.selection import (BEST, ITER_RE, LEGACY_LAST, is_model_dir, resolve_resume_path, select_verified,
-                                   verify_candidate)
-from .checkpoint.standard import (AsyncStandardSaver, load_standard, on_main, save_standard, unwrap, wait_for_purges,
-                                  write_weights_file)
-from .checkpoint.atomic import remove_stale_temporaries
-from .checkpoint.state import rng_state, set_rng_state
+from .checkpoint.files import move_pointers, save_legacy, save_single
+from .checkpoint.selection import BEST, ITER_RE, LEGACY_LAST
+from .checkpoint.standard import AsyncStandardSaver, on_main, save_standard, wait_for_purges, write_weights_file
+from .fsio import remove_stale_temporaries
+from .checkpoint.state import rng_state, unwrap
 from .config import Config, TrainConfig, write_config
 from .console_log import attach_console
 from .data import build_datasets, eval_loader, train_loader
 from .ema import EMA
-from .errors import CheckpointError, CheckpointSaveError, ConfigError, TrainingError
+from .errors import CheckpointSaveError, ConfigError, TrainingError
 from .models import build_model
-from .stop import StopRequest
+from .run import (CONFIG, LOG, METRICS, STATUS, MetricsWriter, append_provenance, code_version, launch_record, now_iso,
+                  read_json, write_status)
 from .schedule import WarmupCosine
+from .stop import StopRequest
 from .train.best import BestTracker
 from .train.evaluator import Evaluator
+from .train.resume import resume
+from .train.state import TrainState
 from .train.step import SKIPPED, STOP, WindowStep
 from .train.stop_agreement import StopAgreement
-from .run import CONFIG, LOG, METRICS, STATUS, MetricsWriter, append_provenance, launch_record, read_json, code_version, now_iso, read_metrics, write_status
-from .topology import config_diff, finished_message, is_finished, plan_resume
+from .topology import finished_message, is_finished
 
 log = logging.getLogger("pimm")
 
-
-
-@dataclass
-class TrainState:
-    """Progress of a run; :meth:`Trainer.train` returns it.
-
-    Attributes:
-        global_step: optimizer steps taken over the whole run.
-        epoch: epoch of the next batch to train (0-based).
-        iter: micro-batch index of the next batch within ``epoch``.
-        best_metric: best value of ``eval.metric`` so far (None before any evaluation).
-        best_epoch: epoch (0-based) that produced ``best_metric``.
-        epoch_start_step: ``global_step`` when ``epoch`` began (a resume that must replay
-            the epoch restarts here, whatever the new batching).
-        last_eval: metrics of the latest evaluation, e.g. ``{"val/acc": 0.97, "val/loss": 0.1}``.
-        stop_reason: None when the run reached its end; otherwise why it stopped early.
-        error: set when the stop is a failure (non-finite values with ``train.on_nonfinite
-            = "stop"``): the CLI then exits 1.
-        finished: the run reached its configured end (epochs or ``train.max_steps``).
-    """
-
-    global_step: int = 0
-    epoch: int = 0
-    iter: int = 0
-    best_metric: float | None = None
-    best_epoch: int | None = None
-    epoch_start_step: int = 0
-    last_eval: dict[str, float] = field(default_factory=dict)
-    stop_reason: str | None = None
-    error: str | None = None
-    finished: bool = False
 
 
 def seed_everything(seed: int) -> None:
@@ -470,7 +439,7 @@ class Trainer:
                 for name in remove_stale_temporaries(checkpoint_dir):
                     log.warning("removed %s, left by a save that was interrupted", checkpoint_dir / name)
             if resume_from is not None:
-                entry = self._resume(resume_from, checkpoint_dir)
+                entry = resume(self, resume_from, checkpoint_dir)
                 if self.is_done(t):
                     # nothing to train: no metrics, no checkpoint, no status change; provenance says so
                     self.state.finished = True
@@ -607,7 +576,7 @@ class Trainer:
                     if self._guarded_save(checkpoint_dir, mid_epoch=False) and step_save and ckpt.keep_iter:
                         self._save_iter_snapshot(checkpoint_dir)
             if s.stop_reason is None:
-                if not evaluated_at_end and self.config.eval.every_epochs:
+                if not evaluated_at_end and self.config.eval.every_epochs and s.eval_step != s.global_step:
                     self._evaluate_and_record(s.epoch - 1 if s.iter == 0 else s.epoch, checkpoint_dir)
                 s.finished = True
             if self._async is not None and not self._save_failed:
@@ -628,198 +597,6 @@ class Trainer:
         finally:
             progress.stop()
 
-    # ----------------------------------------------------------------- resume
-    def _resume(self, source: Path | str, checkpoint_dir: Path | None) -> dict[str, Any]:
-        """Restore state from ``source`` following the resume policy; returns the provenance entry."""
-        cand, fallback = self._choose_intact(Path(str(source)) if not str(source).startswith("hf://") else source)
-        strict = self.config.resume_strict_state
-        if cand.format == "standard":
-            loaded = load_standard(Path(cand.path), model=self.model, optimizer=self.optimizer, info=self.info,
-                                   strict=strict)
-        else:
-            loaded = load_file_checkpoint(Path(cand.path), model=self.model, optimizer=self.optimizer,
-                                          rank=self.info.rank, world_size=self.info.world_size, strict=strict)
-        meta = loaded.meta
-        tr = meta["trainer"]
-        # The file itself is the authority on position and topology (a sidecar may be missing).
-        manifest = {**(cand.manifest or {}), "step": tr["global_step"], "epoch": tr["epoch"], "iter": tr["iter"],
-                    "world_size": meta["world_size"], "workers_per_rank": meta["workers_per_rank"]}
-        if cand.format == "single":
-            manifest["has_loader_state"] = bool(loaded.rank_state and loaded.rank_state.get("loader") is not None) \
-                if meta["world_size"] == self.info.world_size else tr["iter"] > 0
-        for key in ("batch_size", "grad_accum", "epoch_start_step"):  # absent from older checkpoints
-            if meta.get(key, tr.get(key)) is not None:
-                manifest[key] = meta.get(key, tr.get(key))
-        plan = plan_resume(manifest, world_size=self.info.world_size, workers_per_rank=self.config.data.num_workers,
-                           strict=strict, grad_accum=self._t.grad_accum, batch_size=self.config.data.batch_size,
-                           legacy=cand.format == "legacy")
-        warnings = fallback + list(plan.warnings) + self._provenance_diff(manifest) + loaded.skipped
-        self.state = TrainState(global_step=tr["global_step"], epoch=tr["epoch"], iter=tr["iter"],
-                                best_metric=tr["best_metric"], best_epoch=tr["best_epoch"], last_eval=tr["last_eval"],
-                                epoch_start_step=tr.get("epoch_start_step", plan.step if plan.iter == 0 else 0))
-        self.best.load_state_dict(tr)
-        self.scheduler.load_state_dict(meta["scheduler"])
-        if meta.get("scaler"):
-            self.scaler.load_state_dict(meta["scaler"])
-        if self.ema is not None:
-            ema_meta = meta.get("ema")
-            if loaded.ema_state_dict is not None and ema_meta:
-                self.ema.load(loaded.ema_state_dict, ema_meta["updates"])
-            else:
-                self.ema = EMA(unwrap(self.model), self.config.ema.decay, self.config.ema.warmup)
-                warnings.append("the checkpoint has no EMA weights; EMA restarts from the restored raw weights")
-        rank_state = loaded.rank_state or {}
-        if plan.restore_rng:
-            if "rng" in rank_state:
-                set_rng_state(rank_state["rng"])
-            else:
-                warnings.append(f"rank {self.info.rank} has no saved RNG state; its RNG starts from the seed")
-        if plan.restore_cursor:
-            self._pending_loader_state = rank_state["loader"]
-        elif plan.replay_boundary is not None:
-            self.state.global_step = self.state.epoch_start_step = plan.step
-            self.state.iter = 0
-        self.scheduler.set_step(self.state.global_step)
-        warnings += self._check_against_metrics()
-        notes = self._apply_schedule_overrides() + self._retarget_schedule()
-        if self.info.is_main:
-            for n in notes:
-                log.info("%s", n)
-            log.info("resuming from %s at step %d, epoch %d, iter %d: %s", cand.path, self.state.global_step,
-                     self.state.epoch, self.state.iter, plan.description)
-            for w in warnings:
-                log.warning("warning: %s", w)
-        return {"kind": "resume", "checkpoint": cand.path, "checkpoint_step": manifest.get("step"),
-                "step": self.state.global_step, "epoch": self.state.epoch, "iter": self.state.iter,
-                "policy": plan.row, "exact": plan.exact, "topology": plan.topology,
-                "replay_boundary": plan.replay_boundary, "restored": plan.restored, "discarded": plan.discarded,
-                "warnings": warnings, "schedule": notes, "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
-
-    def _choose_intact(self, source: Path | str):
-        """Resolve the resume source and check its files against the manifest (rank 0 reads,
-        every rank gets the verdict). A ``model/`` directory falls back past corrupt
-        candidates with a warning; an explicitly named corrupt candidate is refused.
-
-        Raises:
-            CheckpointError: nothing intact to resume from (names each problem).
-        """
-        verdict: tuple[str | None, list[str], str | None] = (None, [], None)
-        if self.info.is_main:
-            try:
-                if isinstance(source, Path) and is_model_dir(source):
-                    chosen, warnings = select_verified(source)
-                    if chosen is None:
-                        detail = "; ".join(warnings) or "no complete candidate"
-                        raise CheckpointError(f"no intact checkpoint to resume in {source}: {detail}", exit_code=1)
-                    verdict = (chosen.path, warnings, None)
-                else:
-                    cand = resolve_resume_path(source)
-                    problems = verify_candidate(cand)
-                    if problems:
-                        raise CheckpointError(f"checkpoint {cand.path} is corrupt ({'; '.join(problems)}); resume "
-                                              "from another candidate (see pimm checkpoints ls)", exit_code=1)
-                    verdict = (cand.path, [], None)
-            except CheckpointError as e:
-                verdict = (None, [], f"{e.exit_code}|{e}")
-        path, warnings, error = dist.broadcast_object(verdict)
-        if error is not None:
-            code, _, message = error.partition("|")
-            raise CheckpointError(message, exit_code=int(code))
-        for w in warnings:
-            if self.info.is_main:
-                log.error("ERROR: %s", w)
-        return resolve_resume_path(path), warnings
-
-    def _apply_schedule_overrides(self) -> list[str]:
-        """Apply this config's schedule and optimizer keys to the restored state; one line each.
-
-        The checkpoint restores the saved base LR, floor, warmup and kind, and the saved
-        optimizer hyper-parameters. A resume whose config changes any of them gets the new
-        value from the resume step on (the LR may jump there, as asked).
-        """
-        t, sch = self._t, self.scheduler
-        step = self.state.global_step
-        notes = []
-        ratio = t.min_lr / t.lr if t.lr else 0.0
-        saved_lr = sch.base_lrs[0]
-        if not math.isclose(saved_lr, t.lr, rel_tol=1e-12, abs_tol=0.0):
-            sch.base_lrs = [t.lr for _ in sch.base_lrs]
-            notes.append(f"train.lr changed {saved_lr:g} -> {t.lr:g} on resume: applied from step {step}")
-        saved_min = saved_lr * sch.min_ratio
-        if not math.isclose(saved_min, t.min_lr, rel_tol=1e-9, abs_tol=1e-30):
-            notes.append(f"train.min_lr changed {saved_min:g} -> {t.min_lr:g} on resume: applied from step {step}")
-        sch.min_ratio = ratio  # the floor stays min_lr whatever the base LR
-        for key, attr in (("warmup_steps", "warmup"), ("scheduler", "kind")):
-            if getattr(sch, attr) != getattr(t, key):
-                notes.append(f"train.{key} changed {getattr(sch, attr)!r} -> {getattr(t, key)!r} on resume: "
-                             f"applied from step {step}")
-                setattr(sch, attr, getattr(t, key))
-        hyper = {"weight_decay": t.weight_decay}
-        if t.optimizer == "sgd":
-            hyper["momentum"] = t.momentum
-        for key, value in hyper.items():
-            saved = self.optimizer.param_groups[0].get(key)
-            if saved is not None and saved != value:
-                notes.append(f"train.{key} changed {saved:g} -> {value:g} on resume: applied from step {step}")
-                for group in self.optimizer.param_groups:
-                    group[key] = value
-        if notes:
-            sch.set_step(step)
-        return notes
-
-    def _retarget_schedule(self) -> list[str]:
-        """Move the LR schedule's horizon to the step this resume will really end at."""
-        sch, step = self.scheduler, self.state.global_step
-        before, end = sch.total, self.end_step(self._t)
-        if before == end:
-            return []
-        sch.retarget(step, end)
-        sch.set_step(step)
-        return [f"LR schedule horizon moved from step {before} to step {end} (where this resume ends): "
-                f"LR {sch.get_last_lr()[0]:.6e} at step {step} is kept and decays to train.min_lr "
-                f"{self._t.min_lr:g} at step {end}"]
-
-    def _provenance_diff(self, manifest: dict[str, Any]) -> list[str]:
-        """Warnings for config, code, data and torch differences from the checkpoint's run."""
-        out = []
-        if self.run_dir is not None and (self.run_dir / CONFIG).is_file():
-            try:
-                saved = tomllib.loads((self.run_dir / CONFIG).read_text())
-            except (OSError, tomllib.TOMLDecodeError):
-                saved = None
-            diff = config_diff(saved, self.config.to_dict()) if saved is not None else ["saved config.toml unreadable"]
-            if diff:
-                out.append("config differs from the interrupted run: " + "; ".join(diff))
-        for key, now in (("data_fingerprint", self.data.fingerprint), ("code_version", self._code_version),
-                         ("torch_version", torch.__version__)):
-            then = manifest.get(key)
-            if then is not None and now is not None and then != now:
-                out.append(f"{key} differs: checkpoint {then}, now {now}")
-        return out
-
-    def _check_against_metrics(self) -> list[str]:
-        """Compare the restored step and LR schedule with the log of the interrupted run.
-
-        The last train record at or before the restored step must carry the LR this
-        config's schedule gives for that step; otherwise the resumed schedule differs.
-        """
-        if self.run_dir is None or not self.info.is_main:
-            return []
-        step = self.state.global_step
-        recs = [r for r in read_metrics(self.run_dir / METRICS)
-                if r.get("split") == "train" and isinstance(r.get("step"), int) and r["step"] <= step]
-        if not recs:
-            return [f"metrics.jsonl has no train record up to step {step}; cannot check the resumed schedule"] if step else []
-        last = max(recs, key=lambda r: r["step"])
-        sch = self.scheduler
-        expected = sch.base_lrs[0] * sch.factor(last["step"] - 1)
-        log.info("resume check: restored step %d, next lr %.6e; log before interruption: step %d lr %.6e "
-                 "(this schedule: %.6e)", step, sch.get_last_lr()[0], last["step"], last.get("lr", float("nan")), expected)
-        if not math.isclose(expected, float(last.get("lr", float("nan"))), rel_tol=1e-6, abs_tol=1e-12):
-            return [f"LR schedule differs from the interrupted run: at step {last['step']} the log says "
-                    f"{last.get('lr')}, this config gives {expected}"]
-        return []
-
     def _check_finite(self) -> None:
         """A run whose weights are NaN/Inf never ends as ``done`` with exit 0.
 
@@ -836,8 +613,9 @@ class Trainer:
         s = self.state
         if not self.info.is_main:
             return
-        log.info("stopped (%s) at step %d, epoch %d, iter %d; final evaluation skipped", s.stop_reason,
-                 s.global_step, s.epoch, s.iter)
+        skipped = "" if s.eval_step == s.global_step else "; final evaluation skipped"
+        log.info("stopped (%s) at step %d, epoch %d, iter %d%s", s.stop_reason,
+                 s.global_step, s.epoch, s.iter, skipped)
         if self.run_dir is not None:
             self.stop_agreement.consume()  # consumed: must not stop the resumed run
             append_provenance(self.run_dir, {}, {"time": now_iso(), "kind": "stop", "reason": s.stop_reason,
@@ -848,7 +626,7 @@ class Trainer:
 
     def _evaluate_and_record(self, epoch: int, checkpoint_dir: Path | None) -> None:
         metrics = self.evaluate()
-        self.state.last_eval = metrics
+        self.state.last_eval, self.state.eval_step = metrics, self.state.global_step
         self._update_best(metrics, epoch, checkpoint_dir)
         self._record({"step": self.state.global_step, "epoch": epoch, "iter": self.state.iter, "split": "val",
                       "loss": metrics["val/loss"], "acc": metrics["val/acc"]})

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, describe, launch, pimm, read_json
+from _helpers import DIGITS, REPO, clean_env, describe, launch, pimm, read_json
 from conftest import SINGLE_OVERRIDES
 
 SINGLE_RUN = ("train.epochs=2", 'checkpoint_format="single"', "data.batch_size=128")
@@ -35,6 +35,15 @@ def flip(path: Path) -> None:
 
 
 DAMAGE = {"truncated": truncate, "bit-flipped": flip}
+
+
+def pimm_env(env: dict[str, str], *args):
+    """``pimm ARGS`` with extra environment variables (e.g. a fail point)."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "pimm_core.cli", *map(str, args)], cwd=REPO,
+                          env={**clean_env(), **env}, capture_output=True, text=True, timeout=240)
 
 
 def resume(root: Path, name: str, *overrides: str, extra: tuple[str, ...] = ("--train.resume",)):
@@ -93,6 +102,23 @@ def test_resume_falls_back_to_an_intact_candidate(run_copy, rel, how):
     # the run saved again: what is under final names now verifies
     result = pimm("checkpoints", "verify", run_copy, timeout=60)
     assert result.returncode == 0, describe(result)
+    # the corrupt last was set aside (not deleted), so the rotation never removed the intact last.prev
+    corrupt = list(model.glob("last.corrupt-*"))
+    assert len(corrupt) == 1 and (corrupt[0] / rel).is_file(), sorted(p.name for p in model.iterdir())
+
+
+def test_kill_in_the_first_save_after_a_fallback_leaves_a_resumable_checkpoint(run_copy):
+    """Seen: the first save after resuming from last.prev (last bit-flipped) removed last.prev to rotate
+    the corrupt last into its place; a kill there left nothing to resume from."""
+    model = run_copy / "model"
+    shutil.copytree(model / "last", model / "last.prev")
+    flip(model / "last" / "weights.pth")
+    for spec in ("rotate.old_prev_removed=kill", "rotate.renamed_to_prev=kill", "rotate.renamed_into_place=kill"):
+        env_run = pimm_env({"PIMM_FAILPOINT": spec}, "launch", "--train.config", DIGITS, "--run.root",
+                           run_copy.parents[1], "--run.name", run_copy.name, "--run.no-timestamp", "--train.resume",
+                           "--", *SINGLE_OVERRIDES, "train.epochs=4")
+        latest = pimm("checkpoints", "latest", model, timeout=60)
+        assert latest.returncode == 0, (spec, describe(env_run), describe(latest))
 
 
 def test_resume_with_nothing_intact_fails_with_one_line(run_copy):

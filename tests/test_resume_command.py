@@ -115,7 +115,7 @@ def test_requeue_moves_leftovers_aside_and_starts_fresh(tmp_path):
     assert r.returncode == 0, describe(r)
     moved = list((run / "abandoned").iterdir())
     assert len(moved) == 1 and (moved[0] / "last.tmp" / "weights.pth").read_bytes() == b"half a save"
-    assert f"moved it to {moved[0]}" in r.stdout + r.stderr
+    assert f"to {moved[0]} and starting the run fresh" in r.stdout + r.stderr
     assert read_json(run / "model" / "last" / "manifest.json")["step"] == 3
 
 
@@ -169,3 +169,46 @@ def test_fallback_names_the_candidate_actually_used(tmp_path):
     entry = [s for s in read_json(run / "provenance.json")["starts"] if s["kind"] == "resume"][-1]
     assert entry["checkpoint"] == str(model / "step_30.pth") and entry["checkpoint_step"] == 30
     assert any(warning in w for w in entry["warnings"]), entry["warnings"]
+
+
+def test_requeue_refuses_a_complete_but_corrupt_checkpoint(copy):
+    """A bit-flipped `last` is not a leftover: auto-resume must not abandon the run's progress with it."""
+    flip_byte(copy / "model" / "last" / "weights.pth")
+    metrics = (copy / "metrics.jsonl").read_bytes()
+    r = requeue(copy.parents[1], copy.name)
+    assert r.returncode == 1, describe(r)
+    assert "no intact checkpoint" in r.stderr and "failed verification" in r.stderr, describe(r)
+    assert not (copy / "abandoned").exists() and (copy / "model" / "last").is_dir()
+    assert (copy / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_requeue_abandon_moves_the_attempts_log_with_its_leftovers(tmp_path):
+    run = tmp_path / "digits" / "job"
+    (run / "model" / "last.tmp").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 2.3}\n')
+    r = requeue(tmp_path, "job", "train.max_steps=2")
+    assert r.returncode == 0, describe(r)
+    moved = next((run / "abandoned").iterdir())
+    assert (moved / "metrics.jsonl").read_text().startswith('{"step": 1,') and (moved / "last.tmp").is_dir()
+    kinds = [s["kind"] for s in read_json(run / "provenance.json")["starts"]]
+    assert kinds == ["abandoned", "start"]
+
+
+@pytest.mark.parametrize("override", ['run.root="/elsewhere"', 'run.name="zz"', 'train.weight="/x.pth"'])
+def test_resume_refuses_to_move_or_rewire_the_run(base, override):
+    r = pimm("resume", base, "--dry-run", "--", override)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot change on pimm resume" in r.stderr, describe(r)
+
+
+def test_checkpoints_diff_plans_the_recorded_launch(copy):
+    """`pimm checkpoints diff RUN` compares with what `pimm resume RUN` would start: the recorded world size."""
+    import json
+
+    prov = read_json(copy / "provenance.json")
+    prov["starts"][-1]["launch"] = {"launcher": "pimm", "nproc_per_node": 2}
+    (copy / "provenance.json").write_text(json.dumps(prov))
+    diff = pimm("checkpoints", "diff", copy, "--json")
+    assert diff.returncode == 0, describe(diff)
+    assert json.loads(diff.stdout)["planned"]["world_size"] == 2
+    dry = pimm("resume", copy, "--dry-run")
+    assert "topology: world size 1 -> 2," in dry.stdout, describe(dry)

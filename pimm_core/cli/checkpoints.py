@@ -136,7 +136,8 @@ def checkpoints_verify(
 @app.command("diff", cls=Command)
 def checkpoints_diff(
     run_dir: Path = typer.Argument(..., help="The run directory (exp/<group>/<run>)."),
-    nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Planned world size (ranks) of the resume."),
+    nproc_per_node: Optional[int] = typer.Option(
+        None, "--nproc-per-node", help="Planned world size (ranks) of the resume (default: as the run was launched)."),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Candidate name (default: resume's choice)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     overrides: Optional[list[str]] = typer.Argument(None, help="Planned config overrides after --, e.g. -- data.num_workers=2"),

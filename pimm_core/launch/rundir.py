@@ -14,8 +14,8 @@ from pathlib import Path
 from ..checkpoint.selection import explain, list_candidates, resolve_resume_path, select_resume
 from ..config import Config
 from ..errors import CheckpointError, ConfigError, UsageError
-from ..run import (CONFIG, MODEL, PROVENANCE, STATUS, RunDirClaim, claim_run_dir, free_run_dir, read_json, run_dir_for,
-                   run_name)
+from ..run import (CONFIG, METRICS, MODEL, PROVENANCE, STATUS, RunDirClaim, append_provenance, claim_run_dir,
+                   free_run_dir, now_iso, read_json, recorded_launch, run_dir_for, run_name)
 from ..shell import resume_command
 from ..topology import continue_override, finished_message, is_finished
 
@@ -111,17 +111,6 @@ def check_config(cfg: Config) -> None:
         raise ConfigError("train.amp = 'fp16' needs CUDA; use 'bf16' or 'none' on CPU")
 
 
-def recorded_launch(run_dir: Path) -> dict:
-    """The launch of the run's latest start (``provenance.json``): ``launcher`` (``pimm`` or
-    ``external``), ``nproc_per_node`` and the multi-node flags ``pimm launch`` was given."""
-    prov = read_json(run_dir / PROVENANCE) or {}
-    for entry in reversed(prov.get("starts") or []):
-        if isinstance(entry, dict) and isinstance(entry.get("launch"), dict):
-            return entry["launch"]
-    # runs written before pimm recorded the launch: one node with the recorded world size
-    return {"launcher": "pimm", "nproc_per_node": int(prov.get("world_size") or 1)}
-
-
 def resume_config(run_dir: Path, overrides: list[str]) -> Config:
     """The run's own resolved ``config.toml`` plus explicit ``overrides``, pointed at ``run_dir``.
 
@@ -131,9 +120,17 @@ def resume_config(run_dir: Path, overrides: list[str]) -> Config:
     """
     from ..config import load_config
 
+    if run_dir.is_file():
+        raise UsageError(f"{run_dir} is a file; pass the run directory that holds it (exp/<group>/<run>)")
     if not (run_dir / CONFIG).is_file():
         what = "does not exist" if not run_dir.exists() else "has no config.toml"
         raise UsageError(f"{run_dir} {what}; pass a run directory written by pimm launch (exp/<group>/<run>)")
+    for text in overrides:  # where the run is and what it loads are the directory's, not deltas
+        key = text.split("=", 1)[0].strip()
+        if key.startswith("run.") or key in ("train.resume", "train.weight", "train.weight_set"):
+            raise UsageError(f"{key} cannot change on pimm resume: it resumes {run_dir} where it is, from its own "
+                             "checkpoints (move the directory to move the run; warm-start a new run with pimm "
+                             "launch --train.weight)")
     extra = {"run.root": str(run_dir.parent.parent), "run.group": run_dir.parent.name, "run.name": run_dir.name,
              "run.no_timestamp": True, "train.resume": True}
     return load_config(run_dir / CONFIG, overrides, extra)
@@ -147,14 +144,21 @@ def auto_resume(cfg: Config, run_dir: Path, *, is_main: bool = True) -> Config:
     rank 0 moves the whole ``model/`` directory to ``<run>/abandoned/<time>/`` and says so.
     """
     chosen, cands = select_resume(run_dir / MODEL)
-    if chosen is not None:
+    if chosen is not None or any(c.complete and c.resumable for c in cands):
+        # an intact checkpoint resumes; a complete one that fails verification is refused by the
+        # resume ("no intact checkpoint", exit 1) rather than thrown away with the run's progress
         return replace(cfg, train=replace(cfg.train, resume=True))
     if cands and is_main:
         moved = set_aside(run_dir / MODEL, run_dir / "abandoned")
+        for name in (METRICS, STATUS):  # the abandoned attempt's log goes with its leftovers
+            if (run_dir / name).exists():
+                os.replace(run_dir / name, moved / name)
+        append_provenance(run_dir, {}, {"time": now_iso(), "kind": "abandoned", "moved_to": str(moved),
+                                        "found": explain(cands, None)})
         logging.getLogger("pimm").warning(
-            "warning: %s held no resumable checkpoint (%s); moved it to %s and starting the run fresh "
-            "(nothing was deleted; remove it when you no longer need it)",
-            run_dir / MODEL, "; ".join(explain(cands, None)), moved)
+            "warning: %s held no resumable checkpoint (%s); moved it, with that attempt's metrics.jsonl and "
+            "status.json, to %s and starting the run fresh (nothing was deleted; remove it when you no longer "
+            "need it)", run_dir / MODEL, "; ".join(explain(cands, None)), moved)
     return replace(cfg, train=replace(cfg.train, resume=False))
 
 
@@ -183,7 +187,7 @@ def finished(cfg: Config, source: str | None, run_dir: Path) -> str | None:
     step = int(m["step"])
     return (f"{finished_message(step, int(m.get('epoch') or 0), cfg.train)}, e.g.: "
             f"{resume_command(run_dir)} -- "
-            f"{continue_override(step, cfg.train)}")
+            f"{continue_override(step, int(m.get('epoch') or 0), cfg.train)}")
 
 
 def resume_source(cfg: Config, run_dir: Path, resume_from: str | None) -> str | None:

@@ -94,8 +94,12 @@ def _run_ranks(run, args, run_dir: Path, errors_dir: str) -> int:
         # early: ignore any more and wait for the ranks before reporting.
         _wait_for_children()
         status = read_json(run_dir / STATUS) or {}
-        if status.get("state") == "stopped":
-            return 0  # rank 0 printed the stop summary and the resume command
+        if status.get("state") in ("stopped", "finished"):
+            return 0  # rank 0 printed the stop (or done) summary and the resume command
+        if not (run_dir / STATUS).exists():
+            print(f"error: interrupted by signal {e.sigval.name} before training started; nothing was trained or "
+                  "saved", file=sys.stderr)
+            return 1
         print(f"error: interrupted by signal {e.sigval.name} before the ranks could stop cleanly; "
               f"see {run_dir / 'train.log'}", file=sys.stderr)
         return 1

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import dist
-from ..checkpoint.standard import unwrap
+from ..checkpoint.state import unwrap
 from ..ema import EMA
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..ema import EMA
-from ..checkpoint.standard import unwrap
+from ..checkpoint.state import unwrap
 
 APPLIED, SKIPPED, STOP = "applied", "skipped", "stop"
 

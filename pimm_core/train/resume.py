@@ -1,0 +1,245 @@
+"""Resume: restore a run's state from a checkpoint, following the resume policy.
+
+:func:`resume` picks the intact candidate (sha256 verified on rank 0, the verdict
+broadcast), loads it into the trainer's model and optimizer, applies the policy row of
+:func:`pimm_core.topology.plan_resume` (cursor and RNG restored or discarded, the replay
+boundary), restores the schedule, scaler, EMA and best-metric state, applies schedule
+overrides and the new LR horizon, and returns the ``provenance.json`` entry.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import tomllib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import dist
+from ..checkpoint.files import load_file_checkpoint
+from ..checkpoint.selection import is_model_dir, resolve_resume_path, select_verified, verify_candidate
+from ..checkpoint.standard import load_standard
+from ..checkpoint.state import set_rng_state, unwrap
+from ..ema import EMA
+from ..errors import CheckpointError
+from ..run import CONFIG, METRICS, read_metrics
+from ..topology import config_diff, plan_resume
+from .state import TrainState
+
+if TYPE_CHECKING:
+    from ..trainer import Trainer
+
+log = logging.getLogger("pimm")
+
+
+def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict[str, Any]:
+    """Restore state from ``source`` following the resume policy; returns the provenance entry."""
+    cand, fallback = choose_intact(tr, Path(str(source)) if not str(source).startswith("hf://") else source)
+    strict = tr.config.resume_strict_state
+    if cand.format == "standard":
+        loaded = load_standard(Path(cand.path), model=tr.model, optimizer=tr.optimizer, info=tr.info,
+                               strict=strict)
+    else:
+        loaded = load_file_checkpoint(Path(cand.path), model=tr.model, optimizer=tr.optimizer,
+                                      rank=tr.info.rank, world_size=tr.info.world_size, strict=strict)
+    meta = loaded.meta
+    saved = meta["trainer"]
+    # The file itself is the authority on position and topology (a sidecar may be missing).
+    manifest = {**(cand.manifest or {}), "step": saved["global_step"], "epoch": saved["epoch"], "iter": saved["iter"],
+                "world_size": meta["world_size"], "workers_per_rank": meta["workers_per_rank"]}
+    if cand.format == "single":
+        manifest["has_loader_state"] = bool(loaded.rank_state and loaded.rank_state.get("loader") is not None) \
+            if meta["world_size"] == tr.info.world_size else saved["iter"] > 0
+    for key in ("batch_size", "grad_accum", "epoch_start_step"):  # absent from older checkpoints
+        if meta.get(key, saved.get(key)) is not None:
+            manifest[key] = meta.get(key, saved.get(key))
+    plan = plan_resume(manifest, world_size=tr.info.world_size, workers_per_rank=tr.config.data.num_workers,
+                       strict=strict, grad_accum=tr._t.grad_accum, batch_size=tr.config.data.batch_size,
+                       legacy=cand.format == "legacy")
+    warnings = fallback + list(plan.warnings) + provenance_diff(tr, manifest) + loaded.skipped
+    tr.state = TrainState(global_step=saved["global_step"], epoch=saved["epoch"], iter=saved["iter"],
+                            best_metric=saved["best_metric"], best_epoch=saved["best_epoch"], last_eval=saved["last_eval"], eval_step=saved.get("eval_step"),
+                            epoch_start_step=saved.get("epoch_start_step", plan.step if plan.iter == 0 else 0))
+    tr.best.load_state_dict(saved)
+    tr.scheduler.load_state_dict(meta["scheduler"])
+    if meta.get("scaler"):
+        tr.scaler.load_state_dict(meta["scaler"])
+    if tr.ema is not None:
+        ema_meta = meta.get("ema")
+        if loaded.ema_state_dict is not None and ema_meta:
+            tr.ema.load(loaded.ema_state_dict, ema_meta["updates"])
+        else:
+            tr.ema = EMA(unwrap(tr.model), tr.config.ema.decay, tr.config.ema.warmup)
+            warnings.append("the checkpoint has no EMA weights; EMA restarts from the restored raw weights")
+    rank_state = loaded.rank_state or {}
+    if plan.restore_rng:
+        if "rng" in rank_state:
+            set_rng_state(rank_state["rng"])
+        else:
+            warnings.append(f"rank {tr.info.rank} has no saved RNG state; its RNG starts from the seed")
+    if plan.restore_cursor:
+        tr._pending_loader_state = rank_state["loader"]
+    elif plan.replay_boundary is not None:
+        tr.state.global_step = tr.state.epoch_start_step = plan.step
+        tr.state.iter = 0
+    tr.scheduler.set_step(tr.state.global_step)
+    warnings += check_against_metrics(tr)
+    notes = apply_schedule_overrides(tr) + retarget_schedule(tr)
+    if tr.info.is_main:
+        for n in notes:
+            log.info("%s", n)
+        log.info("resuming from %s at step %d, epoch %d, iter %d: %s", cand.path, tr.state.global_step,
+                 tr.state.epoch, tr.state.iter, plan.description)
+        for w in warnings[len(fallback):]:  # the fallback lines were logged as errors when chosen
+            log.warning("warning: %s", w)
+    return {"kind": "resume", "checkpoint": cand.path, "checkpoint_step": manifest.get("step"),
+            "step": tr.state.global_step, "epoch": tr.state.epoch, "iter": tr.state.iter,
+            "policy": plan.row, "exact": plan.exact, "topology": plan.topology,
+            "replay_boundary": plan.replay_boundary, "restored": plan.restored, "discarded": plan.discarded,
+            "warnings": warnings, "schedule": notes, "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
+
+def choose_intact(tr: Trainer, source: Path | str):
+    """Resolve the resume source and check its files against the manifest (rank 0 reads,
+    every rank gets the verdict). A ``model/`` directory falls back past corrupt
+    candidates with a warning; an explicitly named corrupt candidate is refused.
+
+    Raises:
+        CheckpointError: nothing intact to resume from (names each problem).
+    """
+    verdict: tuple[str | None, list[str], str | None] = (None, [], None)
+    if tr.info.is_main:
+        try:
+            if isinstance(source, Path) and is_model_dir(source):
+                chosen, warnings = select_verified(source)
+                if chosen is None:
+                    detail = "; ".join(warnings) or "no complete candidate"
+                    raise CheckpointError(f"no intact checkpoint to resume in {source}: {detail}", exit_code=1)
+                warnings += set_aside_corrupt_last(source, chosen)
+                verdict = (chosen.path, warnings, None)
+            else:
+                cand = resolve_resume_path(source)
+                problems = verify_candidate(cand)
+                if problems:
+                    raise CheckpointError(f"checkpoint {cand.path} is corrupt ({'; '.join(problems)}); resume "
+                                          "from another candidate (see pimm checkpoints ls)", exit_code=1)
+                verdict = (cand.path, [], None)
+        except CheckpointError as e:
+            verdict = (None, [], e)  # PimmError pickles with its class and exit code
+    path, warnings, error = dist.broadcast_object(verdict)
+    if error is not None:
+        raise error
+    for w in warnings:
+        if tr.info.is_main:
+            log.error("ERROR: %s", w)
+    return resolve_resume_path(path), warnings
+
+
+def set_aside_corrupt_last(model_dir: Path, chosen) -> list[str]:
+    """Rank 0, resuming from ``last.prev`` because ``last`` failed verification: rename the corrupt
+    ``last`` to ``last.corrupt-<time>`` (kept for inspection; selection ignores it).
+
+    Otherwise the next save's rotation would remove the intact ``last.prev`` to make room for
+    the corrupt ``last``, and a crash in between would leave nothing to resume from.
+    """
+    last = model_dir / "last"
+    if chosen.name != "last.prev" or not last.is_dir():
+        return []
+    dest = model_dir / f"last.corrupt-{time.strftime('%Y%m%d-%H%M%S')}"
+    os.rename(last, dest)
+    return [f"moved the corrupt {last} to {dest} (kept for inspection; nothing was deleted)"]
+
+
+def apply_schedule_overrides(tr: Trainer) -> list[str]:
+    """Apply this config's schedule and optimizer keys to the restored state; one line each.
+
+    The checkpoint restores the saved base LR, floor, warmup and kind, and the saved
+    optimizer hyper-parameters. A resume whose config changes any of them gets the new
+    value from the resume step on (the LR may jump there, as asked).
+    """
+    t, sch = tr._t, tr.scheduler
+    step = tr.state.global_step
+    notes = []
+    ratio = t.min_lr / t.lr if t.lr else 0.0
+    saved_lr = sch.base_lrs[0]
+    if not math.isclose(saved_lr, t.lr, rel_tol=1e-12, abs_tol=0.0):
+        sch.base_lrs = [t.lr for _ in sch.base_lrs]
+        notes.append(f"train.lr changed {saved_lr:g} -> {t.lr:g} on resume: applied from step {step}")
+    saved_min = saved_lr * sch.min_ratio
+    if not math.isclose(saved_min, t.min_lr, rel_tol=1e-9, abs_tol=1e-30):
+        notes.append(f"train.min_lr changed {saved_min:g} -> {t.min_lr:g} on resume: applied from step {step}")
+    sch.min_ratio = ratio  # the floor stays min_lr whatever the base LR
+    for key, attr in (("warmup_steps", "warmup"), ("scheduler", "kind")):
+        if getattr(sch, attr) != getattr(t, key):
+            notes.append(f"train.{key} changed {getattr(sch, attr)!r} -> {getattr(t, key)!r} on resume: "
+                         f"applied from step {step}")
+            setattr(sch, attr, getattr(t, key))
+    hyper = {"weight_decay": t.weight_decay}
+    if t.optimizer == "sgd":
+        hyper["momentum"] = t.momentum
+    for key, value in hyper.items():
+        saved = tr.optimizer.param_groups[0].get(key)
+        if saved is not None and saved != value:
+            notes.append(f"train.{key} changed {saved:g} -> {value:g} on resume: applied from step {step}")
+            for group in tr.optimizer.param_groups:
+                group[key] = value
+    if notes:
+        sch.set_step(step)
+    return notes
+
+def retarget_schedule(tr: Trainer) -> list[str]:
+    """Move the LR schedule's horizon to the step this resume will really end at."""
+    sch, step = tr.scheduler, tr.state.global_step
+    before, end = sch.total, tr.end_step(tr._t)
+    if before == end:
+        return []
+    sch.retarget(step, end)
+    sch.set_step(step)
+    lr = sch.get_last_lr()[0]
+    then = "stays constant" if sch.kind == "constant" else f"decays to train.min_lr {tr._t.min_lr:g} at step {end}"
+    return [f"LR schedule horizon moved from step {before} to step {end} (where this resume ends): "
+            f"LR {lr:.6e} at step {step} is kept and {then}"]
+
+def provenance_diff(tr: Trainer, manifest: dict[str, Any]) -> list[str]:
+    """Warnings for config, code, data and torch differences from the checkpoint's run."""
+    out = []
+    if tr.run_dir is not None and (tr.run_dir / CONFIG).is_file():
+        try:
+            saved = tomllib.loads((tr.run_dir / CONFIG).read_text())
+        except (OSError, tomllib.TOMLDecodeError):
+            saved = None
+        diff = config_diff(saved, tr.config.to_dict()) if saved is not None else ["saved config.toml unreadable"]
+        if diff:
+            out.append("config differs from the interrupted run: " + "; ".join(diff))
+    for key, now in (("data_fingerprint", tr.data.fingerprint), ("code_version", tr._code_version),
+                     ("torch_version", torch.__version__)):
+        then = manifest.get(key)
+        if then is not None and now is not None and then != now:
+            out.append(f"{key} differs: checkpoint {then}, now {now}")
+    return out
+
+def check_against_metrics(tr: Trainer) -> list[str]:
+    """Compare the restored step and LR schedule with the log of the interrupted run.
+
+    The last train record at or before the restored step must carry the LR this
+    config's schedule gives for that step; otherwise the resumed schedule differs.
+    """
+    if tr.run_dir is None or not tr.info.is_main:
+        return []
+    step = tr.state.global_step
+    recs = [r for r in read_metrics(tr.run_dir / METRICS)
+            if r.get("split") == "train" and isinstance(r.get("step"), int) and r["step"] <= step]
+    if not recs:
+        return [f"metrics.jsonl has no train record up to step {step}; cannot check the resumed schedule"] if step else []
+    last = max(recs, key=lambda r: r["step"])
+    sch = tr.scheduler
+    expected = sch.base_lrs[0] * sch.factor(last["step"] - 1)
+    log.info("resume check: restored step %d, next lr %.6e; log before interruption: step %d lr %.6e "
+             "(this schedule: %.6e)", step, sch.get_last_lr()[0], last["step"], last.get("lr", float("nan")), expected)
+    if not math.isclose(expected, float(last.get("lr", float("nan"))), rel_tol=1e-6, abs_tol=1e-12):
+        return [f"LR schedule differs from the interrupted run: at step {last['step']} the log says "
+                f"{last.get('lr')}, this config gives {expected}"]
+    return []

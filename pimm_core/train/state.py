@@ -1,0 +1,38 @@
+"""The run's progress record (:class:`TrainState`), saved in every checkpoint's trainer state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrainState:
+    """Progress of a run; :meth:`Trainer.train` returns it.
+
+    Attributes:
+        global_step: optimizer steps taken over the whole run.
+        epoch: epoch of the next batch to train (0-based).
+        iter: micro-batch index of the next batch within ``epoch``.
+        best_metric: best value of ``eval.metric`` so far (None before any evaluation).
+        best_epoch: epoch (0-based) that produced ``best_metric``.
+        epoch_start_step: ``global_step`` when ``epoch`` began (a resume that must replay
+            the epoch restarts here, whatever the new batching).
+        last_eval: metrics of the latest evaluation, e.g. ``{"val/acc": 0.97, "val/loss": 0.1}``.
+        eval_step: ``global_step`` of that evaluation (a resumed run does not evaluate the same step twice).
+        stop_reason: None when the run reached its end; otherwise why it stopped early.
+        error: set when the stop is a failure (non-finite values with ``train.on_nonfinite
+            = "stop"``): the CLI then exits 1.
+        finished: the run reached its configured end (epochs or ``train.max_steps``).
+    """
+
+    global_step: int = 0
+    epoch: int = 0
+    iter: int = 0
+    best_metric: float | None = None
+    best_epoch: int | None = None
+    epoch_start_step: int = 0
+    last_eval: dict[str, float] = field(default_factory=dict)
+    eval_step: int | None = None
+    stop_reason: str | None = None
+    error: str | None = None
+    finished: bool = False
