@@ -415,7 +415,7 @@ class TopologyView(Vertical):
     def compose(self) -> ComposeResult:
         with Horizontal(id="plan-inputs"):
             yield Label("world size", classes="plan-label")
-            yield Input("1", type="integer", id="plan-ws", compact=True)
+            yield Input("", type="integer", id="plan-ws", compact=True, placeholder="as run")
             yield Label("workers", classes="plan-label")
             yield Input("", type="integer", id="plan-workers", compact=True, placeholder="config")
             yield Label("overrides", classes="plan-label")
@@ -455,11 +455,11 @@ class TopologyView(Vertical):
             self._timer.stop()
         self._timer = self.set_timer(0.3, self.recompute)
 
-    def plan_args(self) -> tuple[int, int | None, list[str]] | str:
+    def plan_args(self) -> tuple[int | None, int | None, list[str]] | str:
         ws_text = self.query_one("#plan-ws", Input).value.strip()
         wk_text = self.query_one("#plan-workers", Input).value.strip()
         try:
-            ws = int(ws_text or "1")
+            ws = int(ws_text) if ws_text else None  # None: the run's recorded launch
             workers = int(wk_text) if wk_text else None
         except ValueError:
             return "world size and workers must be whole numbers"
@@ -479,7 +479,7 @@ class TopologyView(Vertical):
         self._compute(self.run_dir, *args, self.candidate)
 
     @work(thread=True, exclusive=True, group="topology")
-    def _compute(self, run_dir: Path, ws: int, workers: int | None, overrides: list[str],
+    def _compute(self, run_dir: Path, ws: int | None, workers: int | None, overrides: list[str],
                  candidate: str | None) -> None:
         try:
             diff = resume_diff(run_dir, world_size=ws, workers=workers, overrides=overrides,
