@@ -16,7 +16,7 @@ the *next* batch to train, so a checkpoint at an epoch end says ``(epoch+1, 0)``
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 import math
 import os
@@ -53,7 +53,7 @@ from .train.best import BestTracker
 from .train.evaluator import Evaluator
 from .train.resume import resume
 from .train.state import TrainState
-from .train.step import SKIPPED, STOP, WindowStep
+from .train.step import SKIPPED, STOP, WindowStep, autocast_context
 from .train.stop_agreement import StopAgreement
 from .topology import finished_message, is_finished
 
@@ -122,7 +122,11 @@ class Trainer:
         self.callbacks: list[Callable[["Trainer"], None]] = []
         self.stop_agreement = StopAgreement(self.stop, self.info, self.run_dir, self.device)
         self.best = BestTracker(config.eval.metric, config.eval.mode)
-        self.evaluator = Evaluator(self.val_loader, self.device, self._autocast, config.eval.weights)
+        # (a plain function, not a bound method: a part holding the trainer would make a reference
+        # cycle that keeps the loaders, and their worker processes, alive until interpreter exit)
+        self.evaluator = Evaluator(self.val_loader, self.device,
+                                   functools.partial(autocast_context, config.train.amp, self.device.type),
+                                   config.eval.weights)
         self._pids = [os.getpid()]
         self._log_handler: logging.Handler | None = None
         self._detach_console: Callable[[], None] = lambda: None
@@ -184,10 +188,7 @@ class Trainer:
                             min_ratio=t.min_lr / t.lr if t.lr else 0.0, kind=t.scheduler)
 
     def _autocast(self):
-        amp = self.config.train.amp
-        if amp == "none":
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+        return autocast_context(self.config.train.amp, self.device.type)
 
     # ---------------------------------------------------------------- logging
     def _setup_files(self, entry: dict[str, Any], fresh: bool) -> None:

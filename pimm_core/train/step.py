@@ -25,6 +25,13 @@ from ..checkpoint.state import unwrap
 APPLIED, SKIPPED, STOP = "applied", "skipped", "stop"
 
 
+def autocast_context(amp: str, device_type: str) -> contextlib.AbstractContextManager:
+    """The forward pass's mixed-precision context: ``train.amp`` ``"bf16"``/``"fp16"`` autocast, or none."""
+    if amp == "none":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+
+
 class WindowStep:
     """Forward/backward per micro-batch and one optimizer step per window.
 

@@ -112,3 +112,26 @@ def test_schedule_state_round_trips_with_its_anchor():
     t.load_state_dict(s.state_dict())
     assert (t.total, t.anchor_step, t.last_epoch) == (200, 40, s.last_epoch)
     assert t.factor(123) == s.factor(123) and math.isclose(t.get_last_lr()[0], s.get_last_lr()[0])
+
+
+def test_trainer_is_freed_by_reference_counting():
+    """No part holds the trainer: a reference cycle would keep the loaders and their worker processes
+    (which ignore SIGTERM) alive until interpreter exit, where multiprocessing's join then hangs."""
+    import gc
+    import weakref
+
+    from pimm_core import Trainer, load_config
+
+    from pathlib import Path
+
+    digits = Path(__file__).resolve().parents[2] / "configs" / "digits.toml"
+    cfg = load_config(digits, ["train.epochs=1", "train.max_steps=2", "data.num_workers=2"])
+    trainer = Trainer(cfg)
+    trainer.train()
+    ref = weakref.ref(trainer)
+    gc.disable()
+    try:
+        del trainer
+        assert ref() is None
+    finally:
+        gc.enable()
