@@ -25,16 +25,7 @@ import typer.core
 from ..errors import RANK_ERRORS_ENV, PimmError, is_peer_loss, report
 
 
-class Command(typer.core.TyperCommand):
-    """Usage lines in the usual style (``RUN_DIR``, ``[OVERRIDES]...``), not Typer's ``{run_dir}``."""
-
-    def collect_usage_pieces(self, ctx) -> list[str]:
-        pieces = [self.options_metavar] if self.options_metavar else []
-        for param in self.get_params(ctx):
-            if isinstance(param, typer.core.TyperArgument):
-                name = (param.metavar or param.name or "").upper()
-                pieces.append((name if param.required else f"[{name}]") + ("..." if param.nargs != 1 else ""))
-        return pieces
+from ._common import Command  # noqa: E402 (re-exported: the sub-apps and cli_export use it)
 
 
 # Plain (click) help: flags without a <bool> placeholder, choices as [a|b], pipe-friendly.

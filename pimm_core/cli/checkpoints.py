@@ -15,7 +15,7 @@ import typer
 
 from ..errors import PimmError, UsageError
 from ..shell import command
-from . import Command
+from ._common import Command
 
 app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Inspect checkpoints without importing torch.")
 

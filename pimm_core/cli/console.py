@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from ..errors import PimmError
-from . import Command
+from ._common import Command
 
 app = typer.Typer()
 

@@ -10,7 +10,7 @@ from typing import Literal, Optional
 
 import typer
 
-from . import Command
+from ._common import Command
 
 app = typer.Typer()
 

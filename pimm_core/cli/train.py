@@ -14,7 +14,7 @@ import typer
 
 from ..errors import PimmError, UsageError
 from ..shell import command
-from . import Command
+from ._common import Command
 
 app = typer.Typer()
 
