@@ -30,7 +30,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("pimm_core", "pimm_tui", "pimm")
 
 #: (layer rank, layer name); siblings share a rank but may not import each other.
@@ -116,7 +116,7 @@ def violations() -> list[str]:
             continue
         mine = layer_of(module)
         if mine is None:
-            bad.append(f"{module}: no layer; add it to LAYERS in tests/test_layers.py")
+            bad.append(f"{module}: no layer; add it to LAYERS in tests/unit/test_layers.py")
             continue
         for target in sorted(imports_of(module, path, known)):
             theirs = layer_of(target)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DIGITS = REPO / "configs" / "digits.toml"
 
 # Variables a surrounding torchrun/Slurm job would set; a child must not think it is a rank.

@@ -2,7 +2,7 @@
 
 As a script (one process, or every rank under ``python -m torch.distributed.run``)::
 
-    python tests/_resume_driver.py JOBS.json
+    python tests/e2e/_resume_driver.py JOBS.json
 
 ``JOBS.json`` is a list of jobs run one after the other in the same process (group):
 ``{"run_dir", "overrides", "stop_at", "resume_from", "max_steps", "checkpoint": bool, "dump"}``.
@@ -28,7 +28,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DIGITS = REPO / "configs" / "digits.toml"
 
 # Dropout on, one train record per step: loss and LR traces are comparable step by step.

@@ -1,4 +1,4 @@
-"""Helpers for the console tests (tests/test_tui*.py): one real training run per session, Pilot waits."""
+"""Helpers for the console tests (tests/e2e/test_tui*.py): one real training run per session, Pilot waits."""
 
 from __future__ import annotations
 

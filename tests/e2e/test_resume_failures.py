@@ -185,7 +185,7 @@ def test_sequential_trainers_do_not_share_train_log(tmp_path):
     level = logger.level
     logger.setLevel(logging.INFO)
     try:
-        cfg = load_config(Path(__file__).parents[1] / "configs" / "digits.toml",
+        cfg = load_config(Path(__file__).parents[2] / "configs" / "digits.toml",
                           ["train.epochs=1", "train.max_steps=2", "eval.every_epochs=0"])
         for name in ("a", "b"):
             Trainer(cfg, run_dir=tmp_path / name).train(checkpoint_dir=tmp_path / name / "model")

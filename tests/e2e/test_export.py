@@ -22,7 +22,7 @@ from pimm_core.checkpoint.weights import read_weight_sets
 from pimm_core.cli import main
 from pimm_core.errors import CheckpointError, UsageError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Tied(nn.Module):
