@@ -17,7 +17,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(trainer, name)
     if name == "load_weights":
-        from .checkpoint.weights import load_weights
+        from .checkpoint.strict_load import load_weights
 
         return load_weights
     if name == "export_weights":

@@ -65,6 +65,34 @@ class CheckpointParseError(CheckpointError):
     exit_code = 2
 
 
+class WeightNotFoundError(CheckpointError):
+    """A non-empty weight source does not resolve to a file (exit code 2).
+
+    The message starts with ``No weight found:`` and names the source.
+    """
+
+    exit_code = 2
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """A checkpoint directory lacks a required part (exit code 2).
+
+    The message starts with ``Incomplete checkpoint directory`` and names what is missing.
+    """
+
+    exit_code = 2
+
+
+class HubUnreachableError(CheckpointError):
+    """An ``hf://`` file is not in the local cache and the Hub cannot be asked for it (exit code 1).
+
+    Either the Hub (``HF_ENDPOINT``) did not answer one quick probe, or ``HF_HUB_OFFLINE=1``
+    forbids asking it. The message says which, and what to do.
+    """
+
+    exit_code = 1
+
+
 class TrainingError(PimmError):
     """Training itself went wrong (e.g. the weights stopped being finite); exit code 1."""
 

@@ -135,7 +135,7 @@ class Trainer:
     # ----------------------------------------------------------------- set-up
     def _warm_start(self, model: nn.Module):
         """Load ``train.weight`` into the new model (weights only; logged report, zero match raises)."""
-        from .checkpoint.weights import warm_start
+        from .checkpoint.warm_start import warm_start
 
         t = self.config.train
         rules = [tuple(r) for r in t.key_rules] if t.key_rules is not None else None
@@ -389,7 +389,7 @@ class Trainer:
         Raises:
             UsageError: ``weights="ema"`` without ``ema.enabled``.
         """
-        from .checkpoint.export import write_bin, write_safetensors
+        from .checkpoint.weight_files import write_bin, write_safetensors
         from .errors import UsageError
 
         if weights == "ema" and self.ema is None:

@@ -14,17 +14,11 @@
 
 An export is reproducible: the same checkpoint exported again (same options, same torch
 and safetensors versions) gives the same bytes in every file. Nothing records the time
-of the export; the safetensors header is written in one canonical order
-(:func:`canonical_safetensors_header`) and ``model.bin`` always names its inner folder
-``archive/``.
+of the export, and the model file's writers give equal bytes for equal contents.
 
-Tied tensors (several names for one tensor, e.g. ``head.weight is embed.weight``):
-safetensors stores each tensor once. The first name in sorted order keeps the data;
-each other name is an *alias*, recorded as ``{alias: kept}`` in the file's
-``pimm.aliases`` metadata and in ``export.json``. :func:`load_exported` (and every
-reader in :mod:`.weights`) puts the aliases back as the same tensor object and
-re-ties the model's parameters. ``model.bin`` keeps every name (``torch.save``
-preserves sharing).
+Tied tensors are stored once in ``model.safetensors`` (see :mod:`.weight_files`); the
+aliases are recorded in ``export.json`` too, and :func:`load_exported` puts them back
+and re-ties the model's parameters. The config is sanitized by :mod:`.export_config`.
 
 The directory is written as ``OUT_DIR.tmp``, fsynced and renamed into place; an
 existing non-empty ``OUT_DIR`` is replaced only with ``force``.
@@ -32,223 +26,31 @@ existing non-empty ``OUT_DIR`` is replaced only with ``force``.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
-import re
-import shutil
-import tomllib
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-from ..errors import CheckpointError, UsageError
-from ..fsio import atomic_write, atomic_write_bytes, fsync_dir, fsync_tree, remove_tree
+from ..errors import UsageError
+from ..fsio import atomic_write_bytes, fsync_dir, fsync_tree, remove_tree
+from .export_config import read_run_config, sanitize_config
+from .foreign import BIN, SAFETENSORS
+from .hub import is_remote
+from .key_rules import DEFAULT_KEY_RULES, apply_key_rules
 from .manifest import sha256_file
-from .sources import BIN, SAFETENSORS, checkpoint_record, find_run_dir, is_remote
-from .weights import (
-    DEFAULT_KEY_RULES,
-    _check_unwrapped,
-    read_weight_sets,
-    StateDict,
-    WEIGHT_SETS,
-    apply_key_rules,
-    check_strict,
-    read_checkpoint,
-    resolve_weight_source,
-    retie,
-    select_weight_set,
-)
+from .sources import checkpoint_record, find_run_dir, resolve_weight_source
+from .strict_load import check_strict, check_unwrapped
+from .weight_files import find_aliases, write_bin, write_safetensors
+from .weights import WEIGHT_SETS, read_checkpoint, read_weight_sets, retie, select_weight_set
 
 FORMATS = {"safetensors": SAFETENSORS, "bin": BIN}
 EXPORT_JSON = "export.json"
 CONFIG_JSON = "config.json"
 EXPORT_VERSION = 1
-REDACTED = "<redacted>"
-
-#: Config keys that would make a model built from the exported config load weights
-#: (or resume) from a path on the training machine, and the value that disables them.
-LOAD_TRIGGERS: dict[str, Any] = {"train.weight": "", "train.resume": False}
-
-_WINDOWS_ABS = re.compile(r"^[A-Za-z]:[\\/]|^\\\\")
 
 
-# -------------------------------------------------------------- tied tensors
-def find_aliases(sd: StateDict) -> dict[str, str]:
-    """Names in ``sd`` that are the same tensor view as another name.
-
-    Two entries are aliases when they share storage, offset, shape, stride and dtype.
-    The first name in sorted order is the one kept.
-
-    Returns:
-        ``{alias: kept}``, sorted by alias.
-    """
-    groups: dict[tuple[Any, ...], list[str]] = {}
-    for k in sorted(sd):
-        t = sd[k]
-        if t.device.type == "meta" or t.numel() == 0:
-            continue
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-        groups.setdefault(key, []).append(k)
-    return dict(sorted((alias, names[0]) for names in groups.values() for alias in names[1:]))
-
-
-def _storage_sharing(sd: StateDict) -> set[str]:
-    """Names whose storage is shared with another (non-alias) entry: they must be copied apart."""
-    by_storage: dict[tuple[Any, int], list[str]] = {}
-    for k, t in sd.items():
-        if t.device.type != "meta" and t.numel() > 0:
-            by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(k)
-    return {k for names in by_storage.values() if len(names) > 1 for k in names}
-
-
-def write_safetensors(sd: StateDict, path: Path, *, metadata: dict[str, str] | None = None) -> dict[str, str]:
-    """Write ``sd`` as safetensors, atomically, storing tied tensors once.
-
-    Tensors are moved to CPU and made contiguous; tensors that overlap in memory without
-    being aliases are copied apart. ``metadata`` gets ``format = "pt"`` and
-    ``pimm.aliases`` (JSON ``{alias: kept}``).
-
-    Returns:
-        The aliases that were dropped (``{alias: kept}``).
-    """
-    from safetensors.torch import save_file
-
-    aliases = find_aliases(sd)
-    kept = {k: v for k, v in sd.items() if k not in aliases}
-    overlap = _storage_sharing(kept)
-    tensors = {k: (v.detach().cpu().clone() if k in overlap else v.detach().cpu()).contiguous()
-               for k, v in sorted(kept.items())}
-    meta = {"format": "pt", **(metadata or {}), "pimm.aliases": json.dumps(aliases, sort_keys=True)}
-    def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp), metadata=meta)
-        canonical_safetensors_header(tmp)
-        os.chmod(tmp, 0o644)  # safetensors creates the file owner-only
-
-    _atomic(path, write)
-    return aliases
-
-
-def canonical_safetensors_header(path: Path) -> None:
-    """Rewrite a safetensors file's JSON header in one order, so equal contents give equal bytes.
-
-    The safetensors library writes the ``__metadata__`` map in hash order, which differs
-    from one call to the next. Here ``__metadata__`` comes first with its keys sorted, then
-    the tensors in the order of their data; the header is padded with spaces to a multiple
-    of 8 bytes, as safetensors does. The tensor data is not touched (rewritten in place
-    when the header keeps its length, else copied once).
-    """
-    path = Path(path)
-    with open(path, "r+b") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-        meta = header.pop("__metadata__", None)
-        ordered: dict[str, Any] = {} if meta is None else {"__metadata__": dict(sorted(meta.items()))}
-        ordered.update(sorted(header.items(), key=lambda kv: (kv[1]["data_offsets"], kv[0])))
-        text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        text += b" " * (-len(text) % 8)
-        if len(text) == n:
-            f.seek(8)
-            f.write(text)
-            return
-        other = path.with_name(path.name + ".header")
-        try:
-            with open(other, "wb") as out:
-                out.write(len(text).to_bytes(8, "little"))
-                out.write(text)
-                f.seek(8 + n)
-                shutil.copyfileobj(f, out, 16 << 20)
-            os.replace(other, path)
-        finally:
-            other.unlink(missing_ok=True)
-
-
-def write_bin(sd: StateDict, path: Path) -> None:
-    """``torch.save`` of the state dict (CPU tensors, every name kept, sharing preserved), atomically.
-
-    Saved through an open file, so the archive's inner folder is always ``archive/`` (a
-    path would name it after the temporary file): equal contents give equal bytes.
-    """
-
-
-    cpu: dict[str, torch.Tensor] = {}
-    moved: dict[int, torch.Tensor] = {}
-    for k, v in sd.items():
-        if v.device.type == "cpu":
-            cpu[k] = v.detach()
-        else:  # move each distinct tensor once so ties survive
-            cpu[k] = moved.setdefault(id(v), v.detach().cpu())
-
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            torch.save(cpu, f)
-
-    _atomic(path, write)
-
-
-def _atomic(path: Path, write) -> None:
-    atomic_write(path, write, points=None)
-
-
-# -------------------------------------------------------------------- config
-def _is_abs_path(value: str) -> bool:
-    return value.startswith(("/", "~", "file://")) or bool(_WINDOWS_ABS.match(value))
-
-
-def sanitize_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str]]:
-    """The config as it may leave the training machine.
-
-    Load triggers (:data:`LOAD_TRIGGERS`) present in ``cfg`` are reset; any other string
-    that is an absolute path (``/...``, ``~...``, ``C:\\...``, ``file://...``), at any depth
-    and inside lists, becomes ``"<redacted>"``.
-
-    Returns:
-        ``(clean, cleared, redacted)``: a deep copy, and the dotted keys that were cleared
-        and redacted (list items as ``key[i]``).
-    """
-    clean = copy.deepcopy(cfg)
-    cleared, redacted = [], []
-    for dotted, value in LOAD_TRIGGERS.items():
-        *parents, leaf = dotted.split(".")
-        node: Any = clean
-        for p in parents:
-            node = node.get(p) if isinstance(node, dict) else None
-        if isinstance(node, dict) and leaf in node:
-            if node[leaf] != value:
-                cleared.append(dotted)
-            node[leaf] = value
-
-    def walk(node: Any, where: str) -> Any:
-        if isinstance(node, dict):
-            return {k: walk(v, f"{where}.{k}" if where else str(k)) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v, f"{where}[{i}]") for i, v in enumerate(node)]
-        if isinstance(node, str) and _is_abs_path(node):
-            redacted.append(where)
-            return REDACTED
-        return node
-
-    return walk(clean, ""), cleared, redacted
-
-
-def read_run_config(run_dir: Path) -> dict[str, Any] | None:
-    """``run_dir/config.toml`` as a dict, or None when absent.
-
-    Raises:
-        CheckpointError: the file exists but is not valid TOML.
-    """
-    path = Path(run_dir) / "config.toml"
-    if not path.is_file():
-        return None
-    try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise CheckpointError(f"cannot read the run config {path}: {e}") from None
-
-
-# -------------------------------------------------------------------- export
 def _check_out_dir(out_dir: Path, force: bool) -> None:
     if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
         raise UsageError(f"{out_dir} exists and is not a directory; choose a directory for the export")
@@ -389,7 +191,7 @@ def load_exported(model: nn.Module, out_dir: str | os.PathLike[str], *, retie_pa
         WeightNotFoundError: no model file in ``out_dir``.
         CheckpointError: unreadable file, or keys/shapes that differ from the model.
     """
-    _check_unwrapped(model)
+    check_unwrapped(model)
     path = resolve_weight_source(out_dir)
     sets, info = read_checkpoint(path)
     sd = dict(sets["raw"])

@@ -32,7 +32,6 @@ a pointer's target; it runs after the pointers move, whether a save wrote a new 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from ..errors import CheckpointError, CheckpointParseError
 from ..fsio import fsync_dir
 from .manifest import sha256_file, write_manifest
-from .selection import LEGACY_LAST
+from .selection import LEGACY_LAST, POINTERS, SINGLE_RE
 from .safe_read import load_torch_file
 from .standard import (DtypeCast, LoadedState, check_compatible, check_dtypes, dtype_casts, meta_problem,
                        save_torch_file, unwrap)
@@ -51,9 +50,6 @@ from ..faults import point, register
 
 register("file_format.published", "file_format.sidecar_written", "pointer.linked", "pointer.replaced",
          "single.pointers_set", "single.pruned")
-
-SINGLE_RE = re.compile(r"^step_(\d+)\.pth$")
-POINTERS = ("last", "best", "final")
 
 
 def _publish_file(path: Path, payload: dict[str, Any], manifest: dict[str, Any], fmt: str) -> None:

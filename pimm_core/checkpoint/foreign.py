@@ -42,7 +42,11 @@ _SCAN_BYTES = 4 << 20  # enough of data.pkl to see a checkpoint's top-level keys
 
 ACCELERATE_STATE = re.compile(r"^(optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|sampler(_\d+)?\.bin|"
                               r"random_states_\d+\.pkl|scaler\.pt|custom_checkpoint_\d+\.pkl)$")
-HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+SAFETENSORS = "model.safetensors"  # an export's (and a Hugging Face directory's) weights
+BIN = "model.bin"  # an export's weights with --format bin
+HF_BIN = "pytorch_model.bin"  # a Hugging Face directory's torch.save weights
+EXPORT_FILES = (SAFETENSORS, BIN)
+HF_WEIGHTS = (SAFETENSORS, HF_BIN)
 HF_SHARD_INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
@@ -189,8 +193,7 @@ def directory_layout(d: Path) -> ForeignDir | None:
     if weights is None and sharded:
         note = f"its weights are sharded ({sharded}); pimm reads one file: merge the shards into one first"
     if "export.json" in names:
-        return ForeignDir("a pimm export (weights only)", next((d / n for n in ("model.safetensors", "model.bin")
-                                                                 if n in names), None))
+        return ForeignDir("a pimm export (weights only)", next((d / n for n in EXPORT_FILES if n in names), None))
     if any(ACCELERATE_STATE.match(n) for n in names):
         if weights is None and note is None:
             note = "it holds no model.safetensors or pytorch_model.bin"

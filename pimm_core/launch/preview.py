@@ -96,11 +96,11 @@ def _dry_warm_start(cfg: Config, model) -> list[str]:
     An ``hf://`` file that is not in the local cache is only looked up (name, size).
 
     Raises:
-        as :func:`pimm_core.checkpoint.weights.warm_start` (a missing source, one that is not
+        as :func:`pimm_core.checkpoint.warm_start.warm_start` (a missing source, one that is not
         a checkpoint, no matching parameters...).
     """
-    from ..checkpoint.sources import is_remote, plan_hf
-    from ..checkpoint.weights import warm_start
+    from ..checkpoint.hub import is_remote, plan_hf
+    from ..checkpoint.warm_start import warm_start
 
     t = cfg.train
     source: str | Path = t.weight

@@ -16,8 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from pimm_core.checkpoint.export import REDACTED, export, find_aliases, load_exported, sanitize_config
+from pimm_core.checkpoint.export import export, load_exported
+from pimm_core.checkpoint.export_config import REDACTED, sanitize_config
 from pimm_core.checkpoint.manifest import sha256_file
+from pimm_core.checkpoint.weight_files import find_aliases
 from pimm_core.checkpoint.weights import read_weight_sets
 from pimm_core.cli import main
 from pimm_core.errors import CheckpointError, UsageError
@@ -286,7 +288,7 @@ def test_export_twice_gives_the_same_bytes(tmp_path: Path, fmt: str) -> None:
 
 
 def test_safetensors_header_is_canonical(tmp_path: Path) -> None:
-    from pimm_core.checkpoint.export import write_safetensors
+    from pimm_core.checkpoint.weight_files import write_safetensors
 
     sd = Small().state_dict()
     meta = {f"k{i}": str(i) for i in range(12)}

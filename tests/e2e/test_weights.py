@@ -15,17 +15,12 @@ import torch
 from torch import nn
 
 from pimm_core.checkpoint.export import export_weights
-from pimm_core.checkpoint.sources import IncompleteCheckpointError, WeightNotFoundError
-from pimm_core.checkpoint.weights import (
-    DEFAULT_KEY_RULES,
-    WarmStartReport,
-    apply_key_rules,
-    load_weights,
-    read_weight_sets,
-    resolve_weight_source,
-    warm_start,
-)
-from pimm_core.errors import CheckpointError, UsageError
+from pimm_core.checkpoint.key_rules import DEFAULT_KEY_RULES, apply_key_rules
+from pimm_core.checkpoint.sources import resolve_weight_source
+from pimm_core.checkpoint.strict_load import load_weights
+from pimm_core.checkpoint.warm_start import WarmStartReport, warm_start
+from pimm_core.checkpoint.weights import read_weight_sets
+from pimm_core.errors import CheckpointError, IncompleteCheckpointError, UsageError, WeightNotFoundError
 
 
 class Net(nn.Module):
@@ -356,9 +351,9 @@ def test_hf_source_through_local_fake(tmp_path: Path, monkeypatch) -> None:
         return str(path)
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
-    from pimm_core.checkpoint import sources
+    from pimm_core.checkpoint import hub
 
-    monkeypatch.setattr(sources, "hub_unreachable", lambda: None)  # the fake Hub answers
+    monkeypatch.setattr(hub, "hub_unreachable", lambda: None)  # the fake Hub answers
     assert resolve_weight_source("hf://org/repo") == (repo / "weights.pth").resolve()
     assert [c[1] for c in calls] == ["model.safetensors", "model.bin", "weights.pth"]
     assert resolve_weight_source("hf://org/repo@v1/sub/w.pth") == (repo / "sub" / "w.pth").resolve()
