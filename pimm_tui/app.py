@@ -1,7 +1,7 @@
 """The console application: one run directory, polled by a worker thread once a second.
 
 The views (:mod:`pimm_tui.views`) do not import this module: they get snapshots through
-``show()`` and ask for tab changes and re-reads with messages (``OpenView``, ``RefreshRun``).
+``show()`` and ask for tab changes and re-reads with messages (:mod:`pimm_tui.views.common`).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import tempfile
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 from textual import on, work
@@ -20,20 +21,24 @@ from textual.widgets import DataTable, Footer, Input, TabbedContent, TabPane, Ta
 from pimm_core.runview import RunReader, RunSnapshot
 from pimm_core.stop import write_stop_file
 
-from .screens import ConfirmStop
-from .views import CheckpointsView, ExportView, LiveView, OpenView, RefreshRun, TopologyView, _error_line
+from .fmt import error_line
+from .screens import ConfirmStop, stop_unavailable
+from .views.checkpoints import CheckpointsView
+from .views.common import OpenView, RefreshRun
+from .views.export import ExportView
+from .views.live import LiveView
+from .views.topology import TopologyView
 from .widgets import RunBar
 
 TABS = ("live", "checkpoints", "topology", "export")
 
 
+@dataclass
 class Polled(Message):
-    """A worker finished reading the run."""
+    """A worker finished reading the run: the new snapshot, or None and why not."""
 
-    def __init__(self, snap: RunSnapshot | None, error: str | None) -> None:
-        super().__init__()
-        self.snap = snap
-        self.error = error
+    snap: RunSnapshot | None
+    error: str | None
 
 
 class PimmConsole(App[None]):
@@ -117,7 +122,7 @@ class PimmConsole(App[None]):
         try:
             snap, error = self._reader.poll(force_checkpoints=force), None
         except Exception as e:  # a reader bug must not take the console down
-            snap, error = None, f"reading the run failed: {_error_line(e)}"
+            snap, error = None, f"reading the run failed: {error_line(e)}"
         self.post_message(Polled(snap, error))
 
     def on_polled(self, message: Polled) -> None:
@@ -139,7 +144,7 @@ class PimmConsole(App[None]):
                 self.query_one(ExportView).show(snap)
         except Exception as e:  # drawing must never crash the console (nor a late read at exit)
             try:
-                self.query_one(RunBar).show(snap, f"display error: {_error_line(e)}")
+                self.query_one(RunBar).show(snap, f"display error: {error_line(e)}")
             except Exception:
                 return
         self._update_stop_binding()
@@ -151,30 +156,10 @@ class PimmConsole(App[None]):
 
     # --------------------------------------------------------------- actions
     def can_stop(self) -> bool:
-        return self.stop_unavailable() is None
-
-    def stop_unavailable(self) -> str | None:
-        """Why the stop key does nothing now (shown in the footer), or None when it works."""
-        s = self.snapshot
-        if s is None:
-            return "reading the run"
-        st = s.status
-        if st.stoppable:
-            return "requested" if st.stop_request is not None else None
-        if st.state in ("finished", "stopped", "failed"):
-            return f"run {st.state}"
-        if st.pid_alive is False:
-            return "process gone"
-        if st.stale:
-            return "no heartbeat"
-        if st.state == "stopping" or st.stop_request is not None:
-            return "already stopping"
-        if st.state is None:
-            return "no status.json"
-        return f"run {st.display_state}"
+        return stop_unavailable(self.snapshot) is None
 
     def _update_stop_binding(self) -> None:
-        why = self.stop_unavailable()
+        why = stop_unavailable(self.snapshot)
         label = "Stop run" if why is None else f"Stop: {why}"
         if label != self._stop_label:
             self._stop_label = label
@@ -226,7 +211,7 @@ class PimmConsole(App[None]):
         try:
             path = write_stop_file(self.run_dir, "operator")
         except Exception as e:
-            self.call_from_thread(self.notify, f"could not write the stop request: {_error_line(e)}",
+            self.call_from_thread(self.notify, f"could not write the stop request: {error_line(e)}",
                                   severity="error")
             return
         self.call_from_thread(self._stop_written, path)
@@ -263,9 +248,11 @@ class PimmConsole(App[None]):
 
     def on_open_view(self, message: OpenView) -> None:
         if message.tab == "export":
-            self.open_export(message.name)
+            self.query_one(TabbedContent).active = "export"
+            self.query_one(ExportView).prefill(message.name)
         elif message.tab == "topology":
-            self.open_topology(message.name)
+            self.query_one(TabbedContent).active = "topology"
+            self.query_one(TopologyView).select(message.name)
 
     def on_refresh_run(self, message: RefreshRun) -> None:
         self.poll(force=True)
@@ -277,14 +264,6 @@ class PimmConsole(App[None]):
         else:
             self.query_one(TabbedContent).query_one(Tabs).focus()
         self.refresh_bindings()
-
-    def open_export(self, name: str) -> None:
-        self.query_one(TabbedContent).active = "export"
-        self.query_one(ExportView).prefill(name)
-
-    def open_topology(self, name: str) -> None:
-        self.query_one(TabbedContent).active = "topology"
-        self.query_one(TopologyView).select(name)
 
     # ---------------------------------------------------------------- errors
     def _handle_exception(self, error: Exception) -> None:
@@ -310,7 +289,7 @@ class PimmConsole(App[None]):
 
     def crash_message(self) -> str:
         """One line about the error that ended the console."""
-        what = _error_line(self.crash) if self.crash is not None else f"exit status {self.return_code}"
+        what = error_line(self.crash) if self.crash is not None else f"exit status {self.return_code}"
         where = f" (traceback in {self.crash_log})" if self.crash_log else ""
         return f"the console stopped on an error: {what}{where}"
 

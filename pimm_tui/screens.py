@@ -1,4 +1,4 @@
-"""Modal screens of the console."""
+"""Stopping the run from the console: when the stop key works, and the question it asks first."""
 
 from __future__ import annotations
 
@@ -7,6 +7,31 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
+
+from pimm_core.runview import RunSnapshot
+
+
+def stop_unavailable(snap: RunSnapshot | None) -> str | None:
+    """Why the stop key does nothing now (shown in the footer), or None when it works.
+
+    ``snap`` is the console's newest read of the run (None before the first one).
+    """
+    if snap is None:
+        return "reading the run"
+    st = snap.status
+    if st.stoppable:
+        return "requested" if st.stop_request is not None else None
+    if st.state in ("finished", "stopped", "failed"):
+        return f"run {st.state}"
+    if st.pid_alive is False:
+        return "process gone"
+    if st.stale:
+        return "no heartbeat"
+    if st.state == "stopping" or st.stop_request is not None:
+        return "already stopping"
+    if st.state is None:
+        return "no status.json"
+    return f"run {st.display_state}"
 
 
 class ConfirmStop(ModalScreen[bool]):

@@ -1,4 +1,4 @@
-"""Small widgets and formatting helpers of the console."""
+"""Widgets shown by more than one part of the console: the run bar and the metric plot."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from textual.app import ComposeResult
 from textual.widget import Widget
 from textual.widgets import Static
 
-from pimm_core.runview import LIVE_STATES, NonFinite, RunSnapshot, fmt_value, human_duration
+from pimm_core.runview import LIVE_STATES, NonFinite, RunSnapshot, human_duration
+
+from .fmt import fmt_num, fmt_step
 
 try:  # a maintained plotting widget; the console still works (with a sparkline) without it
     from textual_plot import HiResMode, PlotWidget
@@ -22,56 +24,6 @@ STATE_STYLE = {
     "starting": "bold cyan", "running": "bold green", "stopping": "bold yellow", "stopped": "bold blue",
     "finished": "bold green", "failed": "bold red", "unknown": "bold magenta",
 }
-
-
-def fmt_num(v: Any, digits: int = 4) -> str:
-    """A metric value: ``0.8969``, ``1.27e-03``; ``NaN``, ``inf``, ``-inf`` as logged; ``-`` for missing."""
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        return "-"
-    if isinstance(v, float) and not math.isfinite(v):
-        return fmt_value(v)
-    if v == 0:
-        return "0"
-    if abs(v) < 1e-3 or abs(v) >= 1e5:
-        return f"{v:.2e}"
-    return f"{v:.{digits}f}"
-
-
-def fmt_rate(v: float | None) -> str:
-    if v is None:
-        return "-"
-    if not math.isfinite(v):
-        return fmt_value(v)
-    if v >= 1e6:
-        return f"{v / 1e6:.1f}M"
-    if v >= 1e3:
-        return f"{v / 1e3:.1f}k"
-    return f"{v:.1f}"
-
-
-def fmt_age(seconds: float | None) -> str:
-    """Compact age: ``12s``, ``5m``, ``3h``, ``2d``."""
-    if seconds is None or not math.isfinite(seconds):
-        return "-"
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m"
-    if s < 86400:
-        return f"{s // 3600}h"
-    return f"{s // 86400}d"
-
-
-def fmt_step(v: float) -> str:
-    """A global step on an axis: ``950``, ``12k``, ``1.25M``."""
-    n = int(round(v))
-    a = abs(n)
-    if a < 10_000:
-        return str(n)
-    if a < 1_000_000:
-        return f"{n / 1000:.4g}k"
-    return f"{n / 1_000_000:.4g}M"
 
 
 #: Lines of the run bar (below its first line) for problems.

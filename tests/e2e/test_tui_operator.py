@@ -19,7 +19,7 @@ from _helpers import REPO, clean_env, describe
 from tui_support import fake_run, loaded, make_app, rotate, screen_text, train_record, wait_for
 
 from pimm_tui.screens import ConfirmStop
-from pimm_tui.views import CheckpointsView
+from pimm_tui.views.checkpoints import CheckpointsView
 from pimm_tui.widgets import MetricPlot, RunBar
 
 SIZES = [(80, 24), (120, 40)]

@@ -16,7 +16,9 @@ from tui_support import copy_run, loaded, make_app, screen_text, tui_run, wait_f
 from pimm_core.runview import resume_diff
 from pimm_tui.app import PimmConsole
 from pimm_tui.screens import ConfirmStop
-from pimm_tui.views import CheckpointsView, ExportView, LiveView, TopologyView
+from pimm_tui.views.checkpoints import CheckpointsView
+from pimm_tui.views.export import ExportView
+from pimm_tui.views.topology import TopologyView
 from pimm_tui.widgets import MetricPlot
 
 SIZE = (80, 24)
