@@ -10,8 +10,9 @@ answer in a fraction of a second.
 One module per command group, each a Typer sub-app joined to the root app here with
 ``add_typer``: :mod:`.train` (``launch``, ``resume``, ``stop``), :mod:`.checkpoints`
 (``checkpoints ls|latest|verify|diff``, torch-free), :mod:`.export` (``export``) and
-:mod:`.console` (``tui``). This module holds the root app, the shared :class:`Command`
-(plain help and usage lines) and the entry points :func:`main` and :func:`run`.
+:mod:`.console` (``tui``). This module holds the root app and the entry points :func:`main` and
+:func:`run`; what the command modules share (``Command``: plain help and
+usage lines; ``ARGV``) is in :mod:`._common`, so that they never import this package.
 """
 
 from __future__ import annotations
@@ -23,19 +24,14 @@ import typer
 import typer.core
 
 from ..errors import RANK_ERRORS_ENV, PimmError, is_peer_loss, report
-
-
-from ._common import Command  # noqa: E402 (re-exported: the sub-apps and cli_export use it)
-
+from ._common import ARGV
 
 # Plain (click) help: flags without a <bool> placeholder, choices as [a|b], pipe-friendly.
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="pimm: a PyTorch training engine that never loses a run.")
 
-_ARGV: list[str] = []  # this process's command line (``launch`` hands it on to the ranks it spawns)
-
-# The command groups (imported after Command, which they use). Unnamed sub-apps add their
-# commands to the root; the order here is the order of `pimm --help`.
+# The command groups. Unnamed sub-apps add their commands to the root; the order here is the
+# order of `pimm --help`.
 from . import checkpoints, console, export, train  # noqa: E402
 
 app.add_typer(export.app)
@@ -60,11 +56,10 @@ def _main(_: bool = typer.Option(False, "--version", callback=_version, is_eager
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pimm`` console script; returns the exit code."""
-    global _ARGV
-    _ARGV = list(sys.argv[1:] if argv is None else argv)
+    ARGV[:] = sys.argv[1:] if argv is None else argv
     try:
         # With standalone_mode=False Typer returns (not raises) the code of typer.Exit.
-        rc = app(args=_ARGV, prog_name="pimm", standalone_mode=False)
+        rc = app(args=ARGV, prog_name="pimm", standalone_mode=False)
     except PimmError as e:
         report(e)  # one line; a rank under `pimm launch --nproc-per-node` hands it to the launcher
         return e.exit_code

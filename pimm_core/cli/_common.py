@@ -6,6 +6,10 @@ from __future__ import annotations
 import typer
 import typer.core
 
+#: This process's command line, set by :func:`pimm_core.cli.main` (``launch`` hands it on to
+#: the ranks it spawns). One list, filled in place, so that every importer sees it.
+ARGV: list[str] = []
+
 
 class Command(typer.core.TyperCommand):
     """Usage lines in the usual style (``RUN_DIR``, ``[OVERRIDES]...``), not Typer's ``{run_dir}``."""

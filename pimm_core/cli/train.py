@@ -14,7 +14,7 @@ import typer
 
 from ..errors import PimmError, UsageError
 from ..shell import command
-from ._common import Command
+from ._common import ARGV, Command
 
 app = typer.Typer()
 
@@ -47,7 +47,6 @@ def launch(
     from ..config import load_config
     from ..launch import LaunchOptions, auto_resume as auto_resume_cfg, dry_run as plan_only, resolve_run_dir, spawn
     from ..launch import strip_launcher_flags, train_here
-    from . import _ARGV  # this process's command line, set by main()
 
     if config is None:
         raise UsageError("pimm launch needs --train.config FILE (e.g. --train.config configs/digits.toml); "
@@ -74,7 +73,7 @@ def launch(
     if dry_run:
         raise typer.Exit(plan_only(cfg, config, resume_from, opts.world_size()))
     if opts.wants_spawn() and not under_launcher():
-        argv = strip_launcher_flags(_ARGV[_ARGV.index("launch") + 1:] if "launch" in _ARGV else [])
+        argv = strip_launcher_flags(ARGV[ARGV.index("launch") + 1:] if "launch" in ARGV else [])
         if auto_resume:  # decided here, once, for every rank
             argv = [a for a in argv if a != "--train.auto-resume"]
             if cfg.train.resume:
