@@ -9,17 +9,21 @@ Layers, bottom to top (a module's layer is the longest prefix below that names i
    ``topology``, and ``dist`` (the process group; the checkpoint formats and the
    stop agreement both need it, and it imports nothing of pimm's).
 2. **checkpoint**: ``checkpoint.*``. Inside it nothing imports ``checkpoint.export``
-   (export reads weights, never the other way round).
+   (export sits on top: it reads weight sets (``weights``), renames keys (``key_rules``),
+   writes files (``weight_files``) and sanitizes the config (``export_config``); none of
+   them, nor the trainer's ``save_model``, needs the export directory itself).
 3. **train** (``trainer``, ``train.*``, ``schedule``, ``ema``, ``data``, ``models``)
    and **watch** (``runview``: what the console and ``checkpoints diff`` read), two
    independent siblings: neither imports the other.
 4. **cli**: ``launch``, ``cli``/``cli.*``, ``cli_export``, ``utils.*``, and the
    ``pimm`` alias package.
-5. **console**: ``pimm_tui``.
+5. **console**: ``pimm_tui``. Inside it the views (``pimm_tui.views.*``) never import
+   the app (``pimm_tui.app``): they post messages (``views.common``) that the app handles.
 
 Every import counts, including ones inside functions (a lazy import is still a
 dependency); :data:`ALLOWED` lists the few upward ones that are the point of their
-module, each with its reason. ``import pimm_core`` alone (the package's lazy
+module, each with its reason. Across all of it, no module imports itself back through
+others (:func:`cycles`). ``import pimm_core`` alone (the package's lazy
 ``__getattr__``) is not a dependency on any layer. The run-time checks that the
 scripting commands do not import torch and ``pimm_core`` does not import Textual are
 in ``test_checkpoints_cli.py`` and ``test_tui_cli.py``.
@@ -88,11 +92,27 @@ def layer_of(module: str) -> tuple[int, str] | None:
     return best[1] if best else None
 
 
-def imports_of(module: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The pimm modules ``module`` imports (anywhere in the file), resolved to known module names."""
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes under ``if TYPE_CHECKING:`` (never run: annotations only)."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skip
+
+
+def imports_of(module: str, path: Path, known: dict[str, Path], *, run_time_only: bool = False) -> set[str]:
+    """The pimm modules ``module`` imports (anywhere in the file), resolved to known module names.
+
+    With ``run_time_only``, imports under ``if TYPE_CHECKING:`` are left out.
+    """
     is_package = path.name == "__init__.py"
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    skip = _type_checking_only(tree) if run_time_only else set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 parts = module.split(".") if is_package else module.split(".")[:-1]
@@ -131,8 +151,65 @@ def violations() -> list[str]:
     return bad
 
 
+def cycles() -> list[list[str]]:
+    """Groups of modules that import one another, directly or through others (each sorted).
+
+    Imports inside functions count: a lazy import that closes a loop still makes each
+    module's import depend on the other's having finished, and hides the loop until that
+    function first runs. Imports under ``if TYPE_CHECKING:`` do not: they never run
+    (``from __future__ import annotations`` keeps the annotations unevaluated), and naming
+    the class that calls you in an annotation is no dependency (``train.resume`` on
+    ``trainer.Trainer``). Importing a package's submodule is an edge to the submodule only
+    (Python runs the package's ``__init__`` first, but a package whose ``__init__`` imports
+    the submodule back is still seen: that import is an edge of its own).
+    """
+    known = _modules()
+    graph = {m: sorted(imports_of(m, p, known, run_time_only=True)) for m, p in known.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
 def test_every_module_imports_only_its_layer_or_below() -> None:
     assert violations() == []
+
+
+def test_no_import_cycles() -> None:
+    assert cycles() == []
+
+
+def test_the_console_views_do_not_import_the_app() -> None:
+    """The views talk to the app through messages (``pimm_tui.views.common``), not by calling it."""
+    known = _modules()
+    views = [m for m in known if m.startswith("pimm_tui.views")]
+    assert "pimm_tui.views.checkpoints" in views  # the split this guards is still there
+    assert {m: sorted(t for t in imports_of(m, known[m], known) if t == "pimm_tui.app" or t == "pimm_tui")
+            for m in views} == {m: [] for m in views}
 
 
 def test_the_rule_sees_an_upward_import(tmp_path: Path, monkeypatch) -> None:
@@ -149,3 +226,20 @@ def test_the_rule_sees_an_upward_import(tmp_path: Path, monkeypatch) -> None:
         "pimm_core.checkpoint.weights (checkpoint) imports pimm_core.checkpoint.export (checkpoint)",
         "pimm_core.run (run) imports pimm_core.trainer (train)",
     ]
+
+
+def test_the_cycle_check_sees_a_lazy_loop_and_not_a_type_checking_one(tmp_path: Path, monkeypatch) -> None:
+    """The checker itself: a loop closed by an import inside a function is a cycle (also through a
+    package's ``from . import name``); one closed only under ``if TYPE_CHECKING:`` is not."""
+    names = {"pimm_core.run": "run.py", "pimm_core.trainer": "trainer.py", "pimm_core.lock": "lock.py",
+             "pimm_core.stop": "stop.py", "pimm_core.cli": "cli/__init__.py", "pimm_core.cli.train": "cli/train.py"}
+    fake = {m: tmp_path / f for m, f in names.items()}
+    (tmp_path / "cli").mkdir()
+    fake["pimm_core.run"].write_text("from .trainer import Trainer\n")
+    fake["pimm_core.trainer"].write_text("def f():\n    from .run import STATUS\n")
+    fake["pimm_core.lock"].write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .stop import S\n")
+    fake["pimm_core.stop"].write_text("from .lock import L\n")
+    fake["pimm_core.cli"].write_text("from . import train\nARGV = []\n")
+    fake["pimm_core.cli.train"].write_text("def launch():\n    from . import ARGV\n")
+    monkeypatch.setitem(globals(), "_modules", lambda: fake)
+    assert cycles() == [["pimm_core.cli", "pimm_core.cli.train"], ["pimm_core.run", "pimm_core.trainer"]]
