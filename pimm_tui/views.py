@@ -1,6 +1,6 @@
 """The console's views: Live, Checkpoints, Topology, Export.
 
-Each view gets the newest :class:`~pimm_core.runview.RunSnapshot` through ``show()``
+Each view gets the newest :class:`~pimm_core.watch.snapshot.RunSnapshot` through ``show()``
 (on the event loop) and redraws only what changed. Slow work (sha256, the resume
 diff, export) runs in thread workers; nothing here reads files on the event loop.
 """
@@ -26,10 +26,15 @@ from textual.worker import get_current_worker
 
 from pimm_core.checkpoint.selection import Candidate
 from pimm_core.errors import PimmError
-from pimm_core.runview import (DIFF_ROWS, RunSnapshot, VerifyResult, candidate_age, candidate_identity, fmt_size,
-                                human_duration, planned_text, resume_diff, verify_checkpoint)
+from pimm_core.watch.candidates import VerifyResult, candidate_age, candidate_identity, verify_checkpoint
+from pimm_core.watch.fmt import fmt_age, fmt_size, human_duration
+from pimm_core.watch.resume_diff import DIFF_ROWS, planned_text, resume_diff
+from pimm_core.watch.snapshot import RunSnapshot
 
-from .widgets import MetricPlot, fmt_age, fmt_num, fmt_rate
+from .widgets import MetricPlot, fmt_num, fmt_rate
+
+#: Colours of the resume-policy rows' tones (:func:`pimm_core.watch.resume_diff.plan_rows`).
+TONE_STYLE = {"plain": "", "info": "cyan", "ok": "green", "bad": "red", "warn": "yellow", "dim": "dim"}
 
 #: Views narrower than this drop the Checkpoints table's format and epoch columns (the detail line shows them).
 WIDE_TABLE = 100
@@ -174,7 +179,7 @@ class CheckpointsView(Vertical):
     """Every candidate in model/, which one resume picks; verify / export / topology actions.
 
     A verify result belongs to the checkpoint generation that was hashed
-    (:func:`~pimm_core.runview.candidate_identity`: name, manifest created time, step), not
+    (:func:`~pimm_core.watch.candidates.candidate_identity`: name, manifest created time, step), not
     to the row name: when ``last`` is replaced by a newer save, its row shows the newer
     checkpoint unverified, and the older one's result is kept for it.
     """
@@ -524,30 +529,10 @@ class TopologyView(Vertical):
         diff.append("config diff: ", style="bold")
         diff.append("none" if not d.config_diff else "\n  " + "\n  ".join(d.config_diff))
         out.add_row(diff)
-        p = d.plan
         pol = Text()
-        if p is None:
-            pol.append("policy: ", style="bold")
-            pol.append("weights only: this file cannot resume a run (warm-start it with --train.weight)")
-        else:
-            pol.append("policy: ", style="bold")
-            pol.append(p["description"], style="cyan")
-            pol.append("\nrestored: ", style="bold")
-            pol.append(", ".join(p["restored"]), style="green")
-            pol.append("\ndiscarded: ", style="bold")
-            pol.append(", ".join(p["discarded"]) or "nothing", style="red" if p["discarded"] else "green")
-            rb = p.get("replay_boundary")
-            pol.append("\nreplay boundary: ", style="bold")
-            if rb:
-                pol.append(f"epoch {rb['epoch']} restarts at step {rb['step']}; the {rb['from_iter']} batches "
-                           "already run in that epoch train again", style="yellow")
-            else:
-                pol.append(f"none: {'exact continuation' if p['exact'] else 'nothing to replay'} at step "
-                           f"{p['step']}, epoch {p['epoch']}, iter {p['iter']}", style="green")
-            for w in p.get("warnings", []):
-                pol.append(f"\nwarning: {w}", style="yellow")
-        for n in d.notes:
-            pol.append(f"\nnote: {n}", style="dim")
+        for i, (label, text, tone) in enumerate(d.policy_rows()):  # the rows `pimm checkpoints diff` prints
+            pol.append(f"{chr(10) if i else ''}{label}: ", style="dim" if tone == "dim" else "bold")
+            pol.append(text, style=TONE_STYLE[tone])
         out.add_row(pol)
         self.result_text = "\n".join(d.lines())
         self.query_one("#topo-out", Static).update(out)

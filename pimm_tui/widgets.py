@@ -10,7 +10,10 @@ from textual.app import ComposeResult
 from textual.widget import Widget
 from textual.widgets import Static
 
-from pimm_core.runview import LIVE_STATES, NonFinite, RunSnapshot, fmt_value, human_duration
+from pimm_core.watch.fmt import fmt_value, human_duration
+from pimm_core.watch.series import NonFinite
+from pimm_core.watch.snapshot import RunSnapshot
+from pimm_core.watch.status import LIVE_STATES
 
 try:  # a maintained plotting widget; the console still works (with a sparkline) without it
     from textual_plot import HiResMode, PlotWidget
@@ -47,20 +50,6 @@ def fmt_rate(v: float | None) -> str:
     if v >= 1e3:
         return f"{v / 1e3:.1f}k"
     return f"{v:.1f}"
-
-
-def fmt_age(seconds: float | None) -> str:
-    """Compact age: ``12s``, ``5m``, ``3h``, ``2d``."""
-    if seconds is None or not math.isfinite(seconds):
-        return "-"
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m"
-    if s < 86400:
-        return f"{s // 3600}h"
-    return f"{s // 86400}d"
 
 
 def fmt_step(v: float) -> str:
@@ -101,14 +90,14 @@ class RunBar(Static):
         parts.append((Text(name, style="bold"), 9))
         state = st.display_state
         parts.append((Text(f" {state.upper()} ", style=f"reverse {STATE_STYLE.get(state, 'bold')}"), 9))
-        if st.state == "stopped" and st.raw.get("stop_reason"):
-            parts.append((Text(f"({st.raw['stop_reason']})", style="blue"), 8))
+        if st.state == "stopped" and st.record.stop_reason:
+            parts.append((Text(f"({st.record.stop_reason})", style="blue"), 8))
         if state == "stopping" and st.stop_request:
             parts.append((Text(f"({st.stop_request.get('reason', 'operator')} request)", style="yellow"), 8))
         if st.state in LIVE_STATES:  # a heartbeat and a pid mean something only while it should run
-            pid = st.raw.get("pid")
+            pid = st.record.pid
             if pid is not None:
-                t = Text(f"pid {pid}@{st.raw.get('host', '?')}", style="dim")
+                t = Text(f"pid {pid}@{st.record.host or '?'}", style="dim")
                 if st.pid_alive is False:
                     t.append(" (gone)", style="bold red")
                 parts.append((t, 7 if st.pid_alive is False else 5))

@@ -46,8 +46,9 @@ from torch import nn
 
 from ..errors import CheckpointError, UsageError
 from ..fsio import atomic_write, atomic_write_bytes, fsync_dir, fsync_tree, remove_tree
+from ..run.layout import find_run_dir
 from .manifest import sha256_file
-from .sources import BIN, SAFETENSORS, checkpoint_record, find_run_dir, is_remote
+from .sources import BIN, SAFETENSORS, checkpoint_record, is_remote
 from .weights import (
     DEFAULT_KEY_RULES,
     _check_unwrapped,

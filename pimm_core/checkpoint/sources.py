@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointParseError, UsageError, first_line
+from ..run.layout import model_dir_of
+from ..run.status import read_run_status
 from .foreign import directory_layout, not_a_checkpoint, sniff
 from .manifest import COMPLETE, MANIFEST, read_manifest
 from .selection import BEST, LEGACY_LAST, TRAINER_DCP, WEIGHTS, select_resume
@@ -203,7 +205,7 @@ def resolve_run_checkpoint(run_dir: Path, name: str) -> Path:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UsageError(f"--run-dir {run_dir} does not exist or is not a directory; pass exp/<group>/<run>")
-    model = run_dir / "model" if (run_dir / "model").is_dir() else run_dir
+    model = model_dir_of(run_dir)
     if name == "last":
         last = model / "last"
         if last.is_symlink() or last.is_dir():
@@ -228,7 +230,7 @@ def resolve_run_checkpoint(run_dir: Path, name: str) -> Path:
         final = model / "final"
         if final.exists() or final.is_symlink():
             return final
-        state = _run_state(run_dir)
+        state = read_run_status(run_dir).state
         if (model / "last").is_dir() and state == "finished":
             return model / "last"
         raise WeightNotFoundError(
@@ -243,16 +245,6 @@ def resolve_run_checkpoint(run_dir: Path, name: str) -> Path:
         raise WeightNotFoundError(
             f"No weight found: {name}: {p} does not exist (snapshots here: {', '.join(have) or 'none'})")
     return Path(name)
-
-
-def _run_state(run_dir: Path) -> str | None:
-    try:
-        import json
-
-        data = json.loads((run_dir / "status.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data.get("state") if isinstance(data, dict) else None
 
 
 class HubUnreachableError(CheckpointError):
@@ -475,15 +467,6 @@ def check_weight_source(source: str | os.PathLike[str], *, run_dir: Path | None 
     if sniffed.not_a_checkpoint:
         raise CheckpointParseError(not_a_checkpoint(path, sniffed.describe()))
     return path
-
-
-def find_run_dir(path: Path) -> Path | None:
-    """The nearest directory at or above ``path`` that holds ``config.toml`` (a run directory)."""
-    p = Path(path).absolute()
-    for d in (p, *p.parents) if p.is_dir() else p.parents:
-        if (d / "config.toml").is_file():
-            return d
-    return None
 
 
 def checkpoint_record(source: Path) -> dict[str, Any]:
