@@ -531,7 +531,9 @@ class TopologyView(Vertical):
         out.add_row(diff)
         pol = Text()
         for i, (label, text, tone) in enumerate(d.policy_rows()):  # the rows `pimm checkpoints diff` prints
-            pol.append(f"{chr(10) if i else ''}{label}: ", style="dim" if tone == "dim" else "bold")
+            if i:
+                pol.append("\n")
+            pol.append(f"{label}: ", style="dim" if tone == "dim" else "bold")
             pol.append(text, style=TONE_STYLE[tone])
         out.add_row(pol)
         self.result_text = "\n".join(d.lines())

@@ -16,8 +16,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-# Called through the module: the one check resume applies, patched as one seam by tests that
-# simulate a save rotating `last` mid-hash.
+# Looked up on the module at each call: the console runs exactly the check resume applies, and a
+# replacement of it (a test simulating a save that rotates `last` mid-hash) reaches both.
 from ..checkpoint import selection
 from ..checkpoint.selection import Candidate
 
