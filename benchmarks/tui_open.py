@@ -5,7 +5,7 @@ metrics.jsonl with N training lines and an evaluation every 1,000 steps, train.l
 then measures, and prints one JSON object:
 
 - ``baseline_read_s``: reading the whole file and counting newlines (like ``wc -l``);
-- ``reader_first_poll_s``: :class:`pimm_core.runview.RunReader`'s first poll (tail +
+- ``reader_first_poll_s``: :class:`pimm_core.watch.snapshot.RunReader`'s first poll (tail +
   sampled history + byte scan for evaluations);
 - ``app_open_s``: ``build_app`` to the Live view drawn with the newest step, headless
   (Textual ``run_test`` at 80x24);
@@ -102,7 +102,7 @@ def main() -> int:
     try:
         size = write_run(run, args.lines)
         baseline_s, newlines = baseline_read(run / "metrics.jsonl")
-        from pimm_core.runview import RunReader
+        from pimm_core.watch.snapshot import RunReader
 
         t = time.perf_counter()
         reader = RunReader(run)

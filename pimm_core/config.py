@@ -394,6 +394,21 @@ def write_config(cfg: Config, path: Path) -> None:
     atomic_write_bytes(path, tomli_w.dumps(cfg.to_dict()).encode())
 
 
+def read_saved_config(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """A run's saved ``config.toml`` as a nested dict, for readers that must not fail on it (never raises).
+
+    Returns:
+        ``(data, None)``; ``(None, None)`` when the file does not exist; ``(None, problem)``
+        when it cannot be read or is not valid TOML (``problem``: one line, for an operator).
+    """
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8")), None
+    except FileNotFoundError:
+        return None, None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        return None, f"config.toml is unreadable ({e.__class__.__name__}: {e})"
+
+
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
     out: dict[str, Any] = {}

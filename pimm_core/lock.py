@@ -50,7 +50,7 @@ from filelock import FileLock, Timeout
 
 from .fsio import atomic_write_bytes
 from .errors import UsageError
-from .run import STATUS, now_iso, read_json
+from .run import now_iso, read_json, read_run_status
 from .shell import command
 
 LOCK = ".lock"
@@ -84,8 +84,8 @@ class RunLock:
             raise UsageError(self._in_use(self._holder() or "pid ? on host ? (since ?)")) from None
         if _ranks_alive(self.run_dir):
             self._lock.release()
-            status = read_json(self.run_dir / STATUS) or {}
-            pids = [p for p in status.get("pids") or [] if status.get("host") != socket.gethostname() or _alive(p)]
+            status = read_run_status(self.run_dir)
+            pids = [p for p in status.pids if status.host != socket.gethostname() or _alive(p)]
             ranks = f"ranks {', '.join(map(str, pids))}" if pids else "ranks"
             raise UsageError(self._in_use(f"processes of {self._holder() or 'an earlier launch'} that are still "
                                           f"running ({ranks} or their DataLoader workers)"))

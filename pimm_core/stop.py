@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import Iterator
 
 from .fsio import atomic_write_bytes
+from .run.jsonfile import read_json
+from .run.layout import CONTROL
 
-CONTROL_DIR = "control"
 STOP_FILE = "stop"
 
 
 def stop_file(run_dir: Path) -> Path:
-    return Path(run_dir) / CONTROL_DIR / STOP_FILE
+    return Path(run_dir) / CONTROL / STOP_FILE
 
 
 def write_stop_file(run_dir: Path, reason: str = "operator") -> Path:
@@ -46,12 +47,12 @@ def write_stop_file(run_dir: Path, reason: str = "operator") -> Path:
 
 
 def read_stop_file(run_dir: Path) -> dict | None:
-    """The pending stop request of ``run_dir``, or None."""
-    try:
-        data = json.loads(stop_file(run_dir).read_text())
-    except (OSError, ValueError):
-        return None if not stop_file(run_dir).exists() else {"reason": "operator", "time": 0.0}
-    return data if isinstance(data, dict) else {"reason": "operator", "time": 0.0}
+    """The pending stop request of ``run_dir``, or None; a request file that cannot be read
+    (torn, not JSON) still asks for a stop, by the operator."""
+    data = read_json(stop_file(run_dir))
+    if data is not None:
+        return data
+    return {"reason": "operator", "time": 0.0} if stop_file(run_dir).exists() else None
 
 
 class StopRequest:

@@ -45,8 +45,8 @@ from .data import build_datasets, eval_loader, train_loader
 from .ema import EMA
 from .errors import CheckpointSaveError, ConfigError, TrainingError
 from .models import build_model
-from .run import (CONFIG, LOG, METRICS, STATUS, MetricsWriter, append_provenance, code_version, launch_record, now_iso,
-                  read_json, write_status)
+from .run import (CONFIG, METRICS, MetricsWriter, append_provenance, code_version, launch_record, log_handler, now_iso,
+                  read_run_status, write_status)
 from .schedule import WarmupCosine
 from .stop import StopRequest
 from .train.best import BestTracker
@@ -177,8 +177,7 @@ class Trainer:
     def is_done(self, t: TrainConfig) -> bool:
         """Nothing is left to do: the position reached ``t``'s end (all epochs, or ``t.max_steps``)
         and the run recorded that it finished (:func:`pimm_core.topology.is_finished`)."""
-        status = self.run_dir / STATUS if self.run_dir is not None else None
-        state = (read_json(status) or {}).get("state") if status is not None and status.exists() else None
+        state = read_run_status(self.run_dir).state if self.run_dir is not None else None
         s = self.state
         return is_finished({"step": s.global_step, "epoch": s.epoch}, epochs=t.epochs, max_steps=t.max_steps,
                            run_state=state)
@@ -217,8 +216,7 @@ class Trainer:
         if self.run_dir is None or not self.info.is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(self.run_dir / LOG)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        handler = log_handler(self.run_dir)
         log.addHandler(handler)
         self._log_handler = handler
 

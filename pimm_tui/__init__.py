@@ -1,7 +1,7 @@
 """pimm's operator console (Textual): ``pimm tui exp/<group>/<run>``.
 
 Reads the run only through :mod:`pimm_core`'s torch-free readers
-(:mod:`pimm_core.runview`, selection, topology) and acts only through pimm_core
+(:mod:`pimm_core.watch`, selection, topology) and acts only through pimm_core
 (:func:`pimm_core.stop.write_stop_file`, :func:`pimm_core.checkpoint.export.export`).
 """
 

@@ -18,7 +18,7 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import DataTable, Footer, Input, TabbedContent, TabPane, Tabs
 
-from pimm_core.runview import RunReader, RunSnapshot
+from pimm_core.watch.snapshot import RunReader, RunSnapshot
 from pimm_core.stop import write_stop_file
 
 from .fmt import error_line
@@ -46,7 +46,7 @@ class PimmConsole(App[None]):
 
     Attributes:
         run_dir: the run directory shown.
-        snapshot: the newest :class:`~pimm_core.runview.RunSnapshot` (None before the first read).
+        snapshot: the newest :class:`~pimm_core.watch.snapshot.RunSnapshot` (None before the first read).
         polls: how many reads were applied (tests wait on it).
         states_seen: the run's displayed states, in order, without repeats.
     """

@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from pimm_core.errors import PimmError, first_line
-from pimm_core.runview import fmt_value
+from pimm_core.watch.fmt import fmt_value
 
 
 def nonfinite(v: Any) -> bool:
@@ -37,20 +37,6 @@ def fmt_rate(v: float | None) -> str:
     if v >= 1e3:
         return f"{v / 1e3:.1f}k"
     return f"{v:.1f}"
-
-
-def fmt_age(seconds: float | None) -> str:
-    """Compact age: ``12s``, ``5m``, ``3h``, ``2d``."""
-    if seconds is None or not math.isfinite(seconds):
-        return "-"
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m"
-    if s < 86400:
-        return f"{s // 3600}h"
-    return f"{s // 86400}d"
 
 
 def fmt_step(v: float) -> str:

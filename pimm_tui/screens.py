@@ -8,7 +8,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 
-from pimm_core.runview import RunSnapshot
+from pimm_core.watch.snapshot import RunSnapshot
 
 
 def stop_unavailable(snap: RunSnapshot | None) -> str | None:

@@ -10,7 +10,10 @@ from textual.app import ComposeResult
 from textual.widget import Widget
 from textual.widgets import Static
 
-from pimm_core.runview import LIVE_STATES, NonFinite, RunSnapshot, human_duration
+from pimm_core.watch.fmt import human_duration
+from pimm_core.watch.series import NonFinite
+from pimm_core.watch.snapshot import RunSnapshot
+from pimm_core.watch.status import LIVE_STATES
 
 from .fmt import fmt_num, fmt_step
 
@@ -53,14 +56,14 @@ class RunBar(Static):
         parts.append((Text(name, style="bold"), 9))
         state = st.display_state
         parts.append((Text(f" {state.upper()} ", style=f"reverse {STATE_STYLE.get(state, 'bold')}"), 9))
-        if st.state == "stopped" and st.raw.get("stop_reason"):
-            parts.append((Text(f"({st.raw['stop_reason']})", style="blue"), 8))
+        if st.state == "stopped" and st.record.stop_reason:
+            parts.append((Text(f"({st.record.stop_reason})", style="blue"), 8))
         if state == "stopping" and st.stop_request:
             parts.append((Text(f"({st.stop_request.get('reason', 'operator')} request)", style="yellow"), 8))
         if st.state in LIVE_STATES:  # a heartbeat and a pid mean something only while it should run
-            pid = st.raw.get("pid")
+            pid = st.record.pid
             if pid is not None:
-                t = Text(f"pid {pid}@{st.raw.get('host', '?')}", style="dim")
+                t = Text(f"pid {pid}@{st.record.host or '?'}", style="dim")
                 if st.pid_alive is False:
                     t.append(" (gone)", style="bold red")
                 parts.append((t, 7 if st.pid_alive is False else 5))

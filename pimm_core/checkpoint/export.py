@@ -40,7 +40,8 @@ from .foreign import BIN, SAFETENSORS
 from .hub import is_remote
 from .key_rules import DEFAULT_KEY_RULES, apply_key_rules
 from .manifest import sha256_file
-from .sources import checkpoint_record, find_run_dir, resolve_weight_source
+from ..run.layout import find_run_dir
+from .sources import checkpoint_record, resolve_weight_source
 from .strict_load import check_strict, check_unwrapped
 from .weight_files import find_aliases, write_bin, write_safetensors
 from .weights import WEIGHT_SETS, read_checkpoint, read_weight_sets, retie, select_weight_set

@@ -36,7 +36,8 @@ from typing import Any
 
 from ..errors import (CheckpointError, CheckpointParseError, IncompleteCheckpointError, UsageError,
                       WeightNotFoundError)
-from ..run import STATUS, read_json
+from ..run.layout import model_dir_of
+from ..run.status import read_run_status
 from .foreign import BIN, EXPORT_FILES, HF_BIN, SAFETENSORS, directory_layout, not_a_checkpoint, sniff
 from .hub import is_remote, resolve_hf
 from .manifest import COMPLETE, MANIFEST, read_manifest
@@ -170,7 +171,7 @@ def resolve_run_checkpoint(run_dir: Path, name: str) -> Path:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UsageError(f"--run-dir {run_dir} does not exist or is not a directory; pass exp/<group>/<run>")
-    model = run_dir / "model" if (run_dir / "model").is_dir() else run_dir
+    model = model_dir_of(run_dir)
     if name == "last":
         last = model / "last"
         if last.is_symlink() or last.is_dir():
@@ -195,7 +196,7 @@ def resolve_run_checkpoint(run_dir: Path, name: str) -> Path:
         final = model / "final"
         if final.exists() or final.is_symlink():
             return final
-        state = (read_json(run_dir / STATUS) or {}).get("state")
+        state = read_run_status(run_dir).state
         if (model / "last").is_dir() and state == "finished":
             return model / "last"
         raise WeightNotFoundError(
@@ -232,15 +233,6 @@ def check_weight_source(source: str | os.PathLike[str], *, run_dir: Path | None 
     if sniffed.not_a_checkpoint:
         raise CheckpointParseError(not_a_checkpoint(path, sniffed.describe()))
     return path
-
-
-def find_run_dir(path: Path) -> Path | None:
-    """The nearest directory at or above ``path`` that holds ``config.toml`` (a run directory)."""
-    p = Path(path).absolute()
-    for d in (p, *p.parents) if p.is_dir() else p.parents:
-        if (d / "config.toml").is_file():
-            return d
-    return None
 
 
 def checkpoint_record(source: Path) -> dict[str, Any]:

@@ -25,11 +25,13 @@ NO_VERIFY_HELP = ("Skip the sha256 pass: pick by completeness only (faster on la
 
 def _model_dir(path: Path) -> Path:
     """Accept a run directory or its model/ directory."""
+    from ..run.layout import model_dir_of
+
     if not path.exists():
         raise UsageError(f"{path} does not exist; pass a run directory (exp/<group>/<run>) or its model/ directory")
     if not path.is_dir():
         raise UsageError(f"{path} is a file; pass a run directory (exp/<group>/<run>) or its model/ directory")
-    return path / "model" if (path / "model").is_dir() else path
+    return model_dir_of(path)
 
 
 @app.command("latest", cls=Command)
@@ -60,10 +62,11 @@ def checkpoints_ls(
 ) -> None:
     """List every checkpoint candidate and leftover, and which one resume would pick."""
     from ..checkpoint.selection import list_candidates, select_resume
-    from ..runview import fmt_size, run_markers
+    from ..run.layout import MODEL, is_run_dir
+    from ..watch.fmt import fmt_size
 
     model_dir = _model_dir(run_dir)
-    if not (run_markers(run_dir) or (run_dir.name == "model" and run_markers(run_dir.parent))
+    if not (is_run_dir(run_dir) or (run_dir.name == MODEL and is_run_dir(run_dir.parent))
             or list_candidates(model_dir)):
         raise UsageError(f"{run_dir} is not a run directory (no config.toml, status.json, metrics.jsonl or "
                          "model/) nor a model/ directory with checkpoints; pass exp/<group>/<run>")
@@ -143,7 +146,7 @@ def checkpoints_diff(
     overrides: Optional[list[str]] = typer.Argument(None, help="Planned config overrides after --, e.g. -- data.num_workers=2"),
 ) -> None:
     """What the checkpoint a resume would load recorded vs. the planned resume, and the policy that applies."""
-    from ..runview import resume_diff
+    from ..watch.resume_diff import resume_diff
 
     diff = resume_diff(run_dir, world_size=nproc_per_node, overrides=overrides or [], candidate=checkpoint)
     print(json.dumps(diff.to_json(), indent=2) if as_json else "\n".join(diff.lines()))

@@ -15,7 +15,7 @@ app = typer.Typer()
 @app.command(cls=Command)
 def tui(run_dir: Path = typer.Argument(..., help="The run directory (exp/<group>/<run>).")) -> None:
     """Operator console: watch a run live, stop it, browse checkpoints, diff topology, export."""
-    from ..runview import check_run_dir
+    from ..run.layout import check_run_dir
 
     check_run_dir(run_dir)
     from pimm_tui import build_app  # Textual is imported here only

@@ -127,13 +127,13 @@ def stop(
     reason: str = typer.Option("operator", "--reason", help="Recorded as the run's stop_reason."),
 ) -> None:
     """Ask a live run to stop cleanly: it saves `last` at the next accumulation window and exits 0."""
-    from ..run import STATUS, read_json
+    from ..run.layout import was_started
+    from ..run.status import read_run_status
     from ..stop import write_stop_file
 
-    if not run_dir.is_dir() or not ((run_dir / STATUS).exists() or (run_dir / "config.toml").exists()):
+    if not was_started(run_dir):
         raise UsageError(f"{run_dir} is not a run directory (no status.json or config.toml); pass exp/<group>/<run>")
-    status = read_json(run_dir / STATUS) or {}
-    state = status.get("state")
+    state = read_run_status(run_dir).state
     if state in ("finished", "stopped", "failed"):
         raise PimmError(f"{run_dir} is not live (state {state}); nothing to stop")
     path = write_stop_file(run_dir, reason)

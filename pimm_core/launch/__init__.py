@@ -19,10 +19,10 @@ from ..console_log import setup_logging
 from .local import train_here
 from .options import LaunchOptions, strip_launcher_flags
 from .preview import dry_run
-from .rundir import (auto_resume, check_config, check_run_dir, claim, finished, recorded_launch, resolve_run_dir,
+from .rundir import (auto_resume, check_before_launch, check_config, claim, finished, recorded_launch, resolve_run_dir,
                      resume_config, resume_source, set_aside)
 from .torchrun import spawn
 
-__all__ = ["LaunchOptions", "auto_resume", "check_config", "check_run_dir", "claim", "dry_run", "finished",
+__all__ = ["LaunchOptions", "auto_resume", "check_before_launch", "check_config", "claim", "dry_run", "finished",
            "recorded_launch", "resolve_run_dir", "resume_config", "resume_source", "set_aside", "setup_logging",
            "spawn", "strip_launcher_flags", "train_here"]

@@ -14,7 +14,7 @@ from ..lock import follow_launcher, hold_run
 from ..run import MODEL
 from ..shell import resume_command
 from ..stop import StopRequest
-from .rundir import check_run_dir, claim, finished, resolve_run_dir, resume_source
+from .rundir import check_before_launch, claim, finished, resolve_run_dir, resume_source
 
 
 def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = None, *,
@@ -29,7 +29,7 @@ def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = 
     info = dist.env_world()
     setup_logging(info.is_main)
     run_dir = resolve_run_dir(cfg, config_path)
-    check_run_dir(cfg, run_dir, leftovers_ok=leftovers_ok)
+    check_before_launch(cfg, run_dir, leftovers_ok=leftovers_ok)
     claimed = claim(cfg, run_dir) if info.is_main else None
     run_dir = claimed.path if claimed is not None else run_dir
     try:

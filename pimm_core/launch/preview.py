@@ -8,7 +8,7 @@ from pathlib import Path
 from ..checkpoint.selection import fallback_warnings, resolve_resume_path, select_resume
 from ..config import Config
 from ..run import MODEL
-from .rundir import check_run_dir, finished, resolve_run_dir, resume_source
+from .rundir import check_before_launch, finished, resolve_run_dir, resume_source
 
 
 def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, world_size: int) -> int:
@@ -25,7 +25,7 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     from ..topology import config_diff, plan_resume
 
     run_dir = resolve_run_dir(cfg, config_path)
-    check_run_dir(cfg, run_dir, warm_start=False)
+    check_before_launch(cfg, run_dir, warm_start=False)
     source = resume_source(cfg, run_dir, resume_from)
     print(f"run: {run_dir}")
     model = _dry_model(cfg)

@@ -15,7 +15,7 @@ from ..checkpoint.selection import explain, list_candidates, resolve_resume_path
 from ..config import Config
 from ..errors import CheckpointError, ConfigError, UsageError
 from ..run import (CONFIG, METRICS, MODEL, PROVENANCE, STATUS, RunDirClaim, append_provenance, claim_run_dir,
-                   free_run_dir, now_iso, read_json, recorded_launch, run_dir_for, run_name)
+                   free_run_dir, now_iso, read_run_status, recorded_launch, run_dir_for, run_name)
 from ..shell import resume_command
 from ..topology import continue_override, finished_message, is_finished
 
@@ -44,7 +44,7 @@ def claim(cfg: Config, run_dir: Path, *, single_node: bool = True) -> RunDirClai
     return claim_run_dir(run_dir, numbered_names=_numbered_names(cfg) and single_node)
 
 
-def check_run_dir(cfg: Config, run_dir: Path, *, leftovers_ok: bool = False, warm_start: bool = True) -> None:
+def check_before_launch(cfg: Config, run_dir: Path, *, leftovers_ok: bool = False, warm_start: bool = True) -> None:
     """Refuse, before the run directory is created and before any rank starts, what the
     launch would refuse later or what would lose work or silently start over.
 
@@ -180,7 +180,7 @@ def finished(cfg: Config, source: str | None, run_dir: Path) -> str | None:
         return None
     cand = resolve_resume_path(source)
     m = cand.manifest or {}
-    state = (read_json(run_dir / STATUS) or {}).get("state") if (run_dir / STATUS).exists() else None
+    state = read_run_status(run_dir).state  # None: no status.json (or a damaged one)
     if m.get("step") is None or not is_finished(m, epochs=cfg.train.epochs, max_steps=cfg.train.max_steps,
                                                 run_state=state):
         return None

@@ -15,10 +15,10 @@ from pathlib import Path
 from ..config import Config
 from ..errors import RANK_ERRORS_ENV, rank_errors
 from ..lock import LauncherLock
-from ..run import LAUNCH_ENV, STATUS, read_json
+from ..run import LAUNCH_ENV, STATUS, read_run_status
 from ..shell import PROGRAM_ENV, program, resume_command
 from .options import LaunchOptions
-from .rundir import check_run_dir, claim, resolve_run_dir
+from .rundir import check_before_launch, claim, resolve_run_dir
 
 
 def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOptions, *,
@@ -34,7 +34,7 @@ def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOp
         0 on success, else the first failed rank's exit code.
     """
     run_dir = resolve_run_dir(cfg, config_path)
-    check_run_dir(cfg, run_dir)
+    check_before_launch(cfg, run_dir)
     single_node = opts.nnodes in (None, "1", "1:1")
     claimed = claim(cfg, run_dir, single_node=single_node)
     try:
@@ -93,8 +93,7 @@ def _run_ranks(run, args, run_dir: Path, errors_dir: str) -> int:
         # further signal raises again inside torchrun's wait for the ranks and lands here
         # early: ignore any more and wait for the ranks before reporting.
         _wait_for_children()
-        status = read_json(run_dir / STATUS) or {}
-        if status.get("state") in ("stopped", "finished"):
+        if read_run_status(run_dir).state in ("stopped", "finished"):
             return 0  # rank 0 printed the stop (or done) summary and the resume command
         if not (run_dir / STATUS).exists():
             print(f"error: interrupted by signal {e.sigval.name} before training started; nothing was trained or "

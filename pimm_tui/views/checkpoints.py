@@ -13,9 +13,11 @@ from textual.containers import Vertical
 from textual.widgets import DataTable, Static
 
 from pimm_core.checkpoint.selection import Candidate
-from pimm_core.runview import RunSnapshot, VerifyResult, candidate_age, candidate_identity, fmt_size, verify_checkpoint
+from pimm_core.watch.candidates import VerifyResult, candidate_age, candidate_identity, verify_checkpoint
+from pimm_core.watch.fmt import fmt_age, fmt_size
+from pimm_core.watch.snapshot import RunSnapshot
 
-from ..fmt import error_line, fmt_age, fmt_num, nonfinite
+from ..fmt import error_line, fmt_num, nonfinite
 from .common import OpenView, RefreshRun, visible
 
 #: Views narrower than this drop the Checkpoints table's format and epoch columns (the detail line shows them).
@@ -33,7 +35,7 @@ class CheckpointsView(Vertical):
     """Every candidate in model/, which one resume picks; verify / export / topology actions.
 
     A verify result belongs to the checkpoint generation that was hashed
-    (:func:`~pimm_core.runview.candidate_identity`: name, manifest created time, step), not
+    (:func:`~pimm_core.watch.candidates.candidate_identity`: name, manifest created time, step), not
     to the row name: when ``last`` is replaced by a newer save, its row shows the newer
     checkpoint unverified, and the older one's result is kept for it.
     """

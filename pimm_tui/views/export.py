@@ -12,7 +12,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Checkbox, Input, Label, ProgressBar, Select, Static
 
-from pimm_core.runview import RunSnapshot
+from pimm_core.watch.snapshot import RunSnapshot
 
 from ..fmt import error_line
 from .common import visible

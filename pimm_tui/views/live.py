@@ -9,7 +9,8 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import ProgressBar, RichLog, Static
 
-from pimm_core.runview import RunSnapshot, human_duration
+from pimm_core.watch.fmt import human_duration
+from pimm_core.watch.snapshot import RunSnapshot
 
 from ..fmt import fmt_num, fmt_rate, nonfinite
 from ..widgets import MetricPlot

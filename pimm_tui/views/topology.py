@@ -14,9 +14,13 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Input, Label, Static
 from textual.worker import get_current_worker
 
-from pimm_core.runview import DIFF_ROWS, RunSnapshot, planned_text, resume_diff
+from pimm_core.watch.resume_diff import DIFF_ROWS, planned_text, resume_diff
+from pimm_core.watch.snapshot import RunSnapshot
 
 from ..fmt import error_line
+
+#: Colours of the resume-policy rows' tones (:func:`pimm_core.watch.resume_diff.plan_rows`).
+TONE_STYLE = {"plain": "", "info": "cyan", "ok": "green", "bad": "red", "warn": "yellow", "dim": "dim"}
 
 
 class TopologyView(Vertical):
@@ -134,30 +138,12 @@ class TopologyView(Vertical):
         diff.append("config diff: ", style="bold")
         diff.append("none" if not d.config_diff else "\n  " + "\n  ".join(d.config_diff))
         out.add_row(diff)
-        p = d.plan
         pol = Text()
-        if p is None:
-            pol.append("policy: ", style="bold")
-            pol.append("weights only: this file cannot resume a run (warm-start it with --train.weight)")
-        else:
-            pol.append("policy: ", style="bold")
-            pol.append(p["description"], style="cyan")
-            pol.append("\nrestored: ", style="bold")
-            pol.append(", ".join(p["restored"]), style="green")
-            pol.append("\ndiscarded: ", style="bold")
-            pol.append(", ".join(p["discarded"]) or "nothing", style="red" if p["discarded"] else "green")
-            rb = p.get("replay_boundary")
-            pol.append("\nreplay boundary: ", style="bold")
-            if rb:
-                pol.append(f"epoch {rb['epoch']} restarts at step {rb['step']}; the {rb['from_iter']} batches "
-                           "already run in that epoch train again", style="yellow")
-            else:
-                pol.append(f"none: {'exact continuation' if p['exact'] else 'nothing to replay'} at step "
-                           f"{p['step']}, epoch {p['epoch']}, iter {p['iter']}", style="green")
-            for w in p.get("warnings", []):
-                pol.append(f"\nwarning: {w}", style="yellow")
-        for n in d.notes:
-            pol.append(f"\nnote: {n}", style="dim")
+        for i, (label, text, tone) in enumerate(d.policy_rows()):  # the rows `pimm checkpoints diff` prints
+            if i:
+                pol.append("\n")
+            pol.append(f"{label}: ", style="dim" if tone == "dim" else "bold")
+            pol.append(text, style=TONE_STYLE[tone])
         out.add_row(pol)
         self.result_text = "\n".join(d.lines())
         self.query_one("#topo-out", Static).update(out)

@@ -241,7 +241,9 @@ def test_export_of_a_hostile_file_runs_nothing(run_copy, tmp_path, kind):
 
 # ------------------------------------------------------------ readers that only look
 def test_checkpoint_commands_and_the_console_reader_run_nothing(run_copy, tmp_path):
-    from pimm_core.runview import RunReader, candidate_problems, resume_diff
+    from pimm_core.watch.candidates import candidate_problems
+    from pimm_core.watch.resume_diff import resume_diff
+    from pimm_core.watch.snapshot import RunReader
 
     marker = tmp_path / "pwned"
     model = run_copy / "model"

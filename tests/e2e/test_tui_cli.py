@@ -13,20 +13,25 @@ from _helpers import REPO, clean_env, describe, pimm
 from tui_support import copy_run, tui_run
 
 
+#: Every module of the watch layer (the console's and `checkpoints diff`'s readers).
+WATCH = ", ".join(f"pimm_core.watch.{m}" for m in ("status", "metrics", "series", "snapshot", "candidates",
+                                                   "resume_diff", "fmt"))
+
+
 def _python(code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
                           timeout=120)
 
 
 def test_pimm_core_never_imports_textual() -> None:
-    r = _python("import sys, pimm_core, pimm_core.cli, pimm_core.trainer, pimm_core.runview\n"
+    r = _python(f"import sys, pimm_core, pimm_core.cli, pimm_core.trainer, {WATCH}\n"
                 "bad = sorted(m for m in sys.modules if m == 'textual' or m.startswith(('textual.', 'textual_plot')))\n"
                 "assert not bad, bad\nassert 'torch' in sys.modules")
     assert r.returncode == 0, describe(r)
 
 
-def test_cli_and_runview_import_neither_torch_nor_textual() -> None:
-    r = _python("import sys, pimm_core.cli, pimm_core.runview\n"
+def test_cli_and_watch_import_neither_torch_nor_textual() -> None:
+    r = _python(f"import sys, pimm_core.cli, {WATCH}\n"
                 "bad = sorted(m for m in ('torch', 'textual', 'textual_plot') if m in sys.modules)\n"
                 "assert not bad, bad")
     assert r.returncode == 0, describe(r)

@@ -248,7 +248,7 @@ async def test_layout_of_a_finished_run(tmp_path: Path, size) -> None:
         view = app.query_one(CheckpointsView)
         await pilot.press("1")
         await pilot.pause(0.05)
-        from pimm_core.runview import VerifyResult
+        from pimm_core.watch.candidates import VerifyResult
 
         ident = view._ids["last"]
         view._verified_done(ident, VerifyResult("last", ident, 200, "ok", []))

@@ -1,4 +1,4 @@
-"""pimm_core.runview: the torch-free readers behind the console (metrics tail, log tail, status)."""
+"""pimm_core.watch (and pimm_core.run.log.LogTail): the torch-free readers behind the console (metrics tail, log tail, status)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,13 @@ import sys
 import time
 from pathlib import Path
 
-from pimm_core.runview import (LogTail, MetricsTail, RunReader, Series, candidate_identity, find_candidate, is_run_dir,
-                               read_status, verify_checkpoint)
+from pimm_core.run.layout import is_run_dir
+from pimm_core.run.log import LogTail
+from pimm_core.watch.candidates import candidate_identity, find_candidate, verify_checkpoint
+from pimm_core.watch.metrics import MetricsTail
+from pimm_core.watch.series import Series
+from pimm_core.watch.snapshot import RunReader
+from pimm_core.watch.status import read_status
 from tui_support import rotate
 
 

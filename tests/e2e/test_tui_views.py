@@ -13,7 +13,7 @@ import pytest
 from _helpers import describe, pimm
 from tui_support import copy_run, loaded, make_app, screen_text, tui_run, wait_for
 
-from pimm_core.runview import resume_diff
+from pimm_core.watch.resume_diff import resume_diff
 from pimm_tui.app import PimmConsole
 from pimm_tui.screens import ConfirmStop
 from pimm_tui.views.checkpoints import CheckpointsView
@@ -155,7 +155,7 @@ async def test_topology_view_follows_inputs(run: Path, tmp_path: Path) -> None:
         assert "replay boundary: epoch 1 restarts at step 45" in view.result_text
         assert view.result_text == "\n".join(resume_diff(rd, world_size=2).lines())
         text = screen_text(app)
-        assert "changed" in text and "discarded:" in text
+        assert "changed" in text and "discard:" in text
         # Same world size, other workers.
         await pilot.press("backspace", "1")
         app.query_one("#plan-workers").focus()

@@ -4,8 +4,8 @@ Layers, bottom to top (a module's layer is the longest prefix below that names i
 
 0. **fsio**: ``errors``, ``faults`` (fault-injection points), ``fsio`` (atomic write,
    directory swap, fsync). Standard library only.
-1. **run**: the run directory and the process it runs in: ``run``, ``status``,
-   ``metrics``, ``lock``, ``stop``, ``shell``, ``console_log``, ``config``,
+1. **run**: the run directory and the process it runs in: ``run.*`` (layout, status,
+   metrics, log, provenance), ``lock``, ``stop``, ``shell``, ``console_log``, ``config``,
    ``topology``, and ``dist`` (the process group; the checkpoint formats and the
    stop agreement both need it, and it imports nothing of pimm's).
 2. **checkpoint**: ``checkpoint.*``. Inside it nothing imports ``checkpoint.export``
@@ -13,7 +13,7 @@ Layers, bottom to top (a module's layer is the longest prefix below that names i
    writes files (``weight_files``) and sanitizes the config (``export_config``); none of
    them, nor the trainer's ``save_model``, needs the export directory itself).
 3. **train** (``trainer``, ``train.*``, ``schedule``, ``ema``, ``data``, ``models``)
-   and **watch** (``runview``: what the console and ``checkpoints diff`` read), two
+   and **watch** (``watch.*``: what the console and ``checkpoints diff`` read), two
    independent siblings: neither imports the other.
 4. **cli**: ``launch``, ``cli``/``cli.*``, ``cli_export``, ``utils.*``, and the
    ``pimm`` alias package.
@@ -43,8 +43,6 @@ LAYERS: dict[str, tuple[int, str]] = {
     "pimm_core.faults": (0, "fsio"),
     "pimm_core.fsio": (0, "fsio"),
     "pimm_core.run": (1, "run"),
-    "pimm_core.status": (1, "run"),
-    "pimm_core.metrics": (1, "run"),
     "pimm_core.lock": (1, "run"),
     "pimm_core.stop": (1, "run"),
     "pimm_core.shell": (1, "run"),
@@ -59,7 +57,6 @@ LAYERS: dict[str, tuple[int, str]] = {
     "pimm_core.ema": (3, "train"),
     "pimm_core.data": (3, "train"),
     "pimm_core.models": (3, "train"),
-    "pimm_core.runview": (3, "watch"),
     "pimm_core.watch": (3, "watch"),
     "pimm_core.launch": (4, "cli"),
     "pimm_core.cli": (4, "cli"),

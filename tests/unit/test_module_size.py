@@ -22,7 +22,6 @@ OVERSIZED: dict[str, str] = {
     "pimm_core/trainer.py": "being split into train/* by its owner (issue 15, in parallel with this guard)",
     "pimm_core/trainer.py::Trainer": "being split into train/* by its owner (issue 15, in parallel with this guard)",
     "pimm_core/checkpoint/standard.py": "being split by its owner (issue 15, in parallel with this guard)",
-    "pimm_core/runview.py": "being split by its owner (issue 15, in parallel with this guard)",
 }
 
 

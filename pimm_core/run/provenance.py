@@ -1,0 +1,98 @@
+"""``provenance.json``: what the run was made from and one entry per start, stop or set-aside (torch-free).
+
+The top level holds the run's base record (code and torch version, host, topology, data
+fingerprint, Python); ``starts`` is a list of entries, each with its ``time`` and ``kind``
+and, for a start, the ``launch`` that started it (:func:`launch_record`), which ``pimm
+resume`` reads back (:func:`recorded_launch`) to start the same ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from .jsonfile import read_json, write_json
+from .layout import PROVENANCE
+
+# `pimm launch --nproc-per-node/--nnodes` hands its launcher flags to the ranks in this
+# variable (JSON); rank 0 records them in provenance.json so `pimm resume` can start the same ranks.
+LAUNCH_ENV = "PIMM_LAUNCH"
+
+
+def code_version(start: Path | None = None) -> str | None:
+    """``git describe --always --dirty`` of the checkout holding pimm, or None outside git."""
+    start = start or Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=12"],
+            cwd=start, capture_output=True, text=True, timeout=5,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+@functools.cache
+def current_code_version() -> str | None:
+    """:func:`code_version` of the pimm checkout, asked once per process (a watcher asks often)."""
+    return code_version()
+
+
+def launch_record(world_size: int) -> dict[str, Any]:
+    """How this process's run was launched: ``pimm launch``'s flags, or an external launcher's shape.
+
+    Returns:
+        ``{"launcher": "pimm", "nproc_per_node": N, ...multi-node flags}`` under ``pimm launch``
+        (one process: ``nproc_per_node`` 1), or ``{"launcher": "external", "world_size": W,
+        "nproc_per_node": LOCAL_WORLD_SIZE}`` under torchrun/srun started by the user.
+    """
+    raw = os.environ.get(LAUNCH_ENV)
+    if raw:
+        try:
+            return dict(json.loads(raw))
+        except (ValueError, TypeError):
+            pass
+    if world_size > 1:
+        local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or world_size
+        return {"launcher": "external", "world_size": world_size, "nproc_per_node": int(str(local).split("(")[0])}
+    return {"launcher": "pimm", "nproc_per_node": 1}
+
+
+def read_provenance(run_dir: Path) -> dict[str, Any] | None:
+    """The run's ``provenance.json`` object, or None when it is missing or damaged."""
+    return read_json(Path(run_dir) / PROVENANCE)
+
+
+def recorded_launch(run_dir: Path) -> dict[str, Any]:
+    """The launch of the run's latest start (``provenance.json``): ``launcher`` (``pimm`` or
+    ``external``), ``nproc_per_node`` and the multi-node flags ``pimm launch`` was given."""
+    prov = read_provenance(run_dir) or {}
+    for entry in reversed(prov.get("starts") or []):
+        if isinstance(entry, dict) and isinstance(entry.get("launch"), dict):
+            return entry["launch"]
+    # runs written before pimm recorded the launch: one node with the recorded world size
+    return {"launcher": "pimm", "nproc_per_node": int(prov.get("world_size") or 1)}
+
+
+def recorded_world_size(record: dict[str, Any]) -> int:
+    """Ranks in all of a recorded launch (the largest node count for ``MIN:MAX``)."""
+    if record.get("world_size"):
+        return int(record["world_size"])
+    nodes = str(record.get("nnodes") or "1").split(":")[-1]
+    return int(record.get("nproc_per_node") or 1) * (int(nodes) if nodes.isdigit() else 1)
+
+
+def append_provenance(run_dir: Path, base: dict[str, Any], entry: dict[str, Any]) -> None:
+    """Merge ``base`` into ``provenance.json`` and append ``entry`` to its ``starts`` list (fsynced).
+
+    Raises:
+        OSError: the write failed (the old file is untouched).
+    """
+    data = read_provenance(run_dir) or {}
+    data.update(base)
+    data.setdefault("starts", []).append(entry)
+    write_json(Path(run_dir) / PROVENANCE, data, indent=2)

@@ -1,0 +1,153 @@
+"""``status.json``: the run's heartbeat, as a typed record, with its writer and reader (torch-free).
+
+Rank 0 replaces the file atomically at every state change and logged step. Readers (the
+console, ``pimm stop``, the launch's finished-run check, the run lock) take it through
+:func:`read_run_status`, which never raises: a missing or damaged file reads as a record
+with ``state`` None and ``problem`` saying why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .jsonfile import write_json
+from .layout import STATUS
+from .values import finite_number, json_int
+
+#: What ``state`` may say, in the order a run goes through them.
+STATES = ("starting", "running", "stopping", "stopped", "finished", "failed")
+
+
+def now_iso() -> str:
+    """Current UTC time, ISO 8601 with offset (e.g. ``2026-11-29T12:00:00+00:00``)."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _str(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+@dataclass
+class RunStatus:
+    """One ``status.json`` record.
+
+    Attributes:
+        state: one of :data:`STATES` as written (another string is kept as it is); None when
+            the file is missing or damaged (``problem`` says which).
+        host, pid: where rank 0 runs (``socket.gethostname()``, its pid).
+        updated: when it was written (ISO 8601, UTC).
+        heartbeat: the same, in UNIX seconds (what staleness is measured from).
+        pids: every rank's pid, rank order.
+        step, epoch, iter: the global step (optimizer steps), the epoch, the micro-batch in the epoch.
+        total_steps: the step the run ends at (the LR schedule's horizon).
+        steps_per_epoch, epochs, world_size: the run's shape.
+        stop_reason: why the run stopped early (``operator``, ``signal SIGTERM``...); None otherwise.
+        error: ``"<ExceptionClass>: <message>"`` of a failed run (written only then).
+        extra: keys this version does not know, kept so a record reads back unchanged.
+        problem: why the file could not be used (never written to the file).
+    """
+
+    state: str | None
+    host: str | None = None
+    pid: int | None = None
+    updated: str | None = None
+    heartbeat: float | None = None
+    pids: list[int] = field(default_factory=list)
+    step: int | None = None
+    epoch: int | None = None
+    iter: int | None = None
+    total_steps: int | None = None
+    steps_per_epoch: int | None = None
+    epochs: int | None = None
+    world_size: int | None = None
+    stop_reason: str | None = None
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    problem: str | None = field(default=None, compare=False)
+
+    #: Written only when set (every other field is always written, null when unknown).
+    _WHEN_SET = ("error",)
+
+    def to_json(self) -> dict[str, Any]:
+        """The file's object: the fields above in order (``error`` only when set), then ``extra``."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name in ("extra", "problem"):
+                continue
+            v = getattr(self, f.name)
+            if v is None and f.name in self._WHEN_SET:
+                continue
+            out[f.name] = list(v) if f.name == "pids" else v
+        return {**out, **{k: v for k, v in self.extra.items() if k not in out}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunStatus:
+        """The record of a ``status.json`` object; a missing key or one of the wrong type reads as None
+        (``pids``: only its integers), unknown keys go to ``extra``."""
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra", "problem"}
+        pids = data.get("pids")
+        return cls(
+            state=_str(data.get("state")), host=_str(data.get("host")), pid=json_int(data.get("pid")),
+            updated=_str(data.get("updated")), heartbeat=finite_number(data.get("heartbeat")),
+            pids=[p for p in (json_int(x) for x in pids) if p is not None] if isinstance(pids, list) else [],
+            step=json_int(data.get("step")), epoch=json_int(data.get("epoch")), iter=json_int(data.get("iter")),
+            total_steps=json_int(data.get("total_steps")), steps_per_epoch=json_int(data.get("steps_per_epoch")),
+            epochs=json_int(data.get("epochs")), world_size=json_int(data.get("world_size")),
+            stop_reason=_str(data.get("stop_reason")), error=_str(data.get("error")),
+            extra={k: v for k, v in data.items() if k not in known},
+        )
+
+    @classmethod
+    def unreadable(cls, problem: str) -> RunStatus:
+        """The record of a missing or damaged file: no state, and why."""
+        return cls(state=None, problem=problem)
+
+
+def write_status(run_dir: Path, state: str, **fields: Any) -> None:
+    """Atomically replace ``status.json`` (not fsynced: it is rewritten every logged step).
+
+    Args:
+        state: one of :data:`STATES`.
+        fields: the other :class:`RunStatus` fields (``step``, ``epoch``, ``stop_reason``, ...);
+            ``host``, ``pid``, ``updated`` and ``heartbeat`` are this process's and now. A
+            name that is not a field is written as it is (:attr:`RunStatus.extra`).
+
+    Raises:
+        OSError: the write failed.
+    """
+    names = {f.name for f in dataclasses.fields(RunStatus)} - {"extra", "problem"}
+    record = RunStatus(state, host=socket.gethostname(), pid=os.getpid(), updated=now_iso(), heartbeat=time.time())
+    record = dataclasses.replace(record, **{k: v for k, v in fields.items() if k in names},
+                                 extra={k: v for k, v in fields.items() if k not in names})
+    write_json(Path(run_dir) / STATUS, record.to_json(), durable=False)
+
+
+def read_run_status(run_dir: Path) -> RunStatus:
+    """The run's ``status.json`` (never raises).
+
+    Returns:
+        The record; for a missing, unreadable, torn or non-object file a record with
+        ``state`` None and ``problem`` one line on what is wrong.
+    """
+    path = Path(run_dir) / STATUS
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return RunStatus.unreadable("no status.json (the trainer has not started, or this is not a run it wrote)")
+    except OSError as e:
+        return RunStatus.unreadable(f"cannot read status.json ({e.__class__.__name__})")
+    try:
+        data = json.loads(text)
+    except ValueError:  # torn, not UTF-8, or not JSON
+        return RunStatus.unreadable("status.json is not valid JSON (damaged)")
+    if not isinstance(data, dict):
+        return RunStatus.unreadable("status.json is not a JSON object (damaged)")
+    return RunStatus.from_json(data)

@@ -1,0 +1,282 @@
+"""``metrics.jsonl`` read incrementally for a watcher: plot series, rate, evaluations, non-finite values (torch-free).
+
+A large file is opened from its tail plus an evenly spaced sample of the earlier lines
+(so a million-line log opens in milliseconds); evaluation records are found by a byte
+scan. A truncated last line waits until it is completed; corrupt lines are counted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from ..run.metrics import parse_record
+from ..run.values import finite_number, json_number
+from .series import NonFinite, Series
+
+#: Record fields that are bookkeeping, not metric values.
+_NOT_METRICS = frozenset(("step", "epoch", "iter", "split", "time"))
+
+
+def _lines_holding(body: bytes, token: bytes):
+    """``(offset, record)`` for each whole line of ``body`` that contains ``token`` and parses
+    as a JSON object (byte scan: lines without the token are never parsed)."""
+    i = body.find(token)
+    while i >= 0:
+        start = body.rfind(b"\n", 0, i) + 1
+        end = body.find(b"\n", i)
+        rec = parse_record(body[start:end])
+        if rec is not None:
+            yield start, rec
+        i = body.find(token, end)
+
+
+class MetricsTail:
+    """Incremental reader of ``metrics.jsonl``.
+
+    :meth:`poll` reads only the bytes appended since the last call. The first poll of a
+    file larger than ``full_read_bytes`` reads its last ``tail_bytes`` fully and samples
+    ``sample_lines`` evenly spaced lines before that (the plot's early history), and
+    byte-scans the earlier part for evaluation (``"val"``) records.
+
+    Attributes:
+        loss, lr: decimated ``(step, value)`` series of training records.
+        recent: the last training records (for rate and ETA).
+        last_train, last_val: the newest training / evaluation record.
+        val: every evaluation record, in file order.
+        bad_lines: lines that were not JSON objects (skipped).
+        pending: bytes of an unfinished last line (waiting for its newline).
+        sampled: the early history was sampled, not read line by line.
+        records: complete lines read (sampled lines count once).
+        version: increases whenever something new was read.
+    """
+
+    def __init__(self, path: Path, *, full_read_bytes: int = 8 << 20, tail_bytes: int = 2 << 20,
+                 sample_lines: int = 2000, max_points: int = 2000, chunk: int = 8 << 20):
+        self.path = Path(path)
+        self.full_read_bytes = full_read_bytes
+        self.tail_bytes = tail_bytes
+        self.sample_lines = sample_lines
+        self.max_points = max_points
+        self.chunk = chunk
+        self._reset()
+
+    def _reset(self) -> None:
+        self.offset = 0
+        self._ident: tuple[int, int] | None = None
+        self._partial = b""
+        self.loss = Series(self.max_points)
+        self.lr = Series(self.max_points)
+        self.recent: deque[dict[str, Any]] = deque(maxlen=64)
+        self.last_train: dict[str, Any] | None = None
+        self.last_val: dict[str, Any] | None = None
+        self.val: list[dict[str, Any]] = []
+        self.bad_lines = 0
+        self.sampled = False
+        self.records = 0
+        self.version = 0
+        self.exists = False
+        self.nonfinite: dict[str, NonFinite] = {}
+
+    @property
+    def pending(self) -> int:
+        return len(self._partial)
+
+    def _take(self, rec: dict[str, Any], *, sampled: bool = False, odd: bool = True) -> None:
+        """Apply one record; ``odd=False``: its line has no ``NaN``/``Infinity`` token (skip the check
+        for non-finite values unless one was seen before: then finite values say where it recovered)."""
+        split = rec.get("split", "train")
+        step = finite_number(rec.get("step"))
+        if split == "train":
+            if step is not None:
+                # Non-finite values are not plotted: :attr:`nonfinite` says where they are.
+                loss, lr = finite_number(rec.get("loss")), finite_number(rec.get("lr"))
+                if loss is not None:
+                    self.loss.add(step, loss)
+                if lr is not None:
+                    self.lr.add(step, lr)
+            if not sampled:
+                self.last_train = rec
+                self.recent.append(rec)
+        elif split == "val" and not sampled:
+            self.val.append(rec)
+            self.last_val = rec
+        if not sampled and split in ("train", "val") and (odd or self.nonfinite):
+            self._check_finite(rec, split, step)
+
+    def _check_finite(self, rec: dict[str, Any], split: str, step: float | None) -> None:
+        """Note NaN/+-Inf values of ``rec`` in :attr:`nonfinite` (and finite ones after them)."""
+        prefix = "" if split == "train" else f"{split}/"
+        for k, v in rec.items():
+            if k in _NOT_METRICS:
+                continue
+            f = json_number(v)
+            if f is None:
+                continue
+            if math.isfinite(f):
+                nf = self.nonfinite.get(prefix + k)
+                if nf is not None:
+                    nf.finite(step)
+            else:
+                self.nonfinite.setdefault(prefix + k, NonFinite(prefix + k)).seen(step, f)
+
+    def _parse_lines(self, data: bytes) -> None:
+        for line in data.split(b"\n"):
+            if not line.strip():
+                continue
+            rec = parse_record(line)
+            if rec is None:
+                self.bad_lines += 1
+                continue
+            self.records += 1
+            self._take(rec, odd=b"NaN" in line or b"Infinity" in line)
+
+    def _open_large(self, f: Any, size: int) -> None:
+        """First read of a large file: sampled history + val scan of the head, full tail."""
+        head_end = max(0, size - self.tail_bytes)
+        f.seek(head_end)
+        tail = f.read(size - head_end)
+        if head_end > 0:
+            nl = tail.find(b"\n")
+            cut = nl + 1 if nl >= 0 else len(tail)
+            head_end += cut
+            tail = tail[cut:]
+        # Evenly spaced sample of the head: the first whole line after each probe offset.
+        probes = min(self.sample_lines, max(1, head_end // 64))
+        last_start = -1
+        vals: list[tuple[int, dict[str, Any]]] = []
+        for i in range(probes):
+            pos = head_end * i // probes
+            f.seek(max(0, pos - 1))
+            buf = f.read(4096)
+            if pos > 0:
+                nl = buf.find(b"\n")
+                if nl < 0:
+                    continue
+                start, buf = pos + nl, buf[nl + 1:]
+            else:
+                start = 0
+            if start <= last_start or start >= head_end:
+                continue
+            last_start = start
+            end = buf.find(b"\n")
+            if end < 0:
+                continue
+            rec = parse_record(buf[:end])
+            if rec is not None and rec.get("split", "train") == "train":
+                self._take(rec, sampled=True)
+        # Every evaluation record in the head, by a byte scan (no JSON parse of training lines).
+        f.seek(0)
+        pos, carry = 0, b""
+        odd: dict[int, dict[str, Any]] = {}
+        while pos < head_end:
+            block = f.read(min(self.chunk, head_end - pos))
+            if not block:
+                break
+            base = pos - len(carry)
+            data = carry + block
+            pos += len(block)
+            last_nl = data.rfind(b"\n")
+            if last_nl < 0:
+                carry = data
+                continue
+            body, carry = data[:last_nl + 1], data[last_nl + 1:]
+            # Training records with NaN/Infinity (the sample may have missed them).
+            for token in (b"NaN", b"Infinity"):
+                for at, rec in _lines_holding(body, token):
+                    if rec.get("split", "train") == "train":
+                        odd[base + at] = rec
+            vals += [(base + at, rec) for at, rec in _lines_holding(body, b'"val"') if rec.get("split") == "val"]
+        for _, rec in sorted(odd.items()):
+            self._check_finite(rec, "train", finite_number(rec.get("step")))
+        for _, rec in vals:
+            self._take(rec)
+        self.sampled = True
+        self.records += len(vals)
+        self._consume(tail)
+
+    def _consume(self, data: bytes) -> None:
+        data = self._partial + data
+        nl = data.rfind(b"\n")
+        if nl < 0:
+            self._partial = data
+            return
+        self._partial = data[nl + 1:]
+        self._parse_lines(data[:nl])
+
+    def poll(self) -> bool:
+        """Read what was appended since the last poll. Returns True when something new was read.
+
+        A file that shrank or was replaced (a fresh start rewrites it) is read again from
+        the beginning. A missing file is not an error (``exists`` is False).
+        """
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            if self.exists:
+                self._reset()
+                self.version += 1
+                return True
+            return False
+        ident = (st.st_dev, st.st_ino)
+        if self._ident is not None and (ident != self._ident or st.st_size < self.offset):
+            self._reset()
+        self._ident = ident
+        self.exists = True
+        if st.st_size == self.offset:
+            return False
+        try:
+            with open(self.path, "rb") as f:
+                if self.offset == 0 and st.st_size > self.full_read_bytes:
+                    self._open_large(f, st.st_size)
+                    self.offset = st.st_size
+                else:
+                    f.seek(self.offset)
+                    data = f.read(st.st_size - self.offset)
+                    self.offset += len(data)
+                    self._consume(data)
+        except OSError:
+            return False
+        self.version += 1
+        return True
+
+    # ------------------------------------------------------------ summaries
+    def rate(self) -> tuple[float | None, float | None]:
+        """``(steps_per_s, samples_per_s)`` from the newest training records of the current session."""
+        recs = [r for r in self.recent if finite_number(r.get("time")) is not None and finite_number(r.get("step")) is not None]
+        sps = finite_number(self.last_train.get("samples_per_s")) if self.last_train else None
+        if len(recs) < 2:
+            return None, sps
+        # Walk back while steps and times increase (a resume or a long pause breaks the window).
+        j = len(recs) - 1
+        while j > 0 and recs[j - 1]["step"] < recs[j]["step"] and 0 < recs[j]["time"] - recs[j - 1]["time"] < 600:
+            j -= 1
+            if len(recs) - j > 20:
+                break
+        a, b = recs[j], recs[-1]
+        dt, ds = b["time"] - a["time"], b["step"] - a["step"]
+        return (ds / dt if dt > 0 and ds > 0 else None), sps
+
+    def log_interval(self) -> float | None:
+        """Median seconds between the newest training records (how often the heartbeat comes)."""
+        times = [finite_number(r.get("time")) for r in self.recent]
+        times = [t for t in times if t is not None]
+        gaps = sorted(b - a for a, b in zip(times, times[1:]) if b > a)
+        return gaps[len(gaps) // 2] if gaps else None
+
+    def best_val(self, metric: str, mode: str) -> dict[str, Any] | None:
+        """The best evaluation record for ``metric`` (``val/acc`` reads the record's ``acc``);
+        NaN and +-Inf values are never best."""
+        key = metric.split("/", 1)[1] if "/" in metric else metric
+        best = None
+        for rec in self.val:
+            v = finite_number(rec.get(key))
+            if v is None:
+                continue
+            if best is None or (v > best[0] if mode == "max" else v < best[0]):
+                best = (v, rec)
+        return best[1] if best else None
+

@@ -1,0 +1,211 @@
+"""A run directory polled as a whole: one immutable :class:`RunSnapshot` per poll, for a worker thread (torch-free).
+
+:class:`RunReader` reads ``status.json`` (:mod:`.status`), ``metrics.jsonl`` (:mod:`.metrics`),
+``train.log``, ``config.toml``, ``provenance.json`` and the checkpoint candidates, each
+only when it changed, and says in one list what is odd about the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.selection import Candidate, select_resume
+from ..config import read_saved_config
+from ..run.layout import CONFIG, LOG, METRICS, MODEL, PROVENANCE, run_markers
+from ..run.log import LogTail
+from ..run.provenance import read_provenance
+from ..run.values import json_int
+from .candidates import candidate_identity
+from .metrics import MetricsTail
+from .series import NonFinite
+from .status import STALE_MIN_S, StatusView, read_status
+
+
+@dataclass(frozen=True)
+class RunSnapshot:
+    """Everything a watcher shows, read at one moment (safe to hand across threads).
+
+    ``metrics_version``/``log_version``/``candidates_key`` change only when the
+    underlying data did, so a UI redraws only what changed.
+    """
+
+    run_dir: Path
+    time: float
+    status: StatusView
+    markers: tuple[str, ...]
+    problems: tuple[str, ...]
+    step: int | None
+    total_steps: int | None
+    epoch: int | None
+    epochs: int | None
+    steps_per_s: float | None
+    samples_per_s: float | None
+    eta_s: float | None
+    last_train: dict[str, Any] | None
+    last_val: dict[str, Any] | None
+    best_val: dict[str, Any] | None
+    metric: str
+    mode: str
+    loss: tuple[tuple[float, ...], tuple[float, ...]]
+    lr: tuple[tuple[float, ...], tuple[float, ...]]
+    metrics_version: int
+    metrics_records: int
+    metrics_sampled: bool
+    log_lines: tuple[str, ...]
+    log_version: int
+    candidates: tuple[Candidate, ...]
+    chosen: str | None
+    candidates_key: tuple[Any, ...]
+    config: dict[str, Any] | None
+    provenance: dict[str, Any] | None
+    #: metrics that were NaN or +-Inf somewhere in metrics.jsonl (copies; key order of first sight)
+    nonfinite: tuple[NonFinite, ...] = ()
+    #: :func:`candidate_identity` of each of ``candidates`` (same order)
+    candidate_ids: tuple[tuple[Any, ...], ...] = ()
+
+    def nonfinite_of(self, key: str) -> NonFinite | None:
+        """The :class:`NonFinite` record of metric ``key`` (``loss``, ``lr``, ``val/loss``), or None."""
+        return next((n for n in self.nonfinite if n.key == key), None)
+
+
+
+class RunReader:
+    """Reads a run directory incrementally; call :meth:`poll` (from one thread at a time)."""
+
+    def __init__(self, run_dir: Path, *, checkpoint_every_s: float = 2.0, **metrics_kw: Any):
+        self.run_dir = Path(run_dir)
+        self.metrics = MetricsTail(self.run_dir / METRICS, **metrics_kw)
+        self.log = LogTail(self.run_dir / LOG)
+        self.checkpoint_every_s = checkpoint_every_s
+        self._cands: tuple[tuple[Candidate, ...], str | None, tuple[Any, ...]] = ((), None, ())
+        self._ids: tuple[tuple[Any, ...], ...] = ()
+        self._cands_at = 0.0
+        self._model_key: Any = None
+        self._config: tuple[Any, dict[str, Any] | None, str | None] = (None, None, None)
+        self._prov: tuple[Any, dict[str, Any] | None] = (None, None)
+
+    def _mtime_key(self, path: Path) -> Any:
+        try:
+            st = path.stat()
+            return (st.st_mtime_ns, st.st_size, st.st_ino)
+        except OSError:
+            return None
+
+    def _read_config(self) -> tuple[dict[str, Any] | None, str | None]:
+        key = self._mtime_key(self.run_dir / CONFIG)
+        if key != self._config[0]:
+            cfg, problem = read_saved_config(self.run_dir / CONFIG)
+            self._config = (key, cfg, problem)
+        return self._config[1], self._config[2]
+
+    def _read_provenance(self) -> dict[str, Any] | None:
+        key = self._mtime_key(self.run_dir / PROVENANCE)
+        if key != self._prov[0]:
+            self._prov = (key, read_provenance(self.run_dir))
+        return self._prov[1]
+
+    def _read_candidates(self, now: float, force: bool) -> tuple[tuple[Candidate, ...], str | None, tuple[Any, ...]]:
+        model = self.run_dir / MODEL
+        key = self._mtime_key(model)
+        if not force and key == self._model_key and now - self._cands_at < self.checkpoint_every_s:
+            return self._cands
+        self._cands_at = now
+        # A save that rotates `last` (or replaces a file and then its sidecar) while the
+        # candidates are hashed can make an intact checkpoint look corrupt for a moment:
+        # read again until model/ did not change during the read (at most 3 times).
+        for _ in range(3):
+            try:
+                chosen, cands = select_resume(model)
+            except OSError:
+                chosen, cands = None, []
+            after = self._mtime_key(model)
+            if after == key:
+                break
+            key = after
+        self._model_key = key
+        ids = tuple(candidate_identity(c) for c in cands)
+        ckey = tuple((c.name, c.complete, c.step, c.size, c.reason, c.created, i) for c, i in zip(cands, ids))
+        self._cands = (tuple(cands), chosen.name if chosen else None, ckey)
+        self._ids = ids
+        return self._cands
+
+    def poll(self, *, now: float | None = None, force_checkpoints: bool = False) -> RunSnapshot:
+        """Read what changed and return a snapshot (never raises for damaged files)."""
+        now = time.time() if now is None else now
+        m = self.metrics
+        m.poll()
+        self.log.poll()
+        interval = m.log_interval()
+        stale_after = max(STALE_MIN_S, 5 * interval) if interval else STALE_MIN_S
+        status = read_status(self.run_dir, now=now, stale_after=stale_after)
+        config, config_problem = self._read_config()
+        prov = self._read_provenance()
+        cands, chosen, ckey = self._read_candidates(now, force_checkpoints)
+        markers = tuple(run_markers(self.run_dir))
+
+        problems: list[str] = []
+        if not self.run_dir.is_dir():
+            problems.append("the run directory does not exist (yet)")
+        elif not markers:
+            problems.append("empty run directory: no config.toml, status.json, metrics.jsonl or model/ yet")
+        if status.problem and markers:
+            problems.append(status.problem)
+        if status.note:
+            problems.append(status.note)
+        if config_problem:
+            problems.append(config_problem)
+        elif config is None and markers:
+            problems.append("no config.toml (half-created run?)")
+        if not m.exists and markers:
+            problems.append("no metrics.jsonl yet")
+        if m.bad_lines:
+            problems.append(f"metrics.jsonl: {m.bad_lines} damaged line(s) skipped")
+        if m.pending and not status.live:
+            problems.append(f"metrics.jsonl ends with an unfinished line ({m.pending} bytes, ignored)")
+        if status.state == "failed" and status.record.error:
+            problems.append(f"run failed: {status.record.error}")
+        nonfinite = tuple(dataclasses.replace(n) for n in m.nonfinite.values())
+        if nonfinite:
+            problems.append("; ".join(n.note() for n in nonfinite))
+        bad_manifests = [c.name for c in cands if c.reason and "unreadable" in c.reason]
+        if bad_manifests:
+            problems.append(f"damaged manifest: {', '.join(bad_manifests)}")
+
+        st = status.record
+        last = m.last_train or {}
+        step = st.step
+        last_step = json_int(last.get("step"))
+        if step is None or (last_step is not None and status.live and last_step > step):
+            step = last_step if last_step is not None else step
+        epoch = st.epoch
+        if epoch is None:
+            epoch = json_int(last.get("epoch"))
+        total = st.total_steps
+        epochs = st.epochs
+        if epochs is None and config:
+            epochs = json_int((config.get("train") or {}).get("epochs"))
+        steps_per_s, samples_per_s = m.rate()
+        eta = None
+        if status.live and steps_per_s and total is not None and step is not None:
+            eta = max(0.0, (total - step) / steps_per_s)
+        ev = (config or {}).get("eval") or {}
+        metric = ev.get("metric") if isinstance(ev.get("metric"), str) else "val/acc"
+        mode = ev.get("mode") if ev.get("mode") in ("max", "min") else "max"
+        lx, ly = m.loss.points()
+        rx, ry = m.lr.points()
+        return RunSnapshot(
+            run_dir=self.run_dir, time=now, status=status, markers=markers, problems=tuple(problems),
+            step=step, total_steps=total, epoch=epoch, epochs=epochs, steps_per_s=steps_per_s,
+            samples_per_s=samples_per_s,
+            eta_s=eta, last_train=m.last_train, last_val=m.last_val, best_val=m.best_val(metric, mode),
+            metric=metric, mode=mode, loss=(tuple(lx), tuple(ly)), lr=(tuple(rx), tuple(ry)),
+            metrics_version=m.version, metrics_records=m.records, metrics_sampled=m.sampled,
+            log_lines=tuple(self.log.lines), log_version=self.log.version,
+            candidates=cands, chosen=chosen, candidates_key=ckey, config=config, provenance=prov,
+            nonfinite=nonfinite, candidate_ids=self._ids,
+        )
+
