@@ -214,6 +214,16 @@ def check_args(spec: TargetSpec, fn: Callable, *, provided: Iterable[str] = (), 
             raise ConfigError(f"{args_key}: {spec.target} needs {p.name!r}; set {args_key}.{p.name}")
 
 
+def accepts(fn: Callable, name: str) -> bool:
+    """True when ``fn`` can be called with keyword ``name`` (a parameter of that name, or
+    ``**kwargs``; also when its signature cannot be inspected)."""
+    sig = _signature(fn)
+    if sig is None:
+        return True
+    return any(p.kind is p.VAR_KEYWORD or (p.name == name and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+               for p in sig.parameters.values())
+
+
 def load(spec: TargetSpec, config_path: str | Path | None = None, *, provided: Iterable[str] = (),
          positional: int = 0) -> Callable:
     """:func:`resolve` then :func:`check_args`: the checked callable, not yet called."""
