@@ -41,7 +41,7 @@ Every built-in schedule is a pure function of the step and its saved state, so a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -94,19 +94,23 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     raise ConfigError(f"optimizer.name = {name!r} is not a torch.optim optimizer; {hint}use one of {names}")
 
 
-def build_optimizer(cfg: Config, model: nn.Module, config_path: str | Path | None = None) -> torch.optim.Optimizer:
-    """The optimizer for ``model`` (unwrapped: not the DDP wrapper), as the module docstring says.
+def optimizer_factory(cfg: Config, config_path: str | Path | None = None) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    """Resolve and check the config's optimizer without building it.
+
+    Returns:
+        ``model -> optimizer`` for the unwrapped model (not the DDP wrapper).
 
     Raises:
         ConfigError: unknown class or target, wrong ``optimizer.args``, a target that
-            takes no ``lr`` or returns no optimizer.
-        Exception: anything a user target raises, unchanged.
+            takes no ``lr``.
+        Exception: anything a user module raises while imported, unchanged.
     """
     t, o = cfg.train, cfg.optimizer
     if o.name is None and o.target is None:
         if t.optimizer == "sgd":
-            return torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
-        return torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+            return lambda model: torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum,
+                                                 weight_decay=t.weight_decay)
+        return lambda model: torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     args = dict(o.args or {})
     if o.name is not None:
         spec = TargetSpec("optimizer.name", o.name, args, "optimizer.args")
@@ -117,53 +121,84 @@ def build_optimizer(cfg: Config, model: nn.Module, config_path: str | Path | Non
         fn = load(spec, config_path, provided=("lr",), positional=1)
         if not accepts(fn, "lr"):
             raise ConfigError(f"{spec.label()}: takes no 'lr'; pimm passes train.lr as lr=")
-    groups = param_groups(model, t.weight_decay, bool(o.decay_bias_and_norm))
-    if o.name is not None and not accepts(fn, "weight_decay"):  # e.g. Rprop, LBFGS: nothing to split
-        groups = [{"params": [p for g in groups for p in g["params"]]}]
-    opt = fn(groups, lr=t.lr, **args)
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise ConfigError(f"{spec.label()}: returned {type(opt).__name__}, not a torch.optim.Optimizer")
-    return opt
+    split = o.name is None or accepts(fn, "weight_decay")  # e.g. Rprop, LBFGS take none: nothing to split
+
+    def build(model: nn.Module) -> torch.optim.Optimizer:
+        groups = param_groups(model, t.weight_decay, bool(o.decay_bias_and_norm))
+        if not split:
+            groups = [{"params": [p for g in groups for p in g["params"]]}]
+        opt = fn(groups, lr=t.lr, **args)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(f"{spec.label()}: returned {type(opt).__name__}, not a torch.optim.Optimizer")
+        return opt
+
+    return build
 
 
-def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int,
-                    config_path: str | Path | None = None) -> Any:
-    """The LR schedule over ``total_steps`` optimizer steps, as the module docstring says.
-
-    Args:
-        total_steps: the optimizer step at which the run ends (the horizon).
+def build_optimizer(cfg: Config, model: nn.Module, config_path: str | Path | None = None) -> torch.optim.Optimizer:
+    """The optimizer for ``model`` (unwrapped), as the module docstring says.
 
     Raises:
-        ConfigError: wrong ``scheduler.args``; a target that cannot take the warmup
-            asked for or returns no scheduler.
+        ConfigError: as :func:`optimizer_factory`, or a target that returns no optimizer.
         Exception: anything a user target raises, unchanged.
+    """
+    return optimizer_factory(cfg, config_path)(model)
+
+
+def scheduler_factory(cfg: Config, config_path: str | Path | None = None) -> Callable[[torch.optim.Optimizer, int], Any]:
+    """Resolve and check the config's LR schedule without building it.
+
+    Returns:
+        ``(optimizer, total_steps) -> scheduler``; ``total_steps`` is the optimizer step at
+        which the run ends (the horizon).
+
+    Raises:
+        ConfigError: wrong ``scheduler.args`` (names or values); a target that cannot take
+            the warmup asked for.
+        Exception: anything a user module raises while imported, unchanged.
     """
     t, s = cfg.train, cfg.scheduler
     min_ratio = t.min_lr / t.lr if t.lr else 0.0
     if s.name is None and s.target is None:
-        return WarmupCosine(optimizer, warmup=t.warmup_steps, total=total_steps, min_ratio=min_ratio, kind=t.scheduler)
+        return lambda opt, total: WarmupCosine(opt, warmup=t.warmup_steps, total=total, min_ratio=min_ratio,
+                                               kind=t.scheduler)
     args = dict(s.args or {})
     if s.name is not None:
         spec = TargetSpec("scheduler.name", s.name, args, "scheduler.args")
-        options_fn = KIND_OPTIONS[s.name]
-        check_args(spec, options_fn)
-        return WarmupSchedule(optimizer, warmup=t.warmup_steps, total=total_steps, min_ratio=min_ratio, kind=s.name,
-                              options=options_fn(**args), mode=cfg.eval.mode)
+        check_args(spec, KIND_OPTIONS[s.name])
+        options = KIND_OPTIONS[s.name](**args)
+        return lambda opt, total: WarmupSchedule(opt, warmup=t.warmup_steps, total=total, min_ratio=min_ratio,
+                                                 kind=s.name, options=options, mode=cfg.eval.mode)
     spec = TargetSpec("scheduler.target", s.target, args, "scheduler.args")
     fn = load(spec, config_path, positional=1, provided=("total_steps", "warmup_steps"))
-    extra: dict[str, int] = {}
-    if accepts(fn, "total_steps"):
-        extra["total_steps"] = total_steps
-    if accepts(fn, "warmup_steps"):
-        extra["warmup_steps"] = t.warmup_steps
-    elif t.warmup_steps:
+    takes_total = accepts(fn, "total_steps")
+    if not accepts(fn, "warmup_steps") and t.warmup_steps:
         raise ConfigError(f"{spec.label()}: takes no warmup_steps; set train.warmup_steps = 0 or give it a "
                           "warmup_steps parameter")
-    sch = fn(optimizer, **extra, **args)
-    if not all(callable(getattr(sch, m, None)) for m in ("step", "state_dict", "load_state_dict")):
-        raise ConfigError(f"{spec.label()}: returned {type(sch).__name__}, not a scheduler "
-                          "(step, state_dict, load_state_dict)")
-    return sch
+    takes_warmup = accepts(fn, "warmup_steps")
+
+    def build(opt: torch.optim.Optimizer, total: int) -> Any:
+        extra = {**({"total_steps": total} if takes_total else {}),
+                 **({"warmup_steps": t.warmup_steps} if takes_warmup else {})}
+        sch = fn(opt, **extra, **args)
+        if not all(callable(getattr(sch, m, None)) for m in ("step", "state_dict", "load_state_dict")):
+            raise ConfigError(f"{spec.label()}: returned {type(sch).__name__}, not a scheduler "
+                              "(step, state_dict, load_state_dict)")
+        return sch
+
+    return build
+
+
+def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int,
+                    config_path: str | Path | None = None) -> Any:
+    """The LR schedule of ``optimizer`` over ``total_steps`` optimizer steps, as the module
+    docstring says.
+
+    Raises:
+        ConfigError: as :func:`scheduler_factory`, or a target that returns no scheduler.
+        Exception: anything a user target raises, unchanged.
+    """
+    return scheduler_factory(cfg, config_path)(optimizer, total_steps)
 
 
 def observe_metric(scheduler: Any, value: float) -> bool:

@@ -11,7 +11,7 @@ Layers, bottom to top (a module's layer is the longest prefix below that names i
 2. **checkpoint**: ``checkpoint.*``. Inside it nothing imports ``checkpoint.export``
    (export reads weights, never the other way round).
 3. **train** (``trainer``, ``train.*``, ``schedule``, ``ema``, ``data``, ``models``,
-   ``objectives``, ``optim``, ``data_rng``)
+   ``objectives``, ``optim``, ``data_rng``, ``plugins``)
    and **watch** (``runview``: what the console and ``checkpoints diff`` read), two
    independent siblings: neither imports the other.
 4. **cli**: ``launch``, ``cli``/``cli.*``, ``cli_export``, ``utils.*``, and the
@@ -61,6 +61,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "pimm_core.objectives": (3, "train"),
     "pimm_core.optim": (3, "train"),
     "pimm_core.data_rng": (3, "train"),
+    "pimm_core.plugins": (3, "train"),
     "pimm_core.runview": (3, "watch"),
     "pimm_core.watch": (3, "watch"),
     "pimm_core.launch": (4, "cli"),

@@ -230,3 +230,44 @@ def test_every_schedule_resumes_exactly(overrides):
     resumed = run(sch2, opt2, range(13, 30), metrics)
     assert resumed == straight  # bitwise
     assert len(set(first + straight)) > 1 or "constant" in overrides[0]
+
+
+# ------------------------------------------------------------------ the pre-launch check
+CHECK_CASES = [  # (keys taken out of the good config, overrides added, how the error starts)
+    (["model.args.width"], ["model.args.widht=3"], "model.args.widht: "),
+    (["data.target"], ['data.target="{parts}:dta"'], 'data.target = "{parts}:dta": '),
+    (["objective"], ['objective="{parts}:stpe"'], 'objective = "{parts}:stpe": '),
+    (["optimizer.target"], ['optimizer.target="nope.mod:x"'], 'optimizer.target = "nope.mod:x": module'),
+    ([], ["scheduler.args.gamma=5"], "scheduler.args.gamma = 5: "),
+    (["model.target", "model.args.width"], ['model.name="vit"'], "model.name = 'vit' is not a known model"),
+]
+
+
+@pytest.mark.parametrize("drop,add,start", CHECK_CASES)
+def test_check_targets_finds_each_wrong_key_without_building(user_module, tmp_path, drop, add, start):
+    """``check_targets`` reports what the launch would, and builds nothing (targets that
+    raise when called are only resolved)."""
+    from pimm_core.plugins import check_targets
+
+    parts = f"{user_module}_parts"
+    (tmp_path / f"{parts}.py").write_text(
+        "def model(width):\n    raise AssertionError('built')\n"
+        "def data():\n    raise AssertionError('built')\n"
+        "def step(model, batch):\n    raise AssertionError('ran')\n")
+    good = {"model.target": f'"{parts}:model"', "model.args.width": "3", "data.target": f'"{parts}:data"',
+            "objective": f'"{parts}:step"', "eval.metric": '"val/x"', "optimizer.target": f'"{user_module}:make"',
+            "scheduler.name": '"step"', "scheduler.args.step_size": "2"}
+    try:
+        check_targets(cfg(*[f"{k}={v}" for k, v in good.items()]))
+        overrides = [f"{k}={v}" for k, v in good.items() if k not in drop] + [a.format(parts=parts) for a in add]
+        with pytest.raises(ConfigError) as e:
+            check_targets(cfg(*overrides))
+        assert str(e.value).startswith(start.format(parts=parts))
+    finally:
+        sys.modules.pop(parts, None)
+
+
+def test_check_targets_passes_the_builtin_config():
+    from pimm_core.plugins import check_targets
+
+    check_targets(cfg())
