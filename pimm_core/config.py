@@ -41,6 +41,7 @@ import tomli_w
 
 from .config_tables import Where, build, toml_key
 from .errors import ConfigError
+from .targets import is_target
 
 
 @dataclass
@@ -245,7 +246,7 @@ def _drop_none(d: Any, rename: bool = True) -> Any:
     for k, v in d.items():
         # an args table holds the user's own keyword names: never renamed
         v = _drop_none(v, rename and k != "args")
-        if v is None or (isinstance(v, dict) and not v and k != "args"):
+        if v is None or (rename and isinstance(v, dict) and not v and k != "args"):
             continue
         out[toml_key(k) if rename else k] = v
     return out
@@ -272,8 +273,6 @@ def _validate_ranges(cfg: Config, where: Where, origins: dict[str, str]) -> None
 
 def _validate_plugins(cfg: Config, where: Where, origins: dict[str, str]) -> None:
     """Checks of the target keys, the objective and the selection metric that need no import."""
-    from .targets import is_target
-
     def at(dotted: str) -> str:
         return where(dotted, "override" if any(o == dotted or o.startswith(dotted + ".") for o in origins) else "file")
 

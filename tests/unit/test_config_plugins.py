@@ -26,6 +26,7 @@ target = "pkg.models:build"
 [model.args]
 width = 64
 class_ = "kept as written"
+empty = {}
 [data]
 target = "pkg.data:make"
 [data.args]
@@ -69,14 +70,14 @@ def test_digits_config_writes_no_plugin_keys():
 def test_plugged_config_loads_and_round_trips(tmp_path):
     cfg = load_text(tmp_path, PLUGGED, ["model.args.width=128", "scheduler.args.gamma=0.5"])
     assert cfg.model.target == "pkg.models:build"
-    assert cfg.model.args == {"width": 128, "class_": "kept as written"}
+    assert cfg.model.args == {"width": 128, "class_": "kept as written", "empty": {}}
     assert cfg.data.args == {"block": 32}
     assert (cfg.optimizer.name, cfg.optimizer.args) == ("AdamW", {"betas": [0.9, 0.95]})
     assert cfg.scheduler.args == {"milestones": [10, 20], "gamma": 0.5}
     assert cfg.log.tensorboard and cfg.objective == "language_modeling"
     write_config(cfg, tmp_path / "saved.toml")
     again = config_from_dict(tomllib.loads((tmp_path / "saved.toml").read_text()))
-    assert again == cfg  # user argument names (even class_) are written as given
+    assert again == cfg  # user arguments (even class_, or an empty table) are written as given
 
 
 @pytest.mark.parametrize("text,overrides,message", [
