@@ -8,16 +8,30 @@ file line where it can be found) plus a suggestion for near-miss keys.
 Overrides are ``dotted.key=value`` strings whose value uses TOML value syntax
 (``train.lr=3e-4``, ``run.group="ablation"``); a value that is not valid TOML
 is taken as a bare string, so ``checkpoint_format=standard`` works too.
+
+Bringing your own code (see :mod:`pimm_core.targets` for where it is imported from):
+
+- ``model.target = "pkg.mod:factory"`` with ``[model.args]``: the model, built as
+  ``factory(**args)``; replaces ``model.name``/``hidden``/``dropout``. The built-in
+  models are targets too: ``model.target = "pimm_core.models:mlp"`` is ``model.name = "mlp"``.
+- ``data.target`` with ``[data.args]``: returns the train and validation datasets
+  (map-style or iterable) and optionally a collate function (see
+  :func:`pimm_core.data.as_datasets`); replaces ``data.name``/``val_fraction``/
+  ``split_seed``, which are the args of ``"pimm_core.data:digits"``.
+- ``objective``: what a step computes, a built-in name (:data:`OBJECTIVES`) or a target
+  ``(model, batch) -> (loss, {metric: value})`` (see :mod:`pimm_core.objectives`).
+- ``[optimizer]``: ``name`` (any ``torch.optim`` class, case-insensitive) or ``target``,
+  with ``args``; overrides ``train.optimizer``. ``[scheduler]``: ``name`` (a kind of
+  :data:`SCHEDULER_KINDS`, after ``train.warmup_steps`` of linear warmup) or ``target``,
+  with ``args``; overrides ``train.scheduler``. See :mod:`pimm_core.optim`.
+- ``log.tensorboard``: also write the metrics for TensorBoard.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import keyword
-import re
 import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +39,9 @@ from typing import Any, Literal
 
 import tomli_w
 
+from .config_tables import Where, build, toml_key
 from .errors import ConfigError
+from .targets import is_target
 
 
 @dataclass
@@ -67,20 +83,71 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    """Dataset and loader. ``batch_size`` is per rank and per micro-batch."""
+    """Dataset and loader. ``batch_size`` is per rank and per micro-batch.
+
+    ``target``/``args`` name a user dataset factory; then ``name``, ``val_fraction``
+    and ``split_seed`` (the built-in digits' settings) are not used.
+    """
 
     name: str = "digits"
     batch_size: int = 32
     num_workers: int = 0  # per rank
     val_fraction: float = 0.2
     split_seed: int = 0
+    target: str | None = None  # "package.module:factory" returning the train and val datasets
+    args: dict[str, Any] | None = None  # keyword arguments of target
 
 
 @dataclass
 class ModelConfig:
+    """The model: a built-in ``name`` with ``hidden``/``dropout``, or a ``target`` factory
+    called with ``args`` (then ``name``, ``hidden`` and ``dropout`` are not used)."""
+
     name: str = "mlp"
     hidden: int = 128
     dropout: float = 0.1
+    target: str | None = None  # "package.module:factory" returning an nn.Module
+    args: dict[str, Any] | None = None  # keyword arguments of target
+
+
+@dataclass
+class OptimizerConfig:
+    """``[optimizer]``: overrides ``train.optimizer`` when ``name`` or ``target`` is set.
+
+    The LR is always ``train.lr`` and the weight decay ``train.weight_decay``; ``args``
+    holds the optimizer's other keyword arguments (``betas``, ``eps``, ``momentum``...).
+    ``decay_bias_and_norm`` unset or false: biases and normalization weights get no weight
+    decay (a second parameter group); true: one group, everything decays. (The older
+    ``train.optimizer`` key keeps its single group.)
+    """
+
+    name: str | None = None  # a torch.optim class, e.g. "AdamW", "SGD", "RMSprop" (case-insensitive)
+    target: str | None = None  # "package.module:factory" called as factory(param_groups, lr=..., **args)
+    args: dict[str, Any] | None = None
+    decay_bias_and_norm: bool | None = None
+
+
+SchedulerKind = Literal["constant", "linear", "cosine", "step", "multistep", "exponential", "onecycle", "plateau"]
+#: The ``scheduler.name`` values (each after ``train.warmup_steps`` of linear warmup).
+SCHEDULER_KINDS: tuple[str, ...] = typing.get_args(SchedulerKind)
+
+
+@dataclass
+class SchedulerConfig:
+    """``[scheduler]``: overrides ``train.scheduler`` when ``name`` or ``target`` is set.
+
+    ``args`` are the kind's options (``step_size``, ``milestones``, ``gamma``, ``pct_start``,
+    ``patience``...; see :mod:`pimm_core.optim`) or the target's keyword arguments.
+    """
+
+    name: SchedulerKind | None = None
+    target: str | None = None  # "package.module:factory" called as factory(optimizer, **args)
+    args: dict[str, Any] | None = None
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = False  # also write metrics as TensorBoard events (metrics.jsonl stays the source)
 
 
 @dataclass
@@ -121,20 +188,30 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    objective: str = "classification"  # a name in OBJECTIVES or a "package.module:function" target
     checkpoint_format: Literal["standard", "legacy", "single"] = "standard"
     resume_strict_state: bool = True
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain nested dict with TOML key names, ``None`` values dropped (TOML has no null)."""
+        """Plain nested dict with TOML key names, ``None`` values and tables left empty by
+        that dropped (TOML has no null; an unused ``[optimizer]`` is not written)."""
         return _drop_none(dataclasses.asdict(self))
 
 
-def _toml_key(name: str) -> str:
-    return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
+#: The built-in objectives and the validation metrics each produces (``val/<name>``);
+#: :mod:`pimm_core.objectives` implements them.
+OBJECTIVES: dict[str, tuple[str, ...]] = {
+    "classification": ("acc", "loss"),
+    "regression": ("mae", "loss"),
+    "language_modeling": ("loss", "perplexity"),
+}
 
-
-# Metrics the evaluator produces (the selection metric must be one of them).
-EVAL_METRICS = ("val/acc", "val/loss")
+#: The config keys that name a user target, and the keys of their args tables.
+TARGET_KEYS = (("model.target", "model.args"), ("data.target", "data.args"),
+               ("optimizer.target", "optimizer.args"), ("scheduler.target", "scheduler.args"))
 
 
 _RANGES: dict[str, tuple[float | None, float | None]] = {
@@ -162,130 +239,20 @@ _RANGES: dict[str, tuple[float | None, float | None]] = {
 }
 
 
-def _drop_none(d: Any) -> Any:
-    if isinstance(d, dict):
-        return {_toml_key(k): _drop_none(v) for k, v in d.items() if v is not None}
-    return d
-
-
-def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
-    """Every dotted key the schema accepts, e.g. ``["run.root", ..., "resume_strict_state"]``."""
-    keys = []
-    for f in dataclasses.fields(cls):
-        hint = typing.get_type_hints(cls)[f.name]
-        if dataclasses.is_dataclass(hint):
-            keys += all_keys(hint, f"{prefix}{f.name}.")
-        else:
-            keys.append(f"{prefix}{_toml_key(f.name)}")
-    return keys
-
-
-def _line_of(source: str | None, dotted: str) -> int | None:
-    """Best-effort 1-based line of ``dotted`` key in TOML ``source`` (for messages)."""
-    if not source:
-        return None
-    *tables, key = dotted.split(".")
-    table = ".".join(tables)
-    current = ""
-    for no, line in enumerate(source.splitlines(), 1):
-        m = re.match(r"\s*\[\s*([^\]]+?)\s*\]", line)
-        if m:
-            current = m.group(1)
-            if current == dotted:
-                return no
+def _drop_none(d: Any, rename: bool = True) -> Any:
+    if not isinstance(d, dict):
+        return d
+    out = {}
+    for k, v in d.items():
+        # an args table holds the user's own keyword names: never renamed
+        v = _drop_none(v, rename and k != "args")
+        if v is None or (rename and isinstance(v, dict) and not v and k != "args"):
             continue
-        m = re.match(r"\s*([A-Za-z0-9_.\-\"]+)\s*=", line)
-        if m:
-            full = ".".join(p for p in (current, m.group(1).replace('"', "")) if p)
-            if full == dotted or (current == table and m.group(1) == key):
-                return no
-    return None
+        out[toml_key(k) if rename else k] = v
+    return out
 
 
-class _Where:
-    """Formats the location part of a message: file and line when known."""
-
-    def __init__(self, path: Path | None, source: str | None):
-        self.path, self.source = path, source
-
-    def __call__(self, dotted: str, origin: str) -> str:
-        if origin == "override":
-            return "override"
-        line = _line_of(self.source, dotted)
-        if self.path is None:
-            return "config"
-        return f"{self.path}:{line}" if line else str(self.path)
-
-
-def _type_name(hint: Any) -> str:
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if args:  # Optional[X]
-        return " or ".join(_type_name(a) for a in args if a is not type(None))
-    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(hint, str(hint))
-
-
-def _coerce(value: Any, hint: Any, dotted: str, where: str) -> Any:
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin is Literal:
-        if value in args:
-            return value
-        raise ConfigError(f"{where}: {dotted} = {value!r} is not allowed; use {_type_name(hint)}")
-    if origin is list:  # only list[list[str]] (key rules) exists in the schema
-        if not (isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
-                                                for p in value)):
-            raise ConfigError(f"{where}: {dotted} must be a list of [regex, replacement] string pairs, got {value!r}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], dotted, where)
-    ok = (
-        (hint is bool and isinstance(value, bool))
-        or (hint is int and isinstance(value, int) and not isinstance(value, bool))
-        or (hint is float and isinstance(value, (int, float)) and not isinstance(value, bool))
-        or (hint is str and isinstance(value, str))
-    )
-    if not ok:
-        raise ConfigError(f"{where}: {dotted} must be {_type_name(hint)}, got {value!r}")
-    return float(value) if hint is float else value
-
-
-def _build(cls: type, data: dict[str, Any], origins: dict[str, str], where: _Where, prefix: str = "") -> Any:
-    # A TOML key that is a Python keyword (checkpoint.async) maps to the field with a trailing "_".
-    data = {f"{k}_" if keyword.iskeyword(k) else k: v for k, v in data.items()}
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in names:
-            dotted = f"{prefix}{key}"
-            is_table = isinstance(data[key], dict)
-            choices = sorted({k.rsplit(".", 1)[0] for k in all_keys() if "." in k}) if is_table else all_keys()
-            close = difflib.get_close_matches(dotted, choices, n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]}?" if close else "; see configs/digits.toml for the known keys"
-            origin = "override" if any(o == dotted or o.startswith(dotted + ".") for o in origins) else "file"
-            kind = "table" if is_table else "key"
-            raise ConfigError(f"{where(dotted, origin)}: unknown {kind} {dotted}{hint}")
-    kwargs = {}
-    for name in names:
-        if name not in data:
-            continue
-        dotted = f"{prefix}{_toml_key(name)}"
-        hint = hints[name]
-        value = data[name]
-        if dataclasses.is_dataclass(hint):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{where(dotted, origins.get(dotted, 'file'))}: {dotted} must be a table")
-            kwargs[name] = _build(hint, value, origins, where, f"{dotted}.")
-        else:
-            kwargs[name] = _coerce(value, hint, dotted, where(dotted, origins.get(dotted, "file")))
-    return cls(**kwargs)
-
-
-def _validate_ranges(cfg: Config, where: _Where, origins: dict[str, str]) -> None:
+def _validate_ranges(cfg: Config, where: Where, origins: dict[str, str]) -> None:
     for dotted, (lo, hi) in _RANGES.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
@@ -294,9 +261,7 @@ def _validate_ranges(cfg: Config, where: _Where, origins: dict[str, str]) -> Non
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             bound = f">= {lo}" if hi is None else f"between {lo} and {hi}"
             raise ConfigError(f"{where(dotted, origins.get(dotted, 'file'))}: {dotted} = {value!r} is out of range; it must be {bound}")
-    if cfg.eval.metric not in EVAL_METRICS:
-        raise ConfigError(f"{where('eval.metric', origins.get('eval.metric', 'file'))}: eval.metric = "
-                          f"{cfg.eval.metric!r} is not produced by the evaluator; use one of {list(EVAL_METRICS)}")
+    _validate_plugins(cfg, where, origins)
     if cfg.checkpoint.async_ and cfg.checkpoint_format != "standard":
         raise ConfigError(f"{where('checkpoint.async', origins.get('checkpoint.async', 'file'))}: checkpoint.async "
                           f"needs checkpoint_format = 'standard' (got {cfg.checkpoint_format!r})")
@@ -304,6 +269,46 @@ def _validate_ranges(cfg: Config, where: _Where, origins: dict[str, str]) -> Non
         raise ConfigError(f"{where('eval.weights', origins.get('eval.weights', 'file'))}: eval.weights = 'ema' "
                           "needs ema.enabled = true")
 
+
+
+def _validate_plugins(cfg: Config, where: Where, origins: dict[str, str]) -> None:
+    """Checks of the target keys, the objective and the selection metric that need no import."""
+    def at(dotted: str) -> str:
+        return where(dotted, "override" if any(o == dotted or o.startswith(dotted + ".") for o in origins) else "file")
+
+    for key, args_key in TARGET_KEYS:
+        section, name = key.split(".")
+        table = getattr(cfg, section)
+        target = getattr(table, name)
+        if target is not None and not is_target(target):
+            raise ConfigError(f"{at(key)}: {key} = {target!r} is not a target; write 'package.module:attr'")
+        has_name = section in ("optimizer", "scheduler") and table.name is not None
+        if target is not None and has_name:
+            raise ConfigError(f"{at(key)}: {section}.name and {key} are both set; use one")
+        if table.args is not None and target is None and not has_name:
+            needs = f"{key} or {section}.name" if section in ("optimizer", "scheduler") else key
+            raise ConfigError(f"{at(args_key)}: {args_key} is set but {needs} is not")
+    for arg, instead in (("lr", "train.lr"), ("weight_decay", "train.weight_decay")):
+        if arg in (cfg.optimizer.args or {}):
+            raise ConfigError(f"{at('optimizer.args.' + arg)}: optimizer.args.{arg}: pimm sets it from {instead}; "
+                              f"set {instead} instead")
+    if cfg.scheduler.name == "onecycle" and cfg.train.warmup_steps:
+        raise ConfigError(f"{at('scheduler.name')}: scheduler.name = 'onecycle' has its own warm-up "
+                          "(scheduler.args.pct_start); set train.warmup_steps = 0")
+    objective, metric = cfg.objective, cfg.eval.metric
+    if objective in OBJECTIVES:
+        produced = [f"val/{m}" for m in OBJECTIVES[objective]]
+        if metric not in produced:
+            raise ConfigError(f"{at('eval.metric')}: eval.metric = {metric!r} is not produced by the evaluator; "
+                              f"use one of {produced}")
+    elif not is_target(objective):
+        close = difflib.get_close_matches(objective, list(OBJECTIVES), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"{at('objective')}: objective = {objective!r} is not a built-in objective; {hint}use one "
+                          f"of {list(OBJECTIVES)} or a target 'package.module:function'")
+    elif not metric.startswith("val/"):
+        raise ConfigError(f"{at('eval.metric')}: eval.metric = {metric!r} must name a validation metric "
+                          "'val/<name>' of the objective")
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -374,16 +379,16 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     for key, value in (extra or {}).items():
         _set_dotted(data, key, value)
         origins[key] = "override"
-    where = _Where(p, source)
-    cfg = _build(Config, data, origins, where)
+    where = Where(p, source)
+    cfg = build(Config, data, origins, where)
     _validate_ranges(cfg, where, origins)
     return cfg
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
     """Validate a nested dict (e.g. a run's saved ``config.toml``) into a :class:`Config`."""
-    cfg = _build(Config, data, {}, _Where(None, None))
-    _validate_ranges(cfg, _Where(None, None), {})
+    cfg = build(Config, data, {}, Where(None, None))
+    _validate_ranges(cfg, Where(None, None), {})
     return cfg
 
 

@@ -16,16 +16,17 @@ import hashlib
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
-from torch.utils.data import DistributedSampler, Sampler, TensorDataset
+from torch.utils.data import DistributedSampler, IterableDataset, Sampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .config import DataConfig
 from .dist import DistInfo
 from .errors import ConfigError
+from .targets import TargetSpec
 
 # torchdata 0.11 calls the deprecated torch.set_vital on every iterator; nothing for us to fix.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
@@ -47,14 +48,21 @@ class DatasetSplits:
     fingerprint: str  # sha256 (first 16 hex) of the data and the split
 
 
-def _digits(cfg: DataConfig) -> DatasetSplits:
+def digits(val_fraction: float = 0.2, split_seed: int = 0) -> DatasetSplits:
+    """The bundled digits split into train/val: the ``data.name = "digits"`` dataset as a
+    target (``data.target = "pimm_core.data:digits"``; the args are ``data.*``'s keys).
+
+    Args:
+        val_fraction: share of the 1,797 images held out for validation, in [0, 1].
+        split_seed: seed of the split's permutation.
+    """
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
     x = (bunch.data.astype(np.float32) / 16.0)  # pixel values 0..16 -> [0, 1]
     y = bunch.target.astype(np.int64)
-    perm = np.random.RandomState(cfg.split_seed).permutation(len(x))
-    n_val = int(round(len(x) * cfg.val_fraction))
+    perm = np.random.RandomState(split_seed).permutation(len(x))
+    n_val = int(round(len(x) * val_fraction))
     val_idx, train_idx = perm[:n_val], perm[n_val:]
     h = hashlib.sha256()
     for arr in (x, y, train_idx, val_idx):
@@ -66,7 +74,11 @@ def _digits(cfg: DataConfig) -> DatasetSplits:
     return DatasetSplits(make(train_idx), make(val_idx), 64, (1, 8, 8), 10, h.hexdigest()[:16])
 
 
-DATASETS: dict[str, Callable[[DataConfig], DatasetSplits]] = {"digits": _digits}
+DATASETS: dict[str, Callable[..., DatasetSplits]] = {"digits": digits}
+
+
+def _unknown(cfg: DataConfig) -> ConfigError:
+    return ConfigError(f"data.name = {cfg.name!r} is not a known dataset; use one of {sorted(DATASETS)}")
 
 
 def build_datasets(cfg: DataConfig) -> DatasetSplits:
@@ -76,8 +88,91 @@ def build_datasets(cfg: DataConfig) -> DatasetSplits:
         ConfigError: unknown dataset name.
     """
     if cfg.name not in DATASETS:
-        raise ConfigError(f"data.name = {cfg.name!r} is not a known dataset; use one of {sorted(DATASETS)}")
-    return DATASETS[cfg.name](cfg)
+        raise _unknown(cfg)
+    return DATASETS[cfg.name](val_fraction=cfg.val_fraction, split_seed=cfg.split_seed)
+
+
+def data_spec(cfg: DataConfig) -> TargetSpec:
+    """The target that builds ``cfg``'s datasets: ``data.target`` with its args, or the
+    built-in ``data.name`` as the same kind of target (``"pimm_core.data:digits"`` with
+    ``val_fraction`` and ``split_seed``).
+
+    Raises:
+        ConfigError: unknown ``data.name``.
+    """
+    if cfg.target is not None:
+        return TargetSpec("data.target", cfg.target, dict(cfg.args or {}), "data.args")
+    if cfg.name not in DATASETS:
+        raise _unknown(cfg)
+    return TargetSpec("data.name", f"pimm_core.data:{cfg.name}",
+                      {"val_fraction": cfg.val_fraction, "split_seed": cfg.split_seed}, "data")
+
+
+@dataclass
+class Datasets:
+    """What a ``data.target`` gives, normalized by :func:`as_datasets`.
+
+    Attributes:
+        train, val: map-style datasets (``__getitem__`` and ``__len__``) or
+            ``torch.utils.data.IterableDataset``s; a batch is whatever the loader's collate
+            makes of their items (the objective receives it as is).
+        collate_fn: the loaders' collate function; ``None``: PyTorch's default.
+        fingerprint: a cheap identity of the data for provenance (a resume warns when it
+            changed); ``None``: unknown.
+    """
+
+    train: Any
+    val: Any
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    fingerprint: str | None = None
+
+
+def _is_dataset(ds: Any) -> bool:
+    return isinstance(ds, IterableDataset) or (hasattr(ds, "__getitem__") and hasattr(ds, "__len__"))
+
+
+def _own_fingerprint(obj: Any) -> str | None:
+    fp = getattr(obj, "fingerprint", None)
+    fp = fp() if callable(fp) else fp
+    return str(fp) if fp is not None else None
+
+
+def as_datasets(value: Any, spec: TargetSpec) -> Datasets:
+    """Normalize what ``spec``'s target returned.
+
+    A data target may return a :class:`Datasets`; any object with ``train`` and ``val``
+    attributes (``collate_fn`` and ``fingerprint`` optional, e.g. :class:`DatasetSplits`);
+    a mapping with those keys; or a tuple ``(train, val)`` or ``(train, val, collate_fn)``.
+    The fingerprint is the returned object's ``fingerprint`` (a string, or a method
+    returning one), else one made of the train and val datasets' own fingerprints when
+    both have one, else ``None``.
+
+    Raises:
+        ConfigError: any other return value, or a split that is not a dataset.
+    """
+    if isinstance(value, Datasets):
+        out = value
+    elif isinstance(value, Mapping) and "train" in value and "val" in value:
+        fp = value.get("fingerprint")
+        out = Datasets(value["train"], value["val"], value.get("collate_fn"), None if fp is None else str(fp))
+    elif hasattr(value, "train") and hasattr(value, "val") and not isinstance(value, (tuple, list)):
+        out = Datasets(value.train, value.val, getattr(value, "collate_fn", None), _own_fingerprint(value))
+    elif isinstance(value, (tuple, list)) and len(value) in (2, 3):
+        out = Datasets(*value)
+    else:
+        raise ConfigError(f"{spec.label()}: returned {type(value).__name__}; return (train, val), "
+                          "(train, val, collate_fn) or a pimm_core.data.Datasets")
+    for split in ("train", "val"):
+        if not _is_dataset(getattr(out, split)):
+            raise ConfigError(f"{spec.label()}: its {split} split is a {type(getattr(out, split)).__name__}, not a "
+                              "dataset (map-style: __getitem__ and __len__; or a torch IterableDataset)")
+    if out.collate_fn is not None and not callable(out.collate_fn):
+        raise ConfigError(f"{spec.label()}: collate_fn is a {type(out.collate_fn).__name__}, not callable")
+    if out.fingerprint is None:
+        parts = [_own_fingerprint(out.train), _own_fingerprint(out.val)]
+        if None not in parts:
+            out.fingerprint = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    return out
 
 
 class ShardSampler(Sampler[int]):

@@ -6,13 +6,14 @@ Layers, bottom to top (a module's layer is the longest prefix below that names i
    directory swap, fsync). Standard library only.
 1. **run**: the run directory and the process it runs in: ``run.*`` (layout, status,
    metrics, log, provenance), ``lock``, ``stop``, ``shell``, ``console_log``, ``config``,
-   ``topology``, and ``dist`` (the process group; the checkpoint formats and the
+   ``config_tables``, ``targets`` (finding user code a config names), ``topology``, and ``dist`` (the process group; the checkpoint formats and the
    stop agreement both need it, and it imports nothing of pimm's).
 2. **checkpoint**: ``checkpoint.*``. Inside it nothing imports ``checkpoint.export``
    (export sits on top: it reads weight sets (``weights``), renames keys (``key_rules``),
    writes files (``weight_files``) and sanitizes the config (``export_config``); none of
    them, nor the trainer's ``save_model``, needs the export directory itself).
-3. **train** (``trainer``, ``train.*``, ``schedule``, ``ema``, ``data``, ``models``)
+3. **train** (``trainer``, ``train.*``, ``schedule``, ``ema``, ``data``, ``models``,
+   ``objectives``, ``optim``, ``data_rng``, ``plugins``)
    and **watch** (``watch.*``: what the console and ``checkpoints diff`` read), two
    independent siblings: neither imports the other.
 4. **cli**: ``launch``, ``cli``/``cli.*``, ``cli_export``, ``utils.*``, and the
@@ -48,6 +49,8 @@ LAYERS: dict[str, tuple[int, str]] = {
     "pimm_core.shell": (1, "run"),
     "pimm_core.console_log": (1, "run"),
     "pimm_core.config": (1, "run"),
+    "pimm_core.config_tables": (1, "run"),
+    "pimm_core.targets": (1, "run"),
     "pimm_core.topology": (1, "run"),
     "pimm_core.dist": (1, "run"),
     "pimm_core.checkpoint": (2, "checkpoint"),
@@ -57,6 +60,10 @@ LAYERS: dict[str, tuple[int, str]] = {
     "pimm_core.ema": (3, "train"),
     "pimm_core.data": (3, "train"),
     "pimm_core.models": (3, "train"),
+    "pimm_core.objectives": (3, "train"),
+    "pimm_core.optim": (3, "train"),
+    "pimm_core.data_rng": (3, "train"),
+    "pimm_core.plugins": (3, "train"),
     "pimm_core.watch": (3, "watch"),
     "pimm_core.launch": (4, "cli"),
     "pimm_core.cli": (4, "cli"),

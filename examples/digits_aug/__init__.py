@@ -1,0 +1,1 @@
+"""A BatchNorm CNN on the bundled digits with random augmentation that resumes exactly."""

@@ -1,0 +1,149 @@
+"""TOML tables onto dataclasses: type coercion, unknown keys with a near-miss suggestion,
+and the file line a key is on, for :mod:`pimm_core.config`'s one-line messages."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import keyword
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from .errors import ConfigError
+
+
+def toml_key(name: str) -> str:
+    """A field's TOML key: ``async_`` (a Python keyword with ``_``) is ``async``."""
+    return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
+
+
+def all_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key the schema accepts, e.g. ``["run.root", ..., "resume_strict_state"]``."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys += all_keys(hint, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{toml_key(f.name)}")
+    return keys
+
+
+def line_of(source: str | None, dotted: str) -> int | None:
+    """Best-effort 1-based line of ``dotted`` key in TOML ``source`` (for messages)."""
+    if not source:
+        return None
+    *tables, key = dotted.split(".")
+    table = ".".join(tables)
+    current = ""
+    for no, line in enumerate(source.splitlines(), 1):
+        m = re.match(r"\s*\[\s*([^\]]+?)\s*\]", line)
+        if m:
+            current = m.group(1)
+            if current == dotted:
+                return no
+            continue
+        m = re.match(r"\s*([A-Za-z0-9_.\-\"]+)\s*=", line)
+        if m:
+            full = ".".join(p for p in (current, m.group(1).replace('"', "")) if p)
+            if full == dotted or (current == table and m.group(1) == key):
+                return no
+    return None
+
+
+class Where:
+    """Formats the location part of a message: file and line when known."""
+
+    def __init__(self, path: Path | None, source: str | None):
+        self.path, self.source = path, source
+
+    def __call__(self, dotted: str, origin: str) -> str:
+        if origin == "override":
+            return "override"
+        line = line_of(self.source, dotted)
+        if self.path is None:
+            return "config"
+        return f"{self.path}:{line}" if line else str(self.path)
+
+
+def type_name(hint: Any) -> str:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if args:  # Optional[X]
+        return " or ".join(type_name(a) for a in args if a is not type(None))
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(hint, str(hint))
+
+
+def coerce(value: Any, hint: Any, dotted: str, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ConfigError(f"{where}: {dotted} = {value!r} is not allowed; use {type_name(hint)}")
+    if origin is dict:  # an args table: any TOML values, checked against the target's signature later
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: {dotted} must be a table of keyword arguments, got {value!r}")
+        return value
+    if origin is list:  # only list[list[str]] (key rules) exists in the schema
+        if not (isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
+                                                for p in value)):
+            raise ConfigError(f"{where}: {dotted} must be a list of [regex, replacement] string pairs, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return coerce(value, inner[0], dotted, where)
+    ok = (
+        (hint is bool and isinstance(value, bool))
+        or (hint is int and isinstance(value, int) and not isinstance(value, bool))
+        or (hint is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+        or (hint is str and isinstance(value, str))
+    )
+    if not ok:
+        raise ConfigError(f"{where}: {dotted} must be {type_name(hint)}, got {value!r}")
+    return float(value) if hint is float else value
+
+
+def build(cls: type, data: dict[str, Any], origins: dict[str, str], where: Where, prefix: str = "",
+          root: type | None = None) -> Any:
+    """``cls(**data)`` with every value coerced to its field's type, nested tables built
+    recursively; ``root`` (default ``cls``) is the schema whose keys near-miss suggestions use.
+
+    Raises:
+        ConfigError: unknown key or table, wrong type, value outside a ``Literal``.
+    """
+    root = root or cls
+    # A TOML key that is a Python keyword (checkpoint.async) maps to the field with a trailing "_".
+    data = {f"{k}_" if keyword.iskeyword(k) else k: v for k, v in data.items()}
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            dotted = f"{prefix}{key}"
+            is_table = isinstance(data[key], dict)
+            choices = sorted({k.rsplit(".", 1)[0] for k in all_keys(root) if "." in k}) if is_table else all_keys(root)
+            close = difflib.get_close_matches(dotted, choices, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else "; see configs/digits.toml for the known keys"
+            origin = "override" if any(o == dotted or o.startswith(dotted + ".") for o in origins) else "file"
+            kind = "table" if is_table else "key"
+            raise ConfigError(f"{where(dotted, origin)}: unknown {kind} {dotted}{hint}")
+    kwargs = {}
+    for name in names:
+        if name not in data:
+            continue
+        dotted = f"{prefix}{toml_key(name)}"
+        hint = hints[name]
+        value = data[name]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where(dotted, origins.get(dotted, 'file'))}: {dotted} must be a table")
+            kwargs[name] = build(hint, value, origins, where, f"{dotted}.", root)
+        else:
+            kwargs[name] = coerce(value, hint, dotted, where(dotted, origins.get(dotted, "file")))
+    return cls(**kwargs)
