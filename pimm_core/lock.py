@@ -6,7 +6,8 @@ last process holding it dies, even by ``kill -9``, so a stale lock never blocks 
 - ``<run>/.lock``, exclusive (:class:`RunLock`): held for the whole run by whoever started
   it: a one-node ``pimm launch --nproc-per-node`` process (the launcher, :class:`LauncherLock`),
   else rank 0 (one process; an external torchrun/srun; a multi-node ``pimm launch``, whose
-  launchers only check it: each node has its own). Who holds it (host, pid, start time) is
+  launchers, one per node, only check it before the rendezvous, allowing for each other's
+  checks: :meth:`LauncherLock.acquire`). Who holds it (host, pid, start time) is
   written to ``<run>/lock.json`` for the refusal message.
 - ``<run>/.ranks.lock``, shared: every rank of a one-node ``pimm launch --nproc-per-node``
   holds it while it trains (:func:`hold_run`), and so do its DataLoader workers, which are
@@ -118,11 +119,14 @@ class RunLock:
 class LauncherLock:
     """What ``pimm launch --nproc-per-node`` holds while its ranks run.
 
-    :meth:`acquire` (call it first: it refuses at once) takes the :class:`RunLock`; on one node
-    it is kept until :meth:`__exit__`, across several nodes (each with its own launcher) it is
-    only checked and rank 0 takes it. Inside ``with``, ``$PIMM_LAUNCHER_PID`` (and, on one
+    :meth:`acquire` (call it first: it refuses a run in use) takes the :class:`RunLock`; on one
+    node it is kept until :meth:`__exit__`, across several nodes (each with its own launcher) it
+    is only checked and rank 0 takes it. Inside ``with``, ``$PIMM_LAUNCHER_PID`` (and, on one
     node, ``$PIMM_LAUNCHER_HOLDS_LOCK``) are set for the ranks to inherit.
     """
+
+    #: seconds a multi-node launcher waits out another holder of ``.lock`` before refusing
+    CHECK_PATIENCE = 5.0
 
     def __init__(self, run_dir: Path, *, single_node: bool):
         self.run_dir = Path(run_dir)
@@ -133,8 +137,26 @@ class LauncherLock:
         if self.single_node:
             self._lock.acquire()
         elif self.run_dir.is_dir():
-            self._lock.acquire().release()
+            self._check_shared()
         return self
+
+    def _check_shared(self) -> None:
+        """Refuse a run in use, tolerating the other nodes' agents checking it at the same moment.
+
+        Each node's agent of a multi-node launch checks the shared run directory by taking
+        ``.lock`` (and probing ``.ranks.lock``) for an instant; two agents started together
+        may find each other's check in progress, which lasts milliseconds. A holder still
+        there after :attr:`CHECK_PATIENCE` seconds is a live run (its rank 0, or a one-node launch).
+        """
+        deadline = time.monotonic() + self.CHECK_PATIENCE
+        while True:
+            try:
+                self._lock.acquire().release()
+                return
+            except UsageError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
 
     def __enter__(self) -> "LauncherLock":
         os.environ[LAUNCHER_ENV] = str(os.getpid())

@@ -65,6 +65,10 @@ def launch(
     cfg = load_config(config, overrides or [], extra)
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend, master_addr, master_port)
     opts.check()
+    if not opts.single_node() and not cfg.run.no_timestamp:
+        # each node's agent names the run on its own: a timestamp could differ between them
+        raise UsageError("a multi-node launch needs a run name every node agrees on: pass the same --run.name NAME "
+                         "--run.no-timestamp on every node")
     from ..dist import under_launcher
 
     is_rank0 = not under_launcher() or os.environ.get("RANK", "0") == "0"
@@ -74,11 +78,11 @@ def launch(
         raise typer.Exit(plan_only(cfg, config, resume_from, opts.world_size()))
     if opts.wants_spawn() and not under_launcher():
         argv = strip_launcher_flags(ARGV[ARGV.index("launch") + 1:] if "launch" in ARGV else [])
-        if auto_resume:  # decided here, once, for every rank
+        if auto_resume:  # decided here, once, for every rank of this node
             argv = [a for a in argv if a != "--train.auto-resume"]
             if cfg.train.resume:
                 argv.insert(argv.index("--") if "--" in argv else len(argv), "--train.resume")
-        raise typer.Exit(spawn(cfg, config, argv, opts))
+        raise typer.Exit(spawn(cfg, config, argv, opts, leftovers_ok=auto_resume))
     raise typer.Exit(train_here(cfg, config, resume_from, leftovers_ok=auto_resume))
 
 

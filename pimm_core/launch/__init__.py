@@ -8,8 +8,9 @@
 
 The parts, by job: :mod:`.options` (launcher flags), :mod:`.rundir` (the run directory's
 name and claim, the pre-launch checks, ``--train.auto-resume``, ``pimm resume``'s config),
-:mod:`.preview` (``--dry-run``), :mod:`.local` (training in this process) and
-:mod:`.torchrun` (spawning the ranks, the failure report). Their public names are
+:mod:`.preview` (``--dry-run``), :mod:`.local` (training in this process),
+:mod:`.torchrun` (spawning the ranks, the failure report) and :mod:`.forward` (a
+multi-node agent's stop signals). Their public names are
 importable from here.
 """
 

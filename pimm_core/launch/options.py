@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 
+_RENDEZVOUS = ("rdzv_endpoint", "rdzv_backend", "master_addr", "master_port")
+
 
 @dataclass
 class LaunchOptions:
@@ -23,8 +25,12 @@ class LaunchOptions:
     @classmethod
     def recorded(cls, record: dict | None, given: "LaunchOptions") -> "LaunchOptions":
         """``given`` flags, with the ones not given taken from a recorded launch
-        (:func:`pimm_core.dist.launch_record`; ``node_rank`` is never recorded: it differs per node)."""
+        (:func:`pimm_core.dist.launch_record`; ``node_rank`` is never recorded: it differs per node).
+        ``--nnodes 1`` given drops the recorded rendezvous flags: the run resumes on this node alone."""
         record = record or {}
+        if given.nnodes is not None and given.single_node():
+            # resumed on one node: the recorded rendezvous (another node's address) does not apply
+            record = {k: v for k, v in record.items() if k not in _RENDEZVOUS}
         values = {}
         for name in cls.__dataclass_fields__:
             value = getattr(given, name)
@@ -52,8 +58,16 @@ class LaunchOptions:
         flags = [f"--{k.replace('_', '-')} {v}" for k, v in self.__dict__.items() if v is not None]
         return f"world size {self.world_size()}" + (f" ({' '.join(flags)})" if flags else "")
 
+    def single_node(self) -> bool:
+        return self.nnodes in (None, "1", "1:1")
+
     def wants_spawn(self) -> bool:
-        return (self.nproc_per_node or 1) > 1 or (self.nnodes not in (None, "1", "1:1"))
+        return (self.nproc_per_node or 1) > 1 or not self.single_node()
+
+    @staticmethod
+    def shutdown_timeout() -> float:
+        """Seconds the ranks get to finish a stop before they are killed (``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``)."""
+        return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600"))
 
     def torchrun_args(self) -> list[str]:
         args = ["--nproc-per-node", str(self.nproc_per_node or 1), "--max-restarts", "0"]

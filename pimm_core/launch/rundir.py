@@ -149,7 +149,12 @@ def auto_resume(cfg: Config, run_dir: Path, *, is_main: bool = True) -> Config:
         # resume ("no intact checkpoint", exit 1) rather than thrown away with the run's progress
         return replace(cfg, train=replace(cfg.train, resume=True))
     if cands and is_main:
-        moved = set_aside(run_dir / MODEL, run_dir / "abandoned")
+        try:
+            moved = set_aside(run_dir / MODEL, run_dir / "abandoned")
+        except FileNotFoundError:
+            # another node's agent of this multi-node launch moved it first (each agent decides
+            # alone, before the rendezvous; one rename wins), and said so
+            return replace(cfg, train=replace(cfg.train, resume=False))
         for name in (METRICS, STATUS):  # the abandoned attempt's log goes with its leftovers
             if (run_dir / name).exists():
                 os.replace(run_dir / name, moved / name)

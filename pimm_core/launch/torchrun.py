@@ -3,6 +3,7 @@ their outcome into one report: the exit code and one ``error:`` line naming the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -17,25 +18,31 @@ from ..errors import RANK_ERRORS_ENV, rank_errors
 from ..lock import LauncherLock
 from ..run import LAUNCH_ENV, STATUS, read_run_status
 from ..shell import PROGRAM_ENV, program, resume_command
+from .forward import SignalForwarder
 from .options import LaunchOptions
 from .rundir import check_before_launch, claim, resolve_run_dir
 
 
 def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOptions, *,
-          worker_args: list[str] | None = None) -> int:
+          worker_args: list[str] | None = None, leftovers_ok: bool = False) -> int:
     """Start the ranks with ``torch.distributed.run`` and wait for them.
 
     Args:
         argv: the ``launch`` arguments to give each rank (launcher flags removed).
         worker_args: the whole command line of each rank instead (``pimm resume`` passes
             ``resume RUN_DIR -- overrides``).
+        leftovers_ok: (``--train.auto-resume``) leftovers of unfinished saves in ``model/``
+            do not refuse the launch: an agent moves them aside (another node's, if not this one).
 
     Returns:
         0 on success, else the first failed rank's exit code.
     """
     run_dir = resolve_run_dir(cfg, config_path)
-    check_before_launch(cfg, run_dir)
-    single_node = opts.nnodes in (None, "1", "1:1")
+    check_before_launch(cfg, run_dir, leftovers_ok=leftovers_ok)
+    single_node = opts.single_node()
+    # Several nodes share the run directory: every node's agent checks and, if it is missing,
+    # creates it (the first mkdir wins, the others use it); nothing is written in it until
+    # the ranks start, and then only rank 0 writes the run files (see README, Multi-node).
     claimed = claim(cfg, run_dir, single_node=single_node)
     try:
         code = _spawn_claimed(cfg, claimed.path, opts, argv, worker_args, single_node)
@@ -56,7 +63,11 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
         worker_args = ["launch", *head, "--run.name", run_dir.name, "--run.no-timestamp", *sep, *tail]
     from torch.distributed.run import get_args_parser, run
 
-    args = get_args_parser().parse_args([*opts.torchrun_args(), "--module", "pimm_core.cli", *worker_args])
+    # several nodes: this agent passes stop signals on to its ranks (forward.py)
+    forwarder = None if single_node or not SignalForwarder.available() else \
+        SignalForwarder(opts.shutdown_timeout())
+    args = get_args_parser().parse_args([*opts.torchrun_args(), *(forwarder.TORCHRUN_ARGS if forwarder else []),
+                                         "--module", "pimm_core.cli", *worker_args])
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     # torchrun's agent announces the forwarded stop signal ("Received 15 death signal, shutting
     # down workers"): the ranks' stop summary says it for the user. Its loggers set their own level.
@@ -72,7 +83,8 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
         omp_was_set = "OMP_NUM_THREADS" in os.environ
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         try:
-            return _run_ranks(run, args, run_dir, errors_dir)
+            with forwarder or contextlib.nullcontext():
+                return _run_ranks(run, args, run_dir, errors_dir, forwarder)
         finally:
             os.environ.pop(RANK_ERRORS_ENV, None)
             os.environ.pop(LAUNCH_ENV, None)
@@ -81,7 +93,7 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
                 os.environ.pop("OMP_NUM_THREADS", None)
 
 
-def _run_ranks(run, args, run_dir: Path, errors_dir: str) -> int:
+def _run_ranks(run, args, run_dir: Path, errors_dir: str, forwarder: SignalForwarder | None) -> int:
     """``torch.distributed.run.run(args)``, turning its outcome into one report and an exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -93,20 +105,27 @@ def _run_ranks(run, args, run_dir: Path, errors_dir: str) -> int:
         # further signal raises again inside torchrun's wait for the ranks and lands here
         # early: ignore any more and wait for the ranks before reporting.
         _wait_for_children()
-        if read_run_status(run_dir).state in ("stopped", "finished"):
-            return 0  # rank 0 printed the stop (or done) summary and the resume command
-        if not (run_dir / STATUS).exists():
-            print(f"error: interrupted by signal {e.sigval.name} before training started; nothing was trained or "
-                  "saved", file=sys.stderr)
-            return 1
-        print(f"error: interrupted by signal {e.sigval.name} before the ranks could stop cleanly; "
-              f"see {run_dir / 'train.log'}", file=sys.stderr)
-        return 1
+        return _interrupted(e.sigval, run_dir)
     except ChildFailedError as e:
+        if forwarder is not None and forwarder.received is not None:
+            return _interrupted(forwarder.received, run_dir)  # a rank died while stopping
         code, line = _failure_report(e.failures, rank_errors(errors_dir), run_dir)
         print(line, file=sys.stderr)
         return code
     return 0
+
+
+def _interrupted(sig: signal.Signals, run_dir: Path) -> int:
+    """The exit code (and ``error:`` line) of a launch whose ranks were given a stop signal."""
+    if read_run_status(run_dir).state in ("stopped", "finished"):
+        return 0  # rank 0 printed the stop (or done) summary and the resume command
+    if not (run_dir / STATUS).exists():
+        print(f"error: interrupted by signal {sig.name} before training started; nothing was trained or "
+              "saved", file=sys.stderr)
+        return 1
+    print(f"error: interrupted by signal {sig.name} before the ranks could stop cleanly; "
+          f"see {run_dir / 'train.log'}", file=sys.stderr)
+    return 1
 
 
 def _failure_report(failures: dict, reports: dict[int, dict], run_dir: Path) -> tuple[int, str]:
