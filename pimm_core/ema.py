@@ -44,10 +44,10 @@ class EMA:
         # named_parameters() drops duplicates by identity: a tied tensor is averaged once
         self.shadow = {n: p.detach().float().clone() for n, p in model.named_parameters()}
         # every name of each averaged tensor, canonical first: a saved set is read by any of them
-        self.names = {n: [n] for n in self.shadow}
+        self._names = {n: [n] for n in self.shadow}
         for group in tied_groups(model):
-            if group[0] in self.names:
-                self.names[group[0]] = group
+            if group[0] in self._names:
+                self._names[group[0]] = group
 
     def current_decay(self) -> float:
         n = self.updates
@@ -99,7 +99,7 @@ class EMA:
             KeyError: ``ema_sd`` has none of an averaged tensor's names.
         """
         for n, t in self.shadow.items():
-            name = next((a for a in self.names[n] if a in ema_sd), n)
+            name = next((a for a in self._names[n] if a in ema_sd), n)
             t.copy_(ema_sd[name].float())
         self.updates = int(updates)
 
