@@ -3,9 +3,20 @@
 After every optimizer step: ``ema = d * ema + (1 - d) * param`` with
 ``d = min(decay, (1 + n) / (10 + n))`` when warm-up is on, ``n`` being the number
 of updates so far (the warm-up of TensorFlow's ``ExponentialMovingAverage`` with
-``num_updates``, as used by timm's ``ModelEmaV2/V3``). Parameters are averaged;
-buffers (e.g. BatchNorm statistics) are not: at checkpoint time the EMA weight set
-takes the raw model's buffers, so it is a complete state dict.
+``num_updates``, as used by timm's ``ModelEmaV2/V3``).
+
+Buffers are copied, not averaged: the EMA weight set takes the raw model's buffers
+(BatchNorm ``running_mean``/``running_var``/``num_batches_tracked``...) as they are when
+the set is made, so it is a complete state dict. timm's ``ModelEmaV3`` averages float
+buffers by default; here they are copied because running statistics are already an
+exponential average of their own, integer buffers cannot be averaged, and a copy needs
+no state beyond the raw model's: a resume restores the EMA set exactly from the raw
+buffers and the averaged parameters, with checkpoints of any earlier run read as before.
+
+Tied parameters (``head.weight is embed.weight``) are one tensor: the average keeps one
+entry per tensor object, under its canonical name (the first in registration order, as
+``named_parameters()`` reports it), and the weight set gives every tied name that one
+tensor, so a file written from it stores the tensor once and a load keeps the tie.
 """
 
 from __future__ import annotations
@@ -15,9 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checkpoint.ties import tied_groups
+
 
 class EMA:
-    """EMA of ``model``'s parameters (fp32 copies on the parameters' device).
+    """EMA of ``model``'s parameters (fp32 copies on the parameters' device, one per tensor).
 
     Args:
         model: the unwrapped model.
@@ -28,7 +41,13 @@ class EMA:
     def __init__(self, model: nn.Module, decay: float, warmup: bool = True):
         self.decay, self.warmup = decay, warmup
         self.updates = 0
+        # named_parameters() drops duplicates by identity: a tied tensor is averaged once
         self.shadow = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        # every name of each averaged tensor, canonical first: a saved set is read by any of them
+        self._names = {n: [n] for n in self.shadow}
+        for group in tied_groups(model):
+            if group[0] in self._names:
+                self._names[group[0]] = group
 
     def current_decay(self) -> float:
         n = self.updates
@@ -45,19 +64,43 @@ class EMA:
         torch._foreach_lerp_(ema, cur, 1.0 - d)
         self.updates += 1
 
+    def parameters_for(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The averaged parameters, one canonical name per tensor, in the parameters' dtypes.
+
+        For ``torch.func.functional_call(model, ...)`` (whose ``tie_weights=True`` gives a
+        tied tensor's value to all its names); the model's own buffers complete the set.
+        Not copies where the dtype matches: read, never modify them.
+        """
+        return {n: self.shadow[n].to(p.dtype) for n, p in model.named_parameters() if n in self.shadow}
+
     def state_dict_for(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The EMA weight set: averaged parameters (in the parameters' dtype) plus the model's buffers."""
-        own = model.state_dict()
-        params = dict(model.named_parameters())
+        """The EMA weight set: averaged parameters (in the parameters' dtype) plus copies of the model's buffers.
+
+        Keys and order are ``model.state_dict()``'s; names that are one tensor in the model
+        get one tensor object here too (so ``torch.save`` and safetensors store it once).
+        """
+        canonical = {id(p): n for n, p in model.named_parameters()}
+        made: dict[int, torch.Tensor] = {}  # the model's tensor's id -> its copy in the set
         out = {}
-        for k, v in own.items():
-            out[k] = self.shadow[k].to(v.dtype).clone() if k in self.shadow and k in params else v.detach().clone()
+        for k, v in model.state_dict(keep_vars=True).items():
+            if id(v) not in made:
+                name = canonical.get(id(v))
+                src = self.shadow[name] if name in self.shadow else v.detach()
+                made[id(v)] = src.to(dtype=v.dtype, copy=True)
+            out[k] = made[id(v)]
         return out
 
     def load(self, ema_sd: dict[str, torch.Tensor], updates: int) -> None:
-        """Restore from a saved EMA weight set and update counter (bitwise for fp32 parameters)."""
-        for n in self.shadow:
-            self.shadow[n].copy_(ema_sd[n].float())
+        """Restore from a saved EMA weight set and update counter (bitwise for fp32 parameters).
+
+        A tied tensor is read under its canonical name, else under any other of its names.
+
+        Raises:
+            KeyError: ``ema_sd`` has none of an averaged tensor's names.
+        """
+        for n, t in self.shadow.items():
+            name = next((a for a in self._names[n] if a in ema_sd), n)
+            t.copy_(ema_sd[name].float())
         self.updates = int(updates)
 
     def meta(self) -> dict[str, Any]:

@@ -43,7 +43,8 @@ from .manifest import sha256_file
 from ..run.layout import find_run_dir
 from .sources import checkpoint_record, resolve_weight_source
 from .strict_load import check_strict, check_unwrapped
-from .weight_files import find_aliases, write_bin, write_safetensors
+from .ties import find_aliases, follow_model_ties, tie_parameters
+from .weight_files import write_bin, write_safetensors
 from .weights import WEIGHT_SETS, read_checkpoint, read_weight_sets, retie, select_weight_set
 
 FORMATS = {"safetensors": SAFETENSORS, "bin": BIN}
@@ -204,28 +205,13 @@ def load_exported(model: nn.Module, out_dir: str | os.PathLike[str], *, retie_pa
         except (OSError, ValueError, AttributeError):
             pass
     retie(sd, aliases)
-    sd = apply_key_rules(sd, DEFAULT_KEY_RULES)
+    sd = follow_model_ties(model, apply_key_rules(sd, DEFAULT_KEY_RULES))
     check_strict(model, sd, str(path))
     with torch.no_grad():
         model.load_state_dict(sd, strict=True)
     if retie_params:
-        for alias, kept in sorted(aliases.items()):
-            _tie(model, alias, kept)
+        tie_parameters(model, aliases)
     return aliases
-
-
-def _tie(model: nn.Module, alias: str, kept: str) -> None:
-    a_mod, _, a_name = alias.rpartition(".")
-    k_mod, _, k_name = kept.rpartition(".")
-    try:
-        am, km = model.get_submodule(a_mod), model.get_submodule(k_mod)
-    except AttributeError:
-        return
-    for table in ("_parameters", "_buffers"):
-        at, kt = getattr(am, table), getattr(km, table)
-        if a_name in at and k_name in kt and at[a_name] is not kt[k_name] and kt[k_name] is not None:
-            at[a_name] = kt[k_name]
-            return
 
 
 def export_weights(checkpoint: str | os.PathLike[str], path: str | os.PathLike[str], *,

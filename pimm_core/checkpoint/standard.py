@@ -45,6 +45,7 @@ from .mapped_reader import MappedFileSystemReader
 from .safe_read import load_failure, load_torch_file
 from .selection import TRAINER_DCP, WEIGHTS, select_resume
 from .state import join_tensors, pack, split_tensors, unpack, unwrap  # noqa: F401  (unwrap: re-exported)
+from .ties import find_aliases
 from ..faults import point, register
 
 register("file.written", "file.synced", "file.renamed", "standard.prepared", "standard.dcp_written",
@@ -767,15 +768,17 @@ class AsyncStandardSaver:
         payload = weights_payload(plain, ema_state_dict)
         buffers = {n for n, _ in plain.named_buffers()}
         weights = {k: dict(v) if isinstance(v, dict) else v for k, v in payload.items()}
-        for n in buffers & weights["state_dict"].keys():
+        ties = {k: find_aliases(v) for k, v in weights.items() if isinstance(v, dict)}  # copied once, kept tied
+        for n in buffers & weights["state_dict"].keys() - ties["state_dict"].keys():
             weights["state_dict"][n] = self._staging.copy(f"state_dict/{n}", weights["state_dict"][n])
 
         def stage_weights() -> None:
             for k, v in weights.items():
                 if isinstance(v, dict):
                     for n, t in v.items():
-                        if not (k == "state_dict" and n in buffers):
+                        if not (k == "state_dict" and n in buffers) and n not in ties[k]:
                             v[n] = self._staging.copy(f"{k}/{n}", t)
+                    v.update({alias: v[kept] for alias, kept in ties[k].items()})
 
         weights_staged = self._staging_pool.submit(stage_weights)
         self._staged.append(weights_staged)

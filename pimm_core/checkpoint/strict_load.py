@@ -16,6 +16,7 @@ from ..errors import CheckpointError, UsageError
 from .key_rules import apply_key_rules
 from .sources import resolve_weight_source
 from .state import is_parallel_wrapper
+from .ties import follow_model_ties
 from .weights import StateDict, read_weight_sets, select_weight_set
 
 
@@ -56,6 +57,11 @@ def load_weights(model: nn.Module, checkpoint: str | os.PathLike[str], *, weight
     No optimizer or data loader is needed. DDP ``module.`` and ``torch.compile``
     ``_orig_mod.`` key prefixes are stripped first (:data:`DEFAULT_KEY_RULES`).
 
+    Buffers (BatchNorm statistics) load with the parameters. Names the model ties to one
+    tensor stay tied (``load_state_dict`` copies into the model's own tensors) and get
+    one value: the canonical name's (see :func:`~pimm_core.checkpoint.ties.follow_model_ties`);
+    a file that stores a tied tensor under one of its names only loads too.
+
     Args:
         model: an unwrapped, uncompiled module whose architecture matches the checkpoint.
         checkpoint: any weight source :func:`resolve_weight_source` accepts: a run's
@@ -71,7 +77,7 @@ def load_weights(model: nn.Module, checkpoint: str | os.PathLike[str], *, weight
     """
     check_unwrapped(model)
     path = resolve_weight_source(checkpoint)
-    sd = apply_key_rules(select_weight_set(read_weight_sets(path), weights, checkpoint))
+    sd = follow_model_ties(model, apply_key_rules(select_weight_set(read_weight_sets(path), weights, checkpoint)))
     check_strict(model, sd, str(path))
     with torch.no_grad():
         model.load_state_dict(sd, strict=True)

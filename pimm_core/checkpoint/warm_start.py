@@ -21,6 +21,7 @@ from ..errors import CheckpointError
 from .key_rules import DEFAULT_KEY_RULES, apply_key_rules, format_rules, suggest_key_rule, toml_literal
 from .sources import resolve_weight_source
 from .state import unwrap
+from .ties import follow_model_ties
 from .weights import read_checkpoint, select_weight_set
 
 log = logging.getLogger("pimm")
@@ -128,6 +129,7 @@ def warm_start(model: nn.Module, source: str | os.PathLike[str], *, weight_set: 
     renamed = sum(1 for a, b in zip(raw, sd) if a != b)
 
     target = unwrap(model)
+    sd = follow_model_ties(target, sd)  # a tied name the file lacks is filled by its twin
     own = target.state_dict()
     param_names = {n for n, _ in target.named_parameters(remove_duplicate=False)}
     loaded = sorted(k for k in own.keys() & sd.keys() if tuple(own[k].shape) == tuple(sd[k].shape))

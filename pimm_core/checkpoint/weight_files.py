@@ -23,26 +23,8 @@ from typing import Any
 import torch
 
 from ..fsio import atomic_write
+from .ties import find_aliases
 from .weights import StateDict
-
-
-def find_aliases(sd: StateDict) -> dict[str, str]:
-    """Names in ``sd`` that are the same tensor view as another name.
-
-    Two entries are aliases when they share storage, offset, shape, stride and dtype.
-    The first name in sorted order is the one kept.
-
-    Returns:
-        ``{alias: kept}``, sorted by alias.
-    """
-    groups: dict[tuple[Any, ...], list[str]] = {}
-    for k in sorted(sd):
-        t = sd[k]
-        if t.device.type == "meta" or t.numel() == 0:
-            continue
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-        groups.setdefault(key, []).append(k)
-    return dict(sorted((alias, names[0]) for names in groups.values() for alias in names[1:]))
 
 
 def _storage_sharing(sd: StateDict) -> set[str]:

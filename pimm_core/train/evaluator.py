@@ -44,7 +44,7 @@ class Evaluator:
         was_training = model.training
         model.eval()
         use_ema = self.weights == "ema" and ema is not None
-        ema_sd = ema.state_dict_for(model) if use_ema else None
+        ema_sd = ema.parameters_for(model) if use_ema else None  # one name per tensor: tied ones follow
         totals = torch.zeros(3, dtype=torch.float64)
         for x, y, _ in self.val_loader:
             x, y = x.to(self.device), y.to(self.device)

@@ -19,7 +19,7 @@ from torch import nn
 from pimm_core.checkpoint.export import export, load_exported
 from pimm_core.checkpoint.export_config import REDACTED, sanitize_config
 from pimm_core.checkpoint.manifest import sha256_file
-from pimm_core.checkpoint.weight_files import find_aliases
+from pimm_core.checkpoint.ties import find_aliases
 from pimm_core.checkpoint.weights import read_weight_sets
 from pimm_core.cli import main
 from pimm_core.errors import CheckpointError, UsageError
