@@ -35,19 +35,19 @@ from .checkpoint.state import unwrap
 from .config import Config, TrainConfig
 from .data import build_datasets, eval_loader, train_loader
 from .ema import EMA
-from .errors import CheckpointSaveError, ConfigError, TrainingError
+from .errors import CheckpointSaveError, ConfigError
 from .models import build_model
-from .run import STATUS, code_version, read_json
+from .run import code_version
 from .schedule import WarmupCosine
 from .stop import StopRequest
-from .topology import finished_message, is_finished
+from .topology import finished_message
 from .train.best import BestTracker
 from .train.checkpointer import Checkpointer
 from .train.evaluator import Evaluator
 from .train.recorder import Recorder
-from .train.resume import resume
-from .train.state import TrainState
-from .train.step import SKIPPED, STOP, WindowStep, autocast_context
+from .train.resume import nothing_left, resume
+from .train.state import TrainState, end_step
+from .train.step import SKIPPED, STOP, WindowStep, autocast_context, check_finite
 from .train.stop_agreement import StopAgreement
 
 log = logging.getLogger("pimm")
@@ -163,28 +163,10 @@ class Trainer:
         return math.ceil(self.micro_batches_per_epoch / self.config.train.grad_accum)
 
     def end_step(self, t: TrainConfig) -> int:
-        """The global step at which training will end from the current position.
-
-        The optimizer steps left in the current epoch (windows of ``grad_accum`` from
-        ``iter``) plus whole epochs up to ``t.epochs``, capped by ``t.max_steps``: the
-        horizon of the LR schedule and ``total_steps`` in ``status.json``.
-        """
-        s = self.state
-        left = 0
-        if s.epoch < t.epochs:
-            left = math.ceil(max(0, self.micro_batches_per_epoch - s.iter) / t.grad_accum)
-            left += (t.epochs - s.epoch - 1) * self.steps_per_epoch
-        end = s.global_step + left
-        return min(end, t.max_steps) if t.max_steps else end
-
-    def is_done(self, t: TrainConfig) -> bool:
-        """Nothing is left to do: the position reached ``t``'s end (all epochs, or ``t.max_steps``)
-        and the run recorded that it finished (:func:`pimm_core.topology.is_finished`)."""
-        status = self.run_dir / STATUS if self.run_dir is not None else None
-        state = (read_json(status) or {}).get("state") if status is not None and status.exists() else None
-        s = self.state
-        return is_finished({"step": s.global_step, "epoch": s.epoch}, epochs=t.epochs, max_steps=t.max_steps,
-                           run_state=state)
+        """The global step at which training with ``t`` will end from the current position
+        (:func:`~pimm_core.train.state.end_step`)."""
+        return end_step(self.state, t, micro_batches=self.micro_batches_per_epoch,
+                        steps_per_epoch=self.steps_per_epoch)
 
     def _autocast(self):
         return autocast_context(self.config.train.amp, self.device.type)
@@ -227,17 +209,7 @@ class Trainer:
         Raises:
             UsageError: ``weights="ema"`` without ``ema.enabled``.
         """
-        from .checkpoint.export import write_bin, write_safetensors
-        from .errors import UsageError
-
-        if weights == "ema" and self.ema is None:
-            raise UsageError("this run keeps no EMA weights (ema.enabled = false); use weights='raw'")
-        sd = self.checkpointer.ema_weights() if weights == "ema" else unwrap(self.model).state_dict()
-        path = Path(path)
-        if self.info.is_main:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            (write_safetensors if path.suffix == ".safetensors" else write_bin)(sd, path)
-        return path
+        return self.checkpointer.export(Path(path), weights=weights)
 
     # ------------------------------------------------------------------ train
     def train(self, train_config: TrainConfig | None = None, *, checkpoint_dir: Path | None = None,
@@ -273,7 +245,7 @@ class Trainer:
             self.checkpointer.begin(checkpoint_dir, scheduler=self.scheduler, grad_accum=t.grad_accum)
             if resume_from is not None:
                 entry = resume(self, resume_from, checkpoint_dir)
-                if self.is_done(t):
+                if nothing_left(self, t):
                     # nothing to train: no metrics, no checkpoint, no status change; provenance says so
                     self.state.finished = True
                     if self.info.is_main:
@@ -288,7 +260,7 @@ class Trainer:
             rec.status("running")
             try:
                 self._loop(t)
-                self._check_finite()
+                check_finite(self.model, self.state.global_step)
             except BaseException as e:
                 rec.status("failed", error=f"{e.__class__.__name__}: {e}")
                 raise
@@ -306,7 +278,8 @@ class Trainer:
         (a failed save, even the last ``model_best.pth`` write, is a failure, not the end of the run)."""
         s = self.state
         if s.stop_reason is None and isinstance(self.stop.cause, CheckpointSaveError):
-            s.stop_reason, s.save_error = self.stop.reason, self.stop.cause  # a best/iter write failed after the last stop check
+            # a best/iter write failed after the last stop check
+            s.stop_reason, s.save_error = self.stop.reason, self.stop.cause
         if s.stop_reason is not None:
             self.stop_agreement.consume()  # consumed: must not stop the resumed run
             self.recorder.on_stop()
@@ -413,15 +386,3 @@ class Trainer:
             self.checkpointer.on_best(epoch, {"name": e.metric, "value": value, "mode": e.mode, "split": "val",
                                               "epoch": epoch, "weights": e.weights})
         self.recorder.on_eval(epoch, metrics, e.metric)
-
-    def _check_finite(self) -> None:
-        """A run whose weights are NaN/Inf never ends as ``done`` with exit 0.
-
-        Raises:
-            TrainingError: names the first non-finite parameter and the step.
-        """
-        for name, p in unwrap(self.model).named_parameters():
-            if not bool(torch.isfinite(p).all()):
-                raise TrainingError(f"the weights are not finite after step {self.state.global_step} ({name} holds "
-                                    "NaN or Inf); the run failed: resume from an earlier checkpoint with a lower "
-                                    "train.lr, or start over")

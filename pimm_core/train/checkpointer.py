@@ -45,7 +45,7 @@ from ..checkpoint.weights_file import write_weights_file
 from ..config import CheckpointConfig, Config
 from ..dist import DistInfo
 from ..ema import EMA
-from ..errors import CheckpointSaveError
+from ..errors import CheckpointSaveError, UsageError
 from ..fsio import remove_stale_temporaries
 from ..run import now_iso
 from ..stop import StopRequest
@@ -178,6 +178,23 @@ class Checkpointer:
     def ema_weights(self) -> dict[str, torch.Tensor] | None:
         """The EMA weight set of the model as it is now, or None without EMA."""
         return self.ema.state_dict_for(unwrap(self.model)) if self.ema is not None else None
+
+    def export(self, path: Path, *, weights: str = "raw") -> Path:
+        """Rank 0 writes the live model's ``raw`` or ``ema`` weights to ``path``: a ``.safetensors``
+        file, else ``torch.save`` of the plain state dict (see :meth:`Trainer.save_model`).
+
+        Raises:
+            UsageError: ``weights="ema"`` without EMA.
+        """
+        from ..checkpoint.export import write_bin, write_safetensors
+
+        if weights == "ema" and self.ema is None:
+            raise UsageError("this run keeps no EMA weights (ema.enabled = false); use weights='raw'")
+        sd = self.ema_weights() if weights == "ema" else unwrap(self.model).state_dict()
+        if self.info.is_main:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            (write_safetensors if path.suffix == ".safetensors" else write_bin)(sd, path)
+        return path
 
     @property
     def micro_batches(self) -> int:

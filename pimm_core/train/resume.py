@@ -24,8 +24,9 @@ from ..checkpoint.formats import make_format
 from ..checkpoint.selection import is_model_dir, resolve_resume_path, select_verified, verify_candidate
 from ..checkpoint.state import set_rng_state, unwrap
 from ..errors import CheckpointError
-from ..run import CONFIG, METRICS, read_metrics
-from ..topology import config_diff, plan_resume
+from ..config import TrainConfig
+from ..run import CONFIG, METRICS, STATUS, read_json, read_metrics
+from ..topology import config_diff, is_finished, plan_resume
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
@@ -92,6 +93,16 @@ def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict
             "policy": plan.row, "exact": plan.exact, "topology": plan.topology,
             "replay_boundary": plan.replay_boundary, "restored": plan.restored, "discarded": plan.discarded,
             "warnings": warnings, "schedule": notes, "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
+
+def nothing_left(tr: Trainer, t: TrainConfig) -> bool:
+    """The restored position reached ``t``'s end (all epochs, or ``t.max_steps``) and the run
+    recorded that it finished (:func:`pimm_core.topology.is_finished`): nothing to train."""
+    status = tr.run_dir / STATUS if tr.run_dir is not None else None
+    state = (read_json(status) or {}).get("state") if status is not None and status.exists() else None
+    s = tr.state
+    return is_finished({"step": s.global_step, "epoch": s.epoch}, epochs=t.epochs, max_steps=t.max_steps,
+                       run_state=state)
+
 
 def choose_intact(tr: Trainer, source: Path | str):
     """Resolve the resume source and check its files against the manifest (rank 0 reads,

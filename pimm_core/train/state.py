@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from ..config import TrainConfig
 from ..errors import CheckpointSaveError
 
 
@@ -65,3 +67,19 @@ class TrainState:
                             epoch_start_step=saved.get("epoch_start_step", epoch_start_step))
         for f in fields(self):
             setattr(self, f.name, getattr(loaded, f.name))
+
+
+def end_step(s: TrainState, t: TrainConfig, *, micro_batches: int, steps_per_epoch: int) -> int:
+    """The global step at which training will end from position ``s``.
+
+    The optimizer steps left in the current epoch (windows of ``t.grad_accum`` from
+    ``s.iter`` over the epoch's ``micro_batches``) plus ``steps_per_epoch`` for each
+    whole epoch up to ``t.epochs``, capped by ``t.max_steps``: the horizon of the LR
+    schedule and ``total_steps`` in ``status.json``.
+    """
+    left = 0
+    if s.epoch < t.epochs:
+        left = math.ceil(max(0, micro_batches - s.iter) / t.grad_accum)
+        left += (t.epochs - s.epoch - 1) * steps_per_epoch
+    end = s.global_step + left
+    return min(end, t.max_steps) if t.max_steps else end

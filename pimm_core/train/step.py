@@ -20,10 +20,24 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..ema import EMA
+from ..errors import TrainingError
 from ..checkpoint.state import unwrap
 from .state import TrainState
 
 APPLIED, SKIPPED, STOP = "applied", "skipped", "stop"
+
+
+def check_finite(model: nn.Module, step: int) -> None:
+    """A run whose weights are NaN/Inf never ends as ``done`` with exit 0.
+
+    Raises:
+        TrainingError: names the first non-finite parameter and the step.
+    """
+    for name, p in unwrap(model).named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise TrainingError(f"the weights are not finite after step {step} ({name} holds "
+                                "NaN or Inf); the run failed: resume from an earlier checkpoint with a lower "
+                                "train.lr, or start over")
 
 
 def autocast_context(amp: str, device_type: str) -> contextlib.AbstractContextManager:
