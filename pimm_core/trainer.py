@@ -101,7 +101,7 @@ class Trainer:
 
         self.data = build_datasets(config.data)
         torch.manual_seed(config.train.seed)  # identical initial weights on every rank
-        model = build_model(config.model, self.data.in_features, self.data.in_shape, self.data.num_classes).to(self.device)
+        model = self._build_model().to(self.device)
         self.warm_start_report = None  # set by train() when it warm-starts from train.weight
         self.ema = EMA(model, config.ema.decay, config.ema.warmup) if config.ema.enabled else None
         self.model: nn.Module = DDP(model) if self.info.distributed else model
@@ -142,6 +142,11 @@ class Trainer:
         if self.ema is not None:
             self.ema.restart(unwrap(self.model))
         return self.warm_start_report
+
+    def _build_model(self) -> nn.Module:
+        """The model of ``config.model`` for the datasets' input shape and classes."""
+        d = self.data
+        return build_model(self.config.model, d.in_features, d.in_shape, d.num_classes)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         t = self.config.train
@@ -339,7 +344,7 @@ class Trainer:
                 return s.iter >= n_micro
             self._after_step(outcome, loss, samples, epoch)
             if s.stop_reason is not None:
-                return s.iter >= n_micro  # mid-epoch: save below, no evaluation
+                return s.iter >= n_micro  # True: at the epoch end, its evaluation runs first
             run_ends = self._at_max_steps(t)
             self.checkpointer.on_step(run_ends=run_ends)
             if run_ends:
