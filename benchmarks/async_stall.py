@@ -4,7 +4,7 @@ Same state as ``save_throughput.py`` (Linear stack + AdamW after one step, >= ``
 
 - ``sync``: ``save_standard`` (what ``save_checkpoint`` does without ``checkpoint.async``):
   the training thread is blocked for the whole write, fsync, sha256 manifest and rotation.
-- ``async``: ``AsyncStandardSaver.save`` (what ``Trainer.save_checkpoint(background=True)``
+- ``async``: ``AsyncStandardFormat.save(..., background=True)`` (what ``Trainer.save_checkpoint(background=True)``
   calls with ``checkpoint.async = true``): the stall is the time until ``save`` returns
   (optimizer state dict, packing, copies of the buffers, thread start) plus the time the
   next training step then waits, before its optimizer step, for the staging copies that
@@ -43,7 +43,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import GiB, build_state, load_average, machine, median, r, remove, settle, state_bytes  # noqa: E402
-from pimm_core.checkpoint.standard import AsyncStandardSaver, save_standard  # noqa: E402
+from pimm_core.checkpoint.async_save import AsyncStandardFormat  # noqa: E402
+from pimm_core.checkpoint.protocol import SaveItem  # noqa: E402
+from pimm_core.checkpoint.standard import StandardFormat, save_standard  # noqa: E402
 from pimm_core.dist import DistInfo  # noqa: E402
 
 META = {"trainer": {"global_step": 1}}
@@ -52,7 +54,7 @@ MANIFEST = {"kind": "last", "step": 1, "epoch": 0, "iter": 0}
 
 def train_step(model, opt, x, before_step=None) -> float:
     """One forward/backward/AdamW step; returns the seconds spent in ``before_step`` (the
-    trainer's wait for a background save's staging copies, as in ``Trainer._loop``)."""
+    trainer's wait for a background save's staging copies, as in ``WindowStep.finish``)."""
     loss = F.mse_loss(model(x), x)
     loss.backward()
     waited = 0.0
@@ -84,7 +86,7 @@ def main() -> None:
     sync_dir.mkdir()
     async_dir.mkdir()
     info = DistInfo()
-    saver = AsyncStandardSaver(info)
+    saver = AsyncStandardFormat(StandardFormat(info))
     sync_s: list[float] = []
     stall_s: list[float] = []
     staging_wait_s: list[float] = []
@@ -107,8 +109,8 @@ def main() -> None:
             saver.wait()
             settle()
             t0 = time.perf_counter()
-            saver.save(async_dir, model=model, optimizer=opt, meta=META, rank_state={"rng": torch.get_rng_state()},
-                       manifest=MANIFEST)
+            saver.save(async_dir, SaveItem(model=model, optimizer=opt, meta=META, rank_state={"rng": torch.get_rng_state()},
+                                           manifest=MANIFEST, step=1), background=True)
             t1 = time.perf_counter()
             # the training thread goes on while the copy and the write run; it waits for
             # the copy only before the optimizer step changes what is being copied

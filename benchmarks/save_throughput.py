@@ -55,7 +55,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import GiB, build_state, load_average, machine, median, r, remove, settle, state_bytes, tree_bytes  # noqa: E402
-from pimm_core.checkpoint import standard  # noqa: E402
+from pimm_core.checkpoint import publish, standard  # noqa: E402
 from pimm_core.fsio import release_cached_pages  # noqa: E402
 from pimm_core.dist import DistInfo  # noqa: E402
 
@@ -67,8 +67,8 @@ def phase_timer(phases: dict[str, float]):
     """Time the phases of ``save_standard`` by wrapping the functions it calls (restored on exit)."""
     import torch.distributed.checkpoint as dcp
 
-    wrapped = {"dcp": (dcp, "save"), "weights": (standard, "save_torch_file"), "fsync_tree": (standard, "fsync_tree"),
-               "manifest_sha256": (standard, "describe_files"), "rotate": (standard, "rotate_into_place")}
+    wrapped = {"dcp": (dcp, "save"), "weights": (publish, "save_torch_file"), "fsync_tree": (publish, "fsync_tree"),
+               "manifest_sha256": (publish, "describe_files"), "rotate": (publish, "rotate_into_place")}
     originals = {}
     for label, (mod, name) in wrapped.items():
         fn = getattr(mod, name)

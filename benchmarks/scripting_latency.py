@@ -43,7 +43,8 @@ def fabricate(run_dir: Path, n: int) -> None:
     import torch
 
     from pimm_core.checkpoint.manifest import sha256_file, write_manifest
-    from pimm_core.checkpoint.standard import save_standard, write_weights_file
+    from pimm_core.checkpoint.standard import save_standard
+    from pimm_core.checkpoint.weights_file import write_weights_file
     from pimm_core.dist import DistInfo
 
     model_dir = run_dir / "model"

@@ -40,6 +40,11 @@ class EMA:
 
     def __init__(self, model: nn.Module, decay: float, warmup: bool = True):
         self.decay, self.warmup = decay, warmup
+        self.restart(model)
+
+    def restart(self, model: nn.Module) -> None:
+        """Start the average over from ``model``'s current parameters (after a warm start, or
+        a resume from a checkpoint without EMA weights)."""
         self.updates = 0
         # named_parameters() drops duplicates by identity: a tied tensor is averaged once
         self.shadow = {n: p.detach().float().clone() for n, p in model.named_parameters()}
@@ -103,5 +108,7 @@ class EMA:
             t.copy_(ema_sd[name].float())
         self.updates = int(updates)
 
-    def meta(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
+        """The update count and settings, saved as the checkpoint's ``ema`` entry (the averaged
+        weights are a weight set of their own: :meth:`state_dict_for`, restored by :meth:`load`)."""
         return {"updates": self.updates, "decay": self.decay, "warmup": self.warmup}

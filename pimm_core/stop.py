@@ -66,12 +66,19 @@ class StopRequest:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._reason: str | None = None
+        self._cause: Exception | None = None
 
-    def request(self, reason: str = "requested") -> None:
-        """Ask the run to stop at the next accumulation-window boundary."""
+    def request(self, reason: str = "requested", *, cause: Exception | None = None) -> None:
+        """Ask the run to stop at the next accumulation-window boundary.
+
+        Args:
+            reason: the text recorded as the run's ``stop_reason``.
+            cause: the error that makes this stop a failure (a failed checkpoint save),
+                None for a pause.
+        """
         with self._lock:
             if self._reason is None:
-                self._reason = reason
+                self._reason, self._cause = reason, cause
 
     @property
     def requested(self) -> bool:
@@ -81,9 +88,14 @@ class StopRequest:
     def reason(self) -> str | None:
         return self._reason
 
+    @property
+    def cause(self) -> Exception | None:
+        """The error the winning request named (``request(..., cause=)``), or None."""
+        return self._cause
+
     def clear(self) -> None:
         with self._lock:
-            self._reason = None
+            self._reason = self._cause = None
 
     @contextlib.contextmanager
     def catch_signals(self, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator["StopRequest"]:

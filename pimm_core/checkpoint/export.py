@@ -16,7 +16,7 @@ An export is reproducible: the same checkpoint exported again (same options, sam
 and safetensors versions) gives the same bytes in every file. Nothing records the time
 of the export, and the model file's writers give equal bytes for equal contents.
 
-Tied tensors are stored once in ``model.safetensors`` (see :mod:`.weight_files`); the
+Tied tensors are stored once in ``model.safetensors`` (see :mod:`.export_formats`); the
 aliases are recorded in ``export.json`` too, and :func:`load_exported` puts them back
 and re-ties the model's parameters. The config is sanitized by :mod:`.export_config`.
 
@@ -44,7 +44,7 @@ from ..run.layout import find_run_dir
 from .sources import checkpoint_record, resolve_weight_source
 from .strict_load import check_strict, check_unwrapped
 from .ties import find_aliases, follow_model_ties, tie_parameters
-from .weight_files import write_bin, write_safetensors
+from .export_formats import write_bin, write_safetensors
 from .weights import WEIGHT_SETS, read_checkpoint, read_weight_sets, retie, select_weight_set
 
 FORMATS = {"safetensors": SAFETENSORS, "bin": BIN}

@@ -39,17 +39,85 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+from .. import dist
+from ..dist import DistInfo
 from ..errors import CheckpointError, CheckpointParseError
-from ..fsio import fsync_dir
-from .manifest import sha256_file, write_manifest
-from .selection import LEGACY_LAST, POINTERS, SINGLE_RE
-from .safe_read import load_torch_file
-from .standard import (DtypeCast, LoadedState, check_compatible, check_dtypes, dtype_casts, meta_problem,
-                       save_torch_file, unwrap)
 from ..faults import point, register
+from ..fsio import fsync_dir, temp_path
+from .manifest import sha256_file, write_manifest
+from .protocol import LoadedState, SaveItem, meta_problem
+from .publish import on_main, save_torch_file
+from .safe_read import load_torch_file
+from .selection import LEGACY_LAST, POINTERS, SINGLE_RE
+from .state import unwrap
+from .weights_file import DtypeCast, check_compatible, check_dtypes, dtype_casts
 
 register("file_format.published", "file_format.sidecar_written", "pointer.linked", "pointer.replaced",
          "single.pointers_set", "single.pruned")
+
+
+
+class LegacyFormat:
+    """``checkpoint_format = "legacy"`` (:class:`~pimm_core.checkpoint.protocol.CheckpointFormat`):
+    rank 0 replaces ``model_last.pth``; no loader cursor, so a mid-epoch one resumes by replay."""
+
+    name = "legacy"
+    asynchronous = False
+
+    def __init__(self, info: DistInfo):
+        self.info = info
+
+    def save(self, model_dir: Path, item: SaveItem, *, background: bool = False) -> Path:
+        path = model_dir / LEGACY_LAST
+        on_main(self.info, lambda: save_legacy(model_dir, model=item.model, optimizer=item.optimizer, meta=item.meta,
+                                               rank0_state=item.rank_state, manifest=item.manifest,
+                                               ema_state_dict=item.ema_weights()),
+                temp_path(path), model_dir)
+        return path
+
+    def load(self, path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+             strict: bool = True) -> LoadedState:
+        return load_file_checkpoint(path, model=model, optimizer=optimizer, rank=self.info.rank,
+                                    world_size=self.info.world_size, strict=strict)
+
+    def wait_staged(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+
+class SingleFormat(LegacyFormat):
+    """``checkpoint_format = "single"``: every rank's state gathered into ``step_<step>.pth``
+    with ``item.pointers`` moved to it, then retention (``checkpoint.keep_last``).
+
+    A second save at a step already on disk (``best`` then ``last``/``final`` at the same
+    position) only moves its pointers.
+    """
+
+    name = "single"
+
+    def __init__(self, info: DistInfo, keep_last: int = 0):
+        super().__init__(info)
+        self.keep_last = keep_last
+        self.saved_step: int | None = None  # the step of the last file this format wrote
+
+    def save(self, model_dir: Path, item: SaveItem, *, background: bool = False) -> Path:
+        states = dist.all_gather_object(item.rank_state)
+        path = model_dir / f"step_{item.step}.pth"
+
+        def write() -> None:
+            if self.saved_step == item.step:
+                # this position is already on disk: only move pointers (then retention)
+                move_pointers(model_dir, item.pointers, path.name, keep_last=self.keep_last)
+            else:
+                save_single(model_dir, model=item.model, optimizer=item.optimizer, meta=item.meta,
+                            rank_states=states, manifest=item.manifest, ema_state_dict=item.ema_weights(),
+                            pointers=item.pointers, keep_last=self.keep_last)
+
+        on_main(self.info, write, temp_path(path), model_dir)
+        self.saved_step = item.step
+        return path
 
 
 def _publish_file(path: Path, payload: dict[str, Any], manifest: dict[str, Any], fmt: str) -> None:

@@ -87,7 +87,7 @@ def _train_and_report(cfg: Config, config_path: Path | None, run_dir: Path, sour
             raise TrainingError(f"{state.error}; the run's last checkpoint (step {state.global_step}) holds the "
                                 "weights from before it. "
                                 f"Resume with a lower LR: {resume_command(run_dir)} -- train.lr={cfg.train.lr / 10:g}")
-        if state.stop_reason is not None and state.stop_reason.startswith("checkpoint save failed"):
+        if state.save_error is not None:  # stop_reason is its message
             raise CheckpointError(f"{state.stop_reason}; training stopped at step {state.global_step} | run {run_dir}")
         if state.stop_reason is not None:
             print(f"stopped ({state.stop_reason}): last saved at step {state.global_step} "

@@ -124,7 +124,7 @@ def _dry_check_resume(path: str, model) -> None:
         CheckpointError: names the missing, unexpected and shape-mismatched tensors.
     """
     from ..checkpoint.sources import resolve_weight_source
-    from ..checkpoint.standard import check_compatible
+    from ..checkpoint.weights_file import check_compatible
     from ..checkpoint.weights import read_weight_sets
 
     weights = resolve_weight_source(path)

@@ -20,15 +20,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import dist
-from ..checkpoint.files import load_file_checkpoint
+from ..checkpoint.formats import make_format
 from ..checkpoint.selection import is_model_dir, resolve_resume_path, select_verified, verify_candidate
-from ..checkpoint.standard import load_standard
 from ..checkpoint.state import set_rng_state, unwrap
-from ..ema import EMA
 from ..errors import CheckpointError
-from ..run import CONFIG, METRICS, read_metrics
-from ..topology import config_diff, plan_resume
-from .state import TrainState
+from ..config import TrainConfig
+from ..run import CONFIG, METRICS, read_metrics, read_run_status
+from ..topology import config_diff, is_finished, plan_resume
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
@@ -40,12 +38,8 @@ def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict
     """Restore state from ``source`` following the resume policy; returns the provenance entry."""
     cand, fallback = choose_intact(tr, Path(str(source)) if not str(source).startswith("hf://") else source)
     strict = tr.config.resume_strict_state
-    if cand.format == "standard":
-        loaded = load_standard(Path(cand.path), model=tr.model, optimizer=tr.optimizer, info=tr.info,
-                               strict=strict)
-    else:
-        loaded = load_file_checkpoint(Path(cand.path), model=tr.model, optimizer=tr.optimizer,
-                                      rank=tr.info.rank, world_size=tr.info.world_size, strict=strict)
+    loaded = make_format(cand.format, tr.info).load(Path(cand.path), model=tr.model, optimizer=tr.optimizer,
+                                                    strict=strict)
     meta = loaded.meta
     saved = meta["trainer"]
     # The file itself is the authority on position and topology (a sidecar may be missing).
@@ -61,9 +55,7 @@ def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict
                        strict=strict, grad_accum=tr._t.grad_accum, batch_size=tr.config.data.batch_size,
                        legacy=cand.format == "legacy")
     warnings = fallback + list(plan.warnings) + provenance_diff(tr, manifest) + loaded.skipped
-    tr.state = TrainState(global_step=saved["global_step"], epoch=saved["epoch"], iter=saved["iter"],
-                            best_metric=saved["best_metric"], best_epoch=saved["best_epoch"], last_eval=saved["last_eval"], eval_step=saved.get("eval_step"),
-                            epoch_start_step=saved.get("epoch_start_step", plan.step if plan.iter == 0 else 0))
+    tr.state.load_state_dict(saved, epoch_start_step=plan.step if plan.iter == 0 else 0)
     tr.best.load_state_dict(saved)
     tr.scheduler.load_state_dict(meta["scheduler"])
     if meta.get("scaler"):
@@ -73,7 +65,7 @@ def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict
         if loaded.ema_state_dict is not None and ema_meta:
             tr.ema.load(loaded.ema_state_dict, ema_meta["updates"])
         else:
-            tr.ema = EMA(unwrap(tr.model), tr.config.ema.decay, tr.config.ema.warmup)
+            tr.ema.restart(unwrap(tr.model))
             warnings.append("the checkpoint has no EMA weights; EMA restarts from the restored raw weights")
     rank_state = loaded.rank_state or {}
     if plan.restore_rng:
@@ -101,6 +93,15 @@ def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict
             "policy": plan.row, "exact": plan.exact, "topology": plan.topology,
             "replay_boundary": plan.replay_boundary, "restored": plan.restored, "discarded": plan.discarded,
             "warnings": warnings, "schedule": notes, "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
+
+def nothing_left(tr: Trainer, t: TrainConfig) -> bool:
+    """The restored position reached ``t``'s end (all epochs, or ``t.max_steps``) and the run
+    recorded that it finished (:func:`pimm_core.topology.is_finished`): nothing to train."""
+    state = read_run_status(tr.run_dir).state if tr.run_dir is not None else None
+    s = tr.state
+    return is_finished({"step": s.global_step, "epoch": s.epoch}, epochs=t.epochs, max_steps=t.max_steps,
+                       run_state=state)
+
 
 def choose_intact(tr: Trainer, source: Path | str):
     """Resolve the resume source and check its files against the manifest (rank 0 reads,

@@ -12,7 +12,7 @@ the AMP GradScaler, clears the gradients and updates the EMA.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +20,24 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..ema import EMA
+from ..errors import TrainingError
 from ..checkpoint.state import unwrap
+from .state import TrainState
 
 APPLIED, SKIPPED, STOP = "applied", "skipped", "stop"
+
+
+def check_finite(model: nn.Module, step: int) -> None:
+    """A run whose weights are NaN/Inf never ends as ``done`` with exit 0.
+
+    Raises:
+        TrainingError: names the first non-finite parameter and the step.
+    """
+    for name, p in unwrap(model).named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise TrainingError(f"the weights are not finite after step {step} ({name} holds "
+                                "NaN or Inf); the run failed: resume from an earlier checkpoint with a lower "
+                                "train.lr, or start over")
 
 
 def autocast_context(amp: str, device_type: str) -> contextlib.AbstractContextManager:
@@ -53,6 +68,38 @@ class WindowStep:
                  before_step: Callable[[], None] | None = None):
         self.model, self.optimizer, self.scaler, self.ema, self.train = model, optimizer, scaler, ema, train
         self.autocast, self.distributed, self.loss_fn, self.before_step = autocast, distributed, loss_fn, before_step
+
+    def windows(self, batches: Iterable, state: TrainState, micro_batches: int,
+                device: torch.device) -> Iterator[tuple[str, torch.Tensor, int]]:
+        """Train the rest of an epoch window by window, from where ``state.iter`` stands.
+
+        A window holds ``train.grad_accum`` micro-batches counted from where the epoch
+        continues (the epoch's last may be shorter). ``state.iter`` counts each micro-batch
+        consumed; the caller advances ``global_step``.
+
+        Args:
+            batches: yields ``(inputs, targets, indices)`` from ``state.iter`` on.
+            micro_batches: micro-batches in the whole epoch.
+
+        Yields:
+            At each window's end: :meth:`finish`'s outcome, the window's mean loss (a 0-d
+            tensor on ``device``) and the number of samples it used on this rank.
+        """
+        accum = self.train.grad_accum
+        window_loss = torch.zeros((), device=device)
+        window_start, samples = state.iter, 0  # windows run from where this epoch continues
+        for x, y, _ in batches:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            window_len = min(accum, micro_batches - window_start)
+            last_in_window = state.iter + 1 == window_start + window_len
+            window_loss += self.backward(x, y, window_len=window_len, last_in_window=last_in_window)
+            state.iter += 1
+            samples += len(y)
+            if not last_in_window:
+                continue
+            yield self.finish(), window_loss, samples
+            window_loss = torch.zeros((), device=device)
+            window_start, samples = state.iter, 0
 
     def backward(self, x: torch.Tensor, y: torch.Tensor, *, window_len: int, last_in_window: bool) -> torch.Tensor:
         """One micro-batch; returns its (detached) share of the window's mean loss."""

@@ -40,6 +40,7 @@ class StopAgreement:
         self.poll_every_s = poll_every_s
         self._last_poll = float("-inf")
         self.file_used = False  # the stop came from control/stop: consume it once the stop is recorded
+        self.cause: Exception | None = None  # the error of the agreed reason (see agree)
 
     def discard_stale(self) -> None:
         """At the start of a session: a ``control/stop`` left from an earlier one never stops this run."""
@@ -63,17 +64,22 @@ class StopAgreement:
             self.stop.request(str(req.get("reason") or "operator"))
 
     def agree(self) -> str | None:
-        """The reason to stop now, the same on every rank, or None to go on."""
+        """The reason to stop now, the same on every rank, or None to go on; :attr:`cause` is
+        then the error that reason came with (``StopRequest.request(..., cause=)``), if any."""
         if self.stop.reason is None:
             self.poll()
         if not self.info.distributed:
+            self.cause = self.stop.cause
             return self.stop.reason
         flag = torch.tensor([0 if self.stop.reason is None else 1], device=self.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         if not flag.item():
             return None
-        reason = next(r for r in dist.all_gather_object(self.stop.reason) if r is not None)
-        self.stop.request(reason)
+        # (a PimmError pickles with its class, so every rank gets the typed cause)
+        reason, cause = next(rc for rc in dist.all_gather_object((self.stop.reason, self.stop.cause))
+                             if rc[0] is not None)
+        self.stop.request(reason, cause=cause)
+        self.cause = cause
         return reason
 
     def consume(self) -> None:

@@ -42,7 +42,7 @@ def run_job(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), *,
     import torch
 
     from pimm_core import Trainer, load_config
-    from pimm_core.checkpoint.standard import unwrap
+    from pimm_core.checkpoint.state import unwrap
 
     run_dir = Path(run_dir)
     logger = logging.getLogger("pimm")

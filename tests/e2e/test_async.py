@@ -93,24 +93,30 @@ def test_an_async_save_that_fails_to_start_stops_its_hashing_thread(tmp_path, mo
     """Nothing of a save that never started is left running (a thread tailing last.tmp, open files)."""
     import threading
 
-    from pimm_core.checkpoint import standard
+    from pimm_core.checkpoint import async_save
+    from pimm_core.checkpoint.protocol import SaveItem
+    from pimm_core.checkpoint.standard import StandardFormat
     from pimm_core.dist import DistInfo
 
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    saver = standard.AsyncStandardSaver(DistInfo())
+    saver = async_save.AsyncStandardFormat(StandardFormat(DistInfo()))
+
+    def item(step: int) -> SaveItem:
+        return SaveItem(model=model, optimizer=opt, meta={}, rank_state={}, manifest={"kind": "last", "step": step},
+                        step=step)
 
     def no_memory(*_a, **_k):
         raise MemoryError("staging")
 
-    monkeypatch.setattr(standard, "weights_payload", no_memory)
+    monkeypatch.setattr(async_save, "weights_payload", no_memory)
     with pytest.raises(MemoryError):
-        saver.save(tmp_path, model=model, optimizer=opt, meta={}, rank_state={}, manifest={"kind": "last", "step": 1})
+        saver.save(tmp_path, item(1), background=True)
     saver.wait_staged()
     assert [t.name for t in threading.enumerate() if t.name == "pimm-sha256"] == []
     monkeypatch.undo()
-    saver.save(tmp_path, model=model, optimizer=opt, meta={}, rank_state={}, manifest={"kind": "last", "step": 2})
+    saver.save(tmp_path, item(2), background=True)
     saver.wait()  # and the next save works
     assert read_json(tmp_path / "last" / "manifest.json")["step"] == 2

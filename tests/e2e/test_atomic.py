@@ -10,7 +10,7 @@ import pytest
 from pimm_core import fsio as atomic
 from pimm_core.fsio import atomic_write_bytes
 from pimm_core.checkpoint.selection import select_resume
-from pimm_core.checkpoint.standard import rotate_into_place, wait_for_purges
+from pimm_core.checkpoint.publish import rotate_into_place, wait_for_purges
 
 
 def names(d: Path) -> list[str]:
@@ -151,17 +151,17 @@ def test_crash_between_renames_leaves_previous_checkpoint(tmp_path, monkeypatch)
 
 def test_failed_background_removal_is_raised_by_the_next_rotation(tmp_path, monkeypatch):
     """Removing the superseded last.prev runs in the background; its failure is not lost."""
-    from pimm_core.checkpoint import standard
+    from pimm_core.checkpoint import publish
 
     make_ckpt(tmp_path / "last", "old")
-    real_remove = standard.remove_tree
+    real_remove = publish.remove_tree
 
     def failing_remove(path):
         if Path(path).name == "last.prev":
             raise OSError(5, "Input/output error", str(path))
         real_remove(path)
 
-    monkeypatch.setattr(standard, "remove_tree", failing_remove)
+    monkeypatch.setattr(publish, "remove_tree", failing_remove)
     rotate_into_place(make_ckpt(tmp_path / "last.tmp", "new"), tmp_path / "last")
     assert tag_of(tmp_path / "last") == "new"  # published before the removal
     with pytest.raises(OSError, match="Input/output error"):

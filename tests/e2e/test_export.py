@@ -288,7 +288,7 @@ def test_export_twice_gives_the_same_bytes(tmp_path: Path, fmt: str) -> None:
 
 
 def test_safetensors_header_is_canonical(tmp_path: Path) -> None:
-    from pimm_core.checkpoint.weight_files import write_safetensors
+    from pimm_core.checkpoint.export_formats import write_safetensors
 
     sd = Small().state_dict()
     meta = {f"k{i}": str(i) for i in range(12)}

@@ -263,7 +263,7 @@ FROZEN = ("train.epochs=1", "train.max_steps=1", "train.lr=0", "train.min_lr=0",
 
 
 def _check_fresh_after_one_step(tr, expected: dict[str, torch.Tensor]) -> None:
-    from pimm_core.checkpoint.standard import unwrap
+    from pimm_core.checkpoint.state import unwrap
 
     assert_same_tensors(unwrap(tr.model).state_dict(), expected)
     if tr.ema is not None:  # the new run's EMA starts from the loaded weights
@@ -301,7 +301,7 @@ def test_warm_start_from_ddp_prefixed_state_dict(runs, tmp_path):
 
 def test_warm_start_different_head_reports_mismatches_and_trains(runs, tmp_path):
     """model.hidden 128 -> 64: every hidden-sized tensor mismatches; only net.6.bias (10 classes) loads."""
-    from pimm_core.checkpoint.standard import unwrap
+    from pimm_core.checkpoint.state import unwrap
 
     source = runs["root"] / "std-full" / "model" / "last"
     raw = read_weight_sets(source)["raw"]

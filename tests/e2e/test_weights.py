@@ -407,7 +407,6 @@ def test_export_weights_files(tmp_path: Path) -> None:
 def test_unwrap_follows_wrappers_only() -> None:
     """One unwrap rule (checkpoint.state.unwrap): ``.module`` only on a data-parallel wrapper,
     ``._orig_mod`` on a torch.compile wrapper; a model's own submodule named ``module`` stays."""
-    from pimm_core.checkpoint.standard import unwrap as standard_unwrap
     from pimm_core.checkpoint.state import unwrap
 
     class Holder(nn.Module):
@@ -427,7 +426,6 @@ def test_unwrap_follows_wrappers_only() -> None:
             self._orig_mod = inner
 
     plain = Holder()
-    assert standard_unwrap is unwrap
     assert unwrap(plain) is plain
     assert unwrap(Compiled(DistributedDataParallel(plain))) is plain
     assert unwrap(nn.DataParallel(plain)) is plain

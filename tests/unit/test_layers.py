@@ -10,7 +10,7 @@ Layers, bottom to top (a module's layer is the longest prefix below that names i
    stop agreement both need it, and it imports nothing of pimm's).
 2. **checkpoint**: ``checkpoint.*``. Inside it nothing imports ``checkpoint.export``
    (export sits on top: it reads weight sets (``weights``), renames keys (``key_rules``),
-   writes files (``weight_files``) and sanitizes the config (``export_config``); none of
+   writes files (``export_formats``) and sanitizes the config (``export_config``); none of
    them, nor the trainer's ``save_model``, needs the export directory itself).
 3. **train** (``trainer``, ``train.*``, ``schedule``, ``ema``, ``data``, ``models``,
    ``objectives``, ``optim``, ``data_rng``, ``plugins``)

@@ -19,11 +19,14 @@ from safetensors import safe_open
 from torch import nn
 
 from pimm_core.checkpoint.export import export, export_weights, load_exported
-from pimm_core.checkpoint.standard import AsyncStandardSaver, load_standard, save_standard, write_weights_file
+from pimm_core.checkpoint.async_save import AsyncStandardFormat
+from pimm_core.checkpoint.protocol import SaveItem
+from pimm_core.checkpoint.standard import StandardFormat, load_standard, save_standard
+from pimm_core.checkpoint.weights_file import write_weights_file
 from pimm_core.checkpoint.strict_load import load_weights
 from pimm_core.checkpoint.ties import find_aliases, follow_model_ties, tied_groups
 from pimm_core.checkpoint.warm_start import warm_start
-from pimm_core.checkpoint.weight_files import write_safetensors
+from pimm_core.checkpoint.export_formats import write_safetensors
 from pimm_core.checkpoint.weights import read_weight_sets
 from pimm_core.dist import DistInfo
 from pimm_core.ema import EMA
@@ -143,8 +146,9 @@ def test_checkpoint_keeps_ties_and_buffers_and_resumes_exactly(tmp_path: Path, m
     if mode == "sync":
         save_standard(tmp_path, info=DistInfo(), **kw)
     else:  # staged to CPU buffers in the background: the ties must survive the copy
-        saver = AsyncStandardSaver(DistInfo())
-        saver.save(tmp_path, **kw)
+        saver = AsyncStandardFormat(StandardFormat(DistInfo()))
+        ema_sd = kw.pop("ema_state_dict")
+        saver.save(tmp_path, SaveItem(**kw, step=4, ema_weights=lambda: ema_sd), background=True)
         saver.wait()
     sets = read_weight_sets(tmp_path / "last" / "weights.pth")
     for name in ("raw", "ema"):

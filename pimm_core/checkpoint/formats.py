@@ -1,0 +1,35 @@
+"""Choosing a checkpoint format by name (``checkpoint_format``, or the format a candidate has)."""
+
+from __future__ import annotations
+
+from ..dist import DistInfo
+from ..errors import ConfigError
+from .async_save import AsyncStandardFormat
+from .files import LegacyFormat, SingleFormat
+from .protocol import CheckpointFormat
+from .standard import StandardFormat
+
+FORMAT_NAMES = ("standard", "legacy", "single")
+
+
+def make_format(name: str, info: DistInfo, *, background: bool = False, keep_last: int = 0) -> CheckpointFormat:
+    """The format called ``name``, for this process's rank layout.
+
+    Args:
+        background: ``checkpoint.async``: the standard format wrapped in
+            :class:`~pimm_core.checkpoint.async_save.AsyncStandardFormat` (creates a gloo
+            process group when distributed, so every rank must make the same call);
+            ignored by the file formats.
+        keep_last: ``checkpoint.keep_last``, the single format's retention (0 keeps all).
+
+    Raises:
+        ConfigError: an unknown name.
+    """
+    if name == "standard":
+        standard = StandardFormat(info)
+        return AsyncStandardFormat(standard) if background else standard
+    if name == "legacy":
+        return LegacyFormat(info)
+    if name == "single":
+        return SingleFormat(info, keep_last=keep_last)
+    raise ConfigError(f"unknown checkpoint format {name!r}; expected one of {', '.join(FORMAT_NAMES)}")

@@ -1,0 +1,254 @@
+"""Publishing a checkpoint: atomic files, the ``<name>.tmp`` -> ``<name>`` rotation, and the
+failure contract every format shares.
+
+Everything a save writes goes under a temporary name, is fsynced, then renamed into place
+with a directory fsync after each rename; a directory checkpoint is rotated in (``last`` ->
+``last.prev``, ``last.tmp`` -> ``last``, ``last.prev`` removed in the background). A write
+that fails on rank 0 makes every rank raise :class:`CheckpointSaveError` (:func:`on_main`),
+naming what a resume would now select (:func:`intact_note`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .. import dist
+from ..dist import DistInfo
+from ..errors import CheckpointSaveError, first_line
+from ..faults import point, register
+from ..fsio import atomic_write, atomic_write_bytes, fsync_dir, fsync_tree, remove_tree, release_cached_pages
+from .follow import FollowingHasher
+from .manifest import COMPLETE, MANIFEST, describe_files, write_manifest
+from .selection import TRAINER_DCP, WEIGHTS, select_resume
+
+register("file.written", "file.synced", "file.renamed", "standard.prepared", "standard.dcp_written",
+         "standard.dcp_complete", "standard.weights_written", "standard.synced", "standard.manifest_written",
+         "standard.complete_written", "rotate.old_prev_removed", "rotate.renamed_to_prev", "rotate.renamed_into_place",
+         "rotate.prev_removed")
+
+
+_crc_lock = threading.Lock()
+_crc_users = 0
+_crc_before = True
+
+
+@contextlib.contextmanager
+def without_zip_crc32():
+    """``torch.save`` without the zip CRC-32 of each record while inside (thread-safe, nestable).
+
+    Used for the files of a standard checkpoint (``trainer.dcp/`` shards, ``weights.pth``),
+    the periodic save's hot path: the CRC costs a CPU pass over every byte (about a third
+    of a ``torch.save`` here) and duplicates the sha256 in the checkpoint's manifest, which
+    ``pimm checkpoints verify`` and resume check. ``torch.load`` and DCP read such files
+    (``torch.serialization.set_crc32_options``); a zip tool's integrity test (``unzip -t``,
+    ``zipfile.testzip``) reports the missing CRCs. The files users take away
+    (``model_best.pth``, ``iter_<step>.pth``, legacy and single-format files, exports) keep them.
+    """
+    global _crc_users, _crc_before
+    with _crc_lock:
+        if _crc_users == 0:
+            _crc_before = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _crc_users += 1
+    try:
+        yield
+    finally:
+        with _crc_lock:
+            _crc_users -= 1
+            if _crc_users == 0:
+                torch.serialization.set_crc32_options(_crc_before)
+
+
+def _write_marker(path: Path) -> None:
+    atomic_write_bytes(path, b"")
+
+
+def save_torch_file(path: Path, obj: Any) -> None:
+    """``torch.save`` to ``path`` through a temporary file, fsync and rename (atomic).
+
+    A sidecar manifest ``<path>.json`` describes the bytes it sits next to, so it is removed
+    before they are replaced (the caller writes the new one after): a crash between the
+    rename and the new sidecar leaves an intact file without a manifest (resumable, the file
+    is the authority) rather than one whose checksum no longer matches (rejected as corrupt).
+    """
+    release_cached_pages(path)  # the file being replaced: its pages are reused by the write
+    sidecar = path.with_name(path.name + ".json")
+
+    def drop_sidecar() -> None:
+        if sidecar.exists():
+            sidecar.unlink()
+            fsync_dir(path.parent)
+
+    # torch.save: zip CRCs as it is set (see without_zip_crc32)
+    atomic_write(path, lambda tmp: torch.save(obj, tmp), points="file", before_replace=drop_sidecar)
+
+
+def rotate_into_place(tmp: Path, final: Path) -> None:
+    """Publish directory ``tmp`` as ``final`` keeping a complete candidate at every instant.
+
+    ``final`` -> ``final.prev``; ``tmp`` -> ``final``; ``final.prev`` removed in the
+    background (see :func:`wait_for_purges`). If a previous rotation was interrupted after
+    its first rename, ``final`` is absent and ``final.prev`` is the complete one: it stays
+    until the new ``final`` is in place.
+
+    Raises:
+        OSError: a rename failed, or the background removal of the previous rotation's
+            ``final.prev`` did (reported here, by the save after it).
+    """
+    prev = final.with_name(final.name + ".prev")
+    parent = final.parent
+    wait_for_purges()
+    if final.exists():
+        if prev.exists():
+            remove_tree(prev)
+            fsync_dir(parent)
+            point("rotate.old_prev_removed", prev)
+        os.rename(final, prev)
+        fsync_dir(parent)
+        point("rotate.renamed_to_prev", prev)
+    os.rename(tmp, final)
+    fsync_dir(parent)
+    point("rotate.renamed_into_place", final)
+    if prev.exists():
+        _purge_in_background(prev)
+
+
+# Removing the superseded checkpoint is off the save's critical path (as torchtitan's purge
+# thread does): deleting a GiB-sized tree costs ~0.2 s on ext4 with online discard, and the
+# new checkpoint is already complete and in place. A failure is not lost: it is raised by
+# the next rotation or by wait_for_purges at the end of the run.
+_purge_lock = threading.Lock()
+_purge_pool: ThreadPoolExecutor | None = None
+_purges: list[Future] = []
+
+
+def _purge_in_background(path: Path) -> None:
+    global _purge_pool
+
+    def purge() -> None:
+        remove_tree(path)
+        fsync_dir(path.parent)
+        point("rotate.prev_removed", path)
+
+    with _purge_lock:
+        if _purge_pool is None:  # its thread is joined at interpreter exit, so a purge is never cut short
+            _purge_pool = ThreadPoolExecutor(1, thread_name_prefix="pimm-purge")
+        _purges.append(_purge_pool.submit(purge))
+
+
+def wait_for_purges() -> None:
+    """Block until superseded checkpoints are removed.
+
+    Raises:
+        OSError: a removal failed (the first failure; the rest are dropped).
+    """
+    with _purge_lock:
+        pending = list(_purges)
+        _purges.clear()
+    errors = [f.exception() for f in pending]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+
+
+
+def follow_hashes(tmp: Path) -> FollowingHasher:
+    """Rank 0: hash ``weights.pth`` (under its temporary name) and the DCP shards written on
+    this node (``__<rank>_<n>.distcp`` for ranks ``0 .. LOCAL_WORLD_SIZE-1``: torchrun gives
+    rank 0's node the first ranks) as they are written, on a second thread.
+
+    Other nodes' shards are hashed after their writers have closed them: on a shared
+    filesystem (NFS) a file opened while another client writes it may show a stale size.
+    """
+    local = {f"__{r}_" for r in range(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))}
+
+    def big_file(rel: str) -> bool:
+        name = rel.rsplit("/", 1)[-1]
+        if name.startswith(f".{WEIGHTS}."):
+            return True
+        return name.endswith(".distcp") and any(name.startswith(prefix) for prefix in local)
+
+    return FollowingHasher(tmp, big_file).start()
+
+
+def prepare(tmp: Path) -> None:
+    """Rank 0: an empty ``<name>.tmp/trainer.dcp/`` (a leftover of an interrupted or failed save is removed)."""
+    remove_tree(tmp)
+    (tmp / TRAINER_DCP).mkdir(parents=True)
+    point("standard.prepared", tmp)
+
+
+def publish(tmp: Path, final: Path, weights: dict[str, Any], manifest: dict[str, Any],
+            hasher: FollowingHasher | None = None) -> None:
+    """Rank 0, after every rank's DCP write: markers, ``weights.pth``, manifest, ``.complete``, rotation.
+
+    ``hasher`` (:func:`follow_hashes`, started before the DCP write) has been hashing the
+    big files while they were written; whatever it did not cover is hashed here.
+    """
+    _write_marker(tmp / TRAINER_DCP / COMPLETE)
+    point("standard.dcp_complete", tmp)
+    with without_zip_crc32():  # like the shards: the manifest's sha256 covers it
+        save_torch_file(tmp / WEIGHTS, weights)
+    point("standard.weights_written", tmp / WEIGHTS)
+    files = describe_files(tmp, known=hasher.finish() if hasher is not None else None)
+    fsync_tree(tmp)
+    point("standard.synced", tmp)
+    write_manifest(tmp / MANIFEST, {"format": "standard", **manifest, "files": files})
+    point("standard.manifest_written", tmp / MANIFEST)
+    _write_marker(tmp / COMPLETE)
+    fsync_dir(tmp)
+    point("standard.complete_written", tmp / COMPLETE)
+    rotate_into_place(tmp, final)
+
+
+def short_error(e: BaseException) -> str:
+    """One line for a save's error message: ``<path>: <OS error>``, else ``<class>: <first line>``."""
+    if isinstance(e, OSError) and e.filename:
+        return f"{e.filename}: {e.strerror or e}"
+    return f"{e.__class__.__name__}: {first_line(e, empty='')}"
+
+
+def remove_quietly(tmp: Path) -> None:
+    """Remove a failed save's temporary directory, if it can be removed."""
+    try:
+        remove_tree(tmp)
+    except OSError:
+        pass  # reported by `pimm checkpoints ls` and removed by the next successful save
+
+
+def intact_note(model_dir: Path) -> str:
+    """What a failed save left a resume (read from disk after the cleanup, not assumed):
+    ``"; <path> (step N) is complete and is what a resume selects"``, or that the run has no
+    complete checkpoint yet. After a late failure (a rotation step) that can be the new save."""
+    chosen, _ = select_resume(model_dir)
+    if chosen is None:
+        return "; this run has no complete checkpoint yet"
+    return f"; {chosen.path} (step {chosen.step}) is complete and is what a resume selects"
+
+
+def on_main(info: DistInfo, fn: Callable[[], None], tmp: Path, model_dir: Path) -> None:
+    """Run ``fn`` on rank 0 and make every rank raise if it failed, so no rank waits forever.
+
+    Raises:
+        CheckpointSaveError: on every rank, naming the path and the OS error and what a
+            resume would now select (:func:`intact_note`); ``tmp`` is removed.
+    """
+    error = None
+    if info.is_main:
+        try:
+            fn()
+        except Exception as e:
+            remove_quietly(tmp)
+            error = f"checkpoint save failed: {short_error(e)}{intact_note(model_dir)}"
+    errors = dist.all_gather_object(error) if info.distributed else [error]
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointSaveError(first)
+

@@ -1,0 +1,213 @@
+"""The Recorder: what a run writes about itself, on rank 0, while it trains.
+
+- ``train.log``: the ``pimm`` log of this run (attached for the length of ``train()``; a
+  logger the host program left unconfigured also gets the CLI's console output);
+- ``metrics.jsonl``: one record per logged optimizer step and per evaluation;
+- ``status.json``: the heartbeat (``running``, ``stopping``, then ``finished``,
+  ``stopped`` or ``failed``) with the position and the pids of every rank;
+- ``provenance.json``: one entry per start or resume, and one per stop;
+- the progress display: a Rich bar on a terminal, plain log lines otherwise.
+
+Other ranks, and a run without a run directory, write no file. The writers are those of
+:mod:`pimm_core.run`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..config import Config, write_config
+from ..console_log import attach_console
+from ..dist import DistInfo
+from ..run import CONFIG, METRICS, MetricsWriter, append_provenance, launch_record, log_handler, now_iso, write_status
+from .state import TrainState
+
+log = logging.getLogger("pimm")
+
+
+class Recorder:
+    """Rank 0's record of one ``train()`` call in ``run_dir``.
+
+    Args:
+        run_dir: the run directory (None: nothing is written, only the console attached).
+        info: this process's rank layout (only rank 0 writes).
+        state: the trainer's progress, read at each write.
+        epochs: ``train.epochs`` of this call (``status.json`` shows it).
+        steps_per_epoch: optimizer steps in a full epoch.
+        log_every_steps: a train record every this many optimizer steps (and at step 1).
+    """
+
+    def __init__(self, run_dir: Path | None, info: DistInfo, state: TrainState, *, epochs: int,
+                 steps_per_epoch: int, log_every_steps: int):
+        self.run_dir, self.info, self.state = run_dir, info, state
+        self.epochs, self.steps_per_epoch, self.log_every_steps = epochs, steps_per_epoch, log_every_steps
+        self.writes = run_dir is not None and info.is_main
+        self.total = 0  # the step the run ends at (total_steps), set by the trainer
+        self.pids = [os.getpid()]  # every rank's pid, set by the trainer once gathered
+        self.progress: ProgressDisplay | None = None
+        self._metrics: MetricsWriter | None = None
+        self._log_handler: logging.Handler | None = None
+        self._detach_console: Callable[[], None] = lambda: None
+        self._samples = 0
+        self._last_log = (time.perf_counter(), 0)  # (time, samples) of the last train record
+
+    # ------------------------------------------------------------- log file
+    def open_log(self) -> None:
+        """Send the ``pimm`` log to ``run_dir/train.log`` (before anything of this run is logged)
+        and attach the console to an unconfigured logger."""
+        if self._log_handler is not None:
+            return
+        self._detach_console = attach_console(self.info.is_main)
+        if not self.writes:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        handler = log_handler(self.run_dir)
+        log.addHandler(handler)
+        self._log_handler = handler
+
+    def close(self) -> None:
+        """Detach this run's ``train.log`` and console (the logger is process-wide; later runs must
+        not write here) and close ``metrics.jsonl``."""
+        if self._log_handler is not None:
+            log.removeHandler(self._log_handler)
+            self._log_handler.close()
+            self._log_handler = None
+        self._detach_console()
+        self._detach_console = lambda: None
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+
+    # --------------------------------------------------- run directory files
+    def start(self, config: Config, entry: dict[str, Any], *, fresh: bool, code_version: str | None,
+              data_fingerprint: str | None) -> None:
+        """Write ``config.toml``, open ``metrics.jsonl`` (emptied first when ``fresh``: a fresh start
+        never mixes in an earlier attempt's log) and append ``entry`` (the start or resume record)
+        to ``provenance.json``, with the versions of code, torch, python and data."""
+        if not self.writes:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_config(config, self.run_dir / CONFIG)
+        if fresh:
+            (self.run_dir / METRICS).unlink(missing_ok=True)
+        self._metrics = MetricsWriter(self.run_dir / METRICS)
+        world, workers = self.info.world_size, config.data.num_workers
+        base = {"code_version": code_version, "torch_version": torch.__version__, "host": socket.gethostname(),
+                "world_size": world, "workers_per_rank": workers, "data_fingerprint": data_fingerprint,
+                "python": sys.version.split()[0]}
+        append_provenance(self.run_dir, base, {"time": now_iso(), "world_size": world, "workers_per_rank": workers,
+                                               "launch": launch_record(world), **entry})
+
+    def status(self, state: str, **extra: Any) -> None:
+        """Replace ``status.json``: ``state`` (``running``, ``stopping``, ...) and the position."""
+        if self.writes:
+            s = self.state
+            write_status(self.run_dir, state, pids=self.pids, step=s.global_step, epoch=s.epoch, iter=s.iter,
+                         total_steps=self.total, steps_per_epoch=self.steps_per_epoch,
+                         epochs=self.epochs, world_size=self.info.world_size, stop_reason=s.stop_reason, **extra)
+
+    def record(self, record: dict[str, Any]) -> None:
+        """Append one record to ``metrics.jsonl`` (``time`` is added)."""
+        if self._metrics is not None:
+            self._metrics.write(record)
+
+    # --------------------------------------------------------------- moments
+    @contextlib.contextmanager
+    def training(self) -> Iterator[None]:
+        """The progress display for the length of the loop (the samples/s clock starts here)."""
+        self.progress = ProgressDisplay(self.info.is_main, total=self.total)
+        self.progress.start(self.state.global_step)
+        self._last_log = (time.perf_counter(), self._samples)
+        try:
+            yield
+        finally:
+            self.progress.stop()
+
+    def on_step(self, epoch: int, loss: torch.Tensor, lr: float, samples: int) -> None:
+        """After an optimizer step of ``epoch``: every ``log_every_steps`` (and at step 1) a train
+        record, a progress line and a status heartbeat; the bar advances at every step.
+
+        Args:
+            loss: the window's mean loss (0-d tensor; read only when recorded).
+            lr: the LR the step used.
+            samples: samples in the window on this rank.
+        """
+        s = self.state
+        self._samples += samples
+        if s.global_step % self.log_every_steps == 0 or s.global_step == 1:
+            now = time.perf_counter()
+            then, samples_then = self._last_log
+            rate = (self._samples - samples_then) * self.info.world_size / max(now - then, 1e-9)
+            self._last_log = (now, self._samples)
+            loss_value = loss.item()
+            self.record({"step": s.global_step, "epoch": epoch, "iter": s.iter, "split": "train",
+                         "loss": loss_value, "lr": lr, "samples_per_s": rate})
+            self.progress.log(s, loss_value, lr, rate)
+            self.status("running")
+        self.progress.advance(s.global_step)
+
+    def on_eval(self, epoch: int, metrics: dict[str, float], metric: str) -> None:
+        """An evaluation of ``epoch``: its record and log line (with the best ``metric`` so far)."""
+        s = self.state
+        self.record({"step": s.global_step, "epoch": epoch, "iter": s.iter, "split": "val",
+                     "loss": metrics["val/loss"], "acc": metrics["val/acc"]})
+        if self.info.is_main:
+            best = s.best_metric
+            log.info("epoch %d eval: val/acc %.4f val/loss %.4f (best %s %.4f)", epoch, metrics["val/acc"],
+                     metrics["val/loss"], metric, best if best is not None else float("nan"))
+
+    def on_stop(self) -> None:
+        """The run stopped early: the log line and the ``stop`` provenance entry."""
+        s = self.state
+        if not self.info.is_main:
+            return
+        skipped = "" if s.eval_step == s.global_step else "; final evaluation skipped"
+        log.info("stopped (%s) at step %d, epoch %d, iter %d%s", s.stop_reason,
+                 s.global_step, s.epoch, s.iter, skipped)
+        if self.run_dir is not None:
+            append_provenance(self.run_dir, {}, {"time": now_iso(), "kind": "stop", "reason": s.stop_reason,
+                                                 "step": s.global_step, "epoch": s.epoch, "iter": s.iter})
+
+
+class ProgressDisplay:
+    """Rank-0 progress: a Rich bar on a terminal, plain log lines otherwise (cluster logs)."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled, self.total = enabled, total
+        self.rich = None
+        if enabled and sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.rich = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                 TimeRemainingColumn(), TextColumn("{task.fields[info]}"), transient=True)
+
+    def start(self, step: int) -> None:
+        if self.rich is not None:
+            self.rich.start()
+            self.task = self.rich.add_task("train", total=self.total, completed=step, info="")
+
+    def advance(self, step: int) -> None:
+        if self.rich is not None:
+            self.rich.update(self.task, completed=step)
+
+    def log(self, s: TrainState, loss: float, lr: float, rate: float) -> None:
+        if not self.enabled:
+            return
+        if self.rich is not None:
+            self.rich.update(self.task, info=f"epoch {s.epoch} loss {loss:.4f} lr {lr:.2e} {rate:.0f} samples/s")
+        else:
+            log.info("step %d/%d epoch %d iter %d loss %.4f lr %.3e %.0f samples/s",
+                     s.global_step, self.total, s.epoch, s.iter, loss, lr, rate)
+
+    def stop(self) -> None:
+        if self.rich is not None:
+            self.rich.stop()
