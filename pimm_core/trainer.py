@@ -9,6 +9,13 @@ optimizer step. At the
 end of an epoch the evaluator runs first and the checkpoint saver second, so the
 saver sees the evaluator's result of the same epoch (``model_best.pth``).
 
+The parts (:mod:`pimm_core.train`): what is trained (:mod:`~pimm_core.train.build`), a
+:class:`WindowStep` per window, the :class:`StopAgreement`, the :class:`Evaluator` with its
+:class:`BestTracker`, the :class:`Checkpointer` (save schedule and format) and, per
+:meth:`Trainer.train` call, the :class:`Recorder` (log, metrics, status, provenance,
+progress). None of them holds the trainer: a reference cycle would keep the loaders'
+worker processes alive.
+
 Counters follow PyTorch/torchtitan usage: ``global_step`` counts optimizer steps
 over the whole run; ``epoch`` and ``iter`` (micro-batch index in the epoch) name
 the *next* batch to train, so a checkpoint at an epoch end says ``(epoch+1, 0)``.
@@ -44,7 +51,7 @@ from .run import code_version
 from .stop import StopRequest
 from .topology import finished_message
 from .train.best import BestTracker
-from .train.build import build_data, build_model, build_objective
+from .train.build import build_data, build_model, build_objective, warm_start_model
 from .train.checkpointer import Checkpointer
 from .train.evaluator import Evaluator
 from .train.recorder import Recorder
@@ -96,11 +103,7 @@ class Trainer:
     ``trainer.callbacks`` holds functions called with the trainer after every optimizer
     step on every rank (before the stop agreement), e.g. to request a stop.
 
-    The parts (:mod:`pimm_core.train`): a :class:`WindowStep` per window, the
-    :class:`StopAgreement`, the :class:`Evaluator` with its :class:`BestTracker`, the
-    :class:`Checkpointer` (save schedule and format) and, per :meth:`train` call, the
-    :class:`Recorder` (log, metrics, status, provenance, progress). None of them holds the
-    trainer: a reference cycle would keep the loaders' worker processes alive.
+    Its parts: see the module docstring.
 
     Under torchrun the process group is created here (gloo on CPU, NCCL on CUDA) and
     the model is wrapped in DDP.
@@ -149,21 +152,6 @@ class Trainer:
         self.recorder: Recorder | None = None  # one per train() call
 
     # ----------------------------------------------------------------- set-up
-    def _warm_start(self):
-        """Load ``train.weight`` into the new model (weights only; logged report, zero match raises);
-        the EMA restarts from the loaded weights."""
-        from .checkpoint.warm_start import warm_start
-
-        t = self.config.train
-        rules = [tuple(r) for r in t.key_rules] if t.key_rules is not None else None
-        quiet = logging.getLogger("pimm.quiet")
-        quiet.propagate = False
-        self.warm_start_report = warm_start(unwrap(self.model), t.weight, weight_set=t.weight_set, rules=rules,
-                                            logger=log if self.info.is_main else quiet)
-        if self.ema is not None:
-            self.ema.restart(unwrap(self.model))
-        return self.warm_start_report
-
     def _build_scheduler(self, t: TrainConfig):
         """The LR schedule of this ``train()`` call (``[scheduler]``, else ``train.scheduler``)."""
         return build_scheduler(dataclasses.replace(self.config, train=t), self.optimizer, self.end_step(t),
@@ -257,7 +245,8 @@ class Trainer:
             entry: dict[str, Any] = {"kind": "start", "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
             c = self.config
             if resume_from is None and c.train.weight and not c.train.resume:  # a resume never warm-starts
-                entry["warm_start"] = self._warm_start().to_json()
+                self.warm_start_report = warm_start_model(c.train, unwrap(self.model), self.ema, self.info.is_main)
+                entry["warm_start"] = self.warm_start_report.to_json()
             self.checkpointer.begin(checkpoint_dir, scheduler=self.scheduler, grad_accum=t.grad_accum)
             if resume_from is not None:
                 entry = resume(self, resume_from, checkpoint_dir)

@@ -11,13 +11,14 @@ a wrong target or argument is a :class:`~pimm_core.errors.ConfigError` naming th
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Callable
 
 from torch import nn
 from torch.utils.data import IterableDataset
 
-from ..config import Config
+from ..config import Config, TrainConfig
 from ..data import Datasets, as_datasets, data_spec
 from ..errors import ConfigError
 from ..models import model_spec
@@ -77,3 +78,25 @@ def build_objective(cfg: Config, config_path: str | Path | None,
     if callable(given):
         return Objective(getattr(given, "__qualname__", "objective"), given)
     return get_objective(given if given is not None else cfg.objective, config_path)
+
+
+def warm_start_model(t: TrainConfig, model: nn.Module, ema: Any, is_main: bool):
+    """Load ``t.weight`` into the new (unwrapped) ``model``: weights only, the report logged on
+    rank 0; the EMA (if any) restarts from the loaded weights.
+
+    Returns:
+        The :class:`~pimm_core.checkpoint.warm_start` report.
+
+    Raises:
+        CheckpointError: as :func:`pimm_core.checkpoint.warm_start.warm_start` (zero match...).
+    """
+    from ..checkpoint.warm_start import warm_start
+
+    rules = [tuple(r) for r in t.key_rules] if t.key_rules is not None else None
+    quiet = logging.getLogger("pimm.quiet")
+    quiet.propagate = False
+    report = warm_start(model, t.weight, weight_set=t.weight_set, rules=rules,
+                        logger=logging.getLogger("pimm") if is_main else quiet)
+    if ema is not None:
+        ema.restart(model)
+    return report
