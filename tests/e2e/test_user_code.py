@@ -161,3 +161,14 @@ def test_python_api_overrides_what_the_config_names(tmp_path, monkeypatch):
     assert trainer.state.last_eval.keys() == {"val/loss"}
     saved = torch.load(tmp_path / "ckpt" / "last" / "weights.pth", weights_only=True)["state_dict"]
     assert "body.1.running_mean" in saved  # the user model's buffers are in the checkpoint
+
+
+def test_tensorboard_without_the_package_is_one_error_line(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed: the events are written instead")
+    r = _launch(_config(tmp_path), tmp_path / "exp", "tb", overrides=("log.tensorboard=true",))
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1, describe(r)
+    assert "log.tensorboard" in errors[0] and "uv sync --group tensorboard" in errors[0]
