@@ -191,21 +191,26 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-def train_loader(ds: TensorDataset, cfg: DataConfig, info: DistInfo, seed: int) -> tuple[StatefulDataLoader, DistributedSampler]:
-    """Shuffled, epoch-addressed training loader for this rank (``drop_last`` on the sampler off)."""
+def train_loader(ds: Any, cfg: DataConfig, info: DistInfo, seed: int,
+                 collate_fn: Callable[[list[Any]], Any] | None = None) -> tuple[StatefulDataLoader, DistributedSampler]:
+    """Shuffled, epoch-addressed training loader for this rank over a map-style ``ds``
+    (``drop_last`` on the sampler off; ``collate_fn`` None: PyTorch's default)."""
     sampler = DistributedSampler(ds, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed)
     # The loader's own generator: creating an iterator must not draw from the global
     # torch RNG, or a resumed run (which creates one mid-epoch) would shift the dropout stream.
     loader = StatefulDataLoader(ds, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
-                                drop_last=False, persistent_workers=False,
+                                drop_last=False, persistent_workers=False, collate_fn=collate_fn,
                                 worker_init_fn=functools.partial(init_worker, os.getpid()),
                                 generator=torch.Generator().manual_seed(seed + info.rank))
     return loader, sampler
 
 
-def eval_loader(ds: TensorDataset, cfg: DataConfig, info: DistInfo) -> torch.utils.data.DataLoader:
+def eval_loader(ds: Any, cfg: DataConfig, info: DistInfo,
+                collate_fn: Callable[[list[Any]], Any] | None = None) -> torch.utils.data.DataLoader:
+    """This rank's unpadded shard of a map-style validation set (:class:`ShardSampler`), in
+    batches of ``max(data.batch_size, 256)``: every sample is evaluated exactly once."""
     return torch.utils.data.DataLoader(ds, batch_size=max(cfg.batch_size, 256), sampler=ShardSampler(len(ds), info),
-                                       generator=torch.Generator().manual_seed(0))
+                                       generator=torch.Generator().manual_seed(0), collate_fn=collate_fn)
 
 
 def init_worker(rank_pid: int, worker_id: int) -> None:

@@ -9,6 +9,13 @@ optimizer step. At the
 end of an epoch the evaluator runs first and the checkpoint saver second, so the
 saver sees the evaluator's result of the same epoch (``model_best.pth``).
 
+The parts (:mod:`pimm_core.train`): what is trained (:mod:`~pimm_core.train.build`), a
+:class:`WindowStep` per window, the :class:`StopAgreement`, the :class:`Evaluator` with its
+:class:`BestTracker`, the :class:`Checkpointer` (save schedule and format) and, per
+:meth:`Trainer.train` call, the :class:`Recorder` (log, metrics, status, provenance,
+progress). None of them holds the trainer: a reference cycle would keep the loaders'
+worker processes alive.
+
 Counters follow PyTorch/torchtitan usage: ``global_step`` counts optimizer steps
 over the whole run; ``epoch`` and ``iter`` (micro-batch index in the epoch) name
 the *next* batch to train, so a checkpoint at an epoch end says ``(epoch+1, 0)``.
@@ -17,6 +24,7 @@ the *next* batch to train, so a checkpoint at an epoch end says ``(epoch+1, 0)``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -33,15 +41,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from . import dist
 from .checkpoint.state import unwrap
 from .config import Config, TrainConfig
-from .data import build_datasets, eval_loader, train_loader
+from .data import eval_loader, train_loader
+from .data_rng import set_epoch
 from .ema import EMA
 from .errors import CheckpointSaveError, ConfigError
-from .models import build_model
+from .objectives import Objective
+from .optim import build_optimizer, build_scheduler, observe_metric
 from .run import code_version
-from .schedule import WarmupCosine
 from .stop import StopRequest
 from .topology import finished_message
 from .train.best import BestTracker
+from .train.build import build_data, build_model, build_objective, warm_start_model
 from .train.checkpointer import Checkpointer
 from .train.evaluator import Evaluator
 from .train.recorder import Recorder
@@ -75,22 +85,34 @@ class Trainer:
             :meth:`train` gets a ``checkpoint_dir``.
         stop: the :class:`~pimm_core.stop.StopRequest` this trainer obeys (a new one
             by default, reachable as ``trainer.stop``).
+        config_path: the config file; its directory is searched for user code
+            (:mod:`pimm_core.targets`).
+        model: an ``nn.Module`` to train instead of ``model.target``/``model.name``.
+        datasets: the train and validation datasets instead of ``data.target``/``data.name``:
+            ``(train, val)``, ``(train, val, collate_fn)``, a :class:`~pimm_core.data.Datasets`
+            or anything :func:`~pimm_core.data.as_datasets` takes (map-style datasets).
+        objective: instead of ``objective``: a built-in name, a target text, an
+            :class:`~pimm_core.objectives.Objective` or a function
+            ``(model, batch) -> (loss, {metric: value})``.
+
+    Example with your own code (every keyword is optional; the config names the rest)::
+
+        trainer = Trainer(cfg, model=MyNet(), datasets=(train_ds, val_ds), objective="regression")
+        trainer.train(TrainConfig(epochs=100), checkpoint_dir=Path("ckpt"), resume_from=None)
 
     ``trainer.callbacks`` holds functions called with the trainer after every optimizer
     step on every rank (before the stop agreement), e.g. to request a stop.
 
-    The parts (:mod:`pimm_core.train`): a :class:`WindowStep` per window, the
-    :class:`StopAgreement`, the :class:`Evaluator` with its :class:`BestTracker`, the
-    :class:`Checkpointer` (save schedule and format) and, per :meth:`train` call, the
-    :class:`Recorder` (log, metrics, status, provenance, progress). None of them holds the
-    trainer: a reference cycle would keep the loaders' worker processes alive.
+    Its parts: see the module docstring.
 
     Under torchrun the process group is created here (gloo on CPU, NCCL on CUDA) and
     the model is wrapped in DDP.
     """
 
-    def __init__(self, config: Config, run_dir: Path | None = None, *, stop: StopRequest | None = None):
-        self.config = config
+    def __init__(self, config: Config, run_dir: Path | None = None, *, stop: StopRequest | None = None,
+                 config_path: str | Path | None = None, model: nn.Module | None = None, datasets: Any = None,
+                 objective: Objective | Callable | str | None = None):
+        self.config, self.config_path = config, config_path
         self.stop = stop or StopRequest()
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.info = dist.env_world()
@@ -99,17 +121,19 @@ class Trainer:
         if config.train.amp == "fp16" and self.device.type != "cuda":
             raise ConfigError("train.amp = 'fp16' needs CUDA; use 'bf16' or 'none' on CPU")
 
-        self.data = build_datasets(config.data)
+        self.data = build_data(config, config_path, datasets)
+        self.objective = build_objective(config, config_path, objective)
         torch.manual_seed(config.train.seed)  # identical initial weights on every rank
-        model = self._build_model().to(self.device)
+        model = build_model(config, config_path, model).to(self.device)
         self.warm_start_report = None  # set by train() when it warm-starts from train.weight
         self.ema = EMA(model, config.ema.decay, config.ema.warmup) if config.ema.enabled else None
         self.model: nn.Module = DDP(model) if self.info.distributed else model
         seed_everything(config.train.seed + self.info.rank)  # rank-distinct dropout streams
 
-        self.loader, self.sampler = train_loader(self.data.train, config.data, self.info, config.train.seed)
-        self.val_loader = eval_loader(self.data.val, config.data, self.info)
-        self.optimizer = self._build_optimizer()
+        d = self.data
+        self.loader, self.sampler = train_loader(d.train, config.data, self.info, config.train.seed, d.collate_fn)
+        self.val_loader = eval_loader(d.val, config.data, self.info, d.collate_fn)
+        self.optimizer = build_optimizer(config, unwrap(self.model), config_path)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.train.amp == "fp16")
         self.state = TrainState()
         self._pending_loader_state: dict[str, Any] | None = None
@@ -124,40 +148,14 @@ class Trainer:
         # cycle that keeps the loaders, and their worker processes, alive until interpreter exit)
         self.evaluator = Evaluator(self.val_loader, self.device,
                                    functools.partial(autocast_context, config.train.amp, self.device.type),
-                                   config.eval.weights)
+                                   config.eval.weights, self.objective)
         self.recorder: Recorder | None = None  # one per train() call
 
     # ----------------------------------------------------------------- set-up
-    def _warm_start(self):
-        """Load ``train.weight`` into the new model (weights only; logged report, zero match raises);
-        the EMA restarts from the loaded weights."""
-        from .checkpoint.warm_start import warm_start
-
-        t = self.config.train
-        rules = [tuple(r) for r in t.key_rules] if t.key_rules is not None else None
-        quiet = logging.getLogger("pimm.quiet")
-        quiet.propagate = False
-        self.warm_start_report = warm_start(unwrap(self.model), t.weight, weight_set=t.weight_set, rules=rules,
-                                            logger=log if self.info.is_main else quiet)
-        if self.ema is not None:
-            self.ema.restart(unwrap(self.model))
-        return self.warm_start_report
-
-    def _build_model(self) -> nn.Module:
-        """The model of ``config.model`` for the datasets' input shape and classes."""
-        d = self.data
-        return build_model(self.config.model, d.in_features, d.in_shape, d.num_classes)
-
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        t = self.config.train
-        params = unwrap(self.model).parameters()
-        if t.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
-        return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
-
-    def _build_scheduler(self, t: TrainConfig) -> WarmupCosine:
-        return WarmupCosine(self.optimizer, warmup=t.warmup_steps, total=self.end_step(t),
-                            min_ratio=t.min_lr / t.lr if t.lr else 0.0, kind=t.scheduler)
+    def _build_scheduler(self, t: TrainConfig):
+        """The LR schedule of this ``train()`` call (``[scheduler]``, else ``train.scheduler``)."""
+        return build_scheduler(dataclasses.replace(self.config, train=t), self.optimizer, self.end_step(t),
+                               self.config_path)
 
     @property
     def micro_batches_per_epoch(self) -> int:
@@ -185,6 +183,7 @@ class Trainer:
         weights, or the EMA weights when ``eval.weights = "ema"``.
 
         Returns:
+            ``{"val/<metric>": value}`` of the objective, e.g. classification's
             ``{"val/acc": fraction in [0, 1], "val/loss": nats per sample}``.
         """
         return self.evaluator.evaluate(self.model, self.ema)
@@ -246,7 +245,8 @@ class Trainer:
             entry: dict[str, Any] = {"kind": "start", "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
             c = self.config
             if resume_from is None and c.train.weight and not c.train.resume:  # a resume never warm-starts
-                entry["warm_start"] = self._warm_start().to_json()
+                self.warm_start_report = warm_start_model(c.train, unwrap(self.model), self.ema, self.info.is_main)
+                entry["warm_start"] = self.warm_start_report.to_json()
             self.checkpointer.begin(checkpoint_dir, scheduler=self.scheduler, grad_accum=t.grad_accum)
             if resume_from is not None:
                 entry = resume(self, resume_from, checkpoint_dir)
@@ -295,7 +295,8 @@ class Trainer:
         fmt = self.checkpointer.format
         # (the async format's staging must finish copying the weights before the optimizer step)
         step = WindowStep(self.model, self.optimizer, self.scaler, self.ema, t, autocast=self._autocast,
-                          distributed=self.info.distributed, before_step=fmt.wait_staged if fmt.asynchronous else None)
+                          distributed=self.info.distributed, objective=self.objective,
+                          before_step=fmt.wait_staged if fmt.asynchronous else None)
         self.model.train()
         evaluated_at_end = False
         with self.recorder.training():
@@ -333,6 +334,7 @@ class Trainer:
         s, n_micro = self.state, self.micro_batches_per_epoch
         epoch = s.epoch
         self.sampler.set_epoch(epoch)
+        set_epoch(self.data.train, epoch)  # per-sample augmentation RNGs (pimm_core.data_rng)
         if self._pending_loader_state is not None:
             self.loader.load_state_dict(self._pending_loader_state)
             self._pending_loader_state = None
@@ -385,7 +387,11 @@ class Trainer:
         s, e = self.state, self.config.eval
         metrics = self.evaluate()
         s.last_eval, s.eval_step = metrics, s.global_step
+        if e.metric not in metrics:
+            raise ConfigError(f"eval.metric = {e.metric!r} is not reported by objective {self.objective.name!r}; "
+                              f"it reports {sorted(metrics)}")
         value = metrics[e.metric]
+        observe_metric(self.scheduler, value)  # reduce-on-plateau steps on the selection metric
         if self.best.update(value, epoch):
             s.best_metric, s.best_epoch = self.best.best, self.best.epoch
             self.checkpointer.on_best(epoch, {"name": e.metric, "value": value, "mode": e.mode, "split": "val",

@@ -29,7 +29,7 @@ def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = 
     info = dist.env_world()
     setup_logging(info.is_main)
     run_dir = resolve_run_dir(cfg, config_path)
-    check_before_launch(cfg, run_dir, leftovers_ok=leftovers_ok)
+    check_before_launch(cfg, run_dir, leftovers_ok=leftovers_ok, config_path=config_path)
     claimed = claim(cfg, run_dir) if info.is_main else None
     run_dir = claimed.path if claimed is not None else run_dir
     try:
@@ -76,7 +76,7 @@ def _train_and_report(cfg: Config, config_path: Path | None, run_dir: Path, sour
 
     with lock, stop.catch_signals():
         try:
-            trainer = Trainer(cfg, run_dir=run_dir, stop=stop)
+            trainer = Trainer(cfg, run_dir=run_dir, stop=stop, config_path=config_path)
             state = trainer.train(checkpoint_dir=run_dir / MODEL, resume_from=source)
         finally:
             dist.shutdown()

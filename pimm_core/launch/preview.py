@@ -25,10 +25,10 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     from ..topology import config_diff, plan_resume
 
     run_dir = resolve_run_dir(cfg, config_path)
-    check_before_launch(cfg, run_dir, warm_start=False)
+    check_before_launch(cfg, run_dir, warm_start=False, config_path=config_path)
     source = resume_source(cfg, run_dir, resume_from)
     print(f"run: {run_dir}")
-    model = _dry_model(cfg)
+    model = _dry_model(cfg, config_path)
     if source is None:
         if cfg.train.weight:
             print(f"fresh start (no resume requested); warm start from {cfg.train.weight}: model weights only")
@@ -77,16 +77,15 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     return 0
 
 
-def _dry_model(cfg: Config):
-    """Build the data and the model as the trainer would (a bad name or size fails as at launch)."""
-    from ..data import build_datasets
-    from ..models import build_model
+def _dry_model(cfg: Config, config_path: Path | None):
+    """Build the data and the model as the trainer would (a bad name, target or size fails as at launch)."""
+    from ..train.build import build_data, build_model
 
-    data = build_datasets(cfg.data)
-    model = build_model(cfg.model, data.in_features, data.in_shape, data.num_classes)
+    data = build_data(cfg, config_path)
+    model = build_model(cfg, config_path)
     params = sum(p.numel() for p in model.parameters())
-    print(f"model: {cfg.model.name} ({params:,} parameters), data: {cfg.data.name} "
-          f"({len(data.train)} train / {len(data.val)} val samples)")
+    print(f"model: {cfg.model.target or cfg.model.name} ({params:,} parameters), data: "
+          f"{cfg.data.target or cfg.data.name} ({len(data.train)} train / {len(data.val)} val samples)")
     return model
 
 

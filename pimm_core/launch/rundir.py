@@ -44,7 +44,8 @@ def claim(cfg: Config, run_dir: Path, *, single_node: bool = True) -> RunDirClai
     return claim_run_dir(run_dir, numbered_names=_numbered_names(cfg) and single_node)
 
 
-def check_before_launch(cfg: Config, run_dir: Path, *, leftovers_ok: bool = False, warm_start: bool = True) -> None:
+def check_before_launch(cfg: Config, run_dir: Path, *, leftovers_ok: bool = False, warm_start: bool = True,
+                        config_path: Path | None = None) -> None:
     """Refuse, before the run directory is created and before any rank starts, what the
     launch would refuse later or what would lose work or silently start over.
 
@@ -52,17 +53,19 @@ def check_before_launch(cfg: Config, run_dir: Path, *, leftovers_ok: bool = Fals
         warm_start: also resolve ``train.weight`` (downloading ``hf://``) and refuse a
             source that is missing or not a PyTorch checkpoint (``--dry-run`` checks it
             its own way, without downloading).
+        config_path: the config file (its directory is searched for user code).
 
     Raises:
         UsageError: the run root is a file; a fresh run would start in a directory that
             already has checkpoints; a resume was asked for but the run has none.
-        ConfigError: a config value the trainer would refuse (:func:`check_config`).
+        ConfigError: a config value the trainer would refuse, a wrong target or ``args``
+            (:func:`check_config`).
         CheckpointError: the warm-start source does not resolve or is not a checkpoint.
     """
     for parent in [run_dir, *run_dir.parents]:
         if parent.exists() and not parent.is_dir():
             raise UsageError(f"{parent} is a file, not a directory; choose another --run.root or --run.name")
-    check_config(cfg)
+    check_config(cfg, config_path)
     if cfg.train.resume:
         return
     if warm_start and cfg.train.weight:
@@ -87,23 +90,25 @@ def check_before_launch(cfg: Config, run_dir: Path, *, leftovers_ok: bool = Fals
                      "or choose another --run.name")
 
 
-def check_config(cfg: Config) -> None:
+def check_config(cfg: Config, config_path: Path | None = None) -> None:
     """Refuse the config values that only building the run would otherwise reject: an
-    unknown ``data.name`` or ``model.name``, ``train.device = "cuda"`` without CUDA,
-    ``train.amp = "fp16"`` without CUDA (cheap: nothing is built).
+    unknown ``data.name`` or ``model.name``, a wrong target or ``args`` table
+    (:func:`pimm_core.plugins.check_targets`: user modules are imported, nothing is built),
+    ``train.device = "cuda"`` without CUDA, ``train.amp = "fp16"`` without CUDA.
 
     Raises:
         ConfigError: names the key and the values that work.
+        Exception: whatever a user module raises while it is imported, unchanged.
     """
     import torch
 
-    from ..data import DATASETS
-    from ..models import MODELS
+    from ..plugins import check_targets
 
-    if cfg.data.name not in DATASETS:
-        raise ConfigError(f"data.name = {cfg.data.name!r} is not a known dataset; use one of {sorted(DATASETS)}")
-    if cfg.model.name not in MODELS:
-        raise ConfigError(f"model.name = {cfg.model.name!r} is not a known model; use one of {sorted(MODELS)}")
+    check_targets(cfg, config_path)
+    if cfg.log.tensorboard:
+        from ..train.tensorboard import check_available
+
+        check_available()
     cuda = torch.cuda.is_available()
     if cfg.train.device == "cuda" and not cuda:
         raise ConfigError("train.device = 'cuda' but CUDA is not available here; use 'auto' or 'cpu'")

@@ -18,6 +18,7 @@ from ..errors import RANK_ERRORS_ENV, rank_errors
 from ..lock import LauncherLock
 from ..run import LAUNCH_ENV, STATUS, read_run_status
 from ..shell import PROGRAM_ENV, program, resume_command
+from ..targets import child_env
 from .forward import SignalForwarder
 from .options import LaunchOptions
 from .rundir import check_before_launch, claim, resolve_run_dir
@@ -38,14 +39,14 @@ def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOp
         0 on success, else the first failed rank's exit code.
     """
     run_dir = resolve_run_dir(cfg, config_path)
-    check_before_launch(cfg, run_dir, leftovers_ok=leftovers_ok)
+    check_before_launch(cfg, run_dir, leftovers_ok=leftovers_ok, config_path=config_path)
     single_node = opts.single_node()
     # Several nodes share the run directory: every node's agent checks and, if it is missing,
     # creates it (the first mkdir wins, the others use it); nothing is written in it until
     # the ranks start, and then only rank 0 writes the run files (see README, Multi-node).
     claimed = claim(cfg, run_dir, single_node=single_node)
     try:
-        code = _spawn_claimed(cfg, claimed.path, opts, argv, worker_args, single_node)
+        code = _spawn_claimed(cfg, claimed.path, opts, argv, worker_args, single_node, config_path)
     except BaseException:
         claimed.discard_if_unstarted()
         raise
@@ -55,7 +56,7 @@ def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOp
 
 
 def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[str], worker_args: list[str] | None,
-                   single_node: bool) -> int:
+                   single_node: bool, config_path: Path | None) -> int:
     # refuse at once if the run is in use; on one node, held until the ranks are gone (lock.py)
     lock = LauncherLock(run_dir, single_node=single_node).acquire()
     if worker_args is None:
@@ -82,6 +83,9 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
         # warning on every launch; set the same value here (a user's own value is kept).
         omp_was_set = "OMP_NUM_THREADS" in os.environ
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        # the ranks import user code (model.target...) from where this process does (targets.py)
+        old_pythonpath = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = child_env(config_path)["PYTHONPATH"]
         try:
             with forwarder or contextlib.nullcontext():
                 return _run_ranks(run, args, run_dir, errors_dir, forwarder)
@@ -91,6 +95,10 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
             os.environ.pop(PROGRAM_ENV, None)
             if not omp_was_set:
                 os.environ.pop("OMP_NUM_THREADS", None)
+            if old_pythonpath is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = old_pythonpath
 
 
 def _run_ranks(run, args, run_dir: Path, errors_dir: str, forwarder: SignalForwarder | None) -> int:

@@ -30,6 +30,7 @@ from ..console_log import attach_console
 from ..dist import DistInfo
 from ..run import CONFIG, METRICS, MetricsWriter, append_provenance, launch_record, log_handler, now_iso, write_status
 from .state import TrainState
+from .tensorboard import TensorBoardWriter
 
 log = logging.getLogger("pimm")
 
@@ -55,6 +56,7 @@ class Recorder:
         self.pids = [os.getpid()]  # every rank's pid, set by the trainer once gathered
         self.progress: ProgressDisplay | None = None
         self._metrics: MetricsWriter | None = None
+        self._tensorboard: TensorBoardWriter | None = None
         self._log_handler: logging.Handler | None = None
         self._detach_console: Callable[[], None] = lambda: None
         self._samples = 0
@@ -86,6 +88,9 @@ class Recorder:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
 
     # --------------------------------------------------- run directory files
     def start(self, config: Config, entry: dict[str, Any], *, fresh: bool, code_version: str | None,
@@ -100,6 +105,8 @@ class Recorder:
         if fresh:
             (self.run_dir / METRICS).unlink(missing_ok=True)
         self._metrics = MetricsWriter(self.run_dir / METRICS)
+        if config.log.tensorboard:
+            self._tensorboard = TensorBoardWriter(self.run_dir)
         world, workers = self.info.world_size, config.data.num_workers
         base = {"code_version": code_version, "torch_version": torch.__version__, "host": socket.gethostname(),
                 "world_size": world, "workers_per_rank": workers, "data_fingerprint": data_fingerprint,
@@ -116,9 +123,11 @@ class Recorder:
                          epochs=self.epochs, world_size=self.info.world_size, stop_reason=s.stop_reason, **extra)
 
     def record(self, record: dict[str, Any]) -> None:
-        """Append one record to ``metrics.jsonl`` (``time`` is added)."""
+        """Append one record to ``metrics.jsonl`` (``time`` is added), and to TensorBoard when asked."""
         if self._metrics is not None:
             self._metrics.write(record)
+        if self._tensorboard is not None:
+            self._tensorboard.write(record)
 
     # --------------------------------------------------------------- moments
     @contextlib.contextmanager
@@ -158,12 +167,13 @@ class Recorder:
     def on_eval(self, epoch: int, metrics: dict[str, float], metric: str) -> None:
         """An evaluation of ``epoch``: its record and log line (with the best ``metric`` so far)."""
         s = self.state
-        self.record({"step": s.global_step, "epoch": epoch, "iter": s.iter, "split": "val",
-                     "loss": metrics["val/loss"], "acc": metrics["val/acc"]})
+        values = {k.removeprefix("val/"): v for k, v in metrics.items()}
+        ordered = {k: values[k] for k in ("loss", *sorted(values)) if k in values}  # "loss" first, as always
+        self.record({"step": s.global_step, "epoch": epoch, "iter": s.iter, "split": "val", **ordered})
         if self.info.is_main:
             best = s.best_metric
-            log.info("epoch %d eval: val/acc %.4f val/loss %.4f (best %s %.4f)", epoch, metrics["val/acc"],
-                     metrics["val/loss"], metric, best if best is not None else float("nan"))
+            shown = " ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
+            log.info("epoch %d eval: %s (best %s %.4f)", epoch, shown, metric, best if best is not None else float("nan"))
 
     def on_stop(self) -> None:
         """The run stopped early: the log line and the ``stop`` provenance entry."""

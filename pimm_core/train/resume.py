@@ -25,6 +25,7 @@ from ..checkpoint.selection import is_model_dir, resolve_resume_path, select_ver
 from ..checkpoint.state import set_rng_state, unwrap
 from ..errors import CheckpointError
 from ..config import TrainConfig
+from ..schedule import WarmupCosine
 from ..run import CONFIG, METRICS, read_metrics, read_run_status
 from ..topology import config_diff, is_finished, plan_resume
 
@@ -78,9 +79,11 @@ def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict
     elif plan.replay_boundary is not None:
         tr.state.global_step = tr.state.epoch_start_step = plan.step
         tr.state.iter = 0
-    tr.scheduler.set_step(tr.state.global_step)
-    warnings += check_against_metrics(tr)
-    notes = apply_schedule_overrides(tr) + retarget_schedule(tr)
+    own = isinstance(tr.scheduler, WarmupCosine)  # a [scheduler] target's schedule is all its own
+    if own:
+        tr.scheduler.set_step(tr.state.global_step)
+    warnings += check_against_metrics(tr) if own else []
+    notes = apply_schedule_overrides(tr) + retarget_schedule(tr) if own else []
     if tr.info.is_main:
         for n in notes:
             log.info("%s", n)
@@ -163,7 +166,8 @@ def apply_schedule_overrides(tr: Trainer) -> list[str]:
     """
     t, sch = tr._t, tr.scheduler
     step = tr.state.global_step
-    notes = []
+    notes: list[str] = []
+    named = tr.config.scheduler.name is not None  # [scheduler] name: its kind is not train.scheduler
     ratio = t.min_lr / t.lr if t.lr else 0.0
     saved_lr = sch.base_lrs[0]
     if not math.isclose(saved_lr, t.lr, rel_tol=1e-12, abs_tol=0.0):
@@ -174,12 +178,16 @@ def apply_schedule_overrides(tr: Trainer) -> list[str]:
         notes.append(f"train.min_lr changed {saved_min:g} -> {t.min_lr:g} on resume: applied from step {step}")
     sch.min_ratio = ratio  # the floor stays min_lr whatever the base LR
     for key, attr in (("warmup_steps", "warmup"), ("scheduler", "kind")):
+        if key == "scheduler" and named:
+            continue
         if getattr(sch, attr) != getattr(t, key):
             notes.append(f"train.{key} changed {getattr(sch, attr)!r} -> {getattr(t, key)!r} on resume: "
                          f"applied from step {step}")
             setattr(sch, attr, getattr(t, key))
-    hyper = {"weight_decay": t.weight_decay}
-    if t.optimizer == "sgd":
+    o = tr.config.optimizer
+    # [optimizer]'s groups (no decay on biases and norms) and args are restored as saved
+    hyper = {"weight_decay": t.weight_decay} if o.name is None and o.target is None else {}
+    if hyper and t.optimizer == "sgd":
         hyper["momentum"] = t.momentum
     for key, value in hyper.items():
         saved = tr.optimizer.param_groups[0].get(key)

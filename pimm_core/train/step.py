@@ -12,16 +12,17 @@ the AMP GradScaler, clears the gradients and updates the EMA.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import TrainConfig
 from ..ema import EMA
 from ..errors import TrainingError
 from ..checkpoint.state import unwrap
+from ..objectives import BUILTIN, Objective, batch_size
+from .evaluator import to_device
 from .state import TrainState
 
 APPLIED, SKIPPED, STOP = "applied", "skipped", "stop"
@@ -57,17 +58,18 @@ class WindowStep:
         train: ``grad_clip`` and ``on_nonfinite`` are read from it.
         autocast: a context-manager factory for the forward pass (mixed precision).
         distributed: the model is DDP (use ``no_sync`` inside a window).
-        loss_fn: ``(outputs, targets) -> scalar loss`` (cross-entropy by default).
+        objective: ``(model, batch) -> (loss, metrics)`` (:mod:`pimm_core.objectives`;
+            classification by default); only the loss is used here.
         before_step: called just before the optimizer step (e.g. an async save's staging
             must finish copying the weights first).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                  ema: EMA | None, train: TrainConfig, *, autocast: Callable[[], contextlib.AbstractContextManager],
-                 distributed: bool, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+                 distributed: bool, objective: Objective = BUILTIN["classification"],
                  before_step: Callable[[], None] | None = None):
         self.model, self.optimizer, self.scaler, self.ema, self.train = model, optimizer, scaler, ema, train
-        self.autocast, self.distributed, self.loss_fn, self.before_step = autocast, distributed, loss_fn, before_step
+        self.autocast, self.distributed, self.objective, self.before_step = autocast, distributed, objective, before_step
 
     def windows(self, batches: Iterable, state: TrainState, micro_batches: int,
                 device: torch.device) -> Iterator[tuple[str, torch.Tensor, int]]:
@@ -78,7 +80,7 @@ class WindowStep:
         consumed; the caller advances ``global_step``.
 
         Args:
-            batches: yields ``(inputs, targets, indices)`` from ``state.iter`` on.
+            batches: yields the loader's batches from ``state.iter`` on (the objective reads them).
             micro_batches: micro-batches in the whole epoch.
 
         Yields:
@@ -88,25 +90,25 @@ class WindowStep:
         accum = self.train.grad_accum
         window_loss = torch.zeros((), device=device)
         window_start, samples = state.iter, 0  # windows run from where this epoch continues
-        for x, y, _ in batches:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        for batch in batches:
+            batch = to_device(batch, device)
             window_len = min(accum, micro_batches - window_start)
             last_in_window = state.iter + 1 == window_start + window_len
-            window_loss += self.backward(x, y, window_len=window_len, last_in_window=last_in_window)
+            window_loss += self.backward(batch, window_len=window_len, last_in_window=last_in_window)
             state.iter += 1
-            samples += len(y)
+            samples += batch_size(batch)
             if not last_in_window:
                 continue
             yield self.finish(), window_loss, samples
             window_loss = torch.zeros((), device=device)
             window_start, samples = state.iter, 0
 
-    def backward(self, x: torch.Tensor, y: torch.Tensor, *, window_len: int, last_in_window: bool) -> torch.Tensor:
+    def backward(self, batch: Any, *, window_len: int, last_in_window: bool) -> torch.Tensor:
         """One micro-batch; returns its (detached) share of the window's mean loss."""
         sync = contextlib.nullcontext() if (last_in_window or not self.distributed) else self.model.no_sync()
         with sync:
             with self.autocast():
-                loss = self.loss_fn(self.model(x), y) / window_len
+                loss = self.objective(self.model, batch)[0] / window_len
             self.scaler.scale(loss).backward()
         return loss.detach()
 

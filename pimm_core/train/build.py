@@ -1,0 +1,102 @@
+"""What a Trainer trains, from its config or from the caller: model, data and objective.
+
+Each part comes from the Python caller when given (``Trainer(cfg, model=..., datasets=...,
+objective=...)``), else from the config's target (:mod:`pimm_core.targets`): the built-in
+``model.name``/``data.name`` are the targets ``pimm_core.models:<name>`` and
+``pimm_core.data:<name>`` (:func:`~pimm_core.models.model_spec`,
+:func:`~pimm_core.data.data_spec`), so the bundled digits run and a user's own code take
+the same path. An exception inside user code propagates unchanged (the user's traceback);
+a wrong target or argument is a :class:`~pimm_core.errors.ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+from torch import nn
+from torch.utils.data import IterableDataset
+
+from ..config import Config, TrainConfig
+from ..data import Datasets, as_datasets, data_spec
+from ..errors import ConfigError
+from ..models import model_spec
+from ..objectives import Objective, get_objective
+from ..targets import TargetSpec, call
+
+
+def build_data(cfg: Config, config_path: str | Path | None, given: Any = None) -> Datasets:
+    """The train and validation datasets: ``given`` (anything :func:`~pimm_core.data.as_datasets`
+    accepts) or ``data.target``/``data.name`` called with its args.
+
+    Raises:
+        ConfigError: wrong target or args, a return value that is not two datasets, or an
+            iterable dataset (not supported by the trainer's loaders yet).
+    """
+    if given is not None:
+        out = as_datasets(given, TargetSpec("datasets", "Trainer(datasets=...)"))
+    else:
+        spec = data_spec(cfg.data)
+        out = as_datasets(call(spec, config_path=config_path), spec)
+    for split in ("train", "val"):
+        if isinstance(getattr(out, split), IterableDataset):
+            raise ConfigError(f"data: the {split} split is an IterableDataset; pimm's loaders take map-style "
+                              "datasets (__getitem__ and __len__) for now")
+    return out
+
+
+def build_model(cfg: Config, config_path: str | Path | None, given: nn.Module | None = None) -> nn.Module:
+    """The model: ``given``, or ``model.target``/``model.name`` called with its args.
+
+    Raises:
+        ConfigError: wrong target or args, or a target that returns no ``nn.Module``.
+    """
+    if given is not None:
+        model = given
+        label = "Trainer(model=...)"
+    else:
+        spec = model_spec(cfg.model)
+        model = call(spec, config_path=config_path)
+        label = spec.label()
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{label}: returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def build_objective(cfg: Config, config_path: str | Path | None,
+                    given: Objective | Callable | str | None = None) -> Objective:
+    """The objective: ``given`` (an :class:`~pimm_core.objectives.Objective`, a built-in name
+    or target text, or a plain ``(model, batch) -> (loss, metrics)`` function), else
+    ``objective`` of the config.
+
+    Raises:
+        ConfigError: unknown name, wrong target, a function that cannot take two arguments.
+    """
+    if isinstance(given, Objective):
+        return given
+    if callable(given):
+        return Objective(getattr(given, "__qualname__", "objective"), given)
+    return get_objective(given if given is not None else cfg.objective, config_path)
+
+
+def warm_start_model(t: TrainConfig, model: nn.Module, ema: Any, is_main: bool):
+    """Load ``t.weight`` into the new (unwrapped) ``model``: weights only, the report logged on
+    rank 0; the EMA (if any) restarts from the loaded weights.
+
+    Returns:
+        The :class:`~pimm_core.checkpoint.warm_start` report.
+
+    Raises:
+        CheckpointError: as :func:`pimm_core.checkpoint.warm_start.warm_start` (zero match...).
+    """
+    from ..checkpoint.warm_start import warm_start
+
+    rules = [tuple(r) for r in t.key_rules] if t.key_rules is not None else None
+    quiet = logging.getLogger("pimm.quiet")
+    quiet.propagate = False
+    report = warm_start(model, t.weight, weight_set=t.weight_set, rules=rules,
+                        logger=logging.getLogger("pimm") if is_main else quiet)
+    if ema is not None:
+        ema.restart(model)
+    return report

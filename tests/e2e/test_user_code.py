@@ -1,0 +1,174 @@
+"""A user's own model, data and objective (``tests/e2e/userpkg``), named by config targets
+and passed through the Python API.
+
+The package sits beside the config (a link in the test's directory), so the launch finds it
+through the config's directory and torchrun's ranks through the ``PYTHONPATH`` the
+launcher gives them. The model has BatchNorm and a tied head; the training split is
+augmented per sample from ``(seed, epoch, index)`` in 2 workers per rank. A run stopped by
+SIGTERM (sent by the user objective itself at a chosen step) and resumed ends with the
+same weights, bit for bit, as an uninterrupted run, at 1 and 2 ranks and across a change of
+per-rank workers at an epoch end.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _helpers import REPO, clean_env, describe, read_json
+
+USERPKG = Path(__file__).resolve().parent / "userpkg"
+STEPS = 12  # optimizer steps per epoch at 1 rank: 192 samples, batch 16
+
+CONFIG = """\
+objective = "userpkg.objective:smoothed_ce"
+
+[train]
+epochs = 2
+lr = 0.01
+warmup_steps = 2
+log_every_steps = 1
+
+[optimizer]
+name = "AdamW"
+
+[scheduler]
+name = "cosine"
+
+[data]
+target = "userpkg.data:digits_aug"
+batch_size = 16
+num_workers = 2
+[data.args]
+train = 192
+val = 61
+
+[model]
+target = "userpkg.nets:tied_bn"
+[model.args]
+width = 16
+
+[ema]
+enabled = true
+decay = 0.9
+
+[eval]
+metric = "val/err"
+mode = "min"
+weights = "ema"
+"""
+
+
+def _config(tmp_path: Path, text: str = CONFIG) -> Path:
+    (tmp_path / "userpkg").symlink_to(USERPKG)  # beside the config: found through its directory
+    path = tmp_path / "user.toml"
+    path.write_text(text)
+    return path
+
+
+def _launch(config: Path, root: Path, name: str, *args: str, nproc: int | None = None, env: dict | None = None,
+            overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(config), "--run.root", str(root),
+           "--run.name", name, "--run.no-timestamp", *args]
+    if nproc is not None:
+        cmd += ["--nproc-per-node", str(nproc)]
+    if overrides:
+        cmd += ["--", *overrides]
+    # run from the repository (not the config's directory): the config's directory must be searched
+    return subprocess.run(cmd, cwd=REPO, env={**clean_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run / "model" / "last" / "weights.pth", map_location="cpu", weights_only=True)["state_dict"]
+
+
+def _equal(a: Path, b: Path) -> None:
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
+
+
+@pytest.mark.parametrize("nproc,stop_at,resume_workers", [(None, 7, 2), (None, STEPS, 0), (2, 4, 2)],
+                         ids=["1rank-mid", "1rank-epoch-end-workers-2to0", "2ranks-mid"])
+def test_sigterm_then_resume_is_bitwise_equal(tmp_path, nproc, stop_at, resume_workers):
+    config = _config(tmp_path)
+    root = tmp_path / "exp"
+    full = _launch(config, root, "full", nproc=nproc)
+    assert full.returncode == 0, describe(full)
+    mark = tmp_path / "sigterm-sent"
+    env = {"USERPKG_SIGTERM_AT": str(stop_at), "USERPKG_SIGTERM_MARK": str(mark)}
+    cut = _launch(config, root, "cut", nproc=nproc, env=env)
+    assert cut.returncode == 0, describe(cut)
+    assert mark.exists() and "stopped" in cut.stdout, describe(cut)
+    run_cut = root / "default" / "cut"
+    assert read_json(run_cut / "status.json")["state"] == "stopped"
+    resumed = _launch(config, root, "cut", "--train.resume", nproc=nproc, env=env,
+                      overrides=(f"data.num_workers={resume_workers}",))
+    assert resumed.returncode == 0, describe(resumed)
+    assert read_json(run_cut / "status.json")["state"] == "finished"
+    start = read_json(run_cut / "provenance.json")["starts"][-1]
+    assert start["kind"] == "resume" and start["checkpoint_step"] == stop_at
+    _equal(root / "default" / "full", run_cut)
+    # the user objective's metrics, reduced over every validation sample once
+    val = [r for r in map(__import__("json").loads, (run_cut / "metrics.jsonl").read_text().splitlines())
+           if r["split"] == "val"]
+    assert val and set(val[-1]) >= {"loss", "err"}
+
+
+@pytest.mark.parametrize("override,key,words", [
+    ("model.target=\"userpkg.nope:tied_bn\"", "model.target", "module 'userpkg.nope' not found"),
+    ("model.target=\"userpkg.nets:tied\"", "model.target", "has no attribute 'tied'"),
+    ("model.args.widht=3", "model.args.widht", "did you mean 'width'"),
+    ("objective=\"userpkg.objective:nothing\"", "objective", "has no attribute 'nothing'"),
+])
+def test_wrong_targets_are_one_error_line_before_any_rank(tmp_path, override, key, words):
+    config = _config(tmp_path)
+    for args in ((), ("--dry-run",)):
+        r = _launch(config, tmp_path / "exp", "bad", *args, nproc=2, overrides=(override,))
+        assert r.returncode == 2, describe(r)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and key in errors[0] and words in errors[0], describe(r)
+        assert "Traceback" not in r.stderr
+        assert not (tmp_path / "exp" / "default" / "bad").exists()  # refused before the run directory
+
+
+def test_python_api_overrides_what_the_config_names(tmp_path, monkeypatch):
+    from pimm_core import Trainer, TrainConfig, load_config
+
+    monkeypatch.syspath_prepend(str(USERPKG.parent))
+    from userpkg.data import digits_aug
+    from userpkg.nets import tied_bn
+
+    seen = []
+
+    def objective(model, batch):
+        seen.append(len(batch[0]))
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        return loss, {"loss": loss.detach()}
+
+    cfg = load_config(None, ["data.batch_size=32", "eval.metric=\"val/loss\"", "eval.mode=\"min\""])
+    trainer = Trainer(cfg, model=tied_bn(8), datasets=digits_aug(64, 40), objective=objective)
+    state = trainer.train(TrainConfig(epochs=1, lr=0.01), checkpoint_dir=tmp_path / "ckpt")
+    assert state.global_step == 2 and state.finished
+    assert seen[:2] == [32, 32] and sum(seen[2:]) == 40  # training, then every validation sample once
+    assert trainer.state.last_eval.keys() == {"val/loss"}
+    saved = torch.load(tmp_path / "ckpt" / "last" / "weights.pth", weights_only=True)["state_dict"]
+    assert "body.1.running_mean" in saved  # the user model's buffers are in the checkpoint
+
+
+def test_tensorboard_without_the_package_is_one_error_line(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed: the events are written instead")
+    r = _launch(_config(tmp_path), tmp_path / "exp", "tb", overrides=("log.tensorboard=true",))
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1, describe(r)
+    assert "log.tensorboard" in errors[0] and "uv sync --group tensorboard" in errors[0]
