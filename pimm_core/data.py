@@ -7,6 +7,23 @@ images, 10 classes), read from the package; no download at run time.
 Loaders are torchdata ``StatefulDataLoader`` over a ``DistributedSampler`` whose
 shuffle is addressed by epoch (seed + epoch, see PyTorch's ``DistributedSampler``),
 so a loader cursor saved mid-epoch resumes at exactly the next batch.
+
+Iterable (streaming) datasets (``torch.utils.data.IterableDataset``) are loaded without a
+sampler, and **shard themselves**: each rank's loader iterates the dataset as given, so
+its ``__iter__`` must yield only its own share, e.g. every ``count``-th item from
+``index`` with ``index, count = stream_shard()`` (pimm's rank and world size combined
+with the DataLoader worker of :func:`torch.utils.data.get_worker_info`). A training stream
+must also define ``__len__``: the samples it yields per epoch on each rank (every rank the
+same), which fixes the epoch's micro-batches and the LR schedule's horizon; with
+``data.num_workers > 1`` each worker's share should be a multiple of ``data.batch_size``
+(each worker batches its own items). ``set_epoch(epoch)`` is called before each epoch when
+the dataset has it.
+
+Resume: a stream with ``state_dict()``/``load_state_dict()`` is restored exactly mid-epoch
+through the ``StatefulDataLoader`` (which saves each worker's dataset state). One without
+them is not fast-forwarded: a resume inside an epoch replays that epoch from its start
+(the ``no_loader_state`` row of :func:`pimm_core.topology.plan_resume`), and pimm says so
+at start (``train.log`` and ``provenance.json``'s ``data_resume``).
 """
 
 from __future__ import annotations
@@ -191,11 +208,50 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+def is_stream(ds: Any) -> bool:
+    """``ds`` is an iterable (streaming) dataset."""
+    return isinstance(ds, IterableDataset)
+
+
+def is_stateful(ds: Any) -> bool:
+    """``ds`` saves and restores its own position (``state_dict`` and ``load_state_dict``)."""
+    return callable(getattr(ds, "state_dict", None)) and callable(getattr(ds, "load_state_dict", None))
+
+
+def stream_shard() -> tuple[int, int]:
+    """The share of an iterable dataset this process should yield: ``(index, count)``.
+
+    ``count`` is the world size times the DataLoader workers per rank; ``index`` is this
+    rank's and worker's place among them (``rank * workers + worker_id``). Call it inside
+    ``__iter__`` (in the worker) and yield every ``count``-th item from ``index``.
+    """
+    from torch.utils.data import get_worker_info
+
+    from .dist import env_world
+
+    info, worker = env_world(), get_worker_info()
+    workers, wid = (worker.num_workers, worker.id) if worker is not None else (1, 0)
+    return info.rank * workers + wid, info.world_size * workers
+
+
 def train_loader(ds: Any, cfg: DataConfig, info: DistInfo, seed: int,
-                 collate_fn: Callable[[list[Any]], Any] | None = None) -> tuple[StatefulDataLoader, DistributedSampler]:
+                 collate_fn: Callable[[list[Any]], Any] | None = None
+                 ) -> tuple[StatefulDataLoader, DistributedSampler | None]:
     """Shuffled, epoch-addressed training loader for this rank over a map-style ``ds``
-    (``drop_last`` on the sampler off; ``collate_fn`` None: PyTorch's default)."""
-    sampler = DistributedSampler(ds, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed)
+    (``drop_last`` on the sampler off; ``collate_fn`` None: PyTorch's default); over an
+    iterable ``ds`` no sampler (None; the stream shards itself, see the module docstring).
+
+    Raises:
+        ConfigError: an iterable ``ds`` without ``__len__``.
+    """
+    if is_stream(ds):
+        try:
+            len(ds)
+        except TypeError:
+            raise ConfigError(f"data: the train split {type(ds).__name__} is an IterableDataset without __len__; "
+                              "define it as the samples it yields per epoch on each rank") from None
+    sampler = None if is_stream(ds) else \
+        DistributedSampler(ds, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed)
     # The loader's own generator: creating an iterator must not draw from the global
     # torch RNG, or a resumed run (which creates one mid-epoch) would shift the dropout stream.
     loader = StatefulDataLoader(ds, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
@@ -208,8 +264,10 @@ def train_loader(ds: Any, cfg: DataConfig, info: DistInfo, seed: int,
 def eval_loader(ds: Any, cfg: DataConfig, info: DistInfo,
                 collate_fn: Callable[[list[Any]], Any] | None = None) -> torch.utils.data.DataLoader:
     """This rank's unpadded shard of a map-style validation set (:class:`ShardSampler`), in
-    batches of ``max(data.batch_size, 256)``: every sample is evaluated exactly once."""
-    return torch.utils.data.DataLoader(ds, batch_size=max(cfg.batch_size, 256), sampler=ShardSampler(len(ds), info),
+    batches of ``max(data.batch_size, 256)``: every sample is evaluated exactly once. An
+    iterable set is read as it yields (it shards itself: :func:`stream_shard`)."""
+    sampler = None if is_stream(ds) else ShardSampler(len(ds), info)
+    return torch.utils.data.DataLoader(ds, batch_size=max(cfg.batch_size, 256), sampler=sampler,
                                        generator=torch.Generator().manual_seed(0), collate_fn=collate_fn)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import os
@@ -51,7 +52,7 @@ from .run import code_version
 from .stop import StopRequest
 from .topology import finished_message
 from .train.best import BestTracker
-from .train.build import build_data, build_model, build_objective, warm_start_model
+from .train.build import build_data, build_model, build_objective, data_resume_policy, warm_start_model
 from .train.checkpointer import Checkpointer
 from .train.evaluator import Evaluator
 from .train.recorder import Recorder
@@ -133,6 +134,10 @@ class Trainer:
         d = self.data
         self.loader, self.sampler = train_loader(d.train, config.data, self.info, config.train.seed, d.collate_fn)
         self.val_loader = eval_loader(d.val, config.data, self.info, d.collate_fn)
+        self.data_resume = data_resume_policy(d.train)  # "exact" or "replay_from_boundary"
+        if self.data_resume != "exact" and self.info.is_main:
+            log.warning("warning: the train split %s is an IterableDataset without state_dict/load_state_dict: "
+                        "a resume inside an epoch replays that epoch from its start", type(d.train).__name__)
         self.optimizer = build_optimizer(config, unwrap(self.model), config_path)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.train.amp == "fp16")
         self.state = TrainState()
@@ -141,7 +146,8 @@ class Trainer:
         self._code_version = code_version() if self.info.is_main else None
         self.checkpointer = Checkpointer(config, self.info, self.stop, model=self.model, optimizer=self.optimizer,
                                          loader=self.loader, state=self.state, scaler=self.scaler, ema=self.ema,
-                                         data_fingerprint=self.data.fingerprint, code_version=self._code_version)
+                                         data_fingerprint=self.data.fingerprint, code_version=self._code_version,
+                                         loader_state=self.data_resume == "exact")
         self.stop_agreement = StopAgreement(self.stop, self.info, self.run_dir, self.device)
         self.best = BestTracker(config.eval.metric, config.eval.mode)
         # (a plain function, not a bound method: a part holding the trainer would make a reference
@@ -275,7 +281,7 @@ class Trainer:
             rec.close()
 
     def _start_files(self, entry: dict[str, Any], *, fresh: bool) -> None:
-        self.recorder.start(self.config, entry, fresh=fresh, code_version=self._code_version,
+        self.recorder.start(self.config, {**entry, "data_resume": self.data_resume}, fresh=fresh, code_version=self._code_version,
                             data_fingerprint=self.data.fingerprint)
 
     def _end_session(self) -> None:
@@ -333,14 +339,17 @@ class Trainer:
         """
         s, n_micro = self.state, self.micro_batches_per_epoch
         epoch = s.epoch
-        self.sampler.set_epoch(epoch)
+        if self.sampler is not None:  # (None: a stream, which shards itself)
+            self.sampler.set_epoch(epoch)
         set_epoch(self.data.train, epoch)  # per-sample augmentation RNGs (pimm_core.data_rng)
         if self._pending_loader_state is not None:
             self.loader.load_state_dict(self._pending_loader_state)
             self._pending_loader_state = None
         if s.iter == 0:
             s.epoch_start_step = s.global_step
-        for outcome, loss, samples in step.windows(self.loader, s, n_micro, self.device):
+        # a stream yielding more than its __len__ promises is cut at the epoch's end
+        batches = self.loader if self.sampler is not None else itertools.islice(self.loader, n_micro - s.iter)
+        for outcome, loss, samples in step.windows(batches, s, n_micro, self.device):
             if outcome == STOP:
                 self._stop_nonfinite(epoch)
                 return s.iter >= n_micro
@@ -351,6 +360,10 @@ class Trainer:
             self.checkpointer.on_step(run_ends=run_ends)
             if run_ends:
                 break
+        else:
+            if s.iter < n_micro:  # only a stream can end early (a sampler yields len(loader) batches)
+                raise ConfigError(f"data: the train split yielded {s.iter} batches in epoch {epoch}; its __len__ "
+                                  f"({len(self.data.train)} samples) promises {n_micro}")
         return False
 
     def _after_step(self, outcome: str, loss: torch.Tensor, samples: int, epoch: int) -> None:

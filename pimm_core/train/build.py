@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from torch import nn
-from torch.utils.data import IterableDataset
 
 from ..config import Config, TrainConfig
 from ..data import Datasets, as_datasets, data_spec
@@ -31,19 +30,23 @@ def build_data(cfg: Config, config_path: str | Path | None, given: Any = None) -
     accepts) or ``data.target``/``data.name`` called with its args.
 
     Raises:
-        ConfigError: wrong target or args, a return value that is not two datasets, or an
-            iterable dataset (not supported by the trainer's loaders yet).
+        ConfigError: wrong target or args, or a return value that is not two datasets.
     """
     if given is not None:
         out = as_datasets(given, TargetSpec("datasets", "Trainer(datasets=...)"))
     else:
         spec = data_spec(cfg.data)
         out = as_datasets(call(spec, config_path=config_path), spec)
-    for split in ("train", "val"):
-        if isinstance(getattr(out, split), IterableDataset):
-            raise ConfigError(f"data: the {split} split is an IterableDataset; pimm's loaders take map-style "
-                              "datasets (__getitem__ and __len__) for now")
     return out
+
+
+def data_resume_policy(train: Any) -> str:
+    """How a mid-epoch resume continues the training split: ``"exact"`` (map-style, or a
+    stream with ``state_dict``/``load_state_dict``) or ``"replay_from_boundary"`` (a stream
+    without them: the interrupted epoch replays from its start)."""
+    from ..data import is_stateful, is_stream
+
+    return "replay_from_boundary" if is_stream(train) and not is_stateful(train) else "exact"
 
 
 def build_model(cfg: Config, config_path: str | Path | None, given: nn.Module | None = None) -> nn.Module:

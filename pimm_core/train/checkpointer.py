@@ -126,11 +126,14 @@ class Checkpointer:
         loader: the training loader (its cursor is saved mid-epoch; ``len`` is micro-batches per epoch).
         state, scaler, ema: parts whose state dicts are saved (mutated in place, never replaced).
         data_fingerprint, code_version: recorded in every manifest.
+        loader_state: save the loader's cursor mid-epoch; False for a stream without state
+            (a resume then replays the epoch: ``has_loader_state`` false).
     """
 
     def __init__(self, config: Config, info: DistInfo, stop: StopRequest, *, model: nn.Module,
                  optimizer: torch.optim.Optimizer, loader: Any, state: TrainState, scaler: torch.amp.GradScaler,
-                 ema: EMA | None, data_fingerprint: str | None, code_version: str | None):
+                 ema: EMA | None, data_fingerprint: str | None, code_version: str | None,
+                 loader_state: bool = True):
         c = config.checkpoint
         self.config, self.info, self.stop = config, info, stop
         self.format = make_format(config.checkpoint_format, info, background=c.async_, keep_last=c.keep_last)
@@ -140,6 +143,7 @@ class Checkpointer:
         self.scheduler: Any = None
         self.grad_accum = config.train.grad_accum
         self.data_fingerprint, self.code_version = data_fingerprint, code_version
+        self.loader_state = loader_state
         self.dir: Path | None = None
         self.failed = False  # a save failed under on_error = "stop": no more saves
 
@@ -213,8 +217,9 @@ class Checkpointer:
             CheckpointSaveError: on every rank, when the write failed.
         """
         s = self.state
-        rank_state = {"rng": rng_state(), "loader": self.loader.state_dict() if mid_epoch else None}
-        manifest = self.manifest("last", mid_epoch)
+        cursor = mid_epoch and self.loader_state
+        rank_state = {"rng": rng_state(), "loader": self.loader.state_dict() if cursor else None}
+        manifest = self.manifest("last", cursor)
         if selection_metric is not None:
             manifest["selection_metric"] = selection_metric
         item = SaveItem(model=self.model, optimizer=self.optimizer, meta=self.meta(), rank_state=rank_state,

@@ -1,0 +1,51 @@
+"""The user data as a stream: digits in an epoch-seeded order, each rank and worker yielding its
+own share (:func:`pimm_core.data.stream_shard`). ``DigitStream`` keeps no position;
+``StatefulDigitStream`` saves and restores it (``state_dict``/``load_state_dict``)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import IterableDataset
+
+from pimm_core.data import stream_shard
+from pimm_core.dist import env_world
+
+
+class DigitStream(IterableDataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, *, seed: int = 0):
+        self.x, self.y, self.seed = x, y, seed
+        self.epoch, self.pos = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.pos = epoch, 0
+
+    def __len__(self) -> int:  # samples per epoch on each rank
+        return len(self.x) // env_world().world_size
+
+    def __iter__(self):
+        index, count = stream_shard()
+        order = torch.randperm(len(self.x), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        mine = order.tolist()[index::count]
+        for k in range(self.pos, len(mine)):
+            self.pos = k + 1
+            yield self.x[mine[k]], self.y[mine[k]]
+        self.pos = 0  # the next pass starts from the beginning
+
+
+class StatefulDigitStream(DigitStream):
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+
+
+def digits_stream(train: int = 192, val: int = 61, stateful: bool = True):
+    """``(train, val)`` streams of ``train`` and ``val`` digits (the val stream in a fixed order)."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.tensor(bunch.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(bunch.target, dtype=torch.int64)
+    kind = StatefulDigitStream if stateful else DigitStream
+    return kind(x[:train], y[:train]), DigitStream(x[train:train + val], y[train:train + val])
