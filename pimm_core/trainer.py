@@ -49,6 +49,7 @@ from .errors import CheckpointSaveError, ConfigError
 from .objectives import Objective
 from .optim import build_optimizer, build_scheduler, observe_metric
 from .run import code_version
+from .run.provenance import user_code
 from .stop import StopRequest
 from .topology import finished_message
 from .train.best import BestTracker
@@ -144,6 +145,9 @@ class Trainer:
         self._pending_loader_state: dict[str, Any] | None = None
         self.callbacks: list[Callable[["Trainer"], None]] = []
         self._code_version = code_version() if self.info.is_main else None
+        parts = [type(model).__module__, type(d.train).__module__, type(d.val).__module__,
+                 getattr(self.objective.step, "__module__", "")]
+        self._user_code = user_code(parts) if self.info.is_main else []
         self.checkpointer = Checkpointer(config, self.info, self.stop, model=self.model, optimizer=self.optimizer,
                                          loader=self.loader, state=self.state, scaler=self.scaler, ema=self.ema,
                                          data_fingerprint=self.data.fingerprint, code_version=self._code_version,
@@ -281,7 +285,7 @@ class Trainer:
             rec.close()
 
     def _start_files(self, entry: dict[str, Any], *, fresh: bool) -> None:
-        self.recorder.start(self.config, {**entry, "data_resume": self.data_resume}, fresh=fresh, code_version=self._code_version,
+        self.recorder.start(self.config, {**entry, "data_resume": self.data_resume, "user_code": self._user_code}, fresh=fresh, code_version=self._code_version,
                             data_fingerprint=self.data.fingerprint)
 
     def _end_session(self) -> None:

@@ -36,6 +36,42 @@ def code_version(start: Path | None = None) -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+def _git(args: list[str], cwd: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def user_code(modules: list[str]) -> list[dict[str, Any]]:
+    """The version of each user module a run trains with (its model, data, objective...).
+
+    Args:
+        modules: module names (``"userpkg.nets"``); pimm's own, the standard library's and
+            those not imported are left out, as are repeats.
+
+    Returns:
+        One ``{"module", "file", "git_commit", "dirty"}`` per module, in order; ``git_commit``
+        (full sha of ``HEAD``) and ``dirty`` (uncommitted changes in that work tree) are
+        None when the file is not in a git work tree.
+    """
+    import sys
+
+    out: list[dict[str, Any]] = []
+    for name in dict.fromkeys(modules):
+        mod = sys.modules.get(name)
+        file = getattr(mod, "__file__", None)
+        if not file or name.split(".")[0] in ("pimm_core", "torch", "builtins") or name in sys.stdlib_module_names:
+            continue
+        where = Path(file).resolve().parent
+        commit = _git(["rev-parse", "HEAD"], where)
+        status = _git(["status", "--porcelain", "--untracked-files=no"], where) if commit else None
+        out.append({"module": name, "file": str(Path(file).resolve()), "git_commit": commit,
+                    "dirty": bool(status) if commit else None})
+    return out
+
+
 @functools.cache
 def current_code_version() -> str | None:
     """:func:`code_version` of the pimm checkout, asked once per process (a watcher asks often)."""

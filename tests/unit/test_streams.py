@@ -97,3 +97,18 @@ def test_stream_without_len_is_a_config_error():
     cfg = load_config(None, [])
     with pytest.raises(ConfigError, match="without __len__"):
         Trainer(cfg, model=tied_bn(8), datasets=(Endless(), Endless()))
+
+
+def test_provenance_names_the_user_code_and_the_streams_fingerprint(tmp_path):
+    import hashlib
+    import subprocess
+
+    _trainer(tmp_path / "run", stateful=True).train()
+    prov = json.loads((tmp_path / "run" / "provenance.json").read_text())
+    parts = ["digits-stream:96:0", "digits-stream:40:0"]  # the datasets' own fingerprints
+    assert prov["data_fingerprint"] == hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                          text=True).stdout.strip()
+    code = {c["module"]: c for c in prov["starts"][-1]["user_code"]}
+    assert set(code) == {"userpkg.nets", "userpkg.stream"}  # pimm's own objective is not user code
+    assert code["userpkg.nets"]["git_commit"] == head and isinstance(code["userpkg.nets"]["dirty"], bool)

@@ -16,6 +16,9 @@ class DigitStream(IterableDataset):
         self.x, self.y, self.seed = x, y, seed
         self.epoch, self.pos = 0, 0
 
+    def fingerprint(self) -> str:  # cheap: what pimm records as the data's identity
+        return f"digits-stream:{len(self.x)}:{self.seed}"
+
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.pos = epoch, 0
 
