@@ -16,6 +16,10 @@ Where user code is imported from, first match wins:
 3. everything already on ``sys.path``: installed packages (``pip install -e .``),
    ``PYTHONPATH``.
 
+``pimm resume RUN`` reads the config from the run directory, so it also searches the
+directories the run's earlier starts searched (recorded as ``code_search_path`` in
+``provenance.json``; :func:`add_search_dirs`).
+
 So a module next to the config, or in the project pimm runs from, shadows an installed
 package of the same name. Ranks started by torchrun run in fresh interpreters: the
 launcher puts the same directories on their ``PYTHONPATH`` (:func:`child_env`), so every
@@ -98,6 +102,20 @@ def install_search_path(config_path: str | Path | None = None) -> None:
         if d in sys.path:
             sys.path.remove(d)
         sys.path.insert(0, d)
+    importlib.invalidate_caches()
+
+
+def add_search_dirs(dirs: Iterable[str]) -> None:
+    """Also import user code from ``dirs`` (after :func:`search_path`, before the rest of
+    ``sys.path``), in this process and, through ``PYTHONPATH``, in the ranks it starts.
+    ``pimm resume`` passes the directories the run's earlier starts searched."""
+    dirs = [d for d in dirs if os.path.isdir(d)]
+    for d in reversed(dirs):
+        if d not in sys.path:
+            sys.path.insert(0, d)
+    old = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if dirs:
+        os.environ["PYTHONPATH"] = os.pathsep.join(old + [d for d in dirs if d not in old])
     importlib.invalidate_caches()
 
 

@@ -50,6 +50,7 @@ from .objectives import Objective
 from .optim import build_optimizer, build_scheduler, observe_metric
 from .run import code_version
 from .run.provenance import user_code
+from .targets import search_path
 from .stop import StopRequest
 from .topology import finished_message
 from .train.best import BestTracker
@@ -285,7 +286,10 @@ class Trainer:
             rec.close()
 
     def _start_files(self, entry: dict[str, Any], *, fresh: bool) -> None:
-        self.recorder.start(self.config, {**entry, "data_resume": self.data_resume, "user_code": self._user_code}, fresh=fresh, code_version=self._code_version,
+        # code_search_path: where `pimm resume` (config read from the run directory) finds user code
+        entry = {**entry, "data_resume": self.data_resume, "user_code": self._user_code,
+                 "code_search_path": search_path(self.config_path)}
+        self.recorder.start(self.config, entry, fresh=fresh, code_version=self._code_version,
                             data_fingerprint=self.data.fingerprint)
 
     def _end_session(self) -> None:

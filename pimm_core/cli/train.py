@@ -104,6 +104,10 @@ def resume(
     from ..dist import under_launcher
     from ..launch import LaunchOptions, dry_run as plan_only, recorded_launch, resume_config, spawn, train_here
 
+    from ..run.provenance import recorded_search_path
+    from ..targets import add_search_dirs
+
+    add_search_dirs(recorded_search_path(run_dir))  # the user code the run was started with
     cfg = resume_config(run_dir, overrides or [])
     config_path = run_dir / "config.toml"
     if under_launcher():  # a rank (of our own spawn below, or of the user's torchrun/srun)

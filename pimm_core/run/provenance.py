@@ -114,6 +114,19 @@ def recorded_launch(run_dir: Path) -> dict[str, Any]:
     return {"launcher": "pimm", "nproc_per_node": int(prov.get("world_size") or 1)}
 
 
+def recorded_search_path(run_dir: Path) -> list[str]:
+    """The directories the run's starts imported user code from (``code_search_path`` of each
+    start in ``provenance.json``, in order, without repeats): ``pimm resume``, which reads the
+    config from the run directory, searches them too."""
+    prov = read_provenance(run_dir) or {}
+    dirs: list[str] = []
+    for entry in prov.get("starts") or []:
+        for d in (entry.get("code_search_path") or []) if isinstance(entry, dict) else []:
+            if isinstance(d, str) and d not in dirs:
+                dirs.append(d)
+    return dirs
+
+
 def recorded_world_size(record: dict[str, Any]) -> int:
     """Ranks in all of a recorded launch (the largest node count for ``MIN:MAX``)."""
     if record.get("world_size"):

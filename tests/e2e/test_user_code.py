@@ -191,3 +191,22 @@ def test_stateful_stream_in_two_workers_resumes_bitwise(tmp_path):
     start = read_json(root / "default" / "cut" / "provenance.json")["starts"][-1]
     assert start["checkpoint_step"] == 7 and start["exact"] and start["data_resume"] == "exact"
     _equal(root / "default" / "full", root / "default" / "cut")
+
+
+def test_pimm_resume_finds_the_user_code_beside_the_original_config(tmp_path):
+    """`pimm resume RUN` reads config.toml from the run directory, elsewhere than the user
+    package: it imports the package from the directories the run recorded."""
+    config = _config(tmp_path)
+    root = tmp_path / "exp"
+    mark = tmp_path / "sigterm-sent"
+    env = {"USERPKG_SIGTERM_AT": "5", "USERPKG_SIGTERM_MARK": str(mark)}
+    cut = _launch(config, root, "cut", env=env, overrides=("train.epochs=1",))
+    assert cut.returncode == 0 and mark.exists(), describe(cut)
+    run = root / "default" / "cut"
+    first = read_json(run / "provenance.json")["starts"][0]
+    assert first["kind"] == "start" and str(tmp_path) in first["code_search_path"]
+    resumed = subprocess.run([sys.executable, "-m", "pimm_core.cli", "resume", str(run)], cwd=REPO,
+                             env={**clean_env(), **env}, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, describe(resumed)
+    assert read_json(run / "status.json")["state"] == "finished"
+    assert [e["kind"] for e in read_json(run / "provenance.json")["starts"] if "checkpoint" in e] == ["resume"]
