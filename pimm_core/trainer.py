@@ -14,7 +14,8 @@ The parts (:mod:`pimm_core.train`): what is trained (:mod:`~pimm_core.train.buil
 :class:`BestTracker`, the :class:`Checkpointer` (save schedule and format) and, per
 :meth:`Trainer.train` call, the :class:`Recorder` (log, metrics, status, provenance,
 progress). None of them holds the trainer: a reference cycle would keep the loaders'
-worker processes alive.
+worker processes alive. What happens at a step, an evaluation, a non-finite stop and the
+session's end is in :mod:`~pimm_core.train.session` (functions of the trainer).
 
 Counters follow PyTorch/torchtitan usage: ``global_step`` counts optimizer steps
 over the whole run; ``epoch`` and ``iter`` (micro-batch index in the epoch) name
@@ -45,22 +46,23 @@ from .config import Config, TrainConfig
 from .data import eval_loader, train_loader
 from .data_rng import set_epoch
 from .ema import EMA
-from .errors import CheckpointSaveError, ConfigError
+from .errors import ConfigError
 from .objectives import Objective
-from .optim import build_optimizer, build_scheduler, observe_metric
+from .optim import build_optimizer, build_scheduler
 from .run import code_version
-from .run.provenance import user_code
 from .targets import search_path
 from .stop import StopRequest
 from .topology import finished_message
 from .train.best import BestTracker
-from .train.build import build_data, build_model, build_objective, data_resume_policy, warm_start_model
+from .train.build import (build_data, build_model, build_objective, data_resume_policy, user_code_of,
+                          warm_start_model)
 from .train.checkpointer import Checkpointer
 from .train.evaluator import Evaluator
 from .train.recorder import Recorder
 from .train.resume import nothing_left, resume
 from .train.state import TrainState, end_step
-from .train.step import SKIPPED, STOP, WindowStep, autocast_context, check_finite
+from .train.session import after_step, end_session, evaluate_and_record, stop_nonfinite
+from .train.step import STOP, WindowStep, autocast_context, check_finite
 from .train.stop_agreement import StopAgreement
 
 log = logging.getLogger("pimm")
@@ -93,7 +95,8 @@ class Trainer:
         model: an ``nn.Module`` to train instead of ``model.target``/``model.name``.
         datasets: the train and validation datasets instead of ``data.target``/``data.name``:
             ``(train, val)``, ``(train, val, collate_fn)``, a :class:`~pimm_core.data.Datasets`
-            or anything :func:`~pimm_core.data.as_datasets` takes (map-style datasets).
+            or anything :func:`~pimm_core.data.as_datasets` takes (map-style or iterable datasets:
+            :mod:`pimm_core.data`).
         objective: instead of ``objective``: a built-in name, a target text, an
             :class:`~pimm_core.objectives.Objective` or a function
             ``(model, batch) -> (loss, {metric: value})``.
@@ -136,19 +139,14 @@ class Trainer:
         d = self.data
         self.loader, self.sampler = train_loader(d.train, config.data, self.info, config.train.seed, d.collate_fn)
         self.val_loader = eval_loader(d.val, config.data, self.info, d.collate_fn)
-        self.data_resume = data_resume_policy(d.train)  # "exact" or "replay_from_boundary"
-        if self.data_resume != "exact" and self.info.is_main:
-            log.warning("warning: the train split %s is an IterableDataset without state_dict/load_state_dict: "
-                        "a resume inside an epoch replays that epoch from its start", type(d.train).__name__)
+        self.data_resume = data_resume_policy(d.train, self.info.is_main)  # "exact" or "replay_from_boundary"
         self.optimizer = build_optimizer(config, unwrap(self.model), config_path)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.train.amp == "fp16")
         self.state = TrainState()
         self._pending_loader_state: dict[str, Any] | None = None
         self.callbacks: list[Callable[["Trainer"], None]] = []
         self._code_version = code_version() if self.info.is_main else None
-        parts = [type(model).__module__, type(d.train).__module__, type(d.val).__module__,
-                 getattr(self.objective.step, "__module__", "")]
-        self._user_code = user_code(parts) if self.info.is_main else []
+        self._user_code = user_code_of(model, d, self.objective) if self.info.is_main else []
         self.checkpointer = Checkpointer(config, self.info, self.stop, model=self.model, optimizer=self.optimizer,
                                          loader=self.loader, state=self.state, scaler=self.scaler, ema=self.ema,
                                          data_fingerprint=self.data.fingerprint, code_version=self._code_version,
@@ -280,7 +278,7 @@ class Trainer:
             except BaseException as e:
                 rec.status("failed", error=f"{e.__class__.__name__}: {e}")
                 raise
-            self._end_session()
+            end_session(self)
             return self.state
         finally:
             rec.close()
@@ -291,18 +289,6 @@ class Trainer:
                  "code_search_path": search_path(self.config_path)}
         self.recorder.start(self.config, entry, fresh=fresh, code_version=self._code_version,
                             data_fingerprint=self.data.fingerprint)
-
-    def _end_session(self) -> None:
-        """Record how the session ended: ``status.json`` says ``finished``, ``stopped``, or ``failed``
-        (a failed save, even the last ``model_best.pth`` write, is a failure, not the end of the run)."""
-        s = self.state
-        if s.stop_reason is None and isinstance(self.stop.cause, CheckpointSaveError):
-            # a best/iter write failed after the last stop check
-            s.stop_reason, s.save_error = self.stop.reason, self.stop.cause
-        if s.stop_reason is not None:
-            self.stop_agreement.consume()  # consumed: must not stop the resumed run
-            self.recorder.on_stop()
-        self.recorder.status("failed" if s.save_error is not None else "finished" if s.finished else "stopped")
 
     def _loop(self, t: TrainConfig) -> None:
         s, n_micro = self.state, self.micro_batches_per_epoch
@@ -325,7 +311,7 @@ class Trainer:
                 run_ends = s.epoch >= t.epochs or self._at_max_steps(t)
                 every = self.config.eval.every_epochs
                 if epoch_done and every and ((epoch + 1) % every == 0 or run_ends):
-                    self._evaluate_and_record(epoch)
+                    evaluate_and_record(self, epoch)
                     evaluated_at_end = run_ends
                 if stop_at_epoch_end:
                     break
@@ -333,7 +319,7 @@ class Trainer:
                     self.checkpointer.on_epoch_end(epoch, run_ends=run_ends)
             if s.stop_reason is None:
                 if not evaluated_at_end and self.config.eval.every_epochs and s.eval_step != s.global_step:
-                    self._evaluate_and_record(s.epoch - 1 if s.iter == 0 else s.epoch)
+                    evaluate_and_record(self, s.epoch - 1 if s.iter == 0 else s.epoch)
                 s.finished = True
             failure = self.checkpointer.on_end()
             if failure is not None and s.stop_reason is None:
@@ -359,9 +345,9 @@ class Trainer:
         batches = self.loader if self.sampler is not None else itertools.islice(self.loader, n_micro - s.iter)
         for outcome, loss, samples in step.windows(batches, s, n_micro, self.device):
             if outcome == STOP:
-                self._stop_nonfinite(epoch)
+                stop_nonfinite(self, epoch)
                 return s.iter >= n_micro
-            self._after_step(outcome, loss, samples, epoch)
+            after_step(self, outcome, loss, samples, epoch)
             if s.stop_reason is not None:
                 return s.iter >= n_micro  # True: at the epoch end, its evaluation runs first
             run_ends = self._at_max_steps(t)
@@ -373,48 +359,3 @@ class Trainer:
                 raise ConfigError(f"data: the train split yielded {s.iter} batches in epoch {epoch}; its __len__ "
                                   f"({len(self.data.train)} samples) promises {n_micro}")
         return False
-
-    def _after_step(self, outcome: str, loss: torch.Tensor, samples: int, epoch: int) -> None:
-        """An optimizer step was taken (or skipped): schedule, record, callbacks, stop agreement."""
-        s = self.state
-        if outcome == SKIPPED and self.info.is_main:
-            log.warning("warning: non-finite loss or gradient at step %d: step skipped "
-                        "(train.on_nonfinite = 'skip')", s.global_step + 1)
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        s.global_step += 1
-        self.recorder.on_step(epoch, loss, lr, samples)
-        for callback in self.callbacks:
-            callback(self)  # e.g. lambda tr: tr.stop.request("budget") if ... else None
-        reason = self.stop_agreement.agree()
-        if reason is not None:
-            cause = self.stop_agreement.cause
-            s.stop_reason, s.save_error = reason, cause if isinstance(cause, CheckpointSaveError) else None
-            self.recorder.status("stopping")  # the console shows it until `last` is saved
-
-    def _stop_nonfinite(self, epoch: int) -> None:
-        """``train.on_nonfinite = "stop"``: nothing of this window is applied, so ``last`` keeps the
-        weights from before it; the run fails (``state.error``)."""
-        s = self.state
-        s.error = (f"non-finite loss or gradient at step {s.global_step + 1} (epoch {epoch}, "
-                   f"iter {s.iter}); the step was not applied")
-        self.stop.request(s.error)
-        if self.info.is_main:
-            log.error("ERROR: %s (train.on_nonfinite = 'stop')", s.error)
-        s.stop_reason = s.error
-        self.recorder.status("stopping")
-
-    def _evaluate_and_record(self, epoch: int) -> None:
-        s, e = self.state, self.config.eval
-        metrics = self.evaluate()
-        s.last_eval, s.eval_step = metrics, s.global_step
-        if e.metric not in metrics:
-            raise ConfigError(f"eval.metric = {e.metric!r} is not reported by objective {self.objective.name!r}; "
-                              f"it reports {sorted(metrics)}")
-        value = metrics[e.metric]
-        observe_metric(self.scheduler, value)  # reduce-on-plateau steps on the selection metric
-        if self.best.update(value, epoch):
-            s.best_metric, s.best_epoch = self.best.best, self.best.epoch
-            self.checkpointer.on_best(epoch, {"name": e.metric, "value": value, "mode": e.mode, "split": "val",
-                                              "epoch": epoch, "weights": e.weights})
-        self.recorder.on_eval(epoch, metrics, e.metric)

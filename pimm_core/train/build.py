@@ -40,13 +40,28 @@ def build_data(cfg: Config, config_path: str | Path | None, given: Any = None) -
     return out
 
 
-def data_resume_policy(train: Any) -> str:
+def data_resume_policy(train: Any, is_main: bool) -> str:
     """How a mid-epoch resume continues the training split: ``"exact"`` (map-style, or a
     stream with ``state_dict``/``load_state_dict``) or ``"replay_from_boundary"`` (a stream
-    without them: the interrupted epoch replays from its start)."""
+    without them: the interrupted epoch replays from its start; a warning on rank 0 says so)."""
     from ..data import is_stateful, is_stream
 
-    return "replay_from_boundary" if is_stream(train) and not is_stateful(train) else "exact"
+    if is_stream(train) and not is_stateful(train):
+        if is_main:
+            logging.getLogger("pimm").warning(
+                "warning: the train split %s is an IterableDataset without state_dict/load_state_dict: a resume "
+                "inside an epoch replays that epoch from its start", type(train).__name__)
+        return "replay_from_boundary"
+    return "exact"
+
+
+def user_code_of(model: nn.Module, data: Datasets, objective: Objective) -> list[dict[str, Any]]:
+    """:func:`~pimm_core.run.provenance.user_code` of the modules defining the model's class, the
+    datasets' classes and the objective's step function (pimm's own are left out)."""
+    from ..run.provenance import user_code
+
+    return user_code([type(model).__module__, type(data.train).__module__, type(data.val).__module__,
+                      getattr(objective.step, "__module__", "")])
 
 
 def build_model(cfg: Config, config_path: str | Path | None, given: nn.Module | None = None) -> nn.Module:

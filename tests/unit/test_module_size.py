@@ -19,7 +19,6 @@ CLASS_LINES = 300
 
 #: ``path`` or ``path::Class`` -> why it is over its limit for now.
 OVERSIZED: dict[str, str] = {
-    "pimm_core/trainer.py::Trainer": "construction of model/data/optimizer still lives in the class; it moves to the plug-in builders (issue 16)",
 }
 
 

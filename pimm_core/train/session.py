@@ -1,0 +1,90 @@
+"""What happens at the events of a ``Trainer.train()`` session: an optimizer step taken, an
+evaluation, a non-finite stop, the session's end.
+
+Functions of the trainer (like :mod:`~pimm_core.train.resume`), not parts it holds: they
+read and update its parts (state, scheduler, best tracker, checkpointer, recorder, stop
+agreement) in the order the loop needs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import CheckpointSaveError, ConfigError
+from ..optim import observe_metric
+from .step import SKIPPED
+
+if TYPE_CHECKING:
+    from ..trainer import Trainer
+
+log = logging.getLogger("pimm")
+
+
+def after_step(tr: Trainer, outcome: str, loss: torch.Tensor, samples: int, epoch: int) -> None:
+    """An optimizer step was taken (or skipped): schedule, record, callbacks, stop agreement."""
+    s = tr.state
+    if outcome == SKIPPED and tr.info.is_main:
+        log.warning("warning: non-finite loss or gradient at step %d: step skipped "
+                    "(train.on_nonfinite = 'skip')", s.global_step + 1)
+    lr = tr.scheduler.get_last_lr()[0]
+    tr.scheduler.step()
+    s.global_step += 1
+    tr.recorder.on_step(epoch, loss, lr, samples)
+    for callback in tr.callbacks:
+        callback(tr)  # e.g. lambda tr: tr.stop.request("budget") if ... else None
+    reason = tr.stop_agreement.agree()
+    if reason is not None:
+        cause = tr.stop_agreement.cause
+        s.stop_reason, s.save_error = reason, cause if isinstance(cause, CheckpointSaveError) else None
+        tr.recorder.status("stopping")  # the console shows it until `last` is saved
+
+
+def evaluate_and_record(tr: Trainer, epoch: int) -> None:
+    """Evaluate after ``epoch``; the selection metric steps a reduce-on-plateau schedule and
+    may make a new best (``model_best``); the metrics are recorded.
+
+    Raises:
+        ConfigError: ``eval.metric`` is not among the objective's metrics.
+    """
+    s, e = tr.state, tr.config.eval
+    metrics = tr.evaluate()
+    s.last_eval, s.eval_step = metrics, s.global_step
+    if e.metric not in metrics:
+        raise ConfigError(f"eval.metric = {e.metric!r} is not reported by objective {tr.objective.name!r}; "
+                          f"it reports {sorted(metrics)}")
+    value = metrics[e.metric]
+    observe_metric(tr.scheduler, value)  # reduce-on-plateau steps on the selection metric
+    if tr.best.update(value, epoch):
+        s.best_metric, s.best_epoch = tr.best.best, tr.best.epoch
+        tr.checkpointer.on_best(epoch, {"name": e.metric, "value": value, "mode": e.mode, "split": "val",
+                                        "epoch": epoch, "weights": e.weights})
+    tr.recorder.on_eval(epoch, metrics, e.metric)
+
+
+def stop_nonfinite(tr: Trainer, epoch: int) -> None:
+    """``train.on_nonfinite = "stop"``: nothing of this window is applied, so ``last`` keeps the
+    weights from before it; the run fails (``state.error``)."""
+    s = tr.state
+    s.error = (f"non-finite loss or gradient at step {s.global_step + 1} (epoch {epoch}, "
+               f"iter {s.iter}); the step was not applied")
+    tr.stop.request(s.error)
+    if tr.info.is_main:
+        log.error("ERROR: %s (train.on_nonfinite = 'stop')", s.error)
+    s.stop_reason = s.error
+    tr.recorder.status("stopping")
+
+
+def end_session(tr: Trainer) -> None:
+    """Record how the session ended: ``status.json`` says ``finished``, ``stopped``, or ``failed``
+    (a failed save, even the last ``model_best.pth`` write, is a failure, not the end of the run)."""
+    s = tr.state
+    if s.stop_reason is None and isinstance(tr.stop.cause, CheckpointSaveError):
+        # a best/iter write failed after the last stop check
+        s.stop_reason, s.save_error = tr.stop.reason, tr.stop.cause
+    if s.stop_reason is not None:
+        tr.stop_agreement.consume()  # consumed: must not stop the resumed run
+        tr.recorder.on_stop()
+    tr.recorder.status("failed" if s.save_error is not None else "finished" if s.finished else "stopped")
