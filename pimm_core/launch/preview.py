@@ -85,8 +85,19 @@ def _dry_model(cfg: Config, config_path: Path | None):
     model = build_model(cfg, config_path)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {cfg.model.target or cfg.model.name} ({params:,} parameters), data: "
-          f"{cfg.data.target or cfg.data.name} ({len(data.train)} train / {len(data.val)} val samples)")
+          f"{cfg.data.target or cfg.data.name} ({_size(data.train)} train / {_size(data.val)} val samples)")
     return model
+
+
+def _size(ds) -> str:
+    """A split's sample count: a stream's ``__len__`` is per rank ("?": it has none)."""
+    from ..data import is_stream
+
+    try:
+        n = len(ds)
+    except TypeError:
+        return "?"
+    return f"{n} per rank" if is_stream(ds) else str(n)
 
 
 def _dry_warm_start(cfg: Config, model) -> list[str]:
