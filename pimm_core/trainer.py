@@ -245,6 +245,12 @@ class Trainer:
                 state does not fit the model (names the tensors).
         """
         t = self._t = train_config or self.config.train
+        if resume_from is None and t != self.config.train:
+            # A fresh run trains with `t`: the optimizer (built in __init__ from the config) takes its
+            # hyperparameters, and config.toml records it, so `pimm resume` continues with the same.
+            self.config = dataclasses.replace(self.config, train=t)
+            self.optimizer.load_state_dict(build_optimizer(self.config, unwrap(self.model),
+                                                           self.config_path).state_dict())
         self.scheduler = self._build_scheduler(t)
         checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         rec = self.recorder = Recorder(self.run_dir, self.info, self.state, epochs=t.epochs,

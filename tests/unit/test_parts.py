@@ -135,3 +135,23 @@ def test_trainer_is_freed_by_reference_counting():
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_train_config_passed_to_train_sets_the_fresh_runs_optimizer(tmp_path):
+    """``trainer.train(TrainConfig(lr=...))`` trains with that LR from the first step (the optimizer
+    was built from the config's), and the run's config.toml records it for ``pimm resume``."""
+    import dataclasses
+    import tomllib
+    from pathlib import Path
+
+    from pimm_core import Trainer, load_config
+
+    digits = Path(__file__).resolve().parents[2] / "configs" / "digits.toml"
+    cfg = load_config(digits, ["train.epochs=1", "train.max_steps=2", "train.lr=0.001"])
+    trainer = Trainer(cfg, run_dir=tmp_path / "run")
+    t = dataclasses.replace(cfg.train, lr=0.01, warmup_steps=0, weight_decay=0.0)
+    trainer.train(t)
+    assert [g["initial_lr"] for g in trainer.optimizer.param_groups] == [0.01] * len(trainer.optimizer.param_groups)
+    assert all(g["weight_decay"] == 0.0 for g in trainer.optimizer.param_groups)
+    saved = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
+    assert saved["train"]["lr"] == 0.01
