@@ -28,7 +28,7 @@ from _resume_driver import run_job
 
 STEPS1, STEPS2 = 45, 23  # optimizer steps per epoch at world size 1 / 2 (1,437 samples, batch 32)
 EPOCHS = 2
-DRIVER = REPO / "tests" / "_resume_driver.py"
+DRIVER = Path(__file__).with_name("_resume_driver.py")
 
 # (case id, world size, per-rank workers, interruption step K)
 CASES = [
