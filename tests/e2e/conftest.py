@@ -29,6 +29,19 @@ class TrainedRun:
         return dest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """One intra-op thread for the runs trained in this process, as ``clean_env`` gives the
+    subprocesses: the digits MLP gains nothing from a second, and on a busy 2-core machine
+    the extra thread spins (several times the compute)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
     """``pimm launch`` of configs/digits.toml with SINGLE_OVERRIDES, in a subprocess. Do not modify it."""

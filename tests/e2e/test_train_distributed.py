@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import describe, eval_weights, launch, read_json, read_jsonl
+from _helpers import clean_env, describe, eval_weights, launch, read_json, read_jsonl
 from pimm_core.checkpoint.manifest import verify_files
 
 STEPS_PER_EPOCH = 23  # 1,437 training samples split over 2 ranks (719 each) at batch 32
@@ -19,7 +19,8 @@ def two_rank_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ddp_run(two_rank_root):
-    result = launch(two_rank_root, "ddp", "train.epochs=5", nproc=2)
+    # OMP_NUM_THREADS unset, as in a user's shell: pimm sets it for the ranks (torchrun would warn)
+    result = launch(two_rank_root, "ddp", "train.epochs=5", nproc=2, env=clean_env(one_thread=False))
     assert result.returncode == 0, describe(result)
     return result, two_rank_root / "digits" / "ddp"
 
@@ -50,6 +51,7 @@ def test_two_ranks_summary_and_checkpoint(ddp_run):
     result, run = ddp_run
     done = [line for line in result.stdout.splitlines() if line.startswith("done:")]
     assert len(done) == 1 and done[0].endswith(f"run {run}"), describe(result)  # printed by rank 0 only
+    assert "OMP_NUM_THREADS" not in result.stdout + result.stderr, describe(result)  # no torchrun banner
     _check_checkpoint(run, epochs=5, workers=0)
 
 
