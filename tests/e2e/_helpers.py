@@ -51,8 +51,8 @@ def pimm_here(*args: str, cwd: Path = REPO, timeout: float | None = None) -> sub
     single-process trainings): it saves the seconds a subprocess spends importing torch.
     Keep real processes for signals, kills, fail points (read at import), torchrun, and at
     least one run of each guarantee through the console script. The ``pimm`` logger is reset
-    for the call (the CLI configures it once per process) and restored after; the working
-    directory is ``cwd`` meanwhile. ``timeout`` is accepted (as :func:`pimm` takes it) and unused.
+    for the call as in a fresh process (the CLI configures it once per process) and restored
+    after; the working directory is ``cwd`` meanwhile. ``timeout`` is accepted (as :func:`pimm` takes it) and unused.
     """
     from pimm_core.cli import main
 
@@ -62,7 +62,9 @@ def pimm_here(*args: str, cwd: Path = REPO, timeout: float | None = None) -> sub
     for h in handlers:
         logger.removeHandler(h)
     logger.setLevel(logging.NOTSET)
-    logger.propagate = True
+    # A fresh process's root logger has no handlers, so a warning logged before the CLI sets up
+    # the logger reaches stderr through logging.lastResort; here the root holds pytest's handlers.
+    logger.propagate = False
     out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
     try:
         os.chdir(cwd)
