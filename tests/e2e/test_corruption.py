@@ -52,8 +52,8 @@ def pimm_env(env: dict[str, str], *args):
 
 def resume(root: Path, name: str, *overrides: str, extra: tuple[str, ...] = ("--train.resume",), here: bool = False):
     """``pimm launch ... --train.resume``; ``here``: in this process (see ``_helpers.pimm_here``)."""
-    return (pimm_here if here else pimm)("launch", "--train.config", DIGITS, "--run.root", root, "--run.name", name, "--run.no-timestamp",
-                *extra, "--", *overrides, timeout=240)
+    return (pimm_here if here else pimm)("launch", "--train.config", DIGITS, "--run.root", root, "--run.name", name,
+                                         "--run.no-timestamp", *extra, "--", *overrides, timeout=240)
 
 
 def one_error_line(result) -> str:

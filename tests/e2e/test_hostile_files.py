@@ -144,8 +144,8 @@ def poison_standard(last: Path, where: str, marker: Path) -> Path:
 
 def launch(root: Path, name: str, *extra: str, overrides: tuple[str, ...] = ("train.epochs=1",), here: bool = True):
     """``pimm launch``; in this process unless ``here`` is false (see the module's docstring)."""
-    return (pimm_here if here else pimm)("launch", "--train.config", DIGITS, "--run.root", root, "--run.name", name, "--run.no-timestamp",
-                *extra, "--", *overrides, timeout=240)
+    return (pimm_here if here else pimm)("launch", "--train.config", DIGITS, "--run.root", root, "--run.name", name,
+                                         "--run.no-timestamp", *extra, "--", *overrides, timeout=240)
 
 
 def assert_refused(result, path: Path, marker: Path) -> str:
