@@ -2,9 +2,9 @@
 
 Every refusal is one ``error:`` line from ``pimm launch``, with exit code 2 for bad input (1 for
 an unreachable Hub: the operation failed, the input may be fine), no traceback, and nothing left
-behind: no run directory, not even the run root. The Hub cases, one refusal and one warm start run
-the console script in real processes; the others run the same command in this process
-(``_helpers.pimm_here``), without a subprocess importing torch.
+behind: no run directory, not even the run root. The Hub cases and one warm start run the console
+script in real processes; the others run the same command in this process (``_helpers.pimm_here``),
+without a subprocess importing torch.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def test_resume_from_a_foreign_source_names_it_and_the_warm_start_to_use(sources
 
 @pytest.mark.parametrize("kind", ["accelerate", "text"])
 def test_resume_from_a_foreign_source_cli(sources, tmp_path, kind):
-    line = _one_error(_launch(tmp_path / "exp", "--train.resume-from", sources[kind], here=kind != "accelerate"))
+    line = _one_error(_launch(tmp_path / "exp", "--train.resume-from", sources[kind]))
     assert line == f"error: {RESUME_REFUSALS[kind](sources[kind])}"
     assert not (tmp_path / "exp").exists()  # nothing left behind
 
