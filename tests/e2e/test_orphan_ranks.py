@@ -188,9 +188,8 @@ def test_launch_refused_while_a_rank_of_an_earlier_launch_lives(tmp_path):
         rank.wait()
     assert select_resume(run / "model")[0].step == step  # nothing was written
 
-    # one step of the second epoch is enough to show the resume is accepted and trains
-    argv = _launch_argv(tmp_path, "--train.resume", overrides=("train.epochs=2", "train.max_steps=46"))
-    resumed = subprocess.run(argv, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=180)
+    # accepted and trains (one step of the second epoch is enough; in this process: no torch import)
+    resumed = pimm_here(*_launch_args(tmp_path, "--train.resume", overrides=("train.epochs=2", "train.max_steps=46")))
     assert resumed.returncode == 0, describe(resumed)
     assert read_json(run / "provenance.json")["starts"][-1]["checkpoint_step"] == step
     assert read_json(run / "status.json")["state"] == "finished"
