@@ -1,8 +1,11 @@
-"""Shared helpers for the test suite: run the CLI in a real subprocess, read run files."""
+"""Shared helpers for the test suite: run the CLI in a real subprocess (or in this process), read run files."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -17,27 +20,83 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
                   "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 
 
-def clean_env() -> dict[str, str]:
+def clean_env(*, one_thread: bool = True) -> dict[str, str]:
+    """This process's environment without a surrounding launcher's variables.
+
+    ``one_thread``: ``OMP_NUM_THREADS=1`` (unless already set), one intra-op thread per
+    process as torchrun gives each rank: the digits MLP's ops are too small to gain from a
+    second thread, and on a busy 2-core machine the extra threads spin. ``False`` leaves
+    it unset, so pimm's own default for the ranks it spawns is what runs.
+    """
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
     env["PYTHONUNBUFFERED"] = "1"
+    if one_thread:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    else:
+        env.pop("OMP_NUM_THREADS", None)
     return env
 
 
-def pimm(*args: str, timeout: float = 180, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    """``python -m pimm_core.cli ARGS`` in a subprocess (text output captured)."""
-    return subprocess.run([sys.executable, "-m", "pimm_core.cli", *map(str, args)], cwd=cwd, env=clean_env(),
-                          capture_output=True, text=True, timeout=timeout)
+def pimm(*args: str, timeout: float = 180, cwd: Path = REPO,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m pimm_core.cli ARGS`` in a subprocess (text output captured; ``env`` default: clean_env())."""
+    return subprocess.run([sys.executable, "-m", "pimm_core.cli", *map(str, args)], cwd=cwd,
+                          env=clean_env() if env is None else env, capture_output=True, text=True, timeout=timeout)
+
+
+def pimm_here(*args: str, cwd: Path = REPO, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    """``pimm ARGS`` run in this process through ``pimm_core.cli.main``, captured like :func:`pimm`.
+
+    For outcomes that do not depend on being a fresh process (refusals, dry runs, short
+    single-process trainings): it saves the seconds a subprocess spends importing torch.
+    Keep real processes for signals, kills, fail points (read at import), torchrun, and at
+    least one run of each guarantee through the console script. The ``pimm`` logger is reset
+    for the call as in a fresh process (the CLI configures it once per process) and restored
+    after; the working directory is ``cwd`` meanwhile. ``timeout`` is accepted (as :func:`pimm` takes it) and unused.
+    """
+    from pimm_core.cli import main
+
+    argv = [str(a) for a in args]
+    logger = logging.getLogger("pimm")
+    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
+    for h in handlers:
+        logger.removeHandler(h)
+    logger.setLevel(logging.NOTSET)
+    # A fresh process's root logger has no handlers, so a warning logged before the CLI sets up
+    # the logger reaches stderr through logging.lastResort; here the root holds pytest's handlers.
+    logger.propagate = False
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    try:
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        os.chdir(here)
+        for h in list(logger.handlers):
+            logger.removeHandler(h)
+            h.close()
+        for h in handlers:
+            logger.addHandler(h)
+        logger.setLevel(level)
+        logger.propagate = propagate
+    return subprocess.CompletedProcess(["pimm", *argv], code, out.getvalue(), err.getvalue())
 
 
 def launch(root: Path, name: str, *overrides: str, nproc: int | None = None, config: Path = DIGITS,
-           timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """Train ``config`` into ``<root>/<group>/<name>`` (no timestamp) with ``-- overrides``."""
+           timeout: float = 240, here: bool = False, env: dict[str, str] | None = None,
+           ) -> subprocess.CompletedProcess[str]:
+    """Train ``config`` into ``<root>/<group>/<name>`` (no timestamp) with ``-- overrides``.
+
+    ``here``: in this process (:func:`pimm_here`, one rank only) instead of a subprocess."""
     args = ["launch", "--train.config", str(config), "--run.root", str(root), "--run.name", name, "--run.no-timestamp"]
     if nproc is not None:
         args += ["--nproc-per-node", str(nproc)]
     if overrides:
         args += ["--", *overrides]
-    return pimm(*args, timeout=timeout)
+    if here:
+        assert nproc is None, "torchrun runs in subprocesses"
+        return pimm_here(*args)
+    return pimm(*args, timeout=timeout, env=env)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from _helpers import DIGITS, REPO, clean_env, describe, launch, pimm, read_json
+from _helpers import DIGITS, REPO, clean_env, describe, pimm, read_json
 from pimm_core.checkpoint.selection import select_resume
 from test_stop_runs import Session
 
@@ -33,9 +33,20 @@ def final_weights(run_dir):
 
 
 def test_async_stop_and_kill_resume_bitwise(tmp_path):
-    reference = launch(tmp_path, "sync", *OV, "checkpoint.async=false")
-    assert reference.returncode == 0, describe(reference)
+    # The synchronous reference trains in the background meanwhile (one thread each: 2 cores).
+    reference = Session(tmp_path, "sync", (*OV, "checkpoint.async=false"), nproc=None, resume=False, tag="sync")
+    try:
+        _stop_kill_resume(tmp_path)
+        assert reference.wait() == 0, reference.describe()
+    finally:
+        reference.kill()  # a no-op once it has exited
+    ref, got = final_weights(tmp_path / "digits" / "sync"), final_weights(tmp_path / "digits" / "bg")
+    assert ref.keys() == got.keys()
+    assert all(torch.equal(ref[k], got[k]) for k in ref), "async save + kill + resume diverged from the sync run"
 
+
+def _stop_kill_resume(tmp_path) -> None:
+    """SIGTERM an async run, resume it, SIGKILL it after a background save, resume it to the end."""
     s = Session(tmp_path, "bg", (*OV, "checkpoint.async=true"), nproc=None, resume=False, tag="stopped")
     try:
         s.wait_training(min_step=12)  # past the first background save
@@ -69,9 +80,6 @@ def test_async_stop_and_kill_resume_bitwise(tmp_path):
     assert resumed.returncode == 0, describe(resumed)
     start = read_json(s.run_dir / "provenance.json")["starts"][-1]
     assert start["kind"] == "resume" and start["checkpoint_step"] >= step, (start, step)
-    ref, got = final_weights(tmp_path / "digits" / "sync"), final_weights(s.run_dir)
-    assert ref.keys() == got.keys()
-    assert all(torch.equal(ref[k], got[k]) for k in ref), "async save + kill + resume diverged from the sync run"
 
 
 def background_save_after(s: Session, step: int) -> int:

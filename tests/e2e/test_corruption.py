@@ -6,6 +6,10 @@ file: ``pimm checkpoints verify`` exits 1 naming the file (checked against the m
 provenance entry, or fails with one ``error:`` line (exit 1) when nothing intact is left.
 A ``.pth`` that is not a pimm checkpoint and a pickle that would run code are refused as
 ``--train.resume-from`` or ``--train.weight`` with one line; nothing trains, nothing runs.
+
+The launches run in this process (``_helpers.pimm_here``: same code, no subprocess importing
+torch) except one fallback and the kills at fail points; ``test_hostile_files.py`` refuses
+hostile files in real processes.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, REPO, clean_env, describe, launch, pimm, read_json
+from _helpers import DIGITS, REPO, clean_env, describe, launch, pimm, pimm_here, read_json
 from conftest import SINGLE_OVERRIDES
 
 SINGLE_RUN = ("train.epochs=2", 'checkpoint_format="single"', "data.batch_size=128")
@@ -46,9 +50,10 @@ def pimm_env(env: dict[str, str], *args):
                           env={**clean_env(), **env}, capture_output=True, text=True, timeout=240)
 
 
-def resume(root: Path, name: str, *overrides: str, extra: tuple[str, ...] = ("--train.resume",)):
-    return pimm("launch", "--train.config", DIGITS, "--run.root", root, "--run.name", name, "--run.no-timestamp",
-                *extra, "--", *overrides, timeout=240)
+def resume(root: Path, name: str, *overrides: str, extra: tuple[str, ...] = ("--train.resume",), here: bool = False):
+    """``pimm launch ... --train.resume``; ``here``: in this process (see ``_helpers.pimm_here``)."""
+    return (pimm_here if here else pimm)("launch", "--train.config", DIGITS, "--run.root", root, "--run.name", name,
+                                         "--run.no-timestamp", *extra, "--", *overrides, timeout=240)
 
 
 def one_error_line(result) -> str:
@@ -66,7 +71,7 @@ def run_copy(trained_run, tmp_path) -> Path:
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("single-format")
-    result = launch(root, "s", *SINGLE_RUN)
+    result = launch(root, "s", *SINGLE_RUN, here=True)
     assert result.returncode == 0, describe(result)
     return root / "digits" / "s"
 
@@ -84,14 +89,19 @@ def test_verify_names_the_damaged_file(run_copy, rel, how):
     assert "model_best.pth: ok" in result.stdout.splitlines()
 
 
-@pytest.mark.parametrize("rel, how", [("weights.pth", "truncated"), ("trainer.dcp/__0_0.distcp", "bit-flipped"),
-                                      ("trainer.dcp/.metadata", "bit-flipped")])
-def test_resume_falls_back_to_an_intact_candidate(run_copy, rel, how):
+# The first case through the console script in a real process; the others in this process
+# (the same code path, without a subprocess importing torch).
+@pytest.mark.parametrize("rel, how, here", [("weights.pth", "truncated", False),
+                                            ("trainer.dcp/__0_0.distcp", "bit-flipped", True),
+                                            ("trainer.dcp/.metadata", "bit-flipped", True)])
+def test_resume_falls_back_to_an_intact_candidate(run_copy, rel, how, here):
     model = run_copy / "model"
     shutil.copytree(model / "last", model / "last.prev")  # a complete earlier candidate
     DAMAGE[how](model / "last" / rel)
-    # one more epoch than the run had: the finished run has something to train (a finished one is a no-op)
-    result = resume(run_copy.parents[1], run_copy.name, *SINGLE_OVERRIDES, "train.epochs=4")
+    # one step more than the run had (step 135): the finished run has something to train (a finished
+    # one is a no-op), and the save at its end rotates `last`
+    result = resume(run_copy.parents[1], run_copy.name, *SINGLE_OVERRIDES, "train.epochs=4", "train.max_steps=136",
+                    here=here)
     assert result.returncode == 0, describe(result)
     loud = [line for line in result.stdout.splitlines() if "ERROR: checkpoint" in line and "failed verification" in line]
     assert loud and str(model / "last") in loud[0] and rel in loud[0], describe(result)
@@ -125,7 +135,7 @@ def test_resume_with_nothing_intact_fails_with_one_line(run_copy):
     weights = run_copy / "model" / "last" / "weights.pth"
     flip(weights)
     before = (weights.read_bytes(), (run_copy / "metrics.jsonl").read_bytes())
-    result = resume(run_copy.parents[1], run_copy.name, *SINGLE_OVERRIDES)
+    result = resume(run_copy.parents[1], run_copy.name, *SINGLE_OVERRIDES, here=True)
     assert result.returncode == 1, describe(result)
     line = one_error_line(result)
     assert "no intact checkpoint" in line and "weights.pth: sha256 mismatch" in line, line
@@ -146,7 +156,7 @@ def test_single_file_corruption_verify_and_fallback(single_run, tmp_path, how):
     assert any(line.startswith("step_24.pth: FAILED: step_24.pth: ") for line in result.stdout.splitlines()), \
         describe(result)
     assert "step_12.pth: ok" in result.stdout.splitlines(), describe(result)
-    result = resume(tmp_path, "s", *SINGLE_RUN)
+    result = resume(tmp_path, "s", *SINGLE_RUN, here=True)
     assert result.returncode == 0, describe(result)
     assert any("ERROR: checkpoint" in line and "step_24.pth" in line for line in result.stdout.splitlines()), \
         describe(result)
@@ -160,7 +170,7 @@ def test_single_with_every_file_damaged_fails_with_one_line(single_run, tmp_path
     shutil.copytree(single_run, run, symlinks=True)
     for p in (run / "model").glob("step_*.pth"):
         truncate(p)
-    result = resume(tmp_path, "s", *SINGLE_RUN)
+    result = resume(tmp_path, "s", *SINGLE_RUN, here=True)
     assert result.returncode == 1, describe(result)
     line = one_error_line(result)
     assert "no intact checkpoint" in line and "step_24.pth" in line and "step_12.pth" in line, line
@@ -198,7 +208,7 @@ def test_hostile_file_is_refused_and_nothing_runs(tmp_path, flag, kind):
     # named like a single-format checkpoint so a resume gets as far as loading it
     path = tmp_path / "elsewhere" / ("step_7.pth" if flag == "--train.resume-from" else "weights.pth")
     _hostile(kind, path, marker)
-    result = resume(tmp_path / "exp", "h", "train.epochs=1", extra=(flag, str(path)))
+    result = resume(tmp_path / "exp", "h", "train.epochs=1", extra=(flag, str(path)), here=True)
     assert result.returncode in (1, 2), describe(result)
     line = one_error_line(result)
     assert str(path) in line, line

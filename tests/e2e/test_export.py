@@ -1,7 +1,8 @@
 """Export: model file, config.json hygiene, export.json, tied tensors, overwrite refusal, the CLI.
 
-Checkpoints are written here with torch.save in the documented layouts, except the last
-test, which trains a tiny real run and exports it through ``pimm export``.
+Checkpoints are written here with torch.save in the documented layouts, except in
+``test_trained_run_export_reproduces_val_accuracy``, which exports the session's real run
+(conftest's ``trained_run``) through ``pimm export``.
 """
 
 from __future__ import annotations
@@ -231,17 +232,14 @@ def test_export_refuses_malicious_pickle(tmp_path: Path, capsys) -> None:
     assert not marker.exists() and not (tmp_path / "o").exists() and not (tmp_path / "o.tmp").exists()
 
 
-def test_trained_run_export_reproduces_val_accuracy(tmp_path: Path) -> None:
-    """Train 2 epochs of the digits quickstart, export `last` via the CLI, re-evaluate the export."""
+def test_trained_run_export_reproduces_val_accuracy(trained_run, tmp_path: Path) -> None:
+    """A real run of the digits quickstart (3 epochs), `last` exported via the CLI, the export re-evaluated."""
     from pimm_core.config import DataConfig, ModelConfig
     from pimm_core.data import build_datasets
     from pimm_core.models import build_model
 
-    cmd = [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", "configs/digits.toml",
-           "--run.root", str(tmp_path / "exp"), "--run.name", "r", "--run.no-timestamp", "--", "train.epochs=2"]
-    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    run = tmp_path / "exp" / "digits" / "r"
+    assert trained_run.result.returncode == 0, trained_run.result.stderr[-2000:]
+    run = trained_run.run_dir  # exported from, not modified
     evals = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if '"val"' in ln]
     final_acc = evals[-1]["acc"]
 
@@ -268,20 +266,24 @@ def _digests(out: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
 def test_export_twice_gives_the_same_bytes(tmp_path: Path, fmt: str) -> None:
-    """Two `pimm export` processes of one checkpoint: every file has the same sha256 (no export
-    time recorded; the safetensors header, whose metadata order the library leaves to a hash
-    map, is written in one order; model.bin's inner folder is not named after a temporary file)."""
+    """Two `pimm export`s of one checkpoint, in two processes with different hash seeds: every file
+    has the same sha256 (no export time recorded; the safetensors header, whose metadata order the
+    library leaves to a hash map, is written in one order; model.bin's inner folder is not named
+    after a temporary file)."""
     torch.manual_seed(0)
     model = Tied()
     run = fake_run(tmp_path, model.state_dict(), ema=Tied().state_dict())
-    outs = []
-    for i in range(2):
-        out = tmp_path / f"out{i}"
-        res = subprocess.run([sys.executable, "-m", "pimm_core.cli", "export", "--run-dir", str(run), "last",
-                              str(out), "--format", fmt, "--weights", "ema"], cwd=REPO, capture_output=True,
-                             text=True, timeout=120, env={**os.environ, "PYTHONHASHSEED": str(i)})
-        assert res.returncode == 0, res.stderr[-2000:]
-        outs.append(_digests(out))
+
+    def args(out: Path) -> list[str]:
+        return ["export", "--run-dir", str(run), "last", str(out), "--format", fmt, "--weights", "ema"]
+
+    # one in this process, one in a subprocess whose hash seed differs from this process's
+    assert main(args(tmp_path / "out0")) == 0
+    seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
+    res = subprocess.run([sys.executable, "-m", "pimm_core.cli", *args(tmp_path / "out1")], cwd=REPO,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONHASHSEED": seed})
+    assert res.returncode == 0, res.stderr[-2000:]
+    outs = [_digests(tmp_path / "out0"), _digests(tmp_path / "out1")]
     assert outs[0] == outs[1] and sorted(outs[0]) == sorted(["config.json", "export.json", f"model.{fmt}"])
     rec = json.loads((tmp_path / "out0" / "export.json").read_text())
     assert "created" not in rec and rec["sha256"] == outs[0][f"model.{fmt}"]
@@ -306,13 +308,11 @@ def test_safetensors_header_is_canonical(tmp_path: Path) -> None:
     assert all(torch.equal(sets[k], v) for k, v in sd.items())
 
 
-def test_export_of_ema_from_a_run_without_ema_is_bad_input(tmp_path: Path) -> None:
+def test_export_of_ema_from_a_run_without_ema_is_bad_input(tmp_path: Path, capsys) -> None:
     run = fake_run(tmp_path, Small().state_dict())
-    res = subprocess.run([sys.executable, "-m", "pimm_core.cli", "export", "--run-dir", str(run), "last",
-                          str(tmp_path / "o"), "--weights", "ema"], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
-    assert res.returncode == 2, res.stderr
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: last has no ema weights (it has: raw)"), res.stderr
-    assert "--weights raw" in lines[0] and "Traceback" not in res.stderr
+    assert main(["export", "--run-dir", str(run), "last", str(tmp_path / "o"), "--weights", "ema"]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: last has no ema weights (it has: raw)"), err
+    assert "--weights raw" in lines[0] and "Traceback" not in err
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.tmp").exists()

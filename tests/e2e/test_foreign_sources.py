@@ -1,8 +1,10 @@
 """Sources pimm did not write, the Hub without a network, and ``--dry-run`` checking what the launch checks.
 
-Every refusal is one ``error:`` line from a real ``pimm launch`` subprocess, with exit code 2
-for bad input (1 for an unreachable Hub: the operation failed, the input may be fine), no
-traceback, and nothing left behind: no run directory, not even the run root.
+Every refusal is one ``error:`` line from ``pimm launch``, with exit code 2 for bad input (1 for
+an unreachable Hub: the operation failed, the input may be fine), no traceback, and nothing left
+behind: no run directory, not even the run root. The Hub cases and one warm start run the console
+script in real processes; the others run the same command in this process (``_helpers.pimm_here``),
+without a subprocess importing torch.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import DIGITS, REPO, clean_env, describe
+from _helpers import DIGITS, REPO, clean_env, describe, pimm_here
 from pimm_core.checkpoint.foreign import directory_layout, file_layout, sniff
 from pimm_core.checkpoint.selection import resolve_resume_path
 from pimm_core.checkpoint.sources import check_weight_source
@@ -90,7 +92,11 @@ def _one_error(result: subprocess.CompletedProcess[str], code: int = 2) -> str:
     return lines[0]
 
 
-def _launch(root: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 180):
+def _launch(root: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 180, here: bool = True):
+    """``pimm launch --train.config configs/digits.toml --run.root ROOT ARGS``: in this process, or with
+    ``here=False`` (or an ``env``, read by libraries at import) in a real subprocess."""
+    if here and env is None:
+        return pimm_here("launch", "--train.config", DIGITS, "--run.root", root, *args)
     cmd = [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(DIGITS), "--run.root", str(root),
            *map(str, args)]
     return subprocess.run(cmd, cwd=REPO, env={**clean_env(), **(env or {})}, capture_output=True, text=True,
@@ -192,7 +198,7 @@ def test_foreign_weights_warm_start(sources, tmp_path, kind, overrides):
     """A plain state dict and, with the suggested key rule, a Lightning checkpoint warm-start
     a launch: every parameter is loaded."""
     result = _launch(tmp_path / "exp", "--run.name", "w", "--run.no-timestamp", "--train.weight", sources[kind],
-                     "--", *FAST, *overrides)
+                     "--", *FAST, *overrides, here=kind != "plain")
     assert result.returncode == 0, describe(result)
     prov = json.loads((tmp_path / "exp" / "digits" / "w" / "provenance.json").read_text())
     ws = prov["starts"][0]["warm_start"]

@@ -11,8 +11,8 @@ global step K is the interruption.
 - ``single``: ``last``/``best``/``final`` are relative symlinks, a stop moves ``last`` but
   not ``final``, ``checkpoint.keep_last=1`` never deletes a pointer target, and a run
   directory moved elsewhere resumes from its ``model/last`` and finishes.
-- Warm start through the trainer: ``pimm launch --train.weight RUN/model/last`` in a
-  subprocess (report, provenance, fresh optimizer/step), a different head, a DDP-prefixed
+- Warm start through the trainer: ``pimm launch --train.weight RUN/model/last`` in this
+  process (report, provenance, fresh optimizer/step), a different head, a DDP-prefixed
   save, EMA weights of a single-format pointer, a legacy file; zero match and a missing
   path exit 2 with one line.
 
@@ -26,14 +26,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from _api_runs import assert_same_tensors, listing, make_config, one_thread, pimm_logging, train
-from _helpers import DIGITS, REPO, clean_env, describe, read_json, read_jsonl
+from _helpers import DIGITS, describe, pimm_here, read_json, read_jsonl
 from pimm_core.checkpoint.weights import read_weight_sets
 
 STEPS = 45  # optimizer steps per epoch (1,437 training samples, batch 32)
@@ -220,19 +219,14 @@ def test_single_moved_run_resumes_and_finishes(runs):
 
 
 # ----------------------------------------------------------------- warm start
-def _pimm_subprocess(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = {**clean_env(), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "pimm_core.cli", *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def cli_warm(runs, tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedProcess[str]]:
-    """``pimm launch --train.weight <std-full>/model/last`` (a real subprocess), 5 steps."""
+    """``pimm launch --train.weight <std-full>/model/last``, 5 steps, in this process (``pimm_here``;
+    test_foreign_sources.py warm-starts a launch in a real process)."""
     root = tmp_path_factory.mktemp("warm_cli")
     source = runs["root"] / "std-full" / "model" / "last"
-    r = _pimm_subprocess("launch", "--train.config", DIGITS, "--run.root", root, "--run.name", "w", "--run.no-timestamp",
-                         "--train.weight", source, "--", "train.epochs=1", "train.max_steps=5", "train.log_every_steps=1")
+    r = pimm_here("launch", "--train.config", DIGITS, "--run.root", root, "--run.name", "w", "--run.no-timestamp",
+                  "--train.weight", source, "--", "train.epochs=1", "train.max_steps=5", "train.log_every_steps=1")
     return source, root / "digits" / "w", r
 
 

@@ -13,6 +13,10 @@ checksum verification passes: the attack is a file someone wrote on purpose, not
 - ``pimm checkpoints verify/ls/diff`` and the console's reader on a run holding them: no marker.
 - :func:`read_dcp_metadata` itself: refuses foreign globals, non-tensor items, paths out of
   the directory and garbage, with one line naming the file.
+
+The 2-rank resume runs the console script in real processes (the launcher and both ranks);
+the other cases run the same command in this process (``_helpers.pimm_here``), without a
+subprocess importing torch: a pickle that ran would leave its marker either way.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import DIGITS, describe, pimm
+from _helpers import DIGITS, describe, pimm, pimm_here
 from conftest import SINGLE_OVERRIDES
 
 # the session run's config with one more epoch: a resume that would train (a finished run is not loaded)
@@ -138,9 +142,10 @@ def poison_standard(last: Path, where: str, marker: Path) -> Path:
     return target
 
 
-def launch(root: Path, name: str, *extra: str, overrides: tuple[str, ...] = ("train.epochs=1",)):
-    return pimm("launch", "--train.config", DIGITS, "--run.root", root, "--run.name", name, "--run.no-timestamp",
-                *extra, "--", *overrides, timeout=240)
+def launch(root: Path, name: str, *extra: str, overrides: tuple[str, ...] = ("train.epochs=1",), here: bool = True):
+    """``pimm launch``; in this process unless ``here`` is false (see the module's docstring)."""
+    return (pimm_here if here else pimm)("launch", "--train.config", DIGITS, "--run.root", root, "--run.name", name,
+                                         "--run.no-timestamp", *extra, "--", *overrides, timeout=240)
 
 
 def assert_refused(result, path: Path, marker: Path) -> str:
@@ -182,7 +187,7 @@ def test_two_ranks_resume_from_hostile_metadata_runs_nothing(run_copy, tmp_path)
     last = run_copy / "model" / "last"
     target = poison_standard(last, "metadata", marker)
     result = launch(run_copy.parents[1], run_copy.name, "--train.resume-from", last, "--nproc-per-node", "2",
-                    overrides=MORE)
+                    overrides=MORE, here=False)
     assert_refused(result, target, marker)
 
 
@@ -233,7 +238,7 @@ def test_warm_start_from_a_hostile_file_runs_nothing(run_copy, tmp_path, kind):
 def test_export_of_a_hostile_file_runs_nothing(run_copy, tmp_path, kind):
     marker = tmp_path / "pwned"
     source, target = _hostile_weight_sources(run_copy, tmp_path, marker)[kind]
-    result = pimm("export", source, tmp_path / "out", timeout=120)
+    result = pimm_here("export", source, tmp_path / "out")
     line = assert_refused(result, target, marker)
     assert "weights_only" in line, line
     assert not (tmp_path / "out").exists()

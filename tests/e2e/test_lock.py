@@ -17,15 +17,19 @@ import sys
 import time
 from pathlib import Path
 
-from _helpers import DIGITS, REPO, clean_env, describe, pimm, read_json
+from _helpers import DIGITS, REPO, clean_env, describe, pimm, pimm_here, read_json
 
 # long enough to still be running while the test looks at it; a save at every epoch end
 LONG = ("train.epochs=200", "checkpoint.every_epochs=1", "train.log_every_steps=1000")
 
 
+def _args(root: Path, *extra: str, overrides: tuple[str, ...] = LONG) -> list[str]:
+    return ["launch", "--train.config", str(DIGITS), "--run.root", str(root), "--run.name", "locked",
+            "--run.no-timestamp", *extra, "--", *overrides]
+
+
 def _argv(root: Path, *extra: str, overrides: tuple[str, ...] = LONG) -> list[str]:
-    return [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(DIGITS), "--run.root", str(root),
-            "--run.name", "locked", "--run.no-timestamp", *extra, "--", *overrides]
+    return [sys.executable, "-m", "pimm_core.cli", *_args(root, *extra, overrides=overrides)]
 
 
 def _wait_for(cond, proc: subprocess.Popen, timeout: float = 180) -> None:
@@ -50,10 +54,10 @@ def test_second_launch_refused_killed_holder_taken_over(tmp_path):
             assert json.loads(ls.stdout)["selected"] in ("last", "last.prev"), ls.stdout
         assert first.poll() is None
 
-        # a second launch on the same run: refused at once, naming the holder
+        # a second launch on the same run (in this process: the holder is another process either way):
+        # refused at once, naming the holder
         start = time.monotonic()
-        second = subprocess.run(_argv(tmp_path, "--train.resume"), cwd=REPO, env=clean_env(), capture_output=True,
-                                text=True, timeout=120)
+        second = pimm_here(*_args(tmp_path, "--train.resume"))
         took = time.monotonic() - start
         assert second.returncode == 2, describe(second)
         errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
@@ -72,8 +76,8 @@ def test_second_launch_refused_killed_holder_taken_over(tmp_path):
     assert read_json(run / "lock.json")["pid"] == first.pid
 
     step = read_json(run / "model" / "last" / "manifest.json")["step"]
-    resumed = subprocess.run(_argv(tmp_path, "--train.resume", overrides=(*LONG, f"train.max_steps={step + 5}")),
-                             cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=240)
+    # the resume takes the dead holder's lock (in this process: any process can)
+    resumed = pimm_here(*_args(tmp_path, "--train.resume", overrides=(*LONG, f"train.max_steps={step + 5}")))
     assert resumed.returncode == 0, describe(resumed)
     entry = read_json(run / "provenance.json")["starts"][-1]
     assert entry["kind"] == "resume" and entry["checkpoint_step"] == step, entry

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, REPO, clean_env, describe, launch, read_json
+from _helpers import DIGITS, REPO, clean_env, describe, launch, pimm_here, read_json
 from pimm_core.checkpoint.selection import select_resume
 from pimm_core.errors import UsageError
 from pimm_core.lock import LAUNCHER_ENV, LAUNCHER_HOLDS_ENV, LOCK, RANKS, RunLock
@@ -86,9 +86,13 @@ def _files(model: Path) -> dict[str, int]:
     return {p.relative_to(model).as_posix(): p.stat().st_mtime_ns for p in sorted(model.rglob("*")) if p.is_file()}
 
 
+def _launch_args(root: Path, *extra: str, overrides: tuple[str, ...] = LONG) -> list[str]:
+    return ["launch", "--train.config", str(DIGITS), "--run.root", str(root), "--run.name", "orphans",
+            "--run.no-timestamp", *extra, "--", *overrides]
+
+
 def _launch_argv(root: Path, *extra: str, overrides: tuple[str, ...] = LONG) -> list[str]:
-    return [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(DIGITS), "--run.root", str(root),
-            "--run.name", "orphans", "--run.no-timestamp", *extra, "--", *overrides]
+    return [sys.executable, "-m", "pimm_core.cli", *_launch_args(root, *extra, overrides=overrides)]
 
 
 def test_killed_launcher_takes_its_ranks_and_their_workers(tmp_path):
@@ -158,7 +162,7 @@ _RANK = ("import sys, time\n"
 def test_launch_refused_while_a_rank_of_an_earlier_launch_lives(tmp_path):
     """A rank of an earlier launch that has not died yet (stand-in: a process holding
     ``.ranks.lock``, as a rank does) keeps the run: refused until it is gone."""
-    first = launch(tmp_path, "orphans", "train.epochs=1")
+    first = launch(tmp_path, "orphans", "train.epochs=1", here=True)
     assert first.returncode == 0, describe(first)
     run = tmp_path / "digits" / "orphans"
     step = select_resume(run / "model")[0].step
@@ -167,9 +171,13 @@ def test_launch_refused_while_a_rank_of_an_earlier_launch_lives(tmp_path):
                             env={**clean_env(), LAUNCHER_HOLDS_ENV: "1"}, stdout=subprocess.PIPE, text=True)
     try:
         assert rank.stdout.readline().strip() == "ready"
+        # the 2-rank launcher in a real process; the single-process launch in this one (same check)
         for extra in (("--nproc-per-node", "2", "--train.resume"), ("--train.resume",)):
-            refused = subprocess.run(_launch_argv(tmp_path, *extra, overrides=("train.epochs=2",)), cwd=REPO,
-                                     env=clean_env(), capture_output=True, text=True, timeout=120)
+            if "--nproc-per-node" in extra:
+                refused = subprocess.run(_launch_argv(tmp_path, *extra, overrides=("train.epochs=2",)), cwd=REPO,
+                                         env=clean_env(), capture_output=True, text=True, timeout=120)
+            else:
+                refused = pimm_here(*_launch_args(tmp_path, *extra, overrides=("train.epochs=2",)))
             assert refused.returncode == 2, describe(refused)
             lines = refused.stderr.strip().splitlines()
             assert len(lines) == 1 and "Traceback" not in refused.stderr, describe(refused)
@@ -180,8 +188,8 @@ def test_launch_refused_while_a_rank_of_an_earlier_launch_lives(tmp_path):
         rank.wait()
     assert select_resume(run / "model")[0].step == step  # nothing was written
 
-    resumed = subprocess.run(_launch_argv(tmp_path, "--train.resume", overrides=("train.epochs=2",)), cwd=REPO,
-                             env=clean_env(), capture_output=True, text=True, timeout=180)
+    # accepted and trains (one step of the second epoch is enough; in this process: no torch import)
+    resumed = pimm_here(*_launch_args(tmp_path, "--train.resume", overrides=("train.epochs=2", "train.max_steps=46")))
     assert resumed.returncode == 0, describe(resumed)
     assert read_json(run / "provenance.json")["starts"][-1]["checkpoint_step"] == step
     assert read_json(run / "status.json")["state"] == "finished"

@@ -16,6 +16,7 @@ import torch
 
 from _helpers import read_json, read_jsonl
 from _resume_driver import run_job
+from conftest import STOPPED_AT, STOPPED_OVERRIDES
 
 OV = ["train.epochs=3", "train.max_steps=60"]  # digits: 45 micro-batches per epoch at batch 32
 MIN_LR = 2e-5  # configs/digits.toml
@@ -88,10 +89,12 @@ def cosine_lr(step: int, *, lr: float, min_lr: float, warmup: int, total: int, a
 
 
 @pytest.fixture(scope="module")
-def stopped(tmp_path_factory) -> Path:
-    """A 2-epoch run (90 steps, warmup 20) stopped after step 50 (epoch 1, iter 5)."""
+def stopped(tmp_path_factory, stopped_run) -> Path:
+    """A 2-epoch run (90 steps, warmup 20) stopped after step 50 (epoch 1, iter 5): a copy of
+    conftest's ``stopped_run``."""
+    assert STOPPED_AT == 50 and "train.epochs=2" in STOPPED_OVERRIDES
     run = tmp_path_factory.mktemp("changes") / "stopped"
-    run_job(run, ["train.epochs=2"], stop_at=50)
+    shutil.copytree(stopped_run, run)
     return run
 
 

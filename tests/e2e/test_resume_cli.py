@@ -1,4 +1,8 @@
-"""Resume from the command line: ``--dry-run``, the path helper, rotation recovery, and ``kill -9``."""
+"""Resume from the command line: ``--dry-run``, the path helper, rotation recovery, and ``kill -9``.
+
+The first dry run and the ``kill -9`` case run the console script in real processes; the other
+dry runs run it in this process (``_helpers.pimm_here``: same code, no subprocess importing torch).
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, REPO, clean_env, describe, pimm, read_json, read_jsonl, snapshot
+from _helpers import DIGITS, REPO, clean_env, describe, pimm, pimm_here, read_json, read_jsonl, snapshot
 from _resume_driver import BASE, run_job
+from conftest import STOPPED_AT, STOPPED_OVERRIDES
 from pimm_core.checkpoint.selection import select_resume
 from pimm_core.run import read_json as read_json_or_none
 
@@ -22,16 +27,20 @@ OV = ["train.epochs=2", "data.num_workers=0"]
 CLI_OV = [*BASE, *OV]
 
 
-def resume_cli(root: Path, name: str, *flags: str, overrides=tuple(CLI_OV), timeout: float = 240):
-    return pimm("launch", "--train.config", str(DIGITS), "--run.root", str(root), "--run.name", name,
-                "--run.no-timestamp", "--train.resume", *flags, "--", *overrides, timeout=timeout)
+def resume_cli(root: Path, name: str, *flags: str, overrides=tuple(CLI_OV), timeout: float = 240, here: bool = True):
+    """``pimm launch ... --train.resume FLAGS -- overrides``; ``here``: in this process."""
+    return (pimm_here if here else pimm)("launch", "--train.config", str(DIGITS), "--run.root", str(root),
+                                         "--run.name", name, "--run.no-timestamp", "--train.resume", *flags, "--",
+                                         *overrides, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    """``<root>/digits/base``: interrupted mid-epoch at step K (model/last: step 50, epoch 1, iter 5)."""
+def root(tmp_path_factory, stopped_run) -> Path:
+    """``<root>/digits/base``: interrupted mid-epoch at step K (model/last: step 50, epoch 1, iter 5);
+    a copy of conftest's ``stopped_run`` (BASE + OV, stopped at K)."""
+    assert (tuple(OV), K) == (STOPPED_OVERRIDES, STOPPED_AT)
     root = tmp_path_factory.mktemp("resume_cli")
-    run_job(root / "digits" / "base", OV, stop_at=K)
+    shutil.copytree(stopped_run, root / "digits" / "base")
     return root
 
 
@@ -46,7 +55,7 @@ def copy(root, tmp_path) -> Path:
 def test_dry_run_same_topology(root):
     run = root / "digits" / "base"
     before = snapshot(root)
-    r = resume_cli(root, "base", "--dry-run")
+    r = resume_cli(root, "base", "--dry-run", here=False)
     assert r.returncode == 0, describe(r)
     out = r.stdout.splitlines()
     last = run / "model" / "last"

@@ -1,5 +1,9 @@
 """``pimm resume RUN_DIR``, the requeue command (``--train.auto-resume``), and one selection
-(sha256 included) for ``checkpoints latest``, the path helper, ``--dry-run`` and the real resume."""
+(sha256 included) for ``checkpoints latest``, the path helper, ``--dry-run`` and the real resume.
+
+A resume and a requeue that train run the console script in real processes; the other
+commands run in this process (``_helpers.pimm_here``: same code, no subprocess importing torch).
+"""
 
 from __future__ import annotations
 
@@ -9,18 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, describe, pimm, read_json, read_jsonl
+from _helpers import DIGITS, describe, pimm, pimm_here, read_json, read_jsonl
 from _resume_driver import run_job
+from conftest import STOPPED_AT, STOPPED_OVERRIDES
 
 K = 50  # interruption: epoch 1, iter 5 (45 steps per epoch at world size 1)
 OV = ["train.epochs=2"]
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    """A run (dropout 0.3, see _resume_driver.BASE) stopped mid-epoch at step K."""
+def base(tmp_path_factory, stopped_run) -> Path:
+    """A run (dropout 0.3, see _resume_driver.BASE) stopped mid-epoch at step K: a copy of
+    conftest's ``stopped_run`` (data.num_workers=0 there is the default)."""
+    assert K == STOPPED_AT and set(OV) <= set(STOPPED_OVERRIDES)
     run = tmp_path_factory.mktemp("resume_cmd") / "digits" / "base"
-    run_job(run, OV, stop_at=K)
+    shutil.copytree(stopped_run, run)
     return run
 
 
@@ -39,7 +46,7 @@ def flip_byte(path: Path, offset: int = -100) -> None:
 
 # ------------------------------------------------------------------ pimm resume
 def test_resume_dry_run_reads_the_run_directory(base):
-    r = pimm("resume", base, "--dry-run")
+    r = pimm_here("resume", base, "--dry-run")
     assert r.returncode == 0, describe(r)
     out = r.stdout.splitlines()
     assert out[0] == "launch: world size 1 (--nproc-per-node 1)"
@@ -49,7 +56,7 @@ def test_resume_dry_run_reads_the_run_directory(base):
 
 
 def test_resume_dry_run_shows_overrides_as_deltas(base):
-    r = pimm("resume", base, "--dry-run", "--", "train.grad_accum=3", "data.batch_size=16")
+    r = pimm_here("resume", base, "--dry-run", "--", "train.grad_accum=3", "data.batch_size=16")
     assert r.returncode == 0, describe(r)
     out = r.stdout.splitlines()
     assert "policy: per-rank micro-batch size changes: discard loader cursor, restart the saved epoch" in out
@@ -73,16 +80,16 @@ def test_resume_trains_from_the_run_directory(copy):
 
 
 def test_resume_of_a_non_run_directory_is_one_line(tmp_path):
-    r = pimm("resume", tmp_path)
+    r = pimm_here("resume", tmp_path)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and "has no config.toml" in r.stderr
     assert "Traceback" not in r.stderr
 
 
 # ------------------------------------------------------------------ requeue
-def requeue(root: Path, name: str, *overrides: str):
-    """The command a job script repeats on every (re)start."""
-    return pimm("launch", "--train.config", DIGITS, "--run.root", root, "--run.name", name, "--run.no-timestamp",
+def requeue(root: Path, name: str, *overrides: str, here: bool = True):
+    """The command a job script repeats on every (re)start (``here``: in this process)."""
+    return (pimm_here if here else pimm)("launch", "--train.config", DIGITS, "--run.root", root, "--run.name", name, "--run.no-timestamp",
                 "--train.auto-resume", "--", "train.epochs=1", *overrides)
 
 
@@ -91,7 +98,7 @@ def test_requeue_starts_fresh_then_resumes_then_does_nothing(tmp_path):
     r = requeue(tmp_path, "job", "train.max_steps=4")
     assert r.returncode == 0, describe(r)
     assert [s["kind"] for s in read_json(run / "provenance.json")["starts"]] == ["start"]
-    r = requeue(tmp_path, "job", "train.max_steps=6")
+    r = requeue(tmp_path, "job", "train.max_steps=6", here=False)  # the requeued job, through the console script
     assert r.returncode == 0, describe(r)
     entry = read_json(run / "provenance.json")["starts"][-1]
     assert entry["kind"] == "resume" and entry["checkpoint_step"] == 4
@@ -108,7 +115,7 @@ def test_requeue_moves_leftovers_aside_and_starts_fresh(tmp_path):
     leftover = run / "model" / "last.tmp"
     leftover.mkdir(parents=True)
     (leftover / "weights.pth").write_bytes(b"half a save")
-    plain = pimm("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "job",
+    plain = pimm_here("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "job",
                  "--run.no-timestamp", "--", "train.epochs=1", "train.max_steps=3")
     assert plain.returncode == 2 and "--train.auto-resume" in plain.stderr  # a plain launch refuses, and says so
     r = requeue(tmp_path, "job", "train.max_steps=3")
@@ -143,8 +150,8 @@ def test_bit_flipped_last_is_refused_by_every_selection(copy):
         assert "last: rejected: failed verification (weights.pth: sha256 mismatch)" in r.stderr, describe(r)
     for r in _latest(model, "--no-verify"):  # the explicit opt-out sees only completeness
         assert r.returncode == 0 and r.stdout == f"{model / 'last'}\n", describe(r)
-    dry = pimm("resume", copy, "--dry-run")
-    real = pimm("resume", copy)
+    dry = pimm_here("resume", copy, "--dry-run")
+    real = pimm_here("resume", copy)
     for r in (dry, real):
         assert r.returncode == 1, describe(r)  # complete but damaged: an operation failed (exit 1)
         assert "failed verification (weights.pth: sha256 mismatch)" in r.stderr and "Traceback" not in r.stderr
@@ -159,7 +166,7 @@ def test_fallback_names_the_candidate_actually_used(tmp_path):
     flip_byte(model / "step_35.pth")
     for r in _latest(model):
         assert r.returncode == 0 and r.stdout == f"{model / 'step_30.pth'}\n", describe(r)
-    dry = pimm("resume", run, "--dry-run")
+    dry = pimm_here("resume", run, "--dry-run")
     assert dry.returncode == 0, describe(dry)
     assert f"checkpoint: {model / 'step_30.pth'} (step 30, epoch 0, iter 30)" in dry.stdout
     warning = f"failed verification (step_35.pth: sha256 mismatch); using {model / 'step_30.pth'} (step 30) instead"
@@ -196,7 +203,7 @@ def test_requeue_abandon_moves_the_attempts_log_with_its_leftovers(tmp_path):
 
 @pytest.mark.parametrize("override", ['run.root="/elsewhere"', 'run.name="zz"', 'train.weight="/x.pth"'])
 def test_resume_refuses_to_move_or_rewire_the_run(base, override):
-    r = pimm("resume", base, "--dry-run", "--", override)
+    r = pimm_here("resume", base, "--dry-run", "--", override)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot change on pimm resume" in r.stderr, describe(r)
 
 
@@ -210,5 +217,5 @@ def test_checkpoints_diff_plans_the_recorded_launch(copy):
     diff = pimm("checkpoints", "diff", copy, "--json")
     assert diff.returncode == 0, describe(diff)
     assert json.loads(diff.stdout)["planned"]["world_size"] == 2
-    dry = pimm("resume", copy, "--dry-run")
+    dry = pimm_here("resume", copy, "--dry-run")
     assert "topology: world size 1 -> 2," in dry.stdout, describe(dry)

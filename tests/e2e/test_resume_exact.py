@@ -28,7 +28,7 @@ from _resume_driver import run_job
 
 STEPS1, STEPS2 = 45, 23  # optimizer steps per epoch at world size 1 / 2 (1,437 samples, batch 32)
 EPOCHS = 2
-DRIVER = Path(__file__).resolve().parent / "_resume_driver.py"
+DRIVER = Path(__file__).with_name("_resume_driver.py")
 
 # (case id, world size, per-rank workers, interruption step K)
 CASES = [
@@ -48,12 +48,25 @@ def _lines(path: Path) -> int:
     return len(path.read_text().splitlines())
 
 
-def _torchrun(jobs: list[dict], jobs_file: Path, timeout: float = 240) -> None:
+def _torchrun_start(jobs: list[dict], jobs_file: Path) -> subprocess.Popen:
+    """Start ``_resume_driver.py JOBS`` as the 2 ranks of a torchrun job; :func:`_torchrun_wait` for it."""
     jobs_file.write_text(json.dumps(jobs))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(DRIVER), str(jobs_file)]
-    r = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    return subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _torchrun_wait(proc: subprocess.Popen, timeout: float = 240) -> None:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-5000:]}"
+
+
+def _torchrun(jobs: list[dict], jobs_file: Path, timeout: float = 240) -> None:
+    _torchrun_wait(_torchrun_start(jobs, jobs_file), timeout)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +74,38 @@ def runs(tmp_path_factory) -> dict:
     """Every run of this module; see CASES. Keys: case id -> dict(full, cut, split), plus copies and dumps."""
     root = tmp_path_factory.mktemp("resume_exact")
     out: dict = {"root": root}
-    # --- world size 1, in this process
+    # --- world size 2, first session: one torchrun job interrupts; it runs in the background
+    # while the world-size-1 runs train here (one thread in this process)
+    jobs_a = [{"run_dir": str(root / f"full2-nw{nw}"), "overrides": _ov(nw)} for nw in (0, 2)]
+    for case, ws, nw, k in CASES:
+        if ws == 2:
+            jobs_a.append({"run_dir": str(root / f"cut-{case}"), "overrides": _ov(nw), "stop_at": k,
+                           "dump": str(root / f"dump-{case}")})
+    job_a = _torchrun_start(jobs_a, root / "jobs_a.json")
+    try:
+        _world_size_1_runs(root, out)
+    except BaseException:
+        job_a.kill()
+        job_a.communicate()
+        raise
+    _torchrun_wait(job_a)
+    # --- world size 2: fresh ranks resume
+    shutil.copytree(root / "cut-ws2-nw0-mid", root / "ws2to1")
+    jobs_b = []
+    for case, ws, nw, k in CASES:
+        if ws == 2:
+            cut = root / f"cut-{case}"
+            out[case] = {"full": root / f"full2-nw{nw}", "cut": cut, "split": _lines(cut / "metrics.jsonl")}
+            jobs_b.append({"run_dir": str(cut), "overrides": _ov(nw), "resume_from": str(cut / "model" / "last")})
+    # load-only at world size 2 from the world-size-1 mid-epoch checkpoint
+    jobs_b.append({"run_dir": str(root / "ws1to2"), "overrides": _ov(0), "max_steps": 1, "checkpoint": False,
+                   "resume_from": str(root / "ws1to2" / "model" / "last"), "dump": str(root / "dump-ws1to2")})
+    _torchrun(jobs_b, root / "jobs_b.json")
+    return out
+
+
+def _world_size_1_runs(root: Path, out: dict) -> None:
+    """The world-size-1 runs of CASES, in this process; fills ``out[case]``."""
     for nw in (0, 2):
         run_job(root / f"full1-nw{nw}", _ov(nw))
     for case, ws, nw, k in CASES:
@@ -75,25 +119,6 @@ def runs(tmp_path_factory) -> dict:
         split = _lines(cut / "metrics.jsonl")
         run_job(cut, _ov(nw), resume_from=cut / "model" / "last")
         out[case] = {"full": root / f"full1-nw{nw}", "cut": cut, "split": split}
-    # --- world size 2: one torchrun job interrupts, fresh ranks resume
-    jobs_a = [{"run_dir": str(root / f"full2-nw{nw}"), "overrides": _ov(nw)} for nw in (0, 2)]
-    for case, ws, nw, k in CASES:
-        if ws == 2:
-            jobs_a.append({"run_dir": str(root / f"cut-{case}"), "overrides": _ov(nw), "stop_at": k,
-                           "dump": str(root / f"dump-{case}")})
-    _torchrun(jobs_a, root / "jobs_a.json")
-    shutil.copytree(root / "cut-ws2-nw0-mid", root / "ws2to1")
-    jobs_b = []
-    for case, ws, nw, k in CASES:
-        if ws == 2:
-            cut = root / f"cut-{case}"
-            out[case] = {"full": root / f"full2-nw{nw}", "cut": cut, "split": _lines(cut / "metrics.jsonl")}
-            jobs_b.append({"run_dir": str(cut), "overrides": _ov(nw), "resume_from": str(cut / "model" / "last")})
-    # load-only at world size 2 from the world-size-1 mid-epoch checkpoint
-    jobs_b.append({"run_dir": str(root / "ws1to2"), "overrides": _ov(0), "max_steps": 1, "checkpoint": False,
-                   "resume_from": str(root / "ws1to2" / "model" / "last"), "dump": str(root / "dump-ws1to2")})
-    _torchrun(jobs_b, root / "jobs_b.json")
-    return out
 
 
 def _train_trace(records: list[dict]) -> list[tuple]:

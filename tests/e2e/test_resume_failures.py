@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, describe, pimm, read_json, read_jsonl, snapshot
+from _helpers import DIGITS, describe, pimm, pimm_here, read_json, read_jsonl, snapshot
 from _resume_driver import BASE, run_job
+from conftest import STOPPED_AT, STOPPED_OVERRIDES
 from pimm_core.checkpoint.selection import resolve_resume_path
 from pimm_core.errors import CheckpointError
 
@@ -20,10 +21,12 @@ CLI_OV = [*BASE, *OV]  # the same config through `pimm launch ... -- overrides`
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    """``<root>/digits/base``: a run interrupted mid-epoch, laid out as ``pimm launch --run.root <root>`` does."""
+def root(tmp_path_factory, stopped_run) -> Path:
+    """``<root>/digits/base``: a run interrupted mid-epoch, laid out as ``pimm launch --run.root <root>`` does;
+    a copy of conftest's ``stopped_run`` (BASE + OV, stopped at K)."""
+    assert (tuple(OV), K) == (STOPPED_OVERRIDES, STOPPED_AT)
     root = tmp_path_factory.mktemp("failures")
-    run_job(root / "digits" / "base", OV, stop_at=K)
+    shutil.copytree(stopped_run, root / "digits" / "base")
     return root
 
 
@@ -35,10 +38,11 @@ def run(root, tmp_path) -> Path:
     return dest
 
 
-def resume_cli(root: Path, name: str, *flags: str, overrides: list[str] = CLI_OV):
-    """``pimm launch --train.config configs/digits.toml --run.root ROOT --run.name NAME --run.no-timestamp FLAGS -- OV``."""
-    return pimm("launch", "--train.config", str(DIGITS), "--run.root", str(root), "--run.name", name,
-                "--run.no-timestamp", *flags, "--", *overrides)
+def resume_cli(root: Path, name: str, *flags: str, overrides: list[str] = CLI_OV, here: bool = True):
+    """``pimm launch --train.config configs/digits.toml --run.root ROOT --run.name NAME --run.no-timestamp FLAGS -- OV``,
+    in this process (``_helpers.pimm_here``) unless ``here`` is false."""
+    return (pimm_here if here else pimm)("launch", "--train.config", str(DIGITS), "--run.root", str(root),
+                                         "--run.name", name, "--run.no-timestamp", *flags, "--", *overrides)
 
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "provenance.json", "status.json", "train.log")
@@ -164,7 +168,7 @@ def test_unchanged_config_resumes_without_warnings_and_logs_resume_check(run):
 
 def test_shape_mismatch_refuses_naming_tensors_and_changes_nothing(run):
     before = snapshot(run)
-    r = resume_cli(run.parents[1], "r", "--train.resume", overrides=[*CLI_OV, "model.hidden=64"])
+    r = resume_cli(run.parents[1], "r", "--train.resume", overrides=[*CLI_OV, "model.hidden=64"], here=False)
     assert r.returncode != 0, describe(r)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), describe(r)

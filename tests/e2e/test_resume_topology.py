@@ -12,6 +12,7 @@ import pytest
 
 from _helpers import read_json, read_jsonl
 from _resume_driver import run_job
+from conftest import STOPPED_AT, STOPPED_OVERRIDES
 from pimm_core.checkpoint.manifest import write_manifest
 from pimm_core.topology import ROWS, plan_resume
 
@@ -129,10 +130,12 @@ def test_plan_manifest_without_loader_flag_infers_it():
 
 # ------------------------------------------------------------------ real resumes
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    """A world-size-1 run interrupted mid-epoch at step K (model/last: epoch 1, iter 5, with loader state)."""
+def base(tmp_path_factory, stopped_run) -> Path:
+    """A world-size-1 run interrupted mid-epoch at step K (model/last: epoch 1, iter 5, with loader state):
+    a copy of conftest's ``stopped_run`` (BASE + OV, stopped at K)."""
+    assert (tuple(OV), K) == (STOPPED_OVERRIDES, STOPPED_AT)
     run = tmp_path_factory.mktemp("topology") / "base"
-    run_job(run, OV, stop_at=K)
+    shutil.copytree(stopped_run, run)
     m = read_json(run / "model" / "last" / "manifest.json")
     assert (m["step"], m["epoch"], m["iter"], m["has_loader_state"]) == (K, 1, 5, True)
     return run

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, describe, pimm, snapshot
+from _helpers import DIGITS, describe, pimm, pimm_here, snapshot
 from pimm_core.config import load_config
 from pimm_core.launch import resolve_run_dir
 
@@ -71,8 +71,9 @@ def _refused(result, run_dir: Path) -> str:
 def test_fresh_launch_refuses_run_with_checkpoints(trained_run, tmp_path):
     run_dir = trained_run.copy_to(tmp_path)
     before = snapshot(run_dir)
-    result = pimm("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "t", "--run.no-timestamp",
-                  "--", "train.epochs=1", timeout=120)
+    # in this process (the distributed launch below refuses in a real one): the same check, no torch import
+    result = pimm_here("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "t",
+                       "--run.no-timestamp", "--", "train.epochs=1")
     _refused(result, run_dir)
     assert snapshot(run_dir) == before  # same files, bytes and mtimes
 
@@ -98,8 +99,8 @@ def test_only_an_interrupted_first_save_is_refused_with_a_way_out(tmp_path, left
     before = snapshot(tmp_path)
     fresh = pimm("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "t", "--run.no-timestamp",
                  "--nproc-per-node", "2", timeout=60)
-    resume = pimm("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "t", "--run.no-timestamp",
-                  "--train.resume", timeout=120)
+    resume = pimm_here("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "t",
+                       "--run.no-timestamp", "--train.resume")  # in this process: no torch import
     for result in (fresh, resume):
         assert result.returncode == 2, describe(result)
         lines = result.stderr.strip().splitlines()
@@ -190,7 +191,9 @@ def test_launch_in_a_taken_second_gets_a_numbered_directory(tmp_path, nproc):
     args = ["launch", "--train.config", DIGITS, "--run.root", tmp_path]
     if nproc:
         args += ["--nproc-per-node", str(nproc)]
-    result = pimm(*args, "--", "train.epochs=1", "train.max_steps=2", "eval.every_epochs=0", timeout=240)
+    # one rank in this process (no torch import), two through torchrun
+    result = (pimm if nproc else pimm_here)(*args, "--", "train.epochs=1", "train.max_steps=2", "eval.every_epochs=0",
+                                            timeout=240)
     assert result.returncode == 0, describe(result)
     new = sorted(p.name for p in parent.iterdir() if p.name not in taken)
     assert len(new) == 1 and new[0].endswith("-2") and STAMP.search(new[0][:-2]), new

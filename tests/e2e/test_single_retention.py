@@ -40,7 +40,7 @@ def test_keep_last_1_run_leaves_no_file_that_nothing_keeps(tmp_path):
     """3 epochs with a save every 20 steps: at the end ``best`` (a new file at step 135) and then
     ``last``/``final`` (moved to it) leave step_120 unreferenced; it must be gone."""
     result = launch(tmp_path, "s", "train.epochs=3", "checkpoint_format=single", "checkpoint.keep_last=1",
-                    "checkpoint.every_steps=20", "checkpoint.keep_iter=0")
+                    "checkpoint.every_steps=20", "checkpoint.keep_iter=0", here=True)  # in this process
     assert result.returncode == 0, describe(result)
     model_dir = tmp_path / "digits" / "s" / "model"
     files = {n for n in os.listdir(model_dir) if STEP_FILE.match(n)}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -20,16 +22,17 @@ pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux
 
 def test_log_lines_scroll_above_one_progress_bar(tmp_path):
     session = f"pimm-{uuid.uuid4().hex[:8]}"
-    cmd = shlex.join([sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(DIGITS), "--run.root",
-                      str(tmp_path), "--run.name", "t", "--run.no-timestamp", "--", "train.epochs=400",
-                      "train.log_every_steps=5"])
+    # one intra-op thread, as _helpers.clean_env gives the other launches
+    cmd = "OMP_NUM_THREADS=1 " + shlex.join([sys.executable, "-m", "pimm_core.cli", "launch", "--train.config",
+                                             str(DIGITS), "--run.root", str(tmp_path), "--run.name", "t",
+                                             "--run.no-timestamp", "--", "train.epochs=400", "train.log_every_steps=5"])
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "100", "-y", "30", "-c", str(REPO)], check=True)
     try:
         subprocess.run(["tmux", "send-keys", "-t", session, f"cd {shlex.quote(str(REPO))} && {cmd}", "Enter"],
                        check=True)
         deadline, lines = time.monotonic() + 120, []
         while time.monotonic() < deadline:
-            time.sleep(1)
+            time.sleep(0.25)
             screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True,
                                     text=True).stdout
             lines = [ln for ln in screen.splitlines() if ln.strip()]
@@ -43,5 +46,17 @@ def test_log_lines_scroll_above_one_progress_bar(tmp_path):
             "\n".join(lines)
     finally:
         subprocess.run(["tmux", "send-keys", "-t", session, "C-c", ""], check=False)
-        time.sleep(3)
+        _wait_stopped(tmp_path / "digits" / "t" / "status.json", timeout=10)
         subprocess.run(["tmux", "kill-session", "-t", session], check=False)
+
+
+def _wait_stopped(status: Path, timeout: float) -> None:
+    """Until the run's status.json says it is no longer live (its stop after Ctrl-C), at most ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if json.loads(status.read_text()).get("state") not in ("starting", "running", "stopping"):
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)

@@ -164,10 +164,11 @@ def test_non_finite_gradient_stops_before_it_is_applied(tmp_path):
 
 
 def test_non_finite_policy_skip_and_continue(tmp_path):
-    skip = launch(tmp_path, "skip", *DIVERGE, 'train.on_nonfinite="skip"')
+    # in this process (the stop above runs the console script): the same code, no torch import
+    skip = launch(tmp_path, "skip", *DIVERGE, 'train.on_nonfinite="skip"', here=True)
     assert skip.returncode == 0, describe(skip)
     assert "step skipped (train.on_nonfinite = 'skip')" in skip.stdout
-    cont = launch(tmp_path, "cont", *DIVERGE, 'train.on_nonfinite="continue"')
+    cont = launch(tmp_path, "cont", *DIVERGE, 'train.on_nonfinite="continue"', here=True)
     assert cont.returncode == 1 and "done:" not in cont.stdout, describe(cont)  # never "done" with NaN weights
     assert cont.stderr.startswith("error: the weights are not finite after step 3"), describe(cont)
     assert read_json(tmp_path / "digits" / "cont" / "status.json")["state"] == "failed"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import describe, pimm
+from _helpers import describe, pimm_here
 from tui_support import copy_run, loaded, make_app, screen_text, tui_run, wait_for
 
 from pimm_core.watch.resume_diff import resume_diff
@@ -216,7 +216,7 @@ async def test_export_from_console_matches_pimm_export(run: Path, tmp_path: Path
         assert view.last_error and "ema" in view.last_error.lower()
         assert "export failed" in screen_text(app)
         assert not (tmp_path / "ema").exists()
-    result = pimm("export", "--run-dir", run, "last", theirs)
+    result = pimm_here("export", "--run-dir", run, "last", theirs)
     assert result.returncode == 0, describe(result)
     a, b = _tensors(ours / "model.safetensors"), _tensors(theirs / "model.safetensors")
     assert sorted(a) == sorted(b) and a

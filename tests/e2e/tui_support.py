@@ -19,10 +19,11 @@ _RUN: dict[str, Path] = {}
 
 
 def tui_run(tmp_path_factory: Any) -> Path:
-    """The run directory of one tiny real run, trained once per test process (do not modify it)."""
+    """The run directory of one tiny real run, trained once per test process (do not modify it);
+    ``pimm launch`` in this process (the console reads its files, not its process)."""
     if "run" not in _RUN:
         root = tmp_path_factory.mktemp("tui")
-        result = launch(root, "r", *TUI_OVERRIDES)
+        result = launch(root, "r", *TUI_OVERRIDES, here=True)
         assert result.returncode == 0, describe(result)
         _RUN["run"] = root / "digits" / "r"
     return _RUN["run"]
