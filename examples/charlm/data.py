@@ -110,8 +110,12 @@ def baseline_of(data: Datasets) -> dict[str, float]:
     return unigram_baseline(data.train.tokens, targets)
 
 
-if __name__ == "__main__":  # python -m examples.charlm.data: the corpus and its baseline
-    d = charlm()
+if __name__ == "__main__":  # python -m examples.charlm.data [CONFIG]: the corpus and its baseline
+    import sys
+
+    from pimm_core import load_config
+
+    d = charlm(**(load_config(sys.argv[1] if len(sys.argv) > 1 else "configs/charlm.toml").data.args or {}))
     b = baseline_of(d)
     print(f"train windows {len(d.train)}, val windows {len(d.val)}, fingerprint {d.fingerprint}; "
           f"unigram baseline: val loss {b['loss']:.4f} nats/byte, perplexity {b['perplexity']:.2f}")

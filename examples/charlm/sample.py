@@ -1,11 +1,13 @@
 """Generate text from trained char-LM weights.
 
     uv run python -m examples.charlm.sample exp/charlm/<run>/model/last --config configs/charlm.toml
-    uv run python -m examples.charlm.sample <export dir> --config configs/charlm.toml --weights ema -n 400
+    uv run python -m examples.charlm.sample exp/charlm/<run>/model/last --config configs/charlm.toml --weights ema
+    uv run python -m examples.charlm.sample <export dir> --config configs/charlm.toml -n 400
 
 The weights are any source ``pimm_core.load_weights`` reads (a run's ``model/last``, a
 ``best`` pointer, an export directory...); the model is built from the config's
-``model.target`` and ``[model.args]``.
+``model.target`` and ``[model.args]``. An export holds one weight set (the one
+``pimm export --weights`` chose), read as ``--weights raw``, the default.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(prog="python -m examples.charlm.sample", description=__doc__.splitlines()[0])
     p.add_argument("weights_source", help="checkpoint, pointer or export to load")
     p.add_argument("--config", default="configs/charlm.toml", help="the config the model was trained with")
-    p.add_argument("--weights", default="raw", choices=["raw", "ema"], help="which weight set")
+    p.add_argument("--weights", default="raw", choices=["raw", "ema"], help="which weight set of a checkpoint (an export has only raw)")
     p.add_argument("--prompt", default="def ", help="text to continue")
     p.add_argument("-n", type=int, default=300, help="bytes to generate")
     p.add_argument("--temperature", type=float, default=0.8)
