@@ -19,6 +19,9 @@ from ..widgets import MetricPlot
 _LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d (\d\d:\d\d:\d\d)(?:,\d+)? (?:INFO )?")
 
 
+#: Keys of an evaluation record in metrics.jsonl that are not metrics (``loss`` is shown first).
+EVAL_BOOKKEEPING = frozenset({"step", "epoch", "iter", "split", "time", "loss"})
+
 class LiveView(Vertical):
     """Progress, ETA, throughput, loss and LR plots, evaluation, recent log lines."""
 
@@ -72,7 +75,9 @@ class LiveView(Vertical):
             t.append("\neval ", style="bold")
             t.append(f"epoch {v.get('epoch', '?')} step {v.get('step', '?')}: ")
             t.append(f"loss {fmt_num(v.get('loss'))}", style="bold red" if nonfinite(v.get("loss")) else "")
-            t.append(f" acc {fmt_num(v.get('acc'))}", style="bold red" if nonfinite(v.get("acc")) else "")
+            for name, value in v.items():  # every metric the run's objective reports (acc, mae, perplexity, ...)
+                if name not in EVAL_BOOKKEEPING and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    t.append(f" {name} {fmt_num(value)}", style="bold red" if nonfinite(value) else "")
             if snap.best_val:
                 b = snap.best_val
                 t.append("  best ", style="bold")

@@ -295,3 +295,21 @@ async def test_stop_dialog_shows_the_current_step(tmp_path: Path) -> None:
         await wait_for(pilot, lambda: not isinstance(app.screen, ConfirmStop), what="cancel")
         assert "step 1850/5000" in screen_text(app)
         assert not (rd / "control" / "stop").exists()
+
+
+# ------------------------------------------------------------------ a user objective's metrics
+@pytest.mark.asyncio
+async def test_live_view_shows_the_metrics_a_language_model_reports(tmp_path: Path) -> None:
+    """A run whose objective reports val/perplexity (no accuracy) shows that metric and its best."""
+    records = [train_record(s, 3.0 - 0.01 * s) for s in range(1, 21)]
+    records += [{"step": 10, "epoch": 0, "iter": 10, "split": "val", "loss": 2.5, "perplexity": 12.1825, "time": 1.0},
+                {"step": 20, "epoch": 1, "iter": 10, "split": "val", "loss": 2.25, "perplexity": 9.4877, "time": 2.0}]
+    rd = fake_run(tmp_path, records=records)
+    (rd / "config.toml").write_text('objective = "language_modeling"\n[eval]\nmetric = "val/perplexity"\nmode = "min"\n')
+    app = make_app(rd)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await loaded(pilot, polls=2)
+        text = screen_text(app)
+        assert "eval epoch 1 step 20: loss 2.2500 perplexity 9.4877" in text
+        assert "best perplexity 9.4877 (epoch 1)" in text
+        assert " acc " not in text
