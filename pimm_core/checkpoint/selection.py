@@ -215,7 +215,21 @@ def select_resume(model_dir: Path, *, verify: bool = True) -> tuple[Candidate | 
         ``verify``, intact) candidate in :func:`in_resume_order`, or ``None``;
         ``candidates`` is :func:`list_candidates`.
     """
-    cands = list_candidates(model_dir)
+    for _ in range(RELIST_TRIES):
+        cands = list_candidates(model_dir)
+        chosen = _first_intact(cands, verify)
+        # A save's rotation (last -> last.prev, new -> last) between the listing and the reads
+        # makes a listed candidate vanish and leaves its successor unlisted: list again.
+        if chosen is not None or all(os.path.lexists(c.path) for c in cands):
+            return chosen, cands
+    return chosen, cands
+
+
+#: How many times :func:`select_resume` lists ``model/`` again when a rotation ran under it.
+RELIST_TRIES = 5
+
+
+def _first_intact(cands: list[Candidate], verify: bool) -> Candidate | None:
     for c in in_resume_order(cands):
         if not (c.complete and c.resumable):
             continue
@@ -223,8 +237,8 @@ def select_resume(model_dir: Path, *, verify: bool = True) -> tuple[Candidate | 
             c.verify_problems = verify_candidate(c) or None
             if c.verify_problems:
                 continue
-        return c, cands
-    return None, cands
+        return c
+    return None
 
 
 def explain(cands: list[Candidate], chosen: Candidate | None) -> list[str]:
