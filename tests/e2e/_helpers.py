@@ -52,7 +52,8 @@ def pimm_here(*args: str, cwd: Path = REPO, timeout: float | None = None) -> sub
     Keep real processes for signals, kills, fail points (read at import), torchrun, and at
     least one run of each guarantee through the console script. The ``pimm`` logger is reset
     for the call as in a fresh process (the CLI configures it once per process) and restored
-    after; the working directory is ``cwd`` meanwhile. ``timeout`` is accepted (as :func:`pimm` takes it) and unused.
+    after; the working directory is ``cwd`` meanwhile. ``timeout`` is accepted (as :func:`pimm`
+    takes it) and unused.
     """
     from pimm_core.cli import main
 
