@@ -52,8 +52,7 @@ def pimm_here(*args: str, cwd: Path = REPO, timeout: float | None = None) -> sub
     Keep real processes for signals, kills, fail points (read at import), torchrun, and at
     least one run of each guarantee through the console script. The ``pimm`` logger is reset
     for the call as in a fresh process (the CLI configures it once per process) and restored
-    after; the working directory is ``cwd`` meanwhile. ``timeout`` is accepted (as :func:`pimm`
-    takes it) and unused.
+    after; the working directory is ``cwd`` meanwhile. ``timeout`` is accepted (as :func:`pimm` takes it) and unused.
     """
     from pimm_core.cli import main
 
@@ -83,23 +82,17 @@ def pimm_here(*args: str, cwd: Path = REPO, timeout: float | None = None) -> sub
     return subprocess.CompletedProcess(["pimm", *argv], code, out.getvalue(), err.getvalue())
 
 
-def launch_args(root: Path, name: str, *overrides: str, nproc: int | None = None, config: Path = DIGITS) -> list[str]:
-    """The ``pimm`` arguments of :func:`launch`."""
-    args = ["launch", "--train.config", str(config), "--run.root", str(root), "--run.name", name, "--run.no-timestamp"]
-    if nproc is not None:
-        args += ["--nproc-per-node", str(nproc)]
-    if overrides:
-        args += ["--", *overrides]
-    return args
-
-
 def launch(root: Path, name: str, *overrides: str, nproc: int | None = None, config: Path = DIGITS,
            timeout: float = 240, here: bool = False, env: dict[str, str] | None = None,
            ) -> subprocess.CompletedProcess[str]:
     """Train ``config`` into ``<root>/<group>/<name>`` (no timestamp) with ``-- overrides``.
 
     ``here``: in this process (:func:`pimm_here`, one rank only) instead of a subprocess."""
-    args = launch_args(root, name, *overrides, nproc=nproc, config=config)
+    args = ["launch", "--train.config", str(config), "--run.root", str(root), "--run.name", name, "--run.no-timestamp"]
+    if nproc is not None:
+        args += ["--nproc-per-node", str(nproc)]
+    if overrides:
+        args += ["--", *overrides]
     if here:
         assert nproc is None, "torchrun runs in subprocesses"
         return pimm_here(*args)

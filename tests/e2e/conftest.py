@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+import subprocess
 
 import pytest
 
-from _helpers import REPO, clean_env, launch_args
+from _helpers import launch
 
 # Tiny single-process run: 3 epochs of digits (45 steps/epoch at batch 32), step-based
 # saves every 20 steps keeping the newest 2 iter_<step>.pth snapshots.
@@ -61,34 +60,9 @@ def stopped_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _trained_run_started(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """Start ``trained_run``'s launch as the session starts, when a collected test uses it: it
-    trains in the background, on the core that the one-process tests before it leave idle."""
-    if not any("trained_run" in getattr(item, "fixturenames", ()) for item in request.session.items):
-        yield None
-        return
-    root, logs = tmp_path_factory.mktemp("single"), tmp_path_factory.mktemp("single-output")
-    with open(logs / "stdout", "w") as out, open(logs / "stderr", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "pimm_core.cli", *launch_args(root, "t", *SINGLE_OVERRIDES)],
-                                cwd=REPO, env=clean_env(), stdout=out, stderr=err)
-    try:
-        yield root, proc, logs
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-
-
 @pytest.fixture(scope="session")
-def trained_run(_trained_run_started) -> TrainedRun:
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
     """``pimm launch`` of configs/digits.toml with SINGLE_OVERRIDES, in a subprocess. Do not modify it."""
-    root, proc, logs = _trained_run_started
-    try:
-        proc.wait(timeout=240)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    result = subprocess.CompletedProcess(proc.args, proc.returncode, (logs / "stdout").read_text(),
-                                         (logs / "stderr").read_text())
+    root = tmp_path_factory.mktemp("single")
+    result = launch(root, "t", *SINGLE_OVERRIDES)
     return TrainedRun(root, root / "digits" / "t", result)

@@ -89,9 +89,8 @@ def test_resume_of_a_non_run_directory_is_one_line(tmp_path):
 # ------------------------------------------------------------------ requeue
 def requeue(root: Path, name: str, *overrides: str, here: bool = True):
     """The command a job script repeats on every (re)start (``here``: in this process)."""
-    return (pimm_here if here else pimm)("launch", "--train.config", DIGITS, "--run.root", root, "--run.name", name,
-                                         "--run.no-timestamp", "--train.auto-resume", "--", "train.epochs=1",
-                                         *overrides)
+    return (pimm_here if here else pimm)("launch", "--train.config", DIGITS, "--run.root", root, "--run.name", name, "--run.no-timestamp",
+                "--train.auto-resume", "--", "train.epochs=1", *overrides)
 
 
 def test_requeue_starts_fresh_then_resumes_then_does_nothing(tmp_path):
@@ -117,7 +116,7 @@ def test_requeue_moves_leftovers_aside_and_starts_fresh(tmp_path):
     leftover.mkdir(parents=True)
     (leftover / "weights.pth").write_bytes(b"half a save")
     plain = pimm_here("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "job",
-                      "--run.no-timestamp", "--", "train.epochs=1", "train.max_steps=3")
+                 "--run.no-timestamp", "--", "train.epochs=1", "train.max_steps=3")
     assert plain.returncode == 2 and "--train.auto-resume" in plain.stderr  # a plain launch refuses, and says so
     r = requeue(tmp_path, "job", "train.max_steps=3")
     assert r.returncode == 0, describe(r)

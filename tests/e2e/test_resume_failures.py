@@ -39,8 +39,8 @@ def run(root, tmp_path) -> Path:
 
 
 def resume_cli(root: Path, name: str, *flags: str, overrides: list[str] = CLI_OV, here: bool = True):
-    """``pimm launch --train.config configs/digits.toml --run.root ROOT --run.name NAME --run.no-timestamp FLAGS
-    -- OV``, in this process (``_helpers.pimm_here``) unless ``here`` is false."""
+    """``pimm launch --train.config configs/digits.toml --run.root ROOT --run.name NAME --run.no-timestamp FLAGS -- OV``,
+    in this process (``_helpers.pimm_here``) unless ``here`` is false."""
     return (pimm_here if here else pimm)("launch", "--train.config", str(DIGITS), "--run.root", str(root),
                                          "--run.name", name, "--run.no-timestamp", *flags, "--", *overrides)
 
