@@ -248,6 +248,9 @@ def chain(tmp_path_factory, reference) -> Chain:
         _pause(running["pids"], signal.SIGSTOP)  # the run would end before `pimm stop` has started
         try:
             cli = pimm("stop", s.run_dir, timeout=60)
+            # rank 0 polls control/stop at most once a second: paused that long, its next step polls
+            # (on an idle machine the ~30 steps left take about a second, less than one poll interval)
+            time.sleep(1.2)
         finally:
             _pause(running["pids"], signal.SIGCONT)
         stages["pimm-stop"] = st = finish(s, running, cli=cli)

@@ -82,6 +82,14 @@ def _wait_until(cond, what: str, timeout: float = DEADLINE) -> None:
         time.sleep(0.05)
 
 
+def _lock_free(run: Path) -> bool:
+    try:
+        RunLock(run).acquire().release()
+    except UsageError:
+        return False
+    return True
+
+
 def _files(model: Path) -> dict[str, int]:
     return {p.relative_to(model).as_posix(): p.stat().st_mtime_ns for p in sorted(model.rglob("*")) if p.is_file()}
 
@@ -136,7 +144,8 @@ def test_killed_launcher_takes_its_ranks_and_their_workers(tmp_path):
         after = _files(model)
         assert after == before, f"checkpoint files changed after the kill: {sorted(set(after.items()) ^ set(before.items()))}"
         assert select_resume(model)[0].step == chosen.step
-        RunLock(run).acquire().release()  # nothing holds the run any more
+        # nothing holds the run any more, once the kernel has closed the dead processes' files
+        _wait_until(lambda: _lock_free(run), "the run lock free (ranks and workers are gone)", timeout=15)
     finally:
         for pid in _session_members(set(ranks) | {launcher.pid}) | {p for p in ranks if _alive(p)}:
             for sig in (signal.SIGKILL, signal.SIGCONT):
