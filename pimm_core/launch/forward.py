@@ -77,11 +77,9 @@ class SignalForwarder:
             _send(pid, signal.SIGKILL)
 
 
-def rank_processes(parent: int | None = None) -> list[int]:
-    """The live ranks started by this agent: its children that lead their own session (torchrun
-    starts each rank with ``start_new_session``)."""
-    parent = os.getpid() if parent is None else parent
-    found = []
+def live_processes() -> list[tuple[int, int, int]]:
+    """``(pid, ppid, session id)`` of every live (non-zombie) process, from ``/proc/<pid>/stat``."""
+    out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -90,9 +88,16 @@ def rank_processes(parent: int | None = None) -> list[int]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()  # state ppid pgrp session ...
-        if fields[0] != "Z" and int(fields[1]) == parent and int(fields[3]) == int(entry):
-            found.append(int(entry))
-    return found
+        if fields[0] != "Z":
+            out.append((int(entry), int(fields[1]), int(fields[3])))
+    return out
+
+
+def rank_processes(parent: int | None = None) -> list[int]:
+    """The live ranks started by this agent: its children that lead their own session (torchrun
+    starts each rank with ``start_new_session``)."""
+    parent = os.getpid() if parent is None else parent
+    return [pid for pid, ppid, sid in live_processes() if ppid == parent and sid == pid]
 
 
 def _send(pid: int, sig: signal.Signals) -> None:

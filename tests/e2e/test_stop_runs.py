@@ -34,6 +34,7 @@ from typing import Any
 import pytest
 
 from _helpers import DIGITS, REPO, clean_env, describe, pimm, read_json
+from pimm_core.launch.forward import live_processes
 from pimm_core.checkpoint.selection import select_resume
 from pimm_core.shell import program
 from pimm_core.stop import stop_file, write_stop_file
@@ -52,18 +53,7 @@ TIMEOUT = 180
 # ---------------------------------------------------------------- processes
 def session_members(sids: set[int]) -> list[int]:
     """Live (non-zombie) processes whose session id is in ``sids``."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # state ppid pgrp session ...
-        if fields[0] != "Z" and int(fields[3]) in sids:
-            out.append(int(entry))
-    return out
+    return [pid for pid, _, sid in live_processes() if sid in sids]
 
 
 def alive(pid: int) -> bool:
