@@ -21,6 +21,7 @@ from ..shell import PROGRAM_ENV, program, resume_command
 from ..targets import child_env
 from .forward import SignalForwarder
 from .options import LaunchOptions
+from .rendezvous import use_ordered_shutdown
 from .rundir import check_before_launch, claim, resolve_run_dir
 
 
@@ -69,6 +70,8 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
         SignalForwarder(opts.shutdown_timeout())
     args = get_args_parser().parse_args([*opts.torchrun_args(), *(forwarder.TORCHRUN_ARGS if forwarder else []),
                                          "--module", "pimm_core.cli", *worker_args])
+    if not single_node:
+        use_ordered_shutdown(args)  # the agent hosting the c10d store leaves last (rendezvous.py)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     # torchrun's agent announces the forwarded stop signal ("Received 15 death signal, shutting
     # down workers"): the ranks' stop summary says it for the user. Its loggers set their own level.
