@@ -30,7 +30,6 @@ Bringing your own code (see :mod:`pimm_core.targets` for where it is imported fr
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -39,9 +38,9 @@ from typing import Any, Literal
 
 import tomli_w
 
+from .config_checks import OBJECTIVES, RANGES, TARGET_KEYS, validate  # noqa: F401 (re-exported)
 from .config_tables import Where, build, toml_key
 from .errors import ConfigError
-from .targets import is_target
 
 
 @dataclass
@@ -79,6 +78,12 @@ class TrainConfig:
     weight: str = ""  # warm-start weights (not a resume): a path, a run keyword source or hf://org/repo[/file]
     weight_set: Literal["raw", "ema"] = "raw"  # which weights of `weight` to load
     key_rules: list[list[str]] | None = None  # ordered [regex, replacement]; None: strip module. and _orig_mod.
+    strategy: Literal["ddp", "fsdp"] = "ddp"  # how ranks share the model: replicas (DDP) or shards (FSDP2); see [fsdp]
+    compile: bool = False  # torch.compile the model in place (state dict keys unchanged: no _orig_mod.)
+    blocks: list[str] | None = None  # the model's repeated blocks: class names, or targets
+    # "pkg.mod:fn" with fn(model) -> iterable of submodules; FSDP shards each block as a unit and
+    # activation checkpointing recomputes each block's activations
+    activation_checkpointing: bool = False  # recompute each of train.blocks' activations in backward
 
 
 @dataclass
@@ -158,6 +163,23 @@ class CheckpointConfig:
     keep_last: int = 3  # single format: how many step_<step>.pth files to keep (pointer targets always kept)
     on_error: Literal["stop", "continue"] = "stop"  # a failed periodic save stops the run (or only warns)
     async_: bool = False  # TOML key `async`: write periodic standard saves in the background
+    gather_weights: bool = True  # FSDP: also gather the full weights into weights.pth (rank 0, via CPU);
+    # false: the weights stay sharded in trainer.dcp/ (export, warm start and resume read them there)
+
+
+@dataclass
+class FsdpConfig:
+    """``[fsdp]``: options of ``train.strategy = "fsdp"`` (``torch.distributed.fsdp.fully_shard``).
+
+    ``param_dtype``/``reduce_dtype`` form FSDP2's ``MixedPrecisionPolicy`` (unset: the
+    parameters' own dtype); ``cpu_offload`` keeps the sharded parameters, gradients and
+    optimizer state in CPU memory (``CPUOffloadPolicy``) between uses.
+    """
+
+    reshard_after_forward: bool = True  # free each block's gathered parameters after its forward (ZeRO-3); false: keep them until backward (ZeRO-2-like, more memory, less communication)
+    param_dtype: Literal["float32", "bfloat16", "float16"] | None = None  # compute dtype of the gathered parameters
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] | None = None  # dtype of the gradient reduce-scatter
+    cpu_offload: bool = False
 
 
 @dataclass
@@ -188,6 +210,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -201,44 +224,6 @@ class Config:
         return _drop_none(dataclasses.asdict(self))
 
 
-#: The built-in objectives and the validation metrics each produces (``val/<name>``);
-#: :mod:`pimm_core.objectives` implements them.
-OBJECTIVES: dict[str, tuple[str, ...]] = {
-    "classification": ("acc", "loss"),
-    "regression": ("mae", "loss"),
-    "language_modeling": ("loss", "perplexity"),
-}
-
-#: The config keys that name a user target, and the keys of their args tables.
-TARGET_KEYS = (("model.target", "model.args"), ("data.target", "data.args"),
-               ("optimizer.target", "optimizer.args"), ("scheduler.target", "scheduler.args"))
-
-
-_RANGES: dict[str, tuple[float | None, float | None]] = {
-    "train.epochs": (1, None),
-    "train.lr": (0, None),
-    "train.grad_accum": (1, None),
-    "train.max_steps": (1, None),
-    "train.weight_decay": (0, None),
-    "train.momentum": (0, 1),
-    "train.warmup_steps": (0, None),
-    "train.min_lr": (0, None),
-    "train.grad_clip": (0, None),
-    "train.log_every_steps": (1, None),
-    "data.batch_size": (1, None),
-    "data.num_workers": (0, None),
-    "data.val_fraction": (0, 1),
-    "model.hidden": (1, None),
-    "model.dropout": (0, 1),
-    "checkpoint.every_steps": (0, None),
-    "checkpoint.every_epochs": (0, None),
-    "checkpoint.keep_iter": (0, None),
-    "checkpoint.keep_last": (1, None),
-    "eval.every_epochs": (0, None),
-    "ema.decay": (0, 1),
-}
-
-
 def _drop_none(d: Any, rename: bool = True) -> Any:
     if not isinstance(d, dict):
         return d
@@ -250,65 +235,6 @@ def _drop_none(d: Any, rename: bool = True) -> Any:
             continue
         out[toml_key(k) if rename else k] = v
     return out
-
-
-def _validate_ranges(cfg: Config, where: Where, origins: dict[str, str]) -> None:
-    for dotted, (lo, hi) in _RANGES.items():
-        section, key = dotted.split(".")
-        value = getattr(getattr(cfg, section), key)
-        if value is None:
-            continue
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
-            bound = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-            raise ConfigError(f"{where(dotted, origins.get(dotted, 'file'))}: {dotted} = {value!r} is out of range; it must be {bound}")
-    _validate_plugins(cfg, where, origins)
-    if cfg.checkpoint.async_ and cfg.checkpoint_format != "standard":
-        raise ConfigError(f"{where('checkpoint.async', origins.get('checkpoint.async', 'file'))}: checkpoint.async "
-                          f"needs checkpoint_format = 'standard' (got {cfg.checkpoint_format!r})")
-    if cfg.eval.weights == "ema" and not cfg.ema.enabled:
-        raise ConfigError(f"{where('eval.weights', origins.get('eval.weights', 'file'))}: eval.weights = 'ema' "
-                          "needs ema.enabled = true")
-
-
-
-def _validate_plugins(cfg: Config, where: Where, origins: dict[str, str]) -> None:
-    """Checks of the target keys, the objective and the selection metric that need no import."""
-    def at(dotted: str) -> str:
-        return where(dotted, "override" if any(o == dotted or o.startswith(dotted + ".") for o in origins) else "file")
-
-    for key, args_key in TARGET_KEYS:
-        section, name = key.split(".")
-        table = getattr(cfg, section)
-        target = getattr(table, name)
-        if target is not None and not is_target(target):
-            raise ConfigError(f"{at(key)}: {key} = {target!r} is not a target; write 'package.module:attr'")
-        has_name = section in ("optimizer", "scheduler") and table.name is not None
-        if target is not None and has_name:
-            raise ConfigError(f"{at(key)}: {section}.name and {key} are both set; use one")
-        if table.args is not None and target is None and not has_name:
-            needs = f"{key} or {section}.name" if section in ("optimizer", "scheduler") else key
-            raise ConfigError(f"{at(args_key)}: {args_key} is set but {needs} is not")
-    for arg, instead in (("lr", "train.lr"), ("weight_decay", "train.weight_decay")):
-        if arg in (cfg.optimizer.args or {}):
-            raise ConfigError(f"{at('optimizer.args.' + arg)}: optimizer.args.{arg}: pimm sets it from {instead}; "
-                              f"set {instead} instead")
-    if cfg.scheduler.name == "onecycle" and cfg.train.warmup_steps:
-        raise ConfigError(f"{at('scheduler.name')}: scheduler.name = 'onecycle' has its own warm-up "
-                          "(scheduler.args.pct_start); set train.warmup_steps = 0")
-    objective, metric = cfg.objective, cfg.eval.metric
-    if objective in OBJECTIVES:
-        produced = [f"val/{m}" for m in OBJECTIVES[objective]]
-        if metric not in produced:
-            raise ConfigError(f"{at('eval.metric')}: eval.metric = {metric!r} is not produced by the evaluator; "
-                              f"use one of {produced}")
-    elif not is_target(objective):
-        close = difflib.get_close_matches(objective, list(OBJECTIVES), n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(f"{at('objective')}: objective = {objective!r} is not a built-in objective; {hint}use one "
-                          f"of {list(OBJECTIVES)} or a target 'package.module:function'")
-    elif not metric.startswith("val/"):
-        raise ConfigError(f"{at('eval.metric')}: eval.metric = {metric!r} must name a validation metric "
-                          "'val/<name>' of the objective")
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -381,14 +307,14 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         origins[key] = "override"
     where = Where(p, source)
     cfg = build(Config, data, origins, where)
-    _validate_ranges(cfg, where, origins)
+    validate(cfg, where, origins)
     return cfg
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
     """Validate a nested dict (e.g. a run's saved ``config.toml``) into a :class:`Config`."""
     cfg = build(Config, data, {}, Where(None, None))
-    _validate_ranges(cfg, Where(None, None), {})
+    validate(cfg, Where(None, None), {})
     return cfg
 
 

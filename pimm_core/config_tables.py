@@ -89,7 +89,11 @@ def coerce(value: Any, hint: Any, dotted: str, where: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: {dotted} must be a table of keyword arguments, got {value!r}")
         return value
-    if origin is list:  # only list[list[str]] (key rules) exists in the schema
+    if hint == list[str]:
+        if not (isinstance(value, list) and all(isinstance(x, str) and x for x in value)):
+            raise ConfigError(f"{where}: {dotted} must be a list of non-empty strings, got {value!r}")
+        return value
+    if origin is list:  # list[list[str]]: key rules
         if not (isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
                                                 for p in value)):
             raise ConfigError(f"{where}: {dotted} must be a list of [regex, replacement] string pairs, got {value!r}")

@@ -1,0 +1,122 @@
+"""Checks of a built :class:`~pimm_core.config.Config` that span keys: ranges, the target
+keys, the objective and its selection metric, and combinations that cannot work together
+(each a :class:`~pimm_core.errors.ConfigError` naming the key and the fix)."""
+
+from __future__ import annotations
+
+import difflib
+from typing import TYPE_CHECKING
+
+from .config_tables import Where
+from .errors import ConfigError
+from .targets import is_target
+
+if TYPE_CHECKING:
+    from .config import Config
+
+#: The built-in objectives and the validation metrics each produces (``val/<name>``);
+#: :mod:`pimm_core.objectives` implements them.
+OBJECTIVES: dict[str, tuple[str, ...]] = {
+    "classification": ("acc", "loss"),
+    "regression": ("mae", "loss"),
+    "language_modeling": ("loss", "perplexity"),
+}
+
+#: The config keys that name a user target, and the keys of their args tables.
+TARGET_KEYS = (("model.target", "model.args"), ("data.target", "data.args"),
+               ("optimizer.target", "optimizer.args"), ("scheduler.target", "scheduler.args"))
+
+
+RANGES: dict[str, tuple[float | None, float | None]] = {
+    "train.epochs": (1, None),
+    "train.lr": (0, None),
+    "train.grad_accum": (1, None),
+    "train.max_steps": (1, None),
+    "train.weight_decay": (0, None),
+    "train.momentum": (0, 1),
+    "train.warmup_steps": (0, None),
+    "train.min_lr": (0, None),
+    "train.grad_clip": (0, None),
+    "train.log_every_steps": (1, None),
+    "data.batch_size": (1, None),
+    "data.num_workers": (0, None),
+    "data.val_fraction": (0, 1),
+    "model.hidden": (1, None),
+    "model.dropout": (0, 1),
+    "checkpoint.every_steps": (0, None),
+    "checkpoint.every_epochs": (0, None),
+    "checkpoint.keep_iter": (0, None),
+    "checkpoint.keep_last": (1, None),
+    "eval.every_epochs": (0, None),
+    "ema.decay": (0, 1),
+}
+
+
+
+def validate(cfg: Config, where: Where, origins: dict[str, str]) -> None:
+    for dotted, (lo, hi) in RANGES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value is None:
+            continue
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            bound = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+            raise ConfigError(f"{where(dotted, origins.get(dotted, 'file'))}: {dotted} = {value!r} is out of range; it must be {bound}")
+    _validate_plugins(cfg, where, origins)
+    if cfg.checkpoint.async_ and cfg.checkpoint_format != "standard":
+        raise ConfigError(f"{where('checkpoint.async', origins.get('checkpoint.async', 'file'))}: checkpoint.async "
+                          f"needs checkpoint_format = 'standard' (got {cfg.checkpoint_format!r})")
+    if cfg.train.strategy == "fsdp" and cfg.checkpoint_format != "standard":
+        raise ConfigError(f"{where('checkpoint_format', origins.get('checkpoint_format', 'file'))}: checkpoint_format = "
+                          f"{cfg.checkpoint_format!r} writes the whole model and optimizer from rank 0 and cannot hold "
+                          "FSDP's sharded state; use checkpoint_format = 'standard' with train.strategy = 'fsdp'")
+    if cfg.train.activation_checkpointing and not cfg.train.blocks:
+        raise ConfigError(f"{where('train.activation_checkpointing', origins.get('train.activation_checkpointing', 'file'))}: "
+                          "train.activation_checkpointing needs train.blocks, the model's block classes to recompute "
+                          "(e.g. train.blocks = [\"Block\"])")
+    if cfg.eval.weights == "ema" and not cfg.ema.enabled:
+        raise ConfigError(f"{where('eval.weights', origins.get('eval.weights', 'file'))}: eval.weights = 'ema' "
+                          "needs ema.enabled = true")
+
+
+
+def _validate_plugins(cfg: Config, where: Where, origins: dict[str, str]) -> None:
+    """Checks of the target keys, the objective and the selection metric that need no import."""
+    def at(dotted: str) -> str:
+        return where(dotted, "override" if any(o == dotted or o.startswith(dotted + ".") for o in origins) else "file")
+
+    for key, args_key in TARGET_KEYS:
+        section, name = key.split(".")
+        table = getattr(cfg, section)
+        target = getattr(table, name)
+        if target is not None and not is_target(target):
+            raise ConfigError(f"{at(key)}: {key} = {target!r} is not a target; write 'package.module:attr'")
+        has_name = section in ("optimizer", "scheduler") and table.name is not None
+        if target is not None and has_name:
+            raise ConfigError(f"{at(key)}: {section}.name and {key} are both set; use one")
+        if table.args is not None and target is None and not has_name:
+            needs = f"{key} or {section}.name" if section in ("optimizer", "scheduler") else key
+            raise ConfigError(f"{at(args_key)}: {args_key} is set but {needs} is not")
+    for arg, instead in (("lr", "train.lr"), ("weight_decay", "train.weight_decay")):
+        if arg in (cfg.optimizer.args or {}):
+            raise ConfigError(f"{at('optimizer.args.' + arg)}: optimizer.args.{arg}: pimm sets it from {instead}; "
+                              f"set {instead} instead")
+    if cfg.scheduler.name == "onecycle" and cfg.train.warmup_steps:
+        raise ConfigError(f"{at('scheduler.name')}: scheduler.name = 'onecycle' has its own warm-up "
+                          "(scheduler.args.pct_start); set train.warmup_steps = 0")
+    objective, metric = cfg.objective, cfg.eval.metric
+    if objective in OBJECTIVES:
+        produced = [f"val/{m}" for m in OBJECTIVES[objective]]
+        if metric not in produced:
+            raise ConfigError(f"{at('eval.metric')}: eval.metric = {metric!r} is not produced by the evaluator; "
+                              f"use one of {produced}")
+    elif not is_target(objective):
+        close = difflib.get_close_matches(objective, list(OBJECTIVES), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"{at('objective')}: objective = {objective!r} is not a built-in objective; {hint}use one "
+                          f"of {list(OBJECTIVES)} or a target 'package.module:function'")
+    elif not metric.startswith("val/"):
+        raise ConfigError(f"{at('eval.metric')}: eval.metric = {metric!r} must name a validation metric "
+                          "'val/<name>' of the objective")
+
+
