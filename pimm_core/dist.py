@@ -60,12 +60,15 @@ def pick_device(requested: str, info: DistInfo) -> torch.device:
     return torch.device("cpu")
 
 
-def init(device: torch.device, info: DistInfo) -> None:
-    """Create the default process group when there is more than one rank."""
-    if info.distributed and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, rank=info.rank, world_size=info.world_size,
-                                device_id=device if device.type == "cuda" else None)
+def init(device: torch.device, info: DistInfo, *, always: bool = False) -> None:
+    """Create the default process group when there is more than one rank, or with ``always``
+    (FSDP shards over a device mesh even at one rank) a one-rank group on an in-memory store."""
+    if dist.is_initialized() or not (info.distributed or always):
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    store = None if info.distributed or "MASTER_ADDR" in os.environ else dist.HashStore()
+    dist.init_process_group(backend=backend, rank=info.rank, world_size=info.world_size, store=store,
+                            device_id=device if device.type == "cuda" else None)
 
 
 def shutdown() -> None:

@@ -21,7 +21,8 @@ tensor, so a file written from it stores the tensor once and a load keeps the ti
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -78,6 +79,22 @@ class EMA:
         """
         return {n: self.shadow[n].to(p.dtype) for n, p in model.named_parameters() if n in self.shadow}
 
+    @contextlib.contextmanager
+    def swapped_into(self, model: nn.Module) -> Iterator[None]:
+        """Inside the block the model's parameters hold the averaged values (copied in place,
+        and the raw ones copied back after). For FSDP2, whose all-gather reads the sharded
+        parameters it owns (``functional_call``'s substitutes would be ignored)."""
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            raw = {n: params[n].detach().clone() for n in self.shadow}
+            try:
+                for n, t in self.shadow.items():
+                    params[n].copy_(t.to(params[n].dtype))
+                yield
+            finally:
+                for n, t in raw.items():
+                    params[n].copy_(t)
+
     def state_dict_for(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The EMA weight set: averaged parameters (in the parameters' dtype) plus copies of the model's buffers.
 
@@ -105,7 +122,15 @@ class EMA:
         """
         for n, t in self.shadow.items():
             name = next((a for a in self._names[n] if a in ema_sd), n)
-            t.copy_(ema_sd[name].float())
+            src = ema_sd[name]
+            if src is t:
+                continue  # loaded in place (a sharded checkpoint's ema/ items)
+            if hasattr(t, "device_mesh") and not hasattr(src, "device_mesh"):
+                # a full saved tensor into an FSDP-sharded average: keep this rank's shard
+                from torch.distributed.tensor import distribute_tensor
+
+                src = distribute_tensor(src.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
+            t.copy_(src.float())
         self.updates = int(updates)
 
     def state_dict(self) -> dict[str, Any]:

@@ -38,7 +38,6 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import dist
 from .checkpoint.state import unwrap
@@ -58,6 +57,7 @@ from .train.build import (build_data, build_model, build_objective, data_resume_
                           warm_start_model)
 from .train.checkpointer import Checkpointer
 from .train.evaluator import Evaluator
+from .train.parallel import parallelize
 from .train.recorder import Recorder
 from .train.resume import nothing_left, resume
 from .train.state import TrainState, end_step
@@ -112,7 +112,8 @@ class Trainer:
     Its parts: see the module docstring.
 
     Under torchrun the process group is created here (gloo on CPU, NCCL on CUDA) and
-    the model is wrapped in DDP.
+    the model is wrapped in DDP or sharded with FSDP2 (``train.strategy``; see
+    :mod:`pimm_core.train.parallel`).
     """
 
     def __init__(self, config: Config, run_dir: Path | None = None, *, stop: StopRequest | None = None,
@@ -123,7 +124,7 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.info = dist.env_world()
         self.device = dist.pick_device(config.train.device, self.info)
-        dist.init(self.device, self.info)
+        dist.init(self.device, self.info, always=config.train.strategy == "fsdp")
         if config.train.amp == "fp16" and self.device.type != "cuda":
             raise ConfigError("train.amp = 'fp16' needs CUDA; use 'bf16' or 'none' on CPU")
 
@@ -132,8 +133,10 @@ class Trainer:
         torch.manual_seed(config.train.seed)  # identical initial weights on every rank
         model = build_model(config, config_path, model).to(self.device)
         self.warm_start_report = None  # set by train() when it warm-starts from train.weight
+        # DDP, or FSDP2 sharding in place; activation checkpointing and compile (train/parallel.py)
+        self.model: nn.Module = parallelize(model, config, self.info, self.device, config_path)
+        # (after sharding: under FSDP the averaged copies are sharded like the parameters)
         self.ema = EMA(model, config.ema.decay, config.ema.warmup) if config.ema.enabled else None
-        self.model: nn.Module = DDP(model) if self.info.distributed else model
         seed_everything(config.train.seed + self.info.rank)  # rank-distinct dropout streams
 
         d = self.data

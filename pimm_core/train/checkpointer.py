@@ -175,7 +175,8 @@ class Checkpointer:
         s = self.state
         return {"kind": kind, "step": s.global_step, "epoch": s.epoch, "iter": s.iter,
                 "has_loader_state": has_loader_state, "code_version": self.code_version,
-                "world_size": self.info.world_size, "workers_per_rank": self.config.data.num_workers,
+                "world_size": self.info.world_size, "strategy": self.config.train.strategy,
+                "workers_per_rank": self.config.data.num_workers,
                 **self._batching(), "epoch_start_step": s.epoch_start_step, "metrics": s.last_eval,
                 "created": now_iso(), "torch_version": torch.__version__, "data_fingerprint": self.data_fingerprint}
 

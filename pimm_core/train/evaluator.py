@@ -18,6 +18,7 @@ from torch import nn
 from .. import dist
 from ..checkpoint.state import unwrap
 from ..ema import EMA
+from .parallel import is_fsdp
 from ..objectives import BUILTIN, MetricTotals, Objective
 
 
@@ -74,14 +75,18 @@ class Evaluator:
         model.eval()
         step = _Step(model, self.objective)
         # one name per tensor (tied ones follow), prefixed with the wrapper's child name
+        use_ema = self.weights == "ema" and ema is not None
+        sharded = is_fsdp(model)  # FSDP2 all-gathers its own shards: swap the values in place
         ema_sd = {f"model.{k}": v for k, v in ema.parameters_for(model).items()} \
-            if self.weights == "ema" and ema is not None else None
+            if use_ema and not sharded else None
         totals = MetricTotals()
-        for batch in self.val_loader:
-            batch = to_device(batch, self.device)
-            with self.autocast():
-                _, pairs = torch.func.functional_call(step, ema_sd, (batch,)) if ema_sd is not None else step(batch)
-            totals.add(pairs)
+        with ema.swapped_into(model) if use_ema and sharded else contextlib.nullcontext():
+            for batch in self.val_loader:
+                batch = to_device(batch, self.device)
+                with self.autocast():
+                    _, pairs = torch.func.functional_call(step, ema_sd, (batch,)) if ema_sd is not None \
+                        else step(batch)
+                totals.add(pairs)
         means = totals.reduce(dist.all_reduce_sum, dist.all_gather_object, device=self.device)
         model.train(was_training)
         return {f"val/{k}": v for k, v in self.objective.finalize(means).items()}

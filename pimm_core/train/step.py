@@ -3,7 +3,7 @@
 For each micro-batch, :meth:`WindowStep.backward` runs forward (under autocast) and
 backward with the loss divided by the window's length, so the accumulated gradient is
 the mean over the micro-batches the window actually holds; under DDP the gradient
-all-reduce happens only on the window's last micro-batch (``no_sync`` before). At the
+all-reduce (FSDP: reduce-scatter) happens only on the window's last micro-batch. At the
 window's end :meth:`WindowStep.finish` unscales and clips (``train.grad_clip``, the
 global L2 norm), applies the ``train.on_nonfinite`` policy, steps the optimizer through
 the AMP GradScaler, clears the gradients and updates the EMA.
@@ -23,6 +23,7 @@ from ..errors import TrainingError
 from ..checkpoint.state import unwrap
 from ..objectives import BUILTIN, Objective, batch_size
 from .evaluator import to_device
+from .parallel import is_fsdp
 from .state import TrainState
 
 APPLIED, SKIPPED, STOP = "applied", "skipped", "stop"
@@ -48,6 +49,16 @@ def autocast_context(amp: str, device_type: str) -> contextlib.AbstractContextMa
     return torch.autocast(device_type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
 
 
+def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+    """Inside a window only the last micro-batch's backward reduces gradients across ranks:
+    DDP's ``no_sync`` before it; FSDP2's ``set_requires_gradient_sync(False)`` (the unsharded
+    gradients accumulate locally, one reduce-scatter per window)."""
+    if is_fsdp(model):
+        model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if enabled else model.no_sync()
+
+
 class WindowStep:
     """Forward/backward per micro-batch and one optimizer step per window.
 
@@ -57,7 +68,7 @@ class WindowStep:
         ema: updated after each applied or skipped step (None: no EMA).
         train: ``grad_clip`` and ``on_nonfinite`` are read from it.
         autocast: a context-manager factory for the forward pass (mixed precision).
-        distributed: the model is DDP (use ``no_sync`` inside a window).
+        distributed: gradients are reduced across ranks (DDP or FSDP): only at a window's end.
         objective: ``(model, batch) -> (loss, metrics)`` (:mod:`pimm_core.objectives`;
             classification by default); only the loss is used here.
         before_step: called just before the optimizer step (e.g. an async save's staging
@@ -105,8 +116,7 @@ class WindowStep:
 
     def backward(self, batch: Any, *, window_len: int, last_in_window: bool) -> torch.Tensor:
         """One micro-batch; returns its (detached) share of the window's mean loss."""
-        sync = contextlib.nullcontext() if (last_in_window or not self.distributed) else self.model.no_sync()
-        with sync:
+        with gradient_sync(self.model, last_in_window or not self.distributed):
             with self.autocast():
                 loss = self.objective(self.model, batch)[0] / window_len
             self.scaler.scale(loss).backward()
@@ -129,6 +139,8 @@ class WindowStep:
             return True
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if hasattr(norm, "full_tensor"):  # FSDP: a DTensor over the shards; full_tensor() reduces it
+            norm = norm.full_tensor()
         return self.scaler.is_enabled() or bool(torch.isfinite(norm))
 
     def finish(self) -> str:

@@ -1,0 +1,126 @@
+"""How the ranks share the model: ``train.strategy``, ``train.blocks``, activation
+checkpointing and ``train.compile``, applied in that order by :func:`parallelize`.
+
+- ``ddp`` (default): every rank holds the whole model, gradients and optimizer state;
+  ``DistributedDataParallel`` all-reduces the gradients (one process: the plain model).
+- ``fsdp``: ``torch.distributed.fsdp.fully_shard`` (FSDP2) shards parameters, gradients
+  and optimizer state across the ranks as DTensors; each of ``train.blocks`` is a unit
+  whose parameters are all-gathered for its forward/backward and freed after, then the
+  root takes the rest. The ``[fsdp]`` table gives the mixed-precision policy,
+  ``reshard_after_forward`` and CPU offload. The order (blocks, then the root) and the
+  per-block units follow torchtitan's ``apply_fsdp``.
+
+Activation checkpointing wraps each block's ``forward`` in ``torch.utils.checkpoint``
+(non-reentrant), and ``train.compile`` uses ``nn.Module.compile`` (in place): neither
+changes a parameter's name, so state dicts, checkpoints and exports carry no
+``_checkpoint_wrapped_module.`` or ``_orig_mod.`` prefix.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..config import Config
+from ..dist import DistInfo
+from ..errors import ConfigError
+from ..targets import TargetSpec, call, is_target
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parallelize(model: nn.Module, cfg: Config, info: DistInfo, device: torch.device,
+                config_path=None) -> nn.Module:
+    """The model as the ranks train it: ``model`` already on ``device``; returns the DDP
+    wrapper, or ``model`` itself (sharded in place under FSDP, or alone in one process).
+
+    Raises:
+        ConfigError: ``train.blocks`` names no module of the model, or a target that fails.
+    """
+    t = cfg.train
+    blocks = find_blocks(model, t.blocks, config_path) if t.blocks else []
+    if t.activation_checkpointing:
+        for block in blocks:
+            checkpoint_activations(block)
+    if t.strategy == "fsdp":
+        shard(model, blocks, cfg, device)
+    if t.compile:
+        model.compile()  # in place: parameter names unchanged (no _orig_mod.)
+    if t.strategy == "ddp" and info.distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model)
+    return model
+
+
+def find_blocks(model: nn.Module, names: list[str], config_path=None) -> list[nn.Module]:
+    """The submodules ``train.blocks`` names: instances of a class of that name (``type(m).__name__``),
+    or the modules a target ``"pkg.mod:fn"`` returns as ``fn(model)``; in model order, the
+    root excluded, a module named twice listed once.
+
+    Raises:
+        ConfigError: an entry matches no submodule, or a target returns something else.
+    """
+    found: dict[int, nn.Module] = {}
+    for entry in names:
+        if is_target(entry):
+            spec = TargetSpec("train.blocks", entry)
+            picked = list(_as_modules(call(spec, model, config_path=config_path), entry, model))
+        else:
+            picked = [m for m in model.modules() if type(m).__name__ == entry and m is not model]
+        if not picked:
+            classes = sorted({type(m).__name__ for m in model.modules() if m is not model})
+            raise ConfigError(f"train.blocks: {entry!r} matches no submodule of the model; its module classes "
+                              f"are {classes[:12]}")
+        for m in picked:
+            found.setdefault(id(m), m)
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    return sorted(found.values(), key=lambda m: order[id(m)])
+
+
+def _as_modules(value, entry: str, model: nn.Module) -> Iterable[nn.Module]:
+    members = {id(m) for m in model.modules() if m is not model}
+    items = list(value) if not isinstance(value, nn.Module) else [value]
+    for m in items:
+        if not isinstance(m, nn.Module) or id(m) not in members:
+            raise ConfigError(f"train.blocks: {entry} returned {type(m).__name__}, not a submodule of the model; "
+                              "return the model's own blocks, e.g. list(model.layers)")
+    return items
+
+
+def checkpoint_activations(block: nn.Module) -> None:
+    """Recompute ``block``'s activations during backward instead of keeping them
+    (``torch.utils.checkpoint.checkpoint``, non-reentrant, RNG state restored so dropout
+    masks match)."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = block.forward
+    block.forward = functools.wraps(forward)(functools.partial(checkpoint, forward, use_reentrant=False))
+
+
+def shard(model: nn.Module, blocks: list[nn.Module], cfg: Config, device: torch.device) -> None:
+    """``fully_shard`` each block, then the root (in place), over all ranks of the default group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    f = cfg.fsdp
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=_DTYPES.get(f.param_dtype or ""),
+                              reduce_dtype=_DTYPES.get(f.reduce_dtype or ""))
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if f.cpu_offload else OffloadPolicy()
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=f.reshard_after_forward, mp_policy=mp,
+                    offload_policy=offload)
+    # the root's parameters are used last in backward: no reason to free them after forward
+    fully_shard(model, mesh=mesh, reshard_after_forward=False if blocks else f.reshard_after_forward,
+                mp_policy=mp, offload_policy=offload)
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    """True when ``model`` was sharded by :func:`shard` (an FSDP2 module)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
