@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Crash-consistency sweep: kill a real saving pimm run at every fail point of a save, then check.
 
-For each checkpoint format (``standard``, ``legacy``, ``single``, and ``standard`` with
-``checkpoint.async``) and world size (1; 2 through ``--nproc-per-node 2``), a traced
+For each checkpoint format (``standard``, ``legacy``, ``single``, ``standard`` with
+``checkpoint.async``, and ``standard`` under ``train.strategy = "fsdp"``) and world
+size (1; 2 through ``--nproc-per-node 2``), a traced
 reference run lists every fail point (:mod:`pimm_core.faults`) a save passes through, with
 the file it was about to touch. Every hit under ``model/`` is then a case (two-rank runs:
 the hits of the second save, one file per point unless ``--ranks2 roles``): a fresh run
@@ -86,8 +87,10 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "legacy": ('checkpoint_format="legacy"',),
     "single": ('checkpoint_format="single"',),
     "async": ('checkpoint_format="standard"', "checkpoint.async=true"),
+    # FSDP2: every rank writes its shards of the model, optimizer and EMA; rank 0 the gathered weights.pth
+    "fsdp": ('checkpoint_format="standard"', 'train.strategy="fsdp"', 'train.blocks=["Linear"]', "ema.enabled=true"),
 }
-FORMAT = {"standard": "standard", "legacy": "legacy", "single": "single", "async": "standard"}
+FORMAT = {"standard": "standard", "legacy": "legacy", "single": "single", "async": "standard", "fsdp": "standard"}
 # Multi-kill cases for the rotation's recovery paths: every spec but the last kills a run
 # (the first a fresh one, the next ones resumes); the case's own point is the last spec.
 CHAINS: dict[str, tuple[str, list[str]]] = {
@@ -305,6 +308,7 @@ def trace(variant: str, ranks: int, work: Path) -> dict[str, Any]:
     counts: dict[str, int] = {}
     hits, boundary = [], None
     publish = {"standard": ("rotate.renamed_into_place", "model/last"), "async": ("rotate.renamed_into_place", "model/last"),
+               "fsdp": ("rotate.renamed_into_place", "model/last"),
                "legacy": ("file_format.sidecar_written", "model/model_last.pth"),
                "single": ("pointer.replaced", "model/last")}[variant]
     for name, path in raw:
@@ -687,8 +691,8 @@ def summarize(rows: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default="standard,legacy,single,async", help="comma-separated: " + ",".join(VARIANTS))
-    ap.add_argument("--ranks", default="1,2", help="world sizes (2: torchrun, standard and single only)")
+    ap.add_argument("--variants", default="standard,legacy,single,async,fsdp", help="comma-separated: " + ",".join(VARIANTS))
+    ap.add_argument("--ranks", default="1,2", help="world sizes (2: torchrun, standard, single and fsdp only)")
     ap.add_argument("--ranks2", choices=("roles", "points", "none"), default="points",
                     help="two-rank cases: every (point, file) at both occurrences, or one file per point (default)")
     ap.add_argument("--no-io", action="store_true", help="skip the ENOSPC/EIO sweep")
@@ -718,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         ranks = [int(r) for r in args.ranks.split(",") if r]
         for v in variants:
             for r in ranks:
-                if r > 1 and (v not in ("standard", "single") or args.ranks2 == "none"):
+                if r > 1 and (v not in ("standard", "single", "fsdp") or args.ranks2 == "none"):
                     continue
                 traces[(v, r)] = trace(v, r, work)
                 if not args.io_only:

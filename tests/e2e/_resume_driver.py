@@ -14,6 +14,8 @@ As a script (one process, or every rank under ``python -m torch.distributed.run`
   is then dumped for comparison.
 - ``dump``: every rank writes ``<dump>.rank<r>.pt`` with its model state dict,
   optimizer state dict and :class:`TrainState` after ``train()`` returned.
+- ``full_dump``: rank 0 writes ``<full_dump>.pt``: the whole (gathered) model and optimizer
+  state by parameter name, the EMA average and the :class:`TrainState`, for any strategy.
 
 Only public pieces are used: ``load_config``, ``Trainer(...).train(...)``,
 ``trainer.callbacks``, ``trainer.stop``.
@@ -37,7 +39,7 @@ BASE = ("model.dropout=0.3", "train.log_every_steps=1")
 
 def run_job(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), *, stop_at: int | None = None,
             resume_from: str | Path | None = None, max_steps: int | None = None, checkpoint: bool = True,
-            dump: str | Path | None = None) -> Any:
+            dump: str | Path | None = None, full_dump: str | Path | None = None) -> Any:
     """Build a Trainer for ``configs/digits.toml`` + BASE + ``overrides`` and train it; returns the trainer."""
     import torch
 
@@ -65,6 +67,19 @@ def run_job(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), *,
     if dump is not None:
         torch.save({"model": unwrap(trainer.model).state_dict(), "optim": trainer.optimizer.state_dict(),
                     "state": asdict(trainer.state)}, f"{dump}.rank{trainer.info.rank}.pt")
+    if full_dump is not None:  # any strategy: whole tensors by parameter name, written by rank 0
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        plain = unwrap(trainer.model)
+        state = {"model": get_model_state_dict(plain, options=whole),
+                 "optim": get_optimizer_state_dict(plain, trainer.optimizer, options=whole),
+                 "ema": {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu()
+                         for k, v in trainer.ema.shadow.items()} if trainer.ema is not None else None,
+                 "state": asdict(trainer.state)}
+        if trainer.info.is_main:
+            torch.save(state, f"{full_dump}.pt")
     return trainer
 
 
@@ -78,7 +93,7 @@ def main(argv: list[str]) -> int:
         for job in jobs:
             run_job(job["run_dir"], job.get("overrides", []), stop_at=job.get("stop_at"),
                     resume_from=job.get("resume_from"), max_steps=job.get("max_steps"),
-                    checkpoint=job.get("checkpoint", True), dump=job.get("dump"))
+                    checkpoint=job.get("checkpoint", True), dump=job.get("dump"), full_dump=job.get("full_dump"))
     finally:
         dist.shutdown()
     return 0
