@@ -70,6 +70,10 @@ def validate(cfg: Config, where: Where, origins: dict[str, str]) -> None:
         raise ConfigError(f"{where('checkpoint_format', origins.get('checkpoint_format', 'file'))}: checkpoint_format = "
                           f"{cfg.checkpoint_format!r} writes the whole model and optimizer from rank 0 and cannot hold "
                           "FSDP's sharded state; use checkpoint_format = 'standard' with train.strategy = 'fsdp'")
+    if cfg.train.strategy == "fsdp" and cfg.train.amp == "fp16":
+        raise ConfigError(f"{where('train.amp', origins.get('train.amp', 'file'))}: train.amp = 'fp16' (loss scaling) is "
+                          "not supported with train.strategy = 'fsdp'; use train.amp = 'bf16' or "
+                          "fsdp.param_dtype = 'bfloat16'")
     if cfg.train.activation_checkpointing and not cfg.train.blocks:
         raise ConfigError(f"{where('train.activation_checkpointing', origins.get('train.activation_checkpointing', 'file'))}: "
                           "train.activation_checkpointing needs train.blocks, the model's block classes to recompute "

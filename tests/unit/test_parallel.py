@@ -1,0 +1,98 @@
+"""train/parallel.py: which modules train.blocks picks, activation checkpointing and
+compile leave the parameter names alone, FSDP at one rank (a one-rank process group)
+trains like the plain model, and the config refuses combinations that cannot work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pimm_core import dist
+from pimm_core.config import load_config
+from pimm_core.dist import DistInfo
+from pimm_core.errors import ConfigError
+from pimm_core.train.parallel import checkpoint_activations, find_blocks, is_fsdp, parallelize
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.drop = nn.Linear(8, 8), nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(torch.relu(self.fc(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def pick_layers(model):  # a train.blocks target
+    return list(model.layers)
+
+
+def test_blocks_by_class_name_and_by_target():
+    net = Net()
+    assert find_blocks(net, ["Block"]) == list(net.layers)
+    assert find_blocks(net, ["tests.unit.test_parallel:pick_layers", "Block"]) == list(net.layers)
+    assert find_blocks(net, ["Linear"]) == [net.layers[0].fc, net.layers[1].fc, net.head]
+    with pytest.raises(ConfigError, match="'Blok' matches no submodule.*'Block'"):
+        find_blocks(net, ["Blok"])
+
+
+def test_activation_checkpointing_keeps_names_and_gradients():
+    torch.manual_seed(0)
+    a, b = Net(), Net()
+    b.load_state_dict(a.state_dict())
+    for block in b.layers:
+        checkpoint_activations(block)
+    assert list(a.state_dict()) == list(b.state_dict())
+    x = torch.randn(4, 8)
+    for net in (a, b):
+        torch.manual_seed(1)  # the same dropout masks; checkpoint replays them in backward
+        net(x).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_fsdp_at_one_rank_trains_like_the_plain_model():
+    cfg = load_config(None, ["train.strategy=fsdp", 'train.blocks=["Block"]', "train.device=cpu"])
+    torch.manual_seed(0)
+    plain, sharded = Net(), Net()
+    sharded.load_state_dict(plain.state_dict())
+    dist.init(torch.device("cpu"), DistInfo(), always=True)
+    try:
+        model = parallelize(sharded, cfg, DistInfo(), torch.device("cpu"))
+        assert model is sharded and is_fsdp(model) and not is_fsdp(plain)
+        assert list(model.state_dict()) == list(plain.state_dict())  # no wrapper prefixes
+        x = torch.randn(4, 8)
+        for net in (plain, model):
+            opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+            torch.manual_seed(1)
+            net(x).square().mean().backward()
+            opt.step()
+        for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+            assert torch.equal(p.detach(), q.detach().full_tensor()), name
+    finally:
+        dist.shutdown()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["train.strategy=fsdp", "checkpoint_format=legacy"], "cannot hold FSDP's sharded state; use checkpoint_format = 'standard'"),
+    (["train.strategy=fsdp", "checkpoint_format=single"], "cannot hold FSDP's sharded state"),
+    (["train.activation_checkpointing=true"], "needs train.blocks"),
+    (["train.strategy=fsdp", "train.amp=fp16"], "use train.amp = 'bf16' or fsdp.param_dtype = 'bfloat16'"),
+    (["train.blocks=[3]"], "must be a list of non-empty strings"),
+    (["fsdp.param_dtype=float64"], "is not allowed"),
+])
+def test_config_refuses_what_cannot_work(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, overrides)
