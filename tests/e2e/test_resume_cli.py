@@ -61,8 +61,8 @@ def test_dry_run_same_topology(root):
     last = run / "model" / "last"
     assert out[0] == f"run: {run}"
     assert f"checkpoint: {last} (step 50, epoch 1, iter 5)" in out
-    assert any(line.startswith("policy: same world size, per-rank micro-batch, accumulation window and per-rank workers") for line in out)
-    assert "topology: world size 1 -> 1, per-rank workers 0 -> 0, per-rank micro-batch 32 -> 32, grad_accum 1 -> 1" in out
+    assert any(line.startswith("policy: same world size, strategy, per-rank micro-batch, accumulation window and per-rank workers") for line in out)
+    assert "topology: world size 1 -> 1, strategy ddp -> ddp, per-rank workers 0 -> 0, per-rank micro-batch 32 -> 32, grad_accum 1 -> 1" in out
     restore = next(line for line in out if line.startswith("restore: "))
     for part in ("model weights", "optimizer", "scheduler", "per-rank RNG", "loader cursor"):
         assert part in restore
@@ -81,7 +81,7 @@ def test_dry_run_two_ranks_shows_world_size_row_and_replay_boundary(root):
     out = r.stdout.splitlines()
     assert any(line.startswith("policy: world size changes: reshard compatible state, discard loader cursor")
                for line in out)
-    assert "topology: world size 1 -> 2, per-rank workers 0 -> 0, per-rank micro-batch 32 -> 32, grad_accum 1 -> 1" in out
+    assert "topology: world size 1 -> 2, strategy ddp -> ddp, per-rank workers 0 -> 0, per-rank micro-batch 32 -> 32, grad_accum 1 -> 1" in out
     discard = next(line for line in out if line.startswith("discard: "))
     assert "loader cursor" in discard and "per-rank RNG" in discard
     assert "optimizer (resharded through DCP)" in next(line for line in out if line.startswith("restore: "))

@@ -66,7 +66,7 @@ def test_checkpoints_diff(run: Path) -> None:
     r = pimm("checkpoints", "diff", run)
     assert r.returncode == 0, describe(r)
     assert "resume would pick this" in r.stdout
-    assert "policy: same world size, per-rank micro-batch, accumulation window and per-rank workers" in r.stdout
+    assert "policy: same world size, strategy, per-rank micro-batch, accumulation window and per-rank workers" in r.stdout
     assert "replay boundary: none" in r.stdout
     fingerprint = next(line for line in r.stdout.splitlines() if line.startswith("data fingerprint"))
     assert fingerprint.endswith("(computed at launch)"), fingerprint
