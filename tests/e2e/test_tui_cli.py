@@ -89,6 +89,32 @@ def test_checkpoints_diff(run: Path) -> None:
     assert "weights only" in r.stdout
 
 
+def test_checkpoints_diff_strategy_change(run: Path, tmp_path: Path) -> None:
+    """Saved vs planned strategy: a row of the table, the policy row, a warning; an older manifest is ddp."""
+    r = pimm("checkpoints", "diff", run, "--", "train.strategy=fsdp")
+    assert r.returncode == 0, describe(r)
+    lines = r.stdout.splitlines()
+    row = next(line for line in lines if line.startswith("strategy "))
+    assert row.split() == ["strategy", "ddp", "fsdp", "<-", "changed"], row
+    assert "policy: strategy changes at the same world size (ddp <-> fsdp)" in r.stdout
+    assert "discard: nothing" in lines
+    assert any(line.startswith("warning: strategy changed ddp -> fsdp") for line in lines), lines
+    assert "train.strategy: 'ddp' -> 'fsdp'" in r.stdout
+
+    old = copy_run(run, tmp_path)  # a checkpoint written before manifests recorded the strategy
+    path = old / "model" / "last" / "manifest.json"
+    m = json.loads(path.read_text())
+    del m["strategy"]
+    path.write_text(json.dumps(m))
+    r = pimm("checkpoints", "diff", old, "--json", "--", "train.strategy=fsdp")
+    assert r.returncode == 0, describe(r)
+    d = json.loads(r.stdout)
+    assert (d["recorded"]["strategy"], d["planned"]["strategy"]) == ("ddp", "fsdp")
+    assert d["plan"]["row"] == "strategy" and d["plan"]["restore_cursor"] == (d["candidate"]["iter"] > 0)
+    assert (d["plan"]["topology"]["saved_strategy"], d["plan"]["topology"]["strategy"]) == ("ddp", "fsdp")
+    assert any("taken as ddp" in n for n in d["notes"]), d["notes"]
+
+
 def test_checkpoints_diff_errors(run: Path, tmp_path: Path) -> None:
     r = pimm("checkpoints", "diff", run, "--", "data.nope=1")
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "data.nope" in r.stderr, describe(r)
