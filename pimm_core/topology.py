@@ -10,7 +10,18 @@ The resume policy, one row per condition (checked in this order)::
     accumulation window changes            discard loader cursor; restart the saved epoch
     per-rank worker count changes          discard loader cursor; restart the saved epoch
     checkpoint has no loader state         restart the saved epoch
-    same world size, batching, workers     restore cursor; continue from the saved iteration
+    strategy changes (ddp <-> fsdp) alone  reshard model, optimizer and EMA exactly (DCP); keep loader
+                                           cursor and per-rank RNG; continue from the saved iteration
+    same world size, strategy, batching,   restore cursor; continue from the saved iteration
+    workers
+
+A strategy change (``train.strategy``; a manifest without ``strategy`` counts as ``ddp``)
+discards nothing by itself: the sample order (``DistributedSampler`` over rank and world
+size) and each rank's RNG streams do not depend on how ranks share the model, so at the
+same world size the cursor and RNG carry over. It is not promised bitwise (gradients are
+reduced another way), so the plan is not ``exact``. Under any earlier row (a world-size,
+batching or worker change...) that row's rules apply, and the strategy change is named
+as well: in ``topology`` (``saved_strategy`` -> ``strategy``) and in a warning.
 
 "Restart the saved epoch" means the in-epoch iteration and the global-step view go
 back to the saved epoch's start (the *replay boundary*); batches already trained in
@@ -30,7 +41,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 ROWS = {
-    "same": "same world size, per-rank micro-batch, accumulation window and per-rank workers: restore cursor; continue from the saved iteration",
+    "same": "same world size, strategy, per-rank micro-batch, accumulation window and per-rank workers: restore cursor; continue from the saved iteration",
+    "strategy": "strategy changes at the same world size (ddp <-> fsdp): reshard model, optimizer and EMA state exactly (DCP); keep loader cursor and per-rank RNG; continue from the saved iteration",
     "world_size": "world size changes: reshard compatible state, discard loader cursor, restart the saved epoch",
     "batch_size": "per-rank micro-batch size changes: discard loader cursor, restart the saved epoch",
     "grad_accum": "accumulation window changes: discard loader cursor, restart the saved epoch",
@@ -55,8 +67,8 @@ class ResumePlan:
             train again, else None.
         restored, discarded: human lists of state parts.
         warnings: lines for the log and provenance.
-        topology: saved vs. planned world size, per-rank workers, per-rank micro-batch
-            size and accumulation window (``saved_<key>`` and ``<key>``).
+        topology: saved vs. planned world size, strategy (``"ddp"``/``"fsdp"``), per-rank
+            workers, per-rank micro-batch size and accumulation window (``saved_<key>`` and ``<key>``).
     """
 
     row: str
@@ -97,15 +109,18 @@ def replay_step(manifest: dict[str, Any], grad_accum: int) -> int:
     return step - it // int(manifest.get("grad_accum") or grad_accum)
 
 
-def plan_resume(manifest: dict[str, Any], *, world_size: int, workers_per_rank: int, strict: bool,
+def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, workers_per_rank: int, strict: bool,
                 grad_accum: int = 1, batch_size: int | None = None, legacy: bool = False) -> ResumePlan:
     """Apply the resume policy to a checkpoint's manifest.
 
     Args:
         manifest: the checkpoint's manifest (``step``, ``epoch``, ``iter``, ``world_size``,
-            ``workers_per_rank``, ``batch_size``, ``grad_accum``, ``epoch_start_step``,
-            ``has_loader_state``). Keys an older checkpoint lacks count as unchanged.
+            ``strategy``, ``workers_per_rank``, ``batch_size``, ``grad_accum``,
+            ``epoch_start_step``, ``has_loader_state``). Keys an older checkpoint lacks count
+            as unchanged, except ``strategy``: a checkpoint written before pimm recorded it
+            was trained with DDP (``"ddp"``).
         world_size, workers_per_rank: the planned resume topology.
+        strategy: the planned ``train.strategy`` (``"ddp"`` or ``"fsdp"``).
         strict: ``resume_strict_state``.
         grad_accum: planned micro-batches per optimizer step.
         batch_size: planned per-rank micro-batch size (None: not compared).
@@ -113,11 +128,13 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, workers_per_rank: 
     """
     step, epoch, it = int(manifest.get("step", 0)), int(manifest.get("epoch", 0)), int(manifest.get("iter", 0))
     saved_ws = int(manifest.get("world_size", world_size))
+    saved_strategy = str(manifest.get("strategy") or "ddp")
+    strategy_changed = saved_strategy != strategy
     saved_workers = int(manifest.get("workers_per_rank", workers_per_rank))
     has_loader = bool(manifest.get("has_loader_state", it > 0)) and not legacy
     planned = {"batch_size": batch_size, "grad_accum": grad_accum}
     saved = {k: manifest.get(k) if manifest.get(k) is not None else planned[k] for k in BATCHING_KEYS}
-    topo = {"saved_world_size": saved_ws, "world_size": world_size,
+    topo = {"saved_world_size": saved_ws, "world_size": world_size, "saved_strategy": saved_strategy, "strategy": strategy,
             "saved_workers_per_rank": saved_workers, "workers_per_rank": workers_per_rank,
             **{f"saved_{k}": saved[k] for k in BATCHING_KEYS}, **planned}
     changed_batching = [k for k in BATCHING_KEYS if planned[k] is not None and saved[k] != planned[k]]
@@ -133,14 +150,23 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, workers_per_rank: 
         row = "workers"
     elif it > 0 and not has_loader:
         row = "no_loader_state"
+    elif strategy_changed:
+        row = "strategy"
     else:
         row = "same"
-    restore_cursor = row == "same" and it > 0
+    # The sample order and the RNG streams depend on rank and world size, never on the strategy.
+    restore_cursor = row in ("same", "strategy") and it > 0
     # A legacy file carries rank 0's RNG only: usable when rank 0 is the whole run, before and after.
-    restore_rng = row in ("same", "workers", "no_loader_state", *BATCHING_KEYS) or (row == "non_strict" and saved_ws == world_size) \
-        or (row == "legacy" and saved_ws == world_size == 1)
-    restored = ["model weights", "optimizer", "scheduler", "AMP scaler", "epoch/step counters", "best-metric state"]
-    if row == "world_size":
+    restore_rng = row in ("same", "strategy", "workers", "no_loader_state", *BATCHING_KEYS) \
+        or (row == "non_strict" and saved_ws == world_size) or (row == "legacy" and saved_ws == world_size == 1)
+    restored = ["model weights", "optimizer", "scheduler", "AMP scaler", "epoch/step counters", "best-metric state",
+                "EMA (when the run keeps one)"]
+    # Sharded state (FSDP on either side, or a strategy change) is laid out anew by DCP.
+    resharded = strategy_changed or (saved_ws != world_size and "fsdp" in (saved_strategy, strategy))
+    if resharded:
+        restored[0] = "model weights (resharded through DCP)"
+        restored[6] = "EMA (when the run keeps one; resharded through DCP)"
+    if resharded or saved_ws != world_size:
         restored[1] = "optimizer (resharded through DCP)"
     if row == "non_strict":
         restored = [f"{r} (best effort)" for r in restored]
@@ -165,15 +191,31 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, workers_per_rank: 
     if saved_ws != world_size:
         warnings.append(f"world size changed {saved_ws} -> {world_size}: sample order and per-rank RNG differ "
                         "from the interrupted run (recovery, not bitwise continuation)")
+    if strategy_changed:
+        warnings.append(strategy_warning(saved_strategy, strategy, row, saved_ws != world_size))
     if saved_workers != workers_per_rank:
         warnings.append(f"per-rank workers changed {saved_workers} -> {workers_per_rank}")
     for k in changed_batching:
         label = "per-rank micro-batch size" if k == "batch_size" else "accumulation window (train.grad_accum)"
         warnings.append(f"{label} changed {saved[k]} -> {planned[k]}: optimizer steps from here on average over "
                         "different micro-batches than the interrupted run")
-    exact = row == "same" or (row == "legacy" and it == 0 and restore_rng)
+    exact = (row == "same" or (row == "legacy" and it == 0 and restore_rng)) and not strategy_changed
     return ResumePlan(row, restore_cursor, restore_rng, exact, new_step, epoch, new_iter, replay,
                       restored, discarded, warnings, topo)
+
+
+def strategy_warning(saved: str, planned: str, row: str, world_size_changed: bool) -> str:
+    """The warning line of a strategy change ``saved`` -> ``planned`` under policy ``row``."""
+    head = (f"strategy changed {saved} -> {planned}: model weights, optimizer state, schedule, counters and "
+            "EMA are kept, resharded exactly through DCP")
+    if world_size_changed:
+        return head + "; the world size changed too, and its rules decide the loader cursor and per-rank RNG"
+    if row == "strategy":
+        return (head + "; the sample order and per-rank RNG do not depend on the strategy, so at the same world "
+                "size the loader cursor and RNG are kept (the same data in the same order; not promised bitwise: "
+                "gradients are reduced another way)")
+    return (head + f"; the sample order and per-rank RNG do not depend on the strategy ({ROWS[row].split(':')[0]} "
+            "decides the loader cursor and RNG)")
 
 
 def config_diff(saved: dict[str, Any], now: dict[str, Any],

@@ -44,7 +44,8 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     else:
         cand, fallbacks = resolve_resume_path(source), []
     _dry_check_resume(cand.path, model)
-    plan = plan_resume(cand.manifest or {}, world_size=world_size, workers_per_rank=cfg.data.num_workers,
+    plan = plan_resume(cand.manifest or {}, world_size=world_size, strategy=cfg.train.strategy,
+                       workers_per_rank=cfg.data.num_workers,
                        strict=cfg.resume_strict_state, grad_accum=cfg.train.grad_accum,
                        batch_size=cfg.data.batch_size, legacy=cand.format == "legacy")
     t = plan.topology
@@ -58,6 +59,7 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
         return 0
     print(f"policy: {plan.description}")
     print(f"topology: world size {t['saved_world_size']} -> {t['world_size']}, "
+          f"strategy {t['saved_strategy']} -> {t['strategy']}, "
           f"per-rank workers {t['saved_workers_per_rank']} -> {t['workers_per_rank']}, "
           f"per-rank micro-batch {t['saved_batch_size']} -> {t['batch_size']}, "
           f"grad_accum {t['saved_grad_accum']} -> {t['grad_accum']}")
@@ -66,7 +68,8 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     rb = plan.replay_boundary
     print(f"continue at: step {plan.step}, epoch {plan.epoch}, iter {plan.iter}"
           + (f" (replay boundary: epoch {rb['epoch']} start, step {rb['step']}; {rb['from_iter']} batches replay)" if rb else
-             " (exact continuation)" if plan.exact else ""))
+             " (exact continuation)" if plan.exact else
+             " (loader cursor restored; not bitwise: the strategy changed)" if plan.restore_cursor else ""))
     saved_cfg = run_dir / "config.toml"
     if saved_cfg.is_file():
         diff = config_diff(tomllib.loads(saved_cfg.read_text()), cfg.to_dict())

@@ -52,7 +52,8 @@ def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict
     for key in ("batch_size", "grad_accum", "epoch_start_step"):  # absent from older checkpoints
         if meta.get(key, saved.get(key)) is not None:
             manifest[key] = meta.get(key, saved.get(key))
-    plan = plan_resume(manifest, world_size=tr.info.world_size, workers_per_rank=tr.config.data.num_workers,
+    plan = plan_resume(manifest, world_size=tr.info.world_size, strategy=tr.config.train.strategy,
+                       workers_per_rank=tr.config.data.num_workers,
                        strict=strict, grad_accum=tr._t.grad_accum, batch_size=tr.config.data.batch_size,
                        legacy=cand.format == "legacy")
     warnings = fallback + list(plan.warnings) + provenance_diff(tr, manifest) + loaded.skipped

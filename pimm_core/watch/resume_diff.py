@@ -1,6 +1,6 @@
 """What the checkpoint a resume would load recorded vs. the planned resume, and the policy row (torch-free).
 
-:func:`resume_diff` compares world size, per-rank batching and workers, config, code and
+:func:`resume_diff` compares world size, strategy, per-rank batching and workers, config, code and
 torch version and the data fingerprint, and applies :func:`pimm_core.topology.plan_resume`.
 ``pimm checkpoints diff`` prints :meth:`ResumeDiff.lines`; the console's Topology view
 renders the same rows (:meth:`ResumeDiff.policy_rows`) with colours.
@@ -19,7 +19,7 @@ from ..errors import CheckpointError, ConfigError, UsageError
 from ..run.layout import CONFIG, MODEL, check_run_dir
 from ..run.provenance import current_code_version, read_provenance, recorded_launch, recorded_world_size
 
-DIFF_ROWS = (("world_size", "world size"), ("batch_size", "per-rank micro-batch"),
+DIFF_ROWS = (("world_size", "world size"), ("strategy", "strategy"), ("batch_size", "per-rank micro-batch"),
              ("grad_accum", "accumulation window"), ("workers_per_rank", "per-rank workers"),
              ("code_version", "code version"), ("torch_version", "torch version"),
              ("data_fingerprint", "data fingerprint"))
@@ -57,7 +57,9 @@ def plan_rows(plan: dict[str, Any] | None) -> list[tuple[str, str, str]]:
         rows.append(("replay boundary", f"epoch {rb['epoch']} restarts at step {rb['step']}; "
                      f"the {rb['from_iter']} batches already run in that epoch train again", "warn"))
     else:
-        rows.append(("replay boundary", f"none ({'exact continuation' if p['exact'] else 'nothing to replay'}) "
+        why = ("exact continuation" if p["exact"] else "loader cursor restored; not bitwise: the strategy changed"
+               if p.get("restore_cursor") else "nothing to replay")
+        rows.append(("replay boundary", f"none ({why}) "
                      f"at step {p['step']}, epoch {p['epoch']}, iter {p['iter']}", "ok"))
     rows += [("warning", w, "warn") for w in p.get("warnings", [])]
     return rows
@@ -70,7 +72,8 @@ class ResumeDiff:
     Attributes:
         candidate: the checkpoint compared (a resume's choice unless one was named).
         selected_by: ``resume`` (what ``--train.resume`` would load) or ``name``.
-        recorded, planned: ``world_size``, ``workers_per_rank``, ``code_version``,
+        recorded, planned: ``world_size``, ``strategy`` (recorded: ``ddp`` for a checkpoint
+            written before manifests recorded it), ``workers_per_rank``, ``code_version``,
             ``torch_version``, ``data_fingerprint`` (planned: None where only a launch knows:
             the data fingerprint, which the launch computes as it loads the data).
         config_diff: ``key: saved -> planned`` lines (:func:`pimm_core.topology.config_diff`).
@@ -197,11 +200,15 @@ def resume_diff(run_dir: Path, *, world_size: int | None = None, workers: int | 
             v = prov.get(key)
             notes.append(f"{key} taken from provenance.json (the manifest does not record it)")
         recorded[key] = v
+    if recorded["strategy"] is None and cand.manifest is not None and cand.resumable:
+        recorded["strategy"] = "ddp"
+        notes.append("strategy: the manifest does not record it (written before pimm recorded strategies); "
+                     "taken as ddp")
     if not cand.complete:
         notes.append(f"{cand.name} is incomplete ({cand.reason}); a resume would refuse it")
     if cand.manifest is None:
         notes.append(f"{cand.name} has no readable manifest: recorded values are unknown")
-    planned = {"world_size": world_size, "workers_per_rank": cfg.data.num_workers,
+    planned = {"world_size": world_size, "strategy": cfg.train.strategy, "workers_per_rank": cfg.data.num_workers,
                "batch_size": cfg.data.batch_size, "grad_accum": cfg.train.grad_accum,
                "code_version": current_code_version(), "torch_version": _installed_torch_version(),
                "data_fingerprint": None}
@@ -210,7 +217,8 @@ def resume_diff(run_dir: Path, *, world_size: int | None = None, workers: int | 
                      "the resume warns if it differs from the recorded one")
     plan = None
     if cand.resumable:
-        plan = plan_resume(manifest, world_size=world_size, workers_per_rank=cfg.data.num_workers,
+        plan = plan_resume(manifest, world_size=world_size, strategy=cfg.train.strategy,
+                           workers_per_rank=cfg.data.num_workers,
                            strict=cfg.resume_strict_state, grad_accum=cfg.train.grad_accum,
                            batch_size=cfg.data.batch_size, legacy=cand.format == "legacy").to_json()
     diff = config_diff(saved or {}, cfg.to_dict())

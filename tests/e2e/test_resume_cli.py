@@ -6,6 +6,7 @@ dry runs run it in this process (``_helpers.pimm_here``: same code, no subproces
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -61,8 +62,8 @@ def test_dry_run_same_topology(root):
     last = run / "model" / "last"
     assert out[0] == f"run: {run}"
     assert f"checkpoint: {last} (step 50, epoch 1, iter 5)" in out
-    assert any(line.startswith("policy: same world size, per-rank micro-batch, accumulation window and per-rank workers") for line in out)
-    assert "topology: world size 1 -> 1, per-rank workers 0 -> 0, per-rank micro-batch 32 -> 32, grad_accum 1 -> 1" in out
+    assert any(line.startswith("policy: same world size, strategy, per-rank micro-batch, accumulation window and per-rank workers") for line in out)
+    assert "topology: world size 1 -> 1, strategy ddp -> ddp, per-rank workers 0 -> 0, per-rank micro-batch 32 -> 32, grad_accum 1 -> 1" in out
     restore = next(line for line in out if line.startswith("restore: "))
     for part in ("model weights", "optimizer", "scheduler", "per-rank RNG", "loader cursor"):
         assert part in restore
@@ -81,7 +82,7 @@ def test_dry_run_two_ranks_shows_world_size_row_and_replay_boundary(root):
     out = r.stdout.splitlines()
     assert any(line.startswith("policy: world size changes: reshard compatible state, discard loader cursor")
                for line in out)
-    assert "topology: world size 1 -> 2, per-rank workers 0 -> 0, per-rank micro-batch 32 -> 32, grad_accum 1 -> 1" in out
+    assert "topology: world size 1 -> 2, strategy ddp -> ddp, per-rank workers 0 -> 0, per-rank micro-batch 32 -> 32, grad_accum 1 -> 1" in out
     discard = next(line for line in out if line.startswith("discard: "))
     assert "loader cursor" in discard and "per-rank RNG" in discard
     assert "optimizer (resharded through DCP)" in next(line for line in out if line.startswith("restore: "))
@@ -89,6 +90,43 @@ def test_dry_run_two_ranks_shows_world_size_row_and_replay_boundary(root):
     warnings = [line for line in out if line.startswith("warning: ")]
     assert any("loader cursor skipped" in w for w in warnings) and any("world size changed 1 -> 2" in w for w in warnings)
     assert snapshot(root) == before
+
+
+def test_dry_run_strategy_change_keeps_cursor_and_rng(root):
+    """ddp -> fsdp at the same world size: state resharded exactly, the cursor and RNG carry over."""
+    r = resume_cli(root, "base", "--dry-run", overrides=[*CLI_OV, "train.strategy=fsdp"])
+    assert r.returncode == 0, describe(r)
+    out = r.stdout.splitlines()
+    assert any(line.startswith("policy: strategy changes at the same world size (ddp <-> fsdp)") for line in out), out
+    assert "topology: world size 1 -> 1, strategy ddp -> fsdp, per-rank workers 0 -> 0, " \
+           "per-rank micro-batch 32 -> 32, grad_accum 1 -> 1" in out
+    restore = next(line for line in out if line.startswith("restore: "))
+    for part in ("model weights (resharded through DCP)", "optimizer (resharded through DCP)", "per-rank RNG",
+                 "loader cursor"):
+        assert part in restore
+    assert "discard: nothing" in out
+    assert "continue at: step 50, epoch 1, iter 5 (loader cursor restored; not bitwise: the strategy changed)" in out
+    warnings = [line for line in out if line.startswith("warning: ")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: strategy changed ddp -> fsdp"), warnings
+    assert "config diff: train.strategy: 'ddp' -> 'fsdp'" in out
+
+
+def test_dry_run_strategy_and_world_size_change(root, tmp_path):
+    """fsdp (an edited manifest) -> ddp on 2 ranks: the world-size row applies; the strategy change is named."""
+    run = tmp_path / "digits" / "base"
+    shutil.copytree(root / "digits" / "base", run)
+    m = read_json(run / "model" / "last" / "manifest.json")
+    (run / "model" / "last" / "manifest.json").write_text(json.dumps({**m, "strategy": "fsdp"}))
+    r = resume_cli(tmp_path, "base", "--nproc-per-node", "2", "--dry-run")
+    assert r.returncode == 0, describe(r)
+    out = r.stdout.splitlines()
+    assert any(line.startswith("policy: world size changes") for line in out), out
+    assert "topology: world size 1 -> 2, strategy fsdp -> ddp," in r.stdout
+    assert "continue at: step 45, epoch 1, iter 0 (replay boundary: epoch 1 start, step 45; 5 batches replay)" in out
+    warnings = [line for line in out if line.startswith("warning: ")]
+    assert any("world size changed 1 -> 2" in w for w in warnings)
+    assert any(w.startswith("warning: strategy changed fsdp -> ddp") and "world size changed too" in w
+               for w in warnings), warnings
 
 
 def test_dry_run_shows_config_diff(root):

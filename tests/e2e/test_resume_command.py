@@ -60,7 +60,7 @@ def test_resume_dry_run_shows_overrides_as_deltas(base):
     assert r.returncode == 0, describe(r)
     out = r.stdout.splitlines()
     assert "policy: per-rank micro-batch size changes: discard loader cursor, restart the saved epoch" in out
-    assert "topology: world size 1 -> 1, per-rank workers 0 -> 0, per-rank micro-batch 32 -> 16, " \
+    assert "topology: world size 1 -> 1, strategy ddp -> ddp, per-rank workers 0 -> 0, per-rank micro-batch 32 -> 16, " \
            "grad_accum 1 -> 3" in out
     assert "config diff: data.batch_size: 32 -> 16; train.grad_accum: 1 -> 3" in out
     assert any(line.startswith("continue at: step 45, epoch 1, iter 0 (replay boundary") for line in out), out

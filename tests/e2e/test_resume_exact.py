@@ -163,7 +163,7 @@ def test_bitwise_continuation(runs, case, ws, nw, k):
     assert resume["checkpoint_step"] == k == resume["step"]
     assert (resume["epoch"], resume["iter"]) == divmod(k, steps)
     assert resume["policy"] == "same" and resume["exact"] is True and resume["replay_boundary"] is None
-    assert resume["topology"] == {"saved_world_size": ws, "world_size": ws,
+    assert resume["topology"] == {"saved_world_size": ws, "world_size": ws, "saved_strategy": "ddp", "strategy": "ddp",
                                   "saved_workers_per_rank": nw, "workers_per_rank": nw, "saved_batch_size": 32,
                                   "batch_size": 32, "saved_grad_accum": 1, "grad_accum": 1}
     assert "per-rank RNG" in resume["restored"]
@@ -239,7 +239,7 @@ def _check_reshard_entry(entry: dict, *, saved_ws: int, ws: int, step: int, epoc
     boundary = step - it
     assert entry["kind"] == "resume" and entry["policy"] == "world_size" and entry["exact"] is False
     assert entry["checkpoint_step"] == step
-    assert entry["topology"] == {"saved_world_size": saved_ws, "world_size": ws,
+    assert entry["topology"] == {"saved_world_size": saved_ws, "world_size": ws, "saved_strategy": "ddp", "strategy": "ddp",
                                  "saved_workers_per_rank": 0, "workers_per_rank": 0, "saved_batch_size": 32,
                                  "batch_size": 32, "saved_grad_accum": 1, "grad_accum": 1}
     assert entry["replay_boundary"] == {"epoch": epoch, "step": boundary, "from_iter": it}

@@ -28,7 +28,8 @@ def manifest(step=50, epoch=1, it=5, ws=1, workers=0, loader=True) -> dict:
 
 
 def plan(m: dict, ws=1, workers=0, strict=True, grad_accum=1, legacy=False):
-    return plan_resume(m, world_size=ws, workers_per_rank=workers, strict=strict, grad_accum=grad_accum, legacy=legacy)
+    return plan_resume(m, world_size=ws, strategy="ddp", workers_per_rank=workers, strict=strict, grad_accum=grad_accum,
+                       legacy=legacy)
 
 
 REPLAY = {"epoch": 1, "step": 45, "from_iter": 5}
@@ -71,7 +72,8 @@ def test_plan_world_size_reshards_optimizer_and_records_topology():
     p = plan(manifest(ws=2, workers=2), ws=1, workers=2)
     assert "optimizer (resharded through DCP)" in p.restored
     assert "per-rank RNG (ranks differ)" in p.discarded
-    assert p.topology == {"saved_world_size": 2, "world_size": 1, "saved_workers_per_rank": 2, "workers_per_rank": 2,
+    assert p.topology == {"saved_world_size": 2, "world_size": 1, "saved_strategy": "ddp", "strategy": "ddp",
+                          "saved_workers_per_rank": 2, "workers_per_rank": 2,
                           "saved_batch_size": None, "batch_size": None, "saved_grad_accum": 1, "grad_accum": 1}
 
 
@@ -107,7 +109,7 @@ def test_plan_batching_change_is_a_row_and_replays_from_the_recorded_epoch_start
     boundary is that recorded step, not one re-derived from the new window."""
     m = {**manifest(step=55, epoch=1, it=10), "batch_size": 32, "grad_accum": 1, "epoch_start_step": 45, key: saved}
     kw = {"batch_size": 32, "grad_accum": 1, key: now}
-    p = plan_resume(m, world_size=1, workers_per_rank=0, strict=True, **kw)
+    p = plan_resume(m, world_size=1, strategy="ddp", workers_per_rank=0, strict=True, **kw)
     assert p.row == key and p.description == ROWS[key]
     assert not p.restore_cursor and p.restore_rng and not p.exact
     assert (p.step, p.epoch, p.iter) == (45, 1, 0) and p.replay_boundary == {"epoch": 1, "step": 45, "from_iter": 10}
@@ -118,7 +120,7 @@ def test_plan_batching_change_is_a_row_and_replays_from_the_recorded_epoch_start
 def test_plan_world_size_and_accum_change_uses_recorded_epoch_start():
     # 2 ranks -> 1 rank and grad_accum 1 -> 2: the boundary is the recorded 23, not 27 - 8 // 2
     m = {**manifest(step=27, epoch=1, it=4, ws=2), "grad_accum": 1, "epoch_start_step": 23}
-    p = plan_resume(m, world_size=1, workers_per_rank=0, strict=True, grad_accum=2)
+    p = plan_resume(m, world_size=1, strategy="ddp", workers_per_rank=0, strict=True, grad_accum=2)
     assert p.row == "world_size" and p.step == 23 and p.replay_boundary["step"] == 23
 
 
@@ -175,7 +177,8 @@ def test_same_topology_continues_from_saved_iteration(base, tmp_path):
 def test_worker_count_change_discards_cursor_and_restarts_epoch(base, tmp_path):
     entry, after = _resume_two_steps(base, tmp_path / "run", ["data.num_workers=2"], STEPS)
     _check_restart(entry, after, "workers")
-    assert entry["topology"] == {"saved_world_size": 1, "world_size": 1, "saved_workers_per_rank": 0,
+    assert entry["topology"] == {"saved_world_size": 1, "world_size": 1, "saved_strategy": "ddp", "strategy": "ddp",
+                                 "saved_workers_per_rank": 0,
                                  "workers_per_rank": 2, "saved_batch_size": 32, "batch_size": 32,
                                  "saved_grad_accum": 1, "grad_accum": 1}
     assert "per-rank RNG" in entry["restored"]  # same ranks: RNG still applies

@@ -66,7 +66,7 @@ def test_checkpoints_diff(run: Path) -> None:
     r = pimm("checkpoints", "diff", run)
     assert r.returncode == 0, describe(r)
     assert "resume would pick this" in r.stdout
-    assert "policy: same world size, per-rank micro-batch, accumulation window and per-rank workers" in r.stdout
+    assert "policy: same world size, strategy, per-rank micro-batch, accumulation window and per-rank workers" in r.stdout
     assert "replay boundary: none" in r.stdout
     fingerprint = next(line for line in r.stdout.splitlines() if line.startswith("data fingerprint"))
     assert fingerprint.endswith("(computed at launch)"), fingerprint
@@ -87,6 +87,32 @@ def test_checkpoints_diff(run: Path) -> None:
     r = pimm("checkpoints", "diff", run, "--checkpoint", "iter_40.pth")
     assert r.returncode == 0, describe(r)
     assert "weights only" in r.stdout
+
+
+def test_checkpoints_diff_strategy_change(run: Path, tmp_path: Path) -> None:
+    """Saved vs planned strategy: a row of the table, the policy row, a warning; an older manifest is ddp."""
+    r = pimm("checkpoints", "diff", run, "--", "train.strategy=fsdp")
+    assert r.returncode == 0, describe(r)
+    lines = r.stdout.splitlines()
+    row = next(line for line in lines if line.startswith("strategy "))
+    assert row.split() == ["strategy", "ddp", "fsdp", "<-", "changed"], row
+    assert "policy: strategy changes at the same world size (ddp <-> fsdp)" in r.stdout
+    assert "discard: nothing" in lines
+    assert any(line.startswith("warning: strategy changed ddp -> fsdp") for line in lines), lines
+    assert "train.strategy: 'ddp' -> 'fsdp'" in r.stdout
+
+    old = copy_run(run, tmp_path)  # a checkpoint written before manifests recorded the strategy
+    path = old / "model" / "last" / "manifest.json"
+    m = json.loads(path.read_text())
+    del m["strategy"]
+    path.write_text(json.dumps(m))
+    r = pimm("checkpoints", "diff", old, "--json", "--", "train.strategy=fsdp")
+    assert r.returncode == 0, describe(r)
+    d = json.loads(r.stdout)
+    assert (d["recorded"]["strategy"], d["planned"]["strategy"]) == ("ddp", "fsdp")
+    assert d["plan"]["row"] == "strategy" and d["plan"]["restore_cursor"] == (d["candidate"]["iter"] > 0)
+    assert (d["plan"]["topology"]["saved_strategy"], d["plan"]["topology"]["strategy"]) == ("ddp", "fsdp")
+    assert any("taken as ddp" in n for n in d["notes"]), d["notes"]
 
 
 def test_checkpoints_diff_errors(run: Path, tmp_path: Path) -> None:

@@ -162,6 +162,16 @@ async def test_topology_view_follows_inputs(run: Path, tmp_path: Path) -> None:
         await pilot.press("backspace", "3")
         await wait_for(pilot, lambda: "per-rank worker count changes" in view.result_text, what="workers plan")
         assert "data.num_workers: 0 -> 3" in view.result_text
+        # Same world size and workers, another strategy: named; cursor and RNG kept.
+        await pilot.press("backspace", "0")
+        app.query_one("#plan-overrides").value = "train.strategy=fsdp"
+        await wait_for(pilot, lambda: "strategy changes at the same world size" in view.result_text,
+                       what="strategy plan")
+        assert view.result_text == "\n".join(resume_diff(rd, world_size=1, workers=0,
+                                                         overrides=["train.strategy=fsdp"]).lines())
+        assert "strategy changed ddp -> fsdp" in view.result_text and "discard: nothing" in view.result_text
+        assert "fsdp" in screen_text(app)
+        app.query_one("#plan-overrides").value = ""
         # A bad override is a readable error, not a crash.
         app.query_one("#plan-overrides").focus()
         await pilot.press(*"data.nope=1")
