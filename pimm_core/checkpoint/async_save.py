@@ -4,7 +4,8 @@
 (the pattern of Lightning's ``AsyncCheckpointIO``): ``save(..., background=True)`` stages
 the state to CPU and returns while a background thread writes and publishes it; any other
 save first waits for the one in flight, then saves through the wrapped format. The files
-are those of a synchronous standard save.
+are those of a synchronous standard save. For a sharded (FSDP2) model the gather of
+``weights.pth`` (a collective) runs before ``save`` returns, on every rank.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from ..fsio import release_cached_pages
 from .follow import FollowingHasher
 from .protocol import LoadedState, SaveItem
 from .publish import follow_hashes, intact_note, on_main, prepare, publish, remove_quietly, short_error
-from .selection import TRAINER_DCP
+from .selection import TRAINER_DCP, WEIGHTS_FIELD
 from .standard import StandardFormat, dcp_state
-from .state import unwrap
+from .state import is_sharded, unwrap
 from .ties import find_aliases
 from .weights_file import weights_payload
 
@@ -114,8 +115,8 @@ class AsyncStandardFormat:
         return self.inner.save(model_dir, item)
 
     def load(self, path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-             strict: bool = True) -> LoadedState:
-        return self.inner.load(path, model=model, optimizer=optimizer, strict=strict)
+             strict: bool = True, ema_target: dict[str, torch.Tensor] | None = None) -> LoadedState:
+        return self.inner.load(path, model=model, optimizer=optimizer, strict=strict, ema_target=ema_target)
 
     def save_in_background(self, model_dir: Path, item: SaveItem, name: str = "last") -> Path:
         """Start a background save (every rank calls it); returns the path it will publish.
@@ -138,7 +139,8 @@ class AsyncStandardFormat:
         hasher = follow_hashes(tmp) if self.info.is_main else None
         try:
             self._start(model_dir, final, tmp, hasher, model=item.model, optimizer=item.optimizer, meta=item.meta,
-                        rank_state=item.rank_state, manifest=item.manifest, ema_state_dict=ema_state_dict)
+                        rank_state=item.rank_state, manifest=item.manifest, ema_state_dict=ema_state_dict,
+                        gather_weights=item.gather_weights)
         except BaseException:
             if hasher is not None:  # the publishing thread, which owns it otherwise, never started
                 hasher.close()
@@ -147,18 +149,48 @@ class AsyncStandardFormat:
 
     def _start(self, model_dir: Path, final: Path, tmp: Path, hasher: FollowingHasher | None, *, model: nn.Module,
                optimizer: torch.optim.Optimizer, meta: dict[str, Any], rank_state: dict[str, Any],
-               manifest: dict[str, Any], ema_state_dict: dict[str, torch.Tensor] | None) -> None:
+               manifest: dict[str, Any], ema_state_dict: dict[str, torch.Tensor] | None,
+               gather_weights: bool = True) -> None:
         """Stage and start the background write; on rank 0 also the thread that publishes it."""
         plain = unwrap(model)
-        state = dcp_state(plain, optimizer, meta, rank_state, self.info.rank)
+        state = dcp_state(plain, optimizer, meta, rank_state, self.info.rank, ema_state_dict)
         response = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
                                   process_group=self.pg, no_dist=not self.info.distributed,
                                   async_stager=self._staging)
         future = self._future = response.upload_completion  # wait() waits for it even if the rest fails
         self._staged = [response.staging_completion]
+        payload: dict[str, Any] | None = None
+        if is_sharded(plain):  # the gather is a collective: every rank, now (staged below like the rest)
+            payload = weights_payload(plain, ema_state_dict) if gather_weights else None
+            if payload is None:
+                manifest = {**manifest, WEIGHTS_FIELD: TRAINER_DCP}
+        elif self.info.is_main:
+            payload = weights_payload(plain, ema_state_dict)
         if not self.info.is_main:
             return
-        payload = weights_payload(plain, ema_state_dict)
+        staged = self._stage_weights(plain, payload) if payload is not None else None
+
+        def finish() -> None:
+            try:
+                future.result()
+                if staged is not None:
+                    staged[1].result()
+                publish(tmp, final, staged[0] if staged is not None else None, manifest, hasher)
+                logging.getLogger("pimm").info("saved %s (step %s, epoch %s, iter %s; written in the background)",
+                                               final, manifest.get("step"), manifest.get("epoch"),
+                                               manifest.get("iter"))
+            except Exception as e:
+                hasher.close()
+                remove_quietly(tmp)
+                self._error = f"checkpoint save failed: {short_error(e)}{intact_note(model_dir)}"
+
+        self._thread = threading.Thread(target=finish, name="pimm-async-save", daemon=False)
+        self._thread.start()
+
+    def _stage_weights(self, plain: nn.Module, payload: dict[str, Any]) -> tuple[dict[str, Any], Future]:
+        """Copy ``weights.pth``'s tensors into staging buffers: the model's buffers (changed by
+        forward passes) now, the rest on the staging thread (the returned future, which
+        :meth:`wait_staged` also waits for). Tied entries are copied once and stay tied."""
         buffers = {n for n, _ in plain.named_buffers()}
         weights = {k: dict(v) if isinstance(v, dict) else v for k, v in payload.items()}
         ties = {k: find_aliases(v) for k, v in weights.items() if isinstance(v, dict)}  # copied once, kept tied
@@ -175,22 +207,7 @@ class AsyncStandardFormat:
 
         weights_staged = self._staging_pool.submit(stage_weights)
         self._staged.append(weights_staged)
-
-        def finish() -> None:
-            try:
-                future.result()
-                weights_staged.result()
-                publish(tmp, final, weights, manifest, hasher)
-                logging.getLogger("pimm").info("saved %s (step %s, epoch %s, iter %s; written in the background)",
-                                               final, manifest.get("step"), manifest.get("epoch"),
-                                               manifest.get("iter"))
-            except Exception as e:
-                hasher.close()
-                remove_quietly(tmp)
-                self._error = f"checkpoint save failed: {short_error(e)}{intact_note(model_dir)}"
-
-        self._thread = threading.Thread(target=finish, name="pimm-async-save", daemon=False)
-        self._thread.start()
+        return weights, weights_staged
 
     def wait_staged(self) -> None:
         """Block until the save in flight has copied everything it saves (not until it is

@@ -42,6 +42,7 @@ from .key_rules import DEFAULT_KEY_RULES, apply_key_rules
 from .manifest import sha256_file
 from ..run.layout import find_run_dir
 from .sources import checkpoint_record, resolve_weight_source
+from .state import load_full_state_dict
 from .strict_load import check_strict, check_unwrapped
 from .ties import find_aliases, follow_model_ties, tie_parameters
 from .export_formats import write_bin, write_safetensors
@@ -208,7 +209,7 @@ def load_exported(model: nn.Module, out_dir: str | os.PathLike[str], *, retie_pa
     sd = follow_model_ties(model, apply_key_rules(sd, DEFAULT_KEY_RULES))
     check_strict(model, sd, str(path))
     with torch.no_grad():
-        model.load_state_dict(sd, strict=True)
+        load_full_state_dict(model, sd, strict=True)
     if retie_params:
         tie_parameters(model, aliases)
     return aliases

@@ -49,7 +49,7 @@ from .protocol import LoadedState, SaveItem, meta_problem
 from .publish import on_main, save_torch_file
 from .safe_read import load_torch_file
 from .selection import LEGACY_LAST, POINTERS, SINGLE_RE
-from .state import unwrap
+from .state import load_full_state_dict, unwrap
 from .weights_file import DtypeCast, check_compatible, check_dtypes, dtype_casts
 
 register("file_format.published", "file_format.sidecar_written", "pointer.linked", "pointer.replaced",
@@ -76,7 +76,8 @@ class LegacyFormat:
         return path
 
     def load(self, path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-             strict: bool = True) -> LoadedState:
+             strict: bool = True, ema_target: dict[str, torch.Tensor] | None = None) -> LoadedState:
+        """(``ema_target`` is ignored: the file holds the full EMA weight set, returned as it is.)"""
         return load_file_checkpoint(path, model=model, optimizer=optimizer, rank=self.info.rank,
                                     world_size=self.info.world_size, strict=strict)
 
@@ -280,7 +281,7 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
     if problem:
         raise CheckpointParseError(f"{path} is not a well-formed pimm {fmt} checkpoint: its trainer state {problem}")
     skipped: list[str] = check_dtypes(path, casts, strict)
-    plain.load_state_dict(raw)
+    load_full_state_dict(plain, raw)
     if optimizer is not None:
         try:
             set_optimizer_state_dict(plain, optimizer, obj["optimizer"])

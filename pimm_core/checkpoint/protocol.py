@@ -35,6 +35,10 @@ class SaveItem:
         ema_weights: returns the EMA weight set, or None without EMA; called at save time
             on the ranks that write it (the weights change after the save returns).
         pointers: ``single`` only: the pointers (``last``, ``best``, ``final``) to move to it.
+        gather_weights: ``standard`` with a sharded (FSDP2) model only
+            (``checkpoint.gather_weights``): also gather the full weights into
+            ``weights.pth``; False writes none, the weights stay sharded in ``trainer.dcp/``
+            and the manifest says ``"weights": "trainer.dcp"``.
     """
 
     model: nn.Module
@@ -45,6 +49,7 @@ class SaveItem:
     step: int
     ema_weights: Callable[[], dict[str, torch.Tensor] | None] = lambda: None
     pointers: tuple[str, ...] = ("last",)
+    gather_weights: bool = True
 
 
 @dataclass
@@ -55,7 +60,11 @@ class LoadedState:
         meta: the replicated trainer state saved as ``meta`` (optimizer structure removed).
         rank_state: this rank's saved RNG/loader state, or None when the checkpoint has
             no entry for this rank (world size grew).
+        ema_state_dict: the EMA weights: the ``ema_target`` passed to the load, filled in
+            place (a standard checkpoint of a sharded run: ``trainer.dcp/ema/*``); else the
+            saved full weight set (CPU tensors); None when the checkpoint has none.
         saved_ranks: ranks that have a ``rank_state`` entry.
+        skipped: warnings of a non-strict load (state skipped or cast).
     """
 
     meta: dict[str, Any]
@@ -89,8 +98,13 @@ class CheckpointFormat(Protocol):
         ...
 
     def load(self, path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-             strict: bool = True) -> LoadedState:
+             strict: bool = True, ema_target: dict[str, torch.Tensor] | None = None) -> LoadedState:
         """Restore weights and optimizer state from ``path``; the caller applies the rest.
+
+        ``ema_target`` (name -> tensor: the EMA's own tensors, ``DTensor`` shards under FSDP)
+        is filled in place when the checkpoint stores its EMA weights sharded (the standard
+        format's ``trainer.dcp/ema/*``) and returned as ``LoadedState.ema_state_dict``;
+        otherwise it is ignored and the saved full EMA weight set is returned.
 
         Raises:
             CheckpointError: the state does not fit (names the tensors), or a file cannot be read.

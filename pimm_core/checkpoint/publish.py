@@ -185,17 +185,20 @@ def prepare(tmp: Path) -> None:
     point("standard.prepared", tmp)
 
 
-def publish(tmp: Path, final: Path, weights: dict[str, Any], manifest: dict[str, Any],
+def publish(tmp: Path, final: Path, weights: dict[str, Any] | None, manifest: dict[str, Any],
             hasher: FollowingHasher | None = None) -> None:
     """Rank 0, after every rank's DCP write: markers, ``weights.pth``, manifest, ``.complete``, rotation.
 
-    ``hasher`` (:func:`follow_hashes`, started before the DCP write) has been hashing the
-    big files while they were written; whatever it did not cover is hashed here.
+    ``weights`` None writes no ``weights.pth`` (a sharded model's weights kept in
+    ``trainer.dcp/`` only). ``hasher`` (:func:`follow_hashes`, started before the DCP
+    write) has been hashing the big files while they were written; whatever it did not
+    cover is hashed here.
     """
     _write_marker(tmp / TRAINER_DCP / COMPLETE)
     point("standard.dcp_complete", tmp)
-    with without_zip_crc32():  # like the shards: the manifest's sha256 covers it
-        save_torch_file(tmp / WEIGHTS, weights)
+    if weights is not None:
+        with without_zip_crc32():  # like the shards: the manifest's sha256 covers it
+            save_torch_file(tmp / WEIGHTS, weights)
     point("standard.weights_written", tmp / WEIGHTS)
     files = describe_files(tmp, known=hasher.finish() if hasher is not None else None)
     fsync_tree(tmp)

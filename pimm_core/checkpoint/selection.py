@@ -30,6 +30,9 @@ from .manifest import COMPLETE, MANIFEST, read_manifest
 
 WEIGHTS = "weights.pth"
 TRAINER_DCP = "trainer.dcp"
+#: Manifest field of a standard checkpoint whose model weights are only in ``trainer.dcp/``
+#: (sharded, ``checkpoint.gather_weights = false``): ``"weights": "trainer.dcp"``, no ``weights.pth``.
+WEIGHTS_FIELD = "weights"
 DCP_METADATA = ".metadata"
 LEGACY_LAST = "model_last.pth"
 BEST = "model_best.pth"
@@ -105,17 +108,22 @@ def _apply_manifest(c: Candidate, manifest_path: Path) -> str | None:
     return None
 
 
+def weights_in_dcp(manifest: dict[str, Any] | None) -> bool:
+    """True when a standard checkpoint's manifest says its weights are only in ``trainer.dcp/``."""
+    return isinstance(manifest, dict) and manifest.get(WEIGHTS_FIELD) == TRAINER_DCP
+
+
 def _standard_dir(path: Path, kind: str) -> Candidate:
     c = Candidate(path.name, str(path), kind, "standard", resumable=True, complete=False, size=_tree_size(path))
     missing = []
-    if not (path / WEIGHTS).is_file():
+    problem = _apply_manifest(c, path / MANIFEST)
+    if not (path / WEIGHTS).is_file() and not weights_in_dcp(c.manifest):
         missing.append(WEIGHTS)
     dcp = path / TRAINER_DCP
     if not (dcp / DCP_METADATA).is_file():
         missing.append(f"{TRAINER_DCP}/{DCP_METADATA}")
     if not (dcp / COMPLETE).is_file():
         missing.append(f"{TRAINER_DCP}/{COMPLETE}")
-    problem = _apply_manifest(c, path / MANIFEST)
     if problem and not problem.startswith("missing"):
         missing.append(problem)
     elif problem:

@@ -7,7 +7,10 @@ and ``pimm export`` all accept the same kinds of *weight source* and go through
 =====================================  ===========================================
 source                                 file read
 =====================================  ===========================================
-``.../model/last`` (standard dir)      ``last/weights.pth`` (needs ``.complete``)
+``.../model/last`` (standard dir)      ``last/weights.pth`` (needs ``.complete``); a
+                                       sharded save without gathered weights
+                                       (manifest ``"weights": "trainer.dcp"``): the
+                                       directory ``last/trainer.dcp``
 ``weights.pth``, ``model_best.pth``,   the file itself
 ``iter_<step>.pth``, ``model_last.pth``
 a single-format file or a ``last`` /   the file (symlinks are followed)
@@ -41,7 +44,7 @@ from ..run.status import read_run_status
 from .foreign import BIN, EXPORT_FILES, HF_BIN, SAFETENSORS, directory_layout, not_a_checkpoint, sniff
 from .hub import is_remote, resolve_hf
 from .manifest import COMPLETE, MANIFEST, read_manifest
-from .selection import BEST, LEGACY_LAST, POINTERS, TRAINER_DCP, WEIGHTS, select_resume
+from .selection import BEST, LEGACY_LAST, POINTERS, TRAINER_DCP, WEIGHTS, select_resume, weights_in_dcp
 
 #: ``iter_<step>`` as a keyword of a run (``.pth`` optional), unlike selection's file-name pattern.
 ITER_NAME_RE = re.compile(r"^iter_(\d+)(?:\.pth)?$")
@@ -58,8 +61,10 @@ def resolve_weight_source(path: str | os.PathLike[str], *, run_dir: Path | None 
             its ``model/``.
 
     Returns:
-        The path of an existing regular file (symlinks resolved). For ``hf://`` it is
-        the file in the local Hugging Face cache.
+        The path of an existing regular file (symlinks resolved), or the ``trainer.dcp``
+        directory of a standard checkpoint whose weights are only there (see
+        :func:`~pimm_core.checkpoint.sharded.read_checkpoint_weights`). For ``hf://`` it
+        is the file in the local Hugging Face cache.
 
     Raises:
         UsageError: ``path`` is empty, or a keyword was given without ``run_dir``.
@@ -115,7 +120,16 @@ def _resolve_dir(d: Path, *, shown: str) -> Path:
         raise IncompleteCheckpointError(
             f"Incomplete checkpoint directory {shown}: a temporary leftover of an interrupted save; "
             "select a complete candidate (`pimm checkpoints ls RUN`)")
+    if d.name == TRAINER_DCP and _looks_standard(d.parent):
+        return _resolve_dir(d.parent, shown=shown)
     if _looks_standard(d):
+        if not (d / WEIGHTS).is_file() and weights_in_dcp(_manifest_of(d)):
+            missing = [n for n in (COMPLETE, f"{TRAINER_DCP}/.metadata") if not (d / n).is_file()]
+            if missing:
+                raise IncompleteCheckpointError(
+                    f"Incomplete checkpoint directory {shown}: missing {', '.join(missing)}; select a complete "
+                    "candidate (`pimm checkpoints ls RUN`), do not add the marker by hand")
+            return d / TRAINER_DCP
         missing = [n for n in (WEIGHTS, COMPLETE) if not (d / n).is_file()]
         # A bare directory holding only weights.pth (copied by hand) is fine.
         only_weights = (d / WEIGHTS).is_file() and not any((d / n).exists() for n in (TRAINER_DCP, MANIFEST, COMPLETE))
@@ -138,6 +152,13 @@ def _resolve_dir(d: Path, *, shown: str) -> Path:
         return _resolve_local(chosen, shown=f"{shown} ({chosen.name})")
     raise WeightNotFoundError(
         f"No weight found: {shown} is a directory without weights.pth, {SAFETENSORS}, {BIN}, {HF_BIN} or checkpoints")
+
+
+def _manifest_of(d: Path) -> dict[str, Any] | None:
+    try:
+        return read_manifest(d / MANIFEST)
+    except (OSError, ValueError):
+        return None
 
 
 def _model_dir_choice(model_dir: Path) -> Path | None:
@@ -226,6 +247,8 @@ def check_weight_source(source: str | os.PathLike[str], *, run_dir: Path | None 
         checkpoint (text, random bytes...; exit code 2).
     """
     path = resolve_weight_source(source, run_dir=run_dir)
+    if path.is_dir():  # a sharded checkpoint's trainer.dcp/: read through DCP's metadata, checked there
+        return path
     try:
         sniffed = sniff(path)
     except OSError as e:

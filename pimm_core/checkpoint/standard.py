@@ -7,6 +7,10 @@
   so they reshard across world sizes), ``meta`` (packed optimizer structure,
   scheduler, scaler, trainer counters and metric state) and ``rank_state/<rank>``
   (packed per-rank RNG and loader cursor). Gets its own ``.complete``.
+  A sharded (FSDP2) model adds its weights: ``model/<fqn>``, ``ema/<fqn>`` and
+  ``weights_aliases``, written by every rank in parallel (:mod:`.sharded`); ``weights.pth``
+  then holds the gathered copy, or is not written (``gather_weights=False``: the manifest
+  says ``"weights": "trainer.dcp"``).
 - ``manifest.json``: torch-free description with sizes and sha256 of every file.
 - ``.complete``: written last.
 
@@ -25,7 +29,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor
 
 from ..dist import DistInfo
 from ..errors import CheckpointError, CheckpointParseError, CheckpointSaveError
@@ -36,8 +42,9 @@ from .protocol import LoadedState, SaveItem, meta_problem
 from .publish import (follow_hashes, intact_note, on_main, prepare, publish, remove_quietly, short_error,
                       wait_for_purges, without_zip_crc32)
 from .safe_read import load_failure
-from .selection import TRAINER_DCP, WEIGHTS
-from .state import join_tensors, pack, split_tensors, unpack, unwrap
+from .selection import TRAINER_DCP, WEIGHTS, WEIGHTS_FIELD
+from .sharded import EMA, MODEL, ema_targets, model_targets, sharded_items
+from .state import is_sharded, join_tensors, load_full_state_dict, pack, split_tensors, unpack, unwrap
 from .weights_file import check_compatible, check_dtypes, dtype_casts, read_weights_file, weights_payload
 
 # DCP warns "assuming the intent is to save/load in a single process" whenever no process
@@ -59,11 +66,12 @@ class StandardFormat:
     def save(self, model_dir: Path, item: SaveItem, *, background: bool = False) -> Path:
         return save_standard(model_dir, model=item.model, optimizer=item.optimizer, meta=item.meta,
                              rank_state=item.rank_state, manifest=item.manifest, info=self.info,
-                             ema_state_dict=item.ema_weights())
+                             ema_state_dict=item.ema_weights(), gather_weights=item.gather_weights)
 
     def load(self, path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-             strict: bool = True) -> LoadedState:
-        return load_standard(path, model=model, optimizer=optimizer, info=self.info, strict=strict)
+             strict: bool = True, ema_target: dict[str, torch.Tensor] | None = None) -> LoadedState:
+        return load_standard(path, model=model, optimizer=optimizer, info=self.info, strict=strict,
+                             ema_target=ema_target)
 
     def wait_staged(self) -> None:
         pass
@@ -83,6 +91,7 @@ def save_standard(
     info: DistInfo,
     name: str = "last",
     ema_state_dict: dict[str, torch.Tensor] | None = None,
+    gather_weights: bool = True,
 ) -> Path:
     """Write and publish a standard checkpoint; every rank must call it.
 
@@ -92,7 +101,11 @@ def save_standard(
         rank_state: this rank's state (RNG, loader cursor); stored under ``rank_state/<rank>``.
         manifest: fields for ``manifest.json`` (step, epoch, iter, world size, metrics...);
             ``format`` and ``files`` are added here.
-        ema_state_dict: the EMA weight set, stored in ``weights.pth`` as ``ema_state_dict``.
+        ema_state_dict: the EMA weight set, stored in ``weights.pth`` as ``ema_state_dict``
+            (and, for a sharded model, in ``trainer.dcp/`` as ``ema/<fqn>``).
+        gather_weights: a sharded (FSDP2) model only: also gather the full weights into
+            ``weights.pth`` (a collective; rank 0 holds them on CPU while it writes); False:
+            no ``weights.pth``, the manifest says ``"weights": "trainer.dcp"``.
 
     Returns:
         The published directory ``model_dir/<name>``.
@@ -112,7 +125,8 @@ def save_standard(
     hasher = follow_hashes(tmp) if info.is_main else None
     try:
         plain = unwrap(model)
-        state = dcp_state(plain, optimizer, meta, rank_state, info.rank)
+        sharded = is_sharded(plain)
+        state = dcp_state(plain, optimizer, meta, rank_state, info.rank, ema_state_dict)
         try:
             with without_zip_crc32():
                 dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
@@ -127,8 +141,14 @@ def save_standard(
 
         # (Writing weights.pth on a second thread during the DCP write was measured slower here:
         # the two writers contend for the page cache; see benchmarks/README.md.)
-        on_main(info, lambda: publish(tmp, final, weights_payload(plain, ema_state_dict), manifest, hasher),
-                tmp, model_dir)
+        if not sharded:
+            weights = lambda: weights_payload(plain, ema_state_dict)  # noqa: E731 (rank 0, inside on_main)
+        else:  # the gather is a collective: every rank, before rank 0 publishes
+            gathered = weights_payload(plain, ema_state_dict) if gather_weights else None
+            weights = lambda: gathered  # noqa: E731
+            if not gather_weights:
+                manifest = {**manifest, WEIGHTS_FIELD: TRAINER_DCP}
+        on_main(info, lambda: publish(tmp, final, weights(), manifest, hasher), tmp, model_dir)
     finally:
         if hasher is not None:
             hasher.close()
@@ -136,10 +156,14 @@ def save_standard(
 
 
 def dcp_state(plain: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any],
-              rank_state: dict[str, Any], rank: int) -> dict[str, Any]:
-    """The flat dict ``trainer.dcp/`` stores: optimizer tensors by FQN, packed ``meta``, this rank's state."""
+              rank_state: dict[str, Any], rank: int,
+              ema_state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """The flat dict ``trainer.dcp/`` stores: optimizer tensors by FQN, packed ``meta``, this rank's
+    state; for a sharded model also its weights and ``ema_state_dict`` (:func:`.sharded.sharded_items`)."""
     tensors, skeleton = split_tensors(get_optimizer_state_dict(plain, optimizer), "optim")
     state: dict[str, Any] = dict(tensors)
+    if is_sharded(plain):
+        state.update(sharded_items(plain, ema_state_dict))
     state["meta"] = pack({**meta, "optim": skeleton})
     state[f"rank_state/{rank}"] = pack(rank_state)
     return state
@@ -147,19 +171,27 @@ def dcp_state(plain: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str
 
 
 def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, info: DistInfo,
-                  strict: bool = True) -> LoadedState:
+                  strict: bool = True, ema_target: dict[str, torch.Tensor] | None = None) -> LoadedState:
     """Restore model weights and optimizer state from a standard checkpoint; every rank calls it.
 
     Optimizer tensors are read through DCP, so a checkpoint written at another world
-    size reshards. The caller applies ``meta`` (scheduler, scaler, counters) and
-    ``rank_state`` according to the resume policy. The weights' keys, shapes and dtypes
-    and the optimizer state's shapes and dtypes are checked before anything is loaded.
+    size reshards, between plain tensors (DDP, one process) and ``DTensor`` shards (FSDP2)
+    in either direction. The weights come from ``trainer.dcp/model/*`` when the save was
+    sharded (resharded the same way), else from ``weights.pth`` (into a sharded model
+    through :func:`~.state.load_full_state_dict`). The caller applies ``meta`` (scheduler,
+    scaler, counters) and ``rank_state`` according to the resume policy. The weights'
+    keys, shapes and dtypes and the optimizer state's shapes and dtypes are checked before
+    anything is loaded.
 
     Args:
         strict: with False, optimizer state that does not fit is skipped, and tensors
             saved in another dtype than the model's or optimizer's are cast; both are
             reported in ``LoadedState.skipped`` instead of raising. Model keys and shapes
             are always strict.
+        ema_target: the EMA's tensors by name; filled in place from ``trainer.dcp/ema/*``
+            when the save was sharded (any dtype: the copy casts) and returned as
+            ``LoadedState.ema_state_dict``. Without it such EMA weights are returned as new
+            full CPU tensors; from an unsharded save ``weights.pth``'s are returned.
 
     Raises:
         CheckpointError: weights do not match (names the tensors); when strict, optimizer
@@ -167,13 +199,7 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
             optimizer's (exit code 2, names them); a file cannot be read.
         CheckpointParseError: a file is hostile or malformed (names it; nothing in it ran).
     """
-    weights_path = ckpt / WEIGHTS
-    weights = read_weights_file(weights_path)
     plain = unwrap(model)
-    check_compatible(plain, weights["state_dict"], str(weights_path))
-    casts = dtype_casts({k: v.dtype for k, v in weights["state_dict"].items()},
-                        {k: v.dtype for k, v in plain.state_dict().items()})
-
     path = ckpt / TRAINER_DCP
     reader = MappedFileSystemReader(path)
     metadata = reader.read_metadata()
@@ -184,6 +210,19 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
                          if k.startswith("rank_state/") and k.split("/", 1)[1].isdigit())
 
     request: dict[str, Any] = {"meta": torch.empty(saved["meta"].size, dtype=torch.uint8)}
+    weights = None
+    if any(k.startswith(MODEL) for k in saved):  # a sharded save: the weights are DCP items
+        model_sd, target = model_targets(plain, saved, path)
+        casts = dtype_casts({k: saved[MODEL + k].properties.dtype for k in target}, {k: v.dtype for k, v in target.items()})
+        request.update({MODEL + k: v for k, v in target.items()})
+    else:
+        weights_path = ckpt / WEIGHTS
+        weights = read_weights_file(weights_path)
+        check_compatible(plain, weights["state_dict"], str(weights_path))
+        casts = dtype_casts({k: v.dtype for k, v in weights["state_dict"].items()},
+                            {k: v.dtype for k, v in plain.state_dict().items()})
+    ema = ema_targets(ema_target, saved, path) if any(k.startswith(EMA) for k in saved) else None
+    request.update({EMA + k: v for k, v in (ema or {}).items()})  # (EMA weights are kept in the params' dtype)
     rank_key = f"rank_state/{info.rank}"
     if rank_key in saved:
         request[rank_key] = torch.empty(saved[rank_key].size, dtype=torch.uint8)
@@ -216,11 +255,14 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
                 request.update({k: target[k] for k in saved_optim})
         skipped += check_dtypes(ckpt, casts, strict)
 
-        plain.load_state_dict(weights["state_dict"])
+        if weights is not None:
+            load_full_state_dict(plain, weights["state_dict"])
         try:
             dcp.load(request, storage_reader=reader, no_dist=not info.distributed)
         except CheckpointException as e:  # a BaseException: one rank's failure, raised on every rank
             raise _load_failure(path, e) from None
+        if weights is None:  # DCP read into the model's own tensors; this applies them as FSDP expects
+            set_model_state_dict(plain, model_sd)
         meta = _unpack_checked(request.pop("meta"), _item_file(path, metadata, "meta"), "meta")
         problem = meta_problem(meta, "optim")
         if problem:
@@ -236,8 +278,9 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
         if fresh is not None:  # uninitialized state buffers (_empty_optimizer_state) must not outlive a failed load
             fresh.state.clear()
         raise
-    return LoadedState(meta=meta, rank_state=rank_state, ema_state_dict=weights.get("ema_state_dict"),
-                       saved_ranks=saved_ranks, skipped=skipped)
+    if ema is None and weights is not None:
+        ema = weights.get("ema_state_dict")
+    return LoadedState(meta=meta, rank_state=rank_state, ema_state_dict=ema, saved_ranks=saved_ranks, skipped=skipped)
 
 
 def _load_failure(path: Path, e: CheckpointException) -> CheckpointError:
@@ -278,10 +321,14 @@ def _empty_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer over ``meta`` tensors (shapes, strides and dtypes only), one per distinct
     (param group, shape, strides, dtype): per-parameter state in ``torch.optim`` depends
     on nothing else. The real tensors are then allocated empty, and the load overwrites
-    every one of them (or the caller clears the state). Leaves the optimizer untouched, so DCP's own step
-    runs, when it already has state, when a parameter is not a plain tensor, or when the
-    copy cannot be built or stepped on ``meta`` (an optimizer class with extra constructor
-    arguments, one that needs a closure, ``fused``).
+    every one of them (or the caller clears the state). A ``DTensor`` parameter (FSDP2) is
+    stepped as its local shard, and each state tensor shaped like that shard becomes a
+    ``DTensor`` of the parameter's mesh, placements and global shape (what a real step
+    makes). Leaves the optimizer untouched, so DCP's own step runs, when it already has
+    state, when a parameter is neither a plain tensor nor a ``DTensor`` of one, when a
+    ``DTensor`` parameter's state is shaped otherwise, or when the copy cannot be built or
+    stepped on ``meta`` (an optimizer class with extra constructor arguments, one that
+    needs a closure, ``fused``).
     """
     if optimizer.state:
         return
@@ -291,11 +338,12 @@ def _empty_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         for g, group in enumerate(optimizer.param_groups):
             metas: dict[tuple, torch.Tensor] = {}
             for p in group["params"]:
-                if type(p) not in (torch.Tensor, nn.Parameter):
+                local = p.to_local() if isinstance(p, DTensor) else p
+                if type(local) not in (torch.Tensor, nn.Parameter):
                     return
-                key = (g, tuple(p.shape), tuple(p.stride()), p.dtype, p.requires_grad)
+                key = (g, tuple(local.shape), tuple(local.stride()), local.dtype, p.requires_grad)
                 if key not in metas:  # empty_like keeps the layout (channels_last, transposed), as zeros_like does
-                    m = metas[key] = torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
+                    m = metas[key] = torch.empty_like(local, device="meta").requires_grad_(p.requires_grad)
                     if p.requires_grad:
                         m.grad = torch.empty_like(m)
                 params.append((p, metas[key]))
@@ -304,10 +352,23 @@ def _empty_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         shadow.step()
     except Exception:
         return
+    state: dict[torch.Tensor, dict[str, Any]] = {}
     for p, m in params:
+        sharded = isinstance(p, DTensor)
+        device = p.to_local().device if sharded else p.device
+        state[p] = {}
         for key, value in shadow.state.get(m, {}).items():
             if isinstance(value, torch.Tensor):
-                value = (torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=p.device)
-                         if value.is_meta else value.clone())
-            optimizer.state[p][key] = value
-
+                if not value.is_meta:
+                    value = value.clone()
+                elif sharded and value.shape != m.shape:
+                    return  # not shaped like the shard: DCP's own step knows what it is
+                else:
+                    value = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
+                    if sharded:
+                        value = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
+                                                   shape=p.shape, stride=p.stride())
+            state[p][key] = value
+    for p, st in state.items():
+        if st:
+            optimizer.state[p].update(st)

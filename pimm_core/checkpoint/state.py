@@ -15,6 +15,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from .ties import tied_groups
 
 TENSOR_MARK = "__tensor__"
 
@@ -112,3 +116,72 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         if not isinstance(inner, torch.nn.Module):
             return model
         model = inner
+
+
+# ------------------------------------------------------------------ sharded models (FSDP2)
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when any parameter of the (unwrapped) model is a ``DTensor`` (``fully_shard``)."""
+    return any(isinstance(p, DTensor) for p in unwrap(model).parameters())
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full (unsharded) state dict, keys as ``unwrap(model).state_dict()``'s.
+
+    Unsharded: ``unwrap(model).state_dict()`` itself (the live tensors, on their device).
+    Sharded (:func:`is_sharded`): a collective, every rank must call it:
+    ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``; rank 0 gets CPU
+    tensors of the global shapes (names the model ties share one tensor), the other ranks
+    ``{}``. At world size 1 an entry may share memory with the parameter: copy it before
+    the parameters change if it must outlive them.
+    """
+    plain = unwrap(model)
+    if not is_sharded(plain):
+        return plain.state_dict()
+    sd = get_model_state_dict(plain, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    for group in tied_groups(plain):  # gathered once per name: make the tied names one tensor again
+        present = [n for n in group if n in sd]
+        for n in present[1:]:
+            sd[n] = sd[present[0]]
+    return sd
+
+
+def full_tensors(sd: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    """A state dict with its ``DTensor`` entries gathered (an EMA weight set under FSDP).
+
+    Without any ``DTensor`` in it, ``sd`` itself is returned (any rank, no copy). Otherwise
+    it is a collective (every rank calls it with the same keys): each ``DTensor`` is
+    gathered with ``full_tensor()``; rank 0 gets every entry as a CPU tensor (entries that
+    were one tensor object stay one), the other ranks ``{}``. None gives None.
+    """
+    if sd is None or not any(isinstance(v, DTensor) for v in sd.values()):
+        return sd
+    keep = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    made: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        if id(v) not in made:
+            t = v.full_tensor() if isinstance(v, DTensor) else v.detach()
+            made[id(v)] = t.cpu() if keep else t
+        if keep:
+            out[k] = made[id(v)]
+    return out
+
+
+def load_full_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor], strict: bool = True) -> Any:
+    """Copy a full state dict (tensors of the global shapes, on any device) into ``model``.
+
+    Unsharded: ``unwrap(model).load_state_dict(sd, strict)``. Sharded: every rank must call
+    it with the full ``sd``: ``set_model_state_dict(full_state_dict=True)`` gives each rank
+    its shards (a collective).
+
+    Returns:
+        ``load_state_dict``'s missing/unexpected keys.
+
+    Raises:
+        RuntimeError: ``strict`` and keys differ, or a shape differs (``load_state_dict``'s).
+    """
+    plain = unwrap(model)
+    if not is_sharded(plain):
+        return plain.load_state_dict(sd, strict=strict)
+    # (a copy: set_model_state_dict puts its own entries into the dict it is given)
+    return set_model_state_dict(plain, dict(sd), options=StateDictOptions(full_state_dict=True, strict=strict))

@@ -15,7 +15,7 @@ from torch import nn
 from ..errors import CheckpointError, UsageError
 from .key_rules import apply_key_rules
 from .sources import resolve_weight_source
-from .state import is_parallel_wrapper
+from .state import is_parallel_wrapper, load_full_state_dict
 from .ties import follow_model_ties
 from .weights import StateDict, read_weight_sets, select_weight_set
 
@@ -79,5 +79,5 @@ def load_weights(model: nn.Module, checkpoint: str | os.PathLike[str], *, weight
     path = resolve_weight_source(checkpoint)
     sd = follow_model_ties(model, apply_key_rules(select_weight_set(read_weight_sets(path), weights, checkpoint)))
     check_strict(model, sd, str(path))
-    with torch.no_grad():
-        model.load_state_dict(sd, strict=True)
+    with torch.no_grad():  # (a sharded model: a collective, every rank loads)
+        load_full_state_dict(model, sd, strict=True)

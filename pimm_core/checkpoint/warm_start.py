@@ -20,7 +20,7 @@ from torch import nn
 from ..errors import CheckpointError
 from .key_rules import DEFAULT_KEY_RULES, apply_key_rules, format_rules, suggest_key_rule, toml_literal
 from .sources import resolve_weight_source
-from .state import unwrap
+from .state import load_full_state_dict, unwrap
 from .ties import follow_model_ties
 from .weights import read_checkpoint, select_weight_set
 
@@ -105,7 +105,8 @@ def warm_start(model: nn.Module, source: str | os.PathLike[str], *, weight_set: 
     optimizer, schedule, step, RNG and loader cursor are not restored.
 
     Args:
-        model: the model to fill; DDP / ``torch.compile`` wrappers are looked through.
+        model: the model to fill; DDP / ``torch.compile`` wrappers are looked through; a
+            sharded (FSDP2) model gets its shards (every rank must call this then).
         source: any weight source :func:`resolve_weight_source` accepts (incl. ``hf://``).
         weight_set: ``raw`` or ``ema``.
         rules: key rewrite rules (see :func:`apply_key_rules`); None: :data:`DEFAULT_KEY_RULES`.
@@ -151,8 +152,8 @@ def warm_start(model: nn.Module, source: str | os.PathLike[str], *, weight_set: 
             f"no parameters matched between {source}{what} and the model (0 of {len(param_names)} model parameters "
             f"have a checkpoint tensor of the same name and shape; checkpoint keys e.g. {ckpt_keys}; model keys e.g. "
             f"{model_keys}; key rules: {format_rules(used_rules)}); {fix}", exit_code=2)
-    with torch.no_grad():
-        target.load_state_dict({k: sd[k] for k in loaded}, strict=False)
+    with torch.no_grad():  # (a sharded model: a collective, every rank warm-starts)
+        load_full_state_dict(target, {k: sd[k] for k in loaded}, strict=False)
     for line in report.lines():
         logger.info("%s", line)
     return report

@@ -13,6 +13,8 @@ file                                           layout
 =============================================  =======================================
 ``weights.pth``, ``model_best.pth``,           ``{"state_dict": sd, "ema_state_dict"?: sd}``
 ``iter_<step>.pth`` (standard)
+``trainer.dcp/`` of a sharded checkpoint       the same, read from its ``model/*`` and ``ema/*``
+saved without gathered weights                 items (:func:`.sharded.read_checkpoint_weights`)
 ``model_last.pth`` (legacy)                    the same plus ``"optimizer"``, counters...
 single-format checkpoint                       ``{"format": "single", "weights": {"raw": sd, "ema"?: sd}, ...}``
 ``model.safetensors`` (export)                 a flat sd; tied keys dropped at export and
@@ -40,6 +42,7 @@ import torch
 
 from ..errors import CheckpointError, CheckpointParseError, UsageError
 from .safe_read import load_torch_file
+from .sharded import read_checkpoint_weights
 from .sources import resolve_weight_source
 
 WEIGHT_SETS = ("raw", "ema")
@@ -85,6 +88,8 @@ def read_checkpoint(path: Path) -> tuple[dict[str, StateDict], dict[str, Any]]:
 def _read(path: Path) -> tuple[dict[str, StateDict], dict[str, Any]]:
     if not path.is_file():  # a directory or pointer: resolve it as a weight source
         path = resolve_weight_source(path)
+    if path.is_dir():  # trainer.dcp/ of a checkpoint whose weights stay sharded
+        return _interpret(read_checkpoint_weights(path.parent), path)
     if _is_safetensors(path):
         return _read_safetensors(path)
     obj = load_torch_file(path, hint=". If you wrote it yourself, re-save it with "

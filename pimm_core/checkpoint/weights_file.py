@@ -14,14 +14,19 @@ from ..errors import CheckpointError, CheckpointParseError
 from .manifest import sha256_file, write_manifest
 from .publish import save_torch_file
 from .safe_read import load_torch_file
-from .state import unwrap
+from .state import full_state_dict, full_tensors
 
 
 def weights_payload(model: nn.Module, ema_state_dict: dict[str, torch.Tensor] | None) -> dict[str, Any]:
-    """``{"state_dict": raw}`` plus ``"ema_state_dict"`` when an EMA weight set exists."""
-    out: dict[str, Any] = {"state_dict": unwrap(model).state_dict()}
+    """``{"state_dict": raw}`` plus ``"ema_state_dict"`` when an EMA weight set exists.
+
+    Unsharded: the live state dict and ``ema_state_dict`` as given. Sharded (FSDP2): a
+    collective that every rank calls (:func:`~.state.full_state_dict`,
+    :func:`~.state.full_tensors`); rank 0 gets full CPU tensors, the others empty dicts.
+    """
+    out: dict[str, Any] = {"state_dict": full_state_dict(model)}
     if ema_state_dict is not None:
-        out["ema_state_dict"] = ema_state_dict
+        out["ema_state_dict"] = full_tensors(ema_state_dict)
     return out
 
 
@@ -110,13 +115,19 @@ def check_compatible(model: nn.Module, sd: dict[str, torch.Tensor], source: str)
         raise CheckpointError(f"{source} does not match the model: " + "; ".join(parts))
 
 
-def write_weights_file(path: Path, model: nn.Module, manifest: dict[str, Any],
-                       ema_state_dict: dict[str, torch.Tensor] | None = None) -> None:
+def write_weights_file(path: Path, model: nn.Module | None, manifest: dict[str, Any],
+                       ema_state_dict: dict[str, torch.Tensor] | None = None, *,
+                       payload: dict[str, Any] | None = None) -> None:
     """Publish a weights-only file (``model_best.pth``, ``iter_<step>.pth``) with a sidecar manifest.
 
     The sidecar ``<name>.json`` records step, metrics and the file's size and sha256.
+
+    Args:
+        payload: what to write, already made with :func:`weights_payload` (for a sharded
+            model every rank makes it, then rank 0 writes); else it is made here from
+            ``model`` and ``ema_state_dict`` (an unsharded model: rank 0 alone may call it).
     """
-    save_torch_file(path, weights_payload(model, ema_state_dict))
+    save_torch_file(path, payload if payload is not None else weights_payload(model, ema_state_dict))
     write_manifest(path.with_name(path.name + ".json"), {
         "format": "weights", **manifest,
         "files": {path.name: {"size": path.stat().st_size, "sha256": sha256_file(path)}},
