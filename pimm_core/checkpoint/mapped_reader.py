@@ -20,6 +20,7 @@ It is also where a DCP read is made safe: ``read_metadata`` parses ``.metadata``
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,12 @@ try:
     from torch.serialization import _load, _open_zipfile_reader
 except ImportError:  # another torch: DCP's reader is used unchanged
     _load = None
+
+# DCP warns "assuming the intent is to save/load in a single process" whenever no process
+# group exists; that is the intent (no_dist: one process, or a reader of a sharded
+# checkpoint's weights). Filtered process-wide rather than around each call: an async save's
+# write emits it later, on DCP's own thread. (Here: every DCP user in pimm imports this module.)
+warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process.*", category=UserWarning)
 
 
 class MappedFileSystemReader(dcp.FileSystemReader):

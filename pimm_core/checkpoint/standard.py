@@ -21,7 +21,6 @@ directory fsync after each rename.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +45,6 @@ from .selection import TRAINER_DCP, WEIGHTS, WEIGHTS_FIELD
 from .sharded import EMA, MODEL, ema_targets, model_targets, sharded_items
 from .state import is_sharded, join_tensors, load_full_state_dict, pack, split_tensors, unpack, unwrap
 from .weights_file import check_compatible, check_dtypes, dtype_casts, read_weights_file, weights_payload
-
-# DCP warns "assuming the intent is to save/load in a single process" whenever no process
-# group exists; that is the intent (no_dist). Filtered process-wide rather than around each
-# call: an async save's write emits it later, on DCP's own thread.
-warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process.*", category=UserWarning)
 
 
 class StandardFormat:

@@ -14,7 +14,7 @@ from ..errors import CheckpointError, CheckpointParseError
 from .manifest import sha256_file, write_manifest
 from .publish import save_torch_file
 from .safe_read import load_torch_file
-from .state import full_state_dict, full_tensors
+from .state import full_state_dict, full_tensors, is_sharded
 
 
 def weights_payload(model: nn.Module, ema_state_dict: dict[str, torch.Tensor] | None) -> dict[str, Any]:
@@ -126,8 +126,17 @@ def write_weights_file(path: Path, model: nn.Module | None, manifest: dict[str, 
         payload: what to write, already made with :func:`weights_payload` (for a sharded
             model every rank makes it, then rank 0 writes); else it is made here from
             ``model`` and ``ema_state_dict`` (an unsharded model: rank 0 alone may call it).
+
+    Raises:
+        RuntimeError: ``model`` is sharded over several ranks and no ``payload`` was given
+            (the gather needs every rank; one rank alone would wait forever).
     """
-    save_torch_file(path, payload if payload is not None else weights_payload(model, ema_state_dict))
+    if payload is None:
+        if model is not None and is_sharded(model) and torch.distributed.get_world_size() > 1:
+            raise RuntimeError(f"writing {path}: the model is sharded (FSDP) over several ranks; make the payload "
+                               "on every rank with weights_payload(model, ema) and pass payload= on rank 0")
+        payload = weights_payload(model, ema_state_dict)
+    save_torch_file(path, payload)
     write_manifest(path.with_name(path.name + ".json"), {
         "format": "weights", **manifest,
         "files": {path.name: {"size": path.stat().st_size, "sha256": sha256_file(path)}},
