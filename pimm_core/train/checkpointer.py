@@ -40,8 +40,8 @@ from ..checkpoint.formats import make_format
 from ..checkpoint.protocol import SaveItem
 from ..checkpoint.publish import on_main, wait_for_purges
 from ..checkpoint.selection import BEST, ITER_RE
-from ..checkpoint.state import rng_state, unwrap
-from ..checkpoint.weights_file import write_weights_file
+from ..checkpoint.state import full_state_dict, full_tensors, is_sharded, rng_state, unwrap
+from ..checkpoint.weights_file import weights_payload, write_weights_file
 from ..config import CheckpointConfig, Config
 from ..dist import DistInfo
 from ..ema import EMA
@@ -195,7 +195,8 @@ class Checkpointer:
 
         if weights == "ema" and self.ema is None:
             raise UsageError("this run keeps no EMA weights (ema.enabled = false); use weights='raw'")
-        sd = self.ema_weights() if weights == "ema" else unwrap(self.model).state_dict()
+        # (sharded: a gather every rank takes part in; rank 0 gets the full tensors)
+        sd = full_tensors(self.ema_weights()) if weights == "ema" else full_state_dict(self.model)
         if self.info.is_main:
             path.parent.mkdir(parents=True, exist_ok=True)
             (write_safetensors if path.suffix == ".safetensors" else write_bin)(sd, path)
@@ -224,7 +225,8 @@ class Checkpointer:
         if selection_metric is not None:
             manifest["selection_metric"] = selection_metric
         item = SaveItem(model=self.model, optimizer=self.optimizer, meta=self.meta(), rank_state=rank_state,
-                        manifest=manifest, step=s.global_step, ema_weights=self.ema_weights, pointers=pointers)
+                        manifest=manifest, step=s.global_step, ema_weights=self.ema_weights, pointers=pointers,
+                        gather_weights=self.config.checkpoint.gather_weights)
         path = self.format.save(checkpoint_dir, item, background=background)
         if self.info.is_main and not (background and self.format.asynchronous):
             # (a background save logs "saved" from its writer thread once it is published)
@@ -246,10 +248,17 @@ class Checkpointer:
         if save.snapshot:
             self._snapshot()
 
-    def _write_weights(self, path: Path, manifest: dict[str, Any]) -> bool:
+    def _payload(self) -> dict[str, Any] | None:
+        """What a weights-only file holds: made on every rank when the model is sharded (a
+        gather), else on rank 0 alone (None on the others)."""
+        if self.info.is_main or is_sharded(self.model):
+            return weights_payload(self.model, self.ema_weights())
+        return None
+
+    def _write_weights(self, path: Path, manifest: dict[str, Any], payload: dict[str, Any]) -> bool:
         """Rank 0 writes a weights-only file (best, iter); a failure is loud and, by default, stops the run."""
         try:
-            write_weights_file(path, self.model, manifest, self.ema_weights())
+            write_weights_file(path, self.model, manifest, payload=payload)
             return True
         except OSError as e:
             log.error("ERROR: writing %s failed: %s", path, e.strerror or e)
@@ -260,9 +269,10 @@ class Checkpointer:
 
     def _snapshot(self) -> None:
         """Rank 0: ``iter_<step>.pth``, then the oldest snapshots beyond ``checkpoint.keep_iter`` removed."""
+        payload = self._payload()
         if not self.info.is_main:
             return
-        if not self._write_weights(self.dir / f"iter_{self.state.global_step}.pth", self.manifest("iter")):
+        if not self._write_weights(self.dir / f"iter_{self.state.global_step}.pth", self.manifest("iter"), payload):
             return
         snaps = sorted((int(m.group(1)), p) for p in self.dir.iterdir() if (m := ITER_RE.match(p.name)))
         for _, old in snaps[: max(0, len(snaps) - self.schedule.keep_iter)]:
@@ -297,12 +307,15 @@ class Checkpointer:
         s, n_micro = self.state, self.micro_batches
         if self.format.name == "single":
             self.save(self.dir, mid_epoch=0 < s.iter < n_micro, pointers=("best",), selection_metric=selection)
-        elif self.info.is_main:
+        else:
+            payload = self._payload()
+            if not self.info.is_main:
+                return
             # a weights-only file says which epoch produced it (the one just evaluated), not where a
             # resume would continue: epoch 24 with its 45 micro-batches, as its metrics.jsonl records say
             trained = s.iter if s.epoch == epoch else n_micro
             self._write_weights(self.dir / BEST, {**self.manifest("best"), "epoch": epoch, "iter": trained,
-                                                  "selection_metric": selection})
+                                                  "selection_metric": selection}, payload)
 
     def on_end(self) -> CheckpointSaveError | None:
         """The session ends (finished or stopped): wait for the save in flight, then the final save.

@@ -40,7 +40,7 @@ def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict
     cand, fallback = choose_intact(tr, Path(str(source)) if not str(source).startswith("hf://") else source)
     strict = tr.config.resume_strict_state
     loaded = make_format(cand.format, tr.info).load(Path(cand.path), model=tr.model, optimizer=tr.optimizer,
-                                                    strict=strict)
+                                                    strict=strict, ema_target=tr.ema.shadow if tr.ema else None)
     meta = loaded.meta
     saved = meta["trainer"]
     # The file itself is the authority on position and topology (a sidecar may be missing).
