@@ -96,3 +96,28 @@ def test_fsdp_at_one_rank_trains_like_the_plain_model():
 def test_config_refuses_what_cannot_work(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("options", [["fsdp.param_dtype=bfloat16", "fsdp.reduce_dtype=float32"],
+                                     ["fsdp.cpu_offload=true"], ["fsdp.reshard_after_forward=false"]])
+def test_fsdp_options_take_effect(options):
+    """The [fsdp] table reaches fully_shard: bf16 compute with fp32 shards; CPU offload and
+    ZeRO-2-like resharding train (on this CPU-only machine offload moves nothing)."""
+    cfg = load_config(None, ["train.strategy=fsdp", 'train.blocks=["Block"]', *options])
+    torch.manual_seed(0)
+    net = Net()
+    dist.init(torch.device("cpu"), DistInfo(), always=True)
+    try:
+        model = parallelize(net, cfg, DistInfo(), torch.device("cpu"))
+        seen = []
+        model.layers[0].fc.register_forward_hook(lambda m, i, o: seen.append((m.weight.dtype, o.dtype)))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        before = [p.detach().full_tensor().clone() for p in model.parameters()]
+        model(torch.randn(4, 8)).float().square().mean().backward()
+        opt.step()
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # the shards stay fp32
+        assert all(not torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, model.parameters()))
+        compute = torch.bfloat16 if "fsdp.param_dtype=bfloat16" in options else torch.float32
+        assert seen == [(compute, compute)]
+    finally:
+        dist.shutdown()
