@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -182,7 +183,10 @@ def torchrun(script: Path, nproc: int, args: list[str], out: Path, timeout: floa
     except subprocess.TimeoutExpired:
         raise SystemExit(f"{' '.join(cmd[3:])}: timed out after {timeout:.0f} s") from None
     if p.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd[3:])} failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
+        text = p.stdout + p.stderr
+        errors = [ln for ln in text.splitlines() if re.match(r"\[rank\d+\]: \w+(Error|Exception)\b", ln)]
+        raise SystemExit(f"{' '.join(cmd[3:])} failed (exit {p.returncode}): "
+                         f"{'; '.join(dict.fromkeys(errors)) or text[-3000:]}")
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
     for rec in records:
         rec["launch_s"] = round(time.perf_counter() - t0, 2)

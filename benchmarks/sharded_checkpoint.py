@@ -24,8 +24,10 @@ stack, ``parallelize``, ``build_optimizer``), takes one optimizer step (so AdamW
 
 Every load is checked: the full parameters and optimizer state after it (gathered with
 ``DTensor.full_tensor``) sum to what they summed to when saved (relative 1e-6), and the
-JSON says ``restored_ok`` (exit status 1 after the JSON when any is false). Strategies run as separate torchrun launches. CPU with more
-ranks than cores oversubscribes (this VM has 2): the 3-rank figure includes that.
+JSON says ``restored_ok``. A launch that fails is reported in the JSON as ``error``; the
+exit status is then 1 (after the JSON), as when any ``restored_ok`` is false. Strategies
+run as separate torchrun launches. CPU with more ranks than cores oversubscribes (this VM
+has 2): the 3-rank figure includes that.
 
 Prints one JSON object; ratios are FSDP / DDP and reshard / same-size. Usage::
 
@@ -219,7 +221,11 @@ def main() -> None:
     result: dict = {}
     try:
         for s in args.strategies:
-            rec = launch(args, s, args.nproc, "save", work / s, work / f"out-{s}")
+            try:
+                rec = launch(args, s, args.nproc, "save", work / s, work / f"out-{s}")
+            except SystemExit as e:  # reported in the JSON; the other strategy still runs
+                result[s] = {"error": str(e)}
+                continue
             result[s] = {k: v for k, v in {
                 "save_s": med(rec, "save_s"), "load_s": med(rec, "load_s"),
                 "save_no_gather_s": med(rec, "save_no_gather_s"),
@@ -232,7 +238,11 @@ def main() -> None:
             }.items() if v is not None}
             if s == "fsdp":
                 for n in args.reshard:
-                    rr = launch(args, s, n, "load", work / s, work / f"out-fsdp-{n}", expect=rec["expect"])
+                    try:
+                        rr = launch(args, s, n, "load", work / s, work / f"out-fsdp-{n}", expect=rec["expect"])
+                    except SystemExit as e:
+                        result[f"fsdp_{args.nproc}_to_{n}"] = {"error": str(e)}
+                        continue
                     result[f"fsdp_{args.nproc}_to_{n}"] = {"load_s": med(rr, "load_s"), "restored_ok": rr["load_ok"],
                                                          "seconds_all": [r(x) for x in rr["load_s"]],
                                                          "launch_s": rr["launch_s"]}
@@ -240,18 +250,19 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
+    ok = {k: v for k, v in result.items() if "error" not in v}
     ratios: dict = {}
-    if "ddp" in result and "fsdp" in result:
-        d, f = result["ddp"], result["fsdp"]
+    if "ddp" in ok and "fsdp" in ok:
+        d, f = ok["ddp"], ok["fsdp"]
         ratios["save_fsdp_over_ddp"] = r(f["save_s"] / d["save_s"])
         ratios["load_fsdp_over_ddp"] = r(f["load_s"] / d["load_s"])
-        if "async_stall_s" in d:
-            ratios["async_stall_over_sync_save"] = {s: r(result[s]["async_stall_s"] / result[s]["save_s"])
-                                                    for s in ("ddp", "fsdp")}
-    if "fsdp" in result:
-        for n in args.reshard:
+    for s in ("ddp", "fsdp"):
+        if "async_stall_s" in ok.get(s, {}):
+            ratios[f"async_stall_over_sync_save_{s}"] = r(ok[s]["async_stall_s"] / ok[s]["save_s"])
+    for n in args.reshard:
+        if "fsdp" in ok and f"fsdp_{args.nproc}_to_{n}" in ok:
             ratios[f"reshard_load_{args.nproc}_to_{n}_over_same"] = r(
-                result[f"fsdp_{args.nproc}_to_{n}"]["load_s"] / result["fsdp"]["load_s"])
+                ok[f"fsdp_{args.nproc}_to_{n}"]["load_s"] / ok["fsdp"]["load_s"])
     print(json.dumps({
         "nproc": args.nproc,
         "model": {"params": param_count(args.width, args.depth), "width": args.width, "depth": args.depth,
@@ -261,9 +272,12 @@ def main() -> None:
         "repeats": args.repeats, "pause_s": args.pause,
         "machine": machine(args.dir, load_start),
     }, indent=2))
+    failed = [k for k, v in result.items() if "error" in v]
     bad = [k for k, v in result.items() if not v.get("restored_ok", True)]
-    if bad:
-        raise SystemExit(f"sharded_checkpoint: the loaded state differs from the saved one in {', '.join(bad)}")
+    if failed or bad:
+        raise SystemExit("sharded_checkpoint: " + "; ".join(
+            ([f"failed: {', '.join(failed)}"] if failed else []) +
+            ([f"the loaded state differs from the saved one in {', '.join(bad)}"] if bad else [])))
 
 
 if __name__ == "__main__":
