@@ -25,8 +25,8 @@ the first ``--skip`` of each repeat dropped (loader start-up, compilation); on C
 hook fires when the step is queued, so ``*_mean_ms`` (the measured span / intervals) is
 the throughput figure there. Rank 0's figures. Prints one JSON object per launch set::
 
-    uv run python benchmarks/sharded_step.py [--nproc 2] [--strategies ddp fsdp] [--steps 30] [--repeats 2]
-        [--width 1024] [--depth 4] [--batch 32] [--device cpu|cuda|auto] [-- train.amp="bf16" train.compile=true ...]
+    uv run python benchmarks/sharded_step.py [--nproc 2] [--strategies ddp fsdp] [--steps 20] [--repeats 2]
+        [--width 512] [--depth 4] [--batch 16] [--device cpu|cuda|auto] [-- train.amp="bf16" train.compile=true ...]
 """
 
 from __future__ import annotations
@@ -146,12 +146,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--strategies", nargs="*", default=["ddp", "fsdp"], choices=["ddp", "fsdp"])
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--skip", type=int, default=3, help="first step stamps of each repeat dropped")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--depth", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--device", default="cpu", help="train.device: cpu, cuda or auto")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
