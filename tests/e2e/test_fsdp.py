@@ -68,6 +68,8 @@ def runs(tmp_path_factory) -> Path:
         {"run_dir": str(root / "cut"), "overrides": FSDP, "stop_at": STOP, "full_dump": str(root / "dump-cut")},
         {"run_dir": str(root / "ddp-cut"), "overrides": DDP, "stop_at": STOP, "full_dump": str(root / "dump-ddp-cut")},
         {"run_dir": str(root / "ddp-full"), "overrides": DDP},
+        {"run_dir": str(root / "sharded"), "overrides": [*FSDP, "train.epochs=1", "checkpoint.gather_weights=false"],
+         "full_dump": str(root / "dump-sharded")},
     ]
     job = _torchrun(first, root / "first.json", background=True)
     try:  # meanwhile, here: a one-rank FSDP run stopped mid-epoch (for 1 -> 2)
@@ -196,13 +198,11 @@ def test_export_and_warm_start_from_fsdp_runs(runs, tmp_path):
     assert done.returncode == 0, describe(done)
     assert _differ(load_file(tmp_path / "full" / "model.safetensors"), _dump(runs, "full")["model"]) == []
 
-    sharded = tmp_path / "sharded"
-    _torchrun([{"run_dir": str(sharded), "overrides": [*FSDP, "train.epochs=1", "checkpoint.gather_weights=false"],
-                "full_dump": str(tmp_path / "dump-sharded")}], tmp_path / "jobs.json")
+    sharded = runs / "sharded"
     assert not (sharded / "model" / "last" / "weights.pth").exists()
     done = pimm("export", "last", str(tmp_path / "out"), "--run-dir", str(sharded), "--weights", "ema")
     assert done.returncode == 0, describe(done)
-    want = torch.load(tmp_path / "dump-sharded.pt", weights_only=True)
+    want = _dump(runs, "sharded")
     assert _differ(load_file(tmp_path / "out" / "model.safetensors"), want["ema"]) == []
     warm = launch(tmp_path, "warm", "train.epochs=1", "train.max_steps=1", f"train.weight={sharded}", here=True)
     assert warm.returncode == 0, describe(warm)
