@@ -4,8 +4,10 @@
 (the pattern of Lightning's ``AsyncCheckpointIO``): ``save(..., background=True)`` stages
 the state to CPU and returns while a background thread writes and publishes it; any other
 save first waits for the one in flight, then saves through the wrapped format. The files
-are those of a synchronous standard save. For a sharded (FSDP2) model the gather of
-``weights.pth`` (a collective) runs before ``save`` returns, on every rank.
+are those of a synchronous standard save. For a sharded (FSDP2) model nothing is gathered
+on the training thread: once every rank has written its shards, rank 0's background
+thread reads ``weights.pth``'s tensors back from ``trainer.dcp/`` (the same values a gather
+gives, without stalling the ranks).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .protocol import LoadedState, SaveItem
 from .publish import follow_hashes, intact_note, on_main, prepare, publish, remove_quietly, short_error
 from .selection import TRAINER_DCP, WEIGHTS_FIELD
 from .standard import StandardFormat, dcp_state
+from .sharded import read_checkpoint_weights
 from .state import is_sharded, unwrap
 from .ties import find_aliases
 from .weights_file import weights_payload
@@ -160,22 +163,25 @@ class AsyncStandardFormat:
         future = self._future = response.upload_completion  # wait() waits for it even if the rest fails
         self._staged = [response.staging_completion]
         payload: dict[str, Any] | None = None
-        if is_sharded(plain):  # the gather is a collective: every rank, now (staged below like the rest)
-            payload = weights_payload(plain, ema_state_dict) if gather_weights else None
-            if payload is None:
-                manifest = {**manifest, WEIGHTS_FIELD: TRAINER_DCP}
-        elif self.info.is_main:
+        sharded = is_sharded(plain)
+        if sharded and not gather_weights:
+            manifest = {**manifest, WEIGHTS_FIELD: TRAINER_DCP}
+        elif self.info.is_main and not sharded:
             payload = weights_payload(plain, ema_state_dict)
         if not self.info.is_main:
             return
         staged = self._stage_weights(plain, payload) if payload is not None else None
+        # Sharded: no gather on the training thread (a collective that would stall every rank);
+        # once every rank's shards are written, rank 0 reads weights.pth's tensors back from them.
+        from_shards = sharded and gather_weights
 
         def finish() -> None:
             try:
-                future.result()
+                future.result()  # rank 0's completes after every rank's write (DCP's finish step)
                 if staged is not None:
                     staged[1].result()
-                publish(tmp, final, staged[0] if staged is not None else None, manifest, hasher)
+                weights = read_checkpoint_weights(tmp) if from_shards else staged[0] if staged is not None else None
+                publish(tmp, final, weights, manifest, hasher)
                 logging.getLogger("pimm").info("saved %s (step %s, epoch %s, iter %s; written in the background)",
                                                final, manifest.get("step"), manifest.get("epoch"),
                                                manifest.get("iter"))

@@ -73,13 +73,16 @@ def test_plain_and_sharded_checkpoints_load_into_each_other(runs) -> None:
     root, passed = runs
     for check in ("load p1 into sharded x3", "load s2 into plain x2", "load s2 into plain x1"):
         assert check in passed
-    # the gathered weights.pth of a sharded save is the full state dict, ties kept, like a plain one's
-    ref = torch.load(root / "s2.ref.pt", weights_only=True)
-    sets = read_weight_sets(root / "s2" / "last" / "weights.pth")
-    assert sets["raw"].keys() == ref["model"].keys()
-    assert all(torch.equal(sets["raw"][k], v) for k, v in ref["model"].items())
-    assert sets["raw"]["proj2.weight"] is sets["raw"]["proj1.weight"]
-    assert all(torch.equal(sets["ema"][k], v) for k, v in ref["ema"].items())
+    # the weights.pth of a sharded save is the full state dict, ties kept, like a plain one's:
+    # gathered (s2), or read back from the shards by the background thread (a2)
+    for name in ("s2", "a2"):
+        ref = torch.load(root / f"{name}.ref.pt", weights_only=True)
+        sets = read_weight_sets(root / name / "last" / "weights.pth")
+        assert sets["raw"].keys() == ref["model"].keys(), name
+        assert all(torch.equal(sets["raw"][k], v) and sets["raw"][k].dtype == v.dtype
+                   for k, v in ref["model"].items()), name
+        assert sets["raw"]["proj2.weight"] is sets["raw"]["proj1.weight"], name
+        assert all(torch.equal(sets["ema"][k], v) for k, v in ref["ema"].items()), name
 
 
 def test_unsharded_save_writes_what_it_always_did(runs) -> None:
