@@ -121,3 +121,37 @@ def test_fsdp_options_take_effect(options):
         assert seen == [(compute, compute)]
     finally:
         dist.shutdown()
+
+
+def test_fsdp_reduces_gradients_once_per_accumulation_window(monkeypatch):
+    """Inside a window the micro-batches' gradients accumulate unsharded; the reduce-scatter
+    runs once per FSDP unit at the window's last micro-batch, and the result equals the
+    plain model's accumulated gradients."""
+    from pimm_core.train.step import gradient_sync
+
+    cfg = load_config(None, ["train.strategy=fsdp", 'train.blocks=["Block"]'])
+    torch.manual_seed(0)
+    plain, sharded = Net(), Net()
+    sharded.load_state_dict(plain.state_dict())
+    plain.eval(), sharded.eval()  # no dropout: the two models see the same function
+    dist.init(torch.device("cpu"), DistInfo(), always=True)
+    try:
+        model = parallelize(sharded, cfg, DistInfo(), torch.device("cpu"))
+        # FSDP2's gradient reduction of one unit (the reduce-scatter; at one rank it moves nothing)
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+        calls = []
+        real = _fsdp_param_group.foreach_reduce
+        monkeypatch.setattr(_fsdp_param_group, "foreach_reduce", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+        batches = [torch.randn(4, 8) for _ in range(3)]
+        per_batch = []
+        for i, x in enumerate(batches):
+            with gradient_sync(model, i == len(batches) - 1):
+                model(x).square().mean().backward()
+            per_batch.append(len(calls))
+            plain(x).square().mean().backward()
+        assert per_batch == [0, 0, 3]  # 2 blocks + the root, once, at the window's end
+        for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+            torch.testing.assert_close(p.grad, q.grad.full_tensor(), msg=name)
+    finally:
+        dist.shutdown()
