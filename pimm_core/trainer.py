@@ -57,7 +57,7 @@ from .train.build import (build_data, build_model, build_objective, data_resume_
                           warm_start_model)
 from .train.checkpointer import Checkpointer
 from .train.evaluator import Evaluator
-from .train.parallel import parallelize
+from .train.parallel import is_fsdp, parallelize
 from .train.recorder import Recorder
 from .train.resume import nothing_left, resume
 from .train.state import TrainState, end_step
@@ -304,7 +304,7 @@ class Trainer:
         fmt = self.checkpointer.format
         # (the async format's staging must finish copying the weights before the optimizer step)
         step = WindowStep(self.model, self.optimizer, self.scaler, self.ema, t, autocast=self._autocast,
-                          distributed=self.info.distributed, objective=self.objective,
+                          distributed=self.info.distributed or is_fsdp(self.model), objective=self.objective,
                           before_step=fmt.wait_staged if fmt.asynchronous else None)
         self.model.train()
         evaluated_at_end = False
