@@ -121,3 +121,71 @@ def test_fsdp_options_take_effect(options):
         assert seen == [(compute, compute)]
     finally:
         dist.shutdown()
+
+
+def junk_none(model):  # train.blocks targets that return something else
+    return None
+
+
+def junk_int(model):
+    return 5
+
+
+def the_root(model):
+    return [model]
+
+
+@pytest.mark.parametrize("target,message", [
+    ("junk_none", "returned NoneType, not a list of modules"),
+    ("junk_int", "returned int, not a list of modules"),
+    ("the_root", "returned the model itself"),
+])
+def test_a_blocks_target_returning_junk_is_one_config_error(target, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        find_blocks(Net(), [f"tests.unit.test_parallel:{target}"])
+    assert "\n" not in str(e.value) and "list(model.layers)" in str(e.value)
+
+
+class Tied(Net):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.layers[1].fc.weight = self.proj.weight  # tied across a block and the root
+
+    def forward(self, x):
+        return super().forward(self.proj(x))
+
+
+def _fsdp_trains_like_plain(blocks: list[str], make=Net) -> None:
+    cfg = load_config(None, ["train.strategy=fsdp", f"train.blocks={blocks!r}".replace("'", '"')])
+    torch.manual_seed(0)
+    plain, sharded = make(), make()
+    sharded.load_state_dict(plain.state_dict())
+    dist.init(torch.device("cpu"), DistInfo(), always=True)
+    try:
+        model = parallelize(sharded, cfg, DistInfo(), torch.device("cpu"))
+        x = torch.randn(4, 8)
+        for net in (plain, model):
+            opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+            torch.manual_seed(1)
+            net(x).square().mean().backward()
+            opt.step()
+        for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+            assert torch.equal(p.detach(), q.detach().full_tensor()), name
+    finally:
+        dist.shutdown()
+
+
+def test_nested_blocks_shard_inner_units_first():
+    """A block inside another block (["Block", "Linear"]: each Block holds a Linear) is
+    sharded before its parent, as FSDP2 needs; it trains like the plain model."""
+    net = Net()
+    assert find_blocks(net, ["Block", "Linear"]) == [net.layers[0].fc, net.layers[0], net.layers[1].fc,
+                                                      net.layers[1], net.head]
+    _fsdp_trains_like_plain(["Block", "Linear"])
+
+
+def test_blocks_splitting_a_tied_parameter_are_one_config_error():
+    with pytest.raises(ConfigError, match=r"'layers.1.fc.weight' is tied to 'proj.weight'.*different FSDP units"):
+        _fsdp_trains_like_plain(["Block"], Tied)
+    _fsdp_trains_like_plain(["Linear"], Net)  # no tie: every Linear its own unit
