@@ -42,7 +42,7 @@ def parallelize(model: nn.Module, cfg: Config, info: DistInfo, device: torch.dev
             under FSDP, blocks that split a tied parameter across units.
     """
     t = cfg.train
-    blocks = find_blocks(model, t.blocks, config_path) if t.blocks else []
+    blocks = check_blocks(model, cfg, config_path)
     if t.activation_checkpointing:
         for block in blocks:
             checkpoint_activations(block)
@@ -55,6 +55,20 @@ def parallelize(model: nn.Module, cfg: Config, info: DistInfo, device: torch.dev
 
         return DDP(model)
     return model
+
+
+def check_blocks(model: nn.Module, cfg: Config, config_path=None) -> list[nn.Module]:
+    """The blocks :func:`parallelize` will use (:func:`find_blocks`), checked as it checks
+    them (under FSDP, :func:`check_tied_units` too) without changing ``model``; ``--dry-run``
+    calls it so a ``train.blocks`` the launch refuses fails there the same way.
+
+    Raises:
+        ConfigError: as :func:`find_blocks` and :func:`check_tied_units`.
+    """
+    blocks = find_blocks(model, cfg.train.blocks, config_path) if cfg.train.blocks else []
+    if cfg.train.strategy == "fsdp":
+        check_tied_units(model, blocks)
+    return blocks
 
 
 def find_blocks(model: nn.Module, names: list[str], config_path=None) -> list[nn.Module]:
@@ -142,11 +156,11 @@ def checkpoint_activations(block: nn.Module) -> None:
 
 
 def shard(model: nn.Module, blocks: list[nn.Module], cfg: Config, device: torch.device) -> None:
-    """``fully_shard`` each block, then the root (in place), over all ranks of the default group."""
+    """``fully_shard`` each block, then the root (in place), over all ranks of the default group;
+    ``blocks`` as :func:`check_blocks` returns them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    check_tied_units(model, blocks)
     f = cfg.fsdp
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES.get(f.param_dtype or ""),
