@@ -179,3 +179,20 @@ def is_fsdp(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every FSDP unit's gathered parameters and register its shards again.
+
+    A forward without a backward (an evaluation) leaves the units that do not reshard after
+    forward (the root when ``train.blocks`` is set, every unit with
+    ``fsdp.reshard_after_forward = false``) holding the gathered values: the next training
+    forward would reuse them (stale after an EMA swap), and ``get_optimizer_state_dict``
+    cannot map the unsharded parameters to the optimizer's. No-op for unsharded models.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import DIGITS, REPO, describe, pimm_here, read_json
+from _helpers import DIGITS, REPO, describe, launch, pimm_here, read_json
 from _resume_driver import run_job
 
 CHARLM = REPO / "configs" / "charlm.toml"
@@ -71,3 +71,13 @@ def test_a_file_format_checkpoint_resumes_under_fsdp_exactly(tmp_path: Path, fmt
         assert _same(saved[part], loaded[part], part) == []
     assert loaded["state"]["global_step"] == stop
     assert read_json(run / "model" / "last" / "manifest.json")["step"] == stop + 2
+
+
+def test_units_kept_gathered_after_forward_save_after_an_evaluation(tmp_path: Path):
+    """``fsdp.reshard_after_forward = false`` at 2 ranks: the evaluation's forward left the
+    gathered parameters registered, and the save after it died in every rank
+    (get_optimizer_state_dict: KeyError); the evaluation now reshards."""
+    r = launch(tmp_path, "kept", "train.strategy=fsdp", "fsdp.reshard_after_forward=false", "ema.enabled=true",
+               'eval.weights="ema"', "train.epochs=1", nproc=2)
+    assert r.returncode == 0, describe(r)
+    assert read_json(tmp_path / "digits" / "kept" / "model" / "last" / "manifest.json")["step"] == 23

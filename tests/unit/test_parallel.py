@@ -4,6 +4,8 @@ trains like the plain model, and the config refuses combinations that cannot wor
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -189,3 +191,37 @@ def test_blocks_splitting_a_tied_parameter_are_one_config_error():
     with pytest.raises(ConfigError, match=r"'layers.1.fc.weight' is tied to 'proj.weight'.*different FSDP units"):
         _fsdp_trains_like_plain(["Block"], Tied)
     _fsdp_trains_like_plain(["Linear"], Net)  # no tie: every Linear its own unit
+
+
+@pytest.mark.parametrize("weights", ["raw", "ema"])
+def test_evaluation_leaves_every_fsdp_unit_sharded_with_the_raw_weights(weights):
+    """An evaluation is a forward without a backward: a unit that does not reshard after
+    forward (the root, when train.blocks is set) kept its gathered parameters, so the save
+    after it failed (get_optimizer_state_dict: KeyError) and, with eval.weights = "ema",
+    the next training forward used the EMA's values instead of the raw weights."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from pimm_core.ema import EMA
+    from pimm_core.train.evaluator import Evaluator
+
+    cfg = load_config(None, ["train.strategy=fsdp", 'train.blocks=["Block"]'])
+    torch.manual_seed(0)
+    plain, net = Net(), Net()
+    net.load_state_dict(plain.state_dict())
+    dist.init(torch.device("cpu"), DistInfo(), always=True)
+    try:
+        model = parallelize(net, cfg, DistInfo(), torch.device("cpu"))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        ema = EMA(model, decay=0.9)
+        for t in ema.shadow.values():
+            t.add_(1.0)  # the average differs from the raw weights
+        batch = (torch.randn(4, 8), torch.tensor([0, 1, 2, 0]))
+        Evaluator([batch], torch.device("cpu"), contextlib.nullcontext, weights=weights).evaluate(model, ema)
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        get_optimizer_state_dict(model, opt)
+        x = torch.randn(4, 8)
+        model.eval(), plain.eval()
+        assert torch.allclose(model(x), plain(x), atol=1e-6)
+    finally:
+        dist.shutdown()
