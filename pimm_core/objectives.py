@@ -188,7 +188,7 @@ def get_objective(name: str, config_path: str | Path | None = None) -> Objective
     """
     if name in BUILTIN:
         return BUILTIN[name]
-    spec = TargetSpec("objective", name, {}, "objective")
+    spec = TargetSpec("objective", name)
     fn = resolve(spec, config_path)
     if isinstance(fn, Objective):
         return fn

@@ -65,7 +65,9 @@ class TargetSpec:
         key: the config key that names it, for messages (``"model.target"``).
         target: ``"package.module:attr"``.
         args: keyword arguments (the ``args`` table); never modified.
-        args_key: the config key of the args table (``"model.args"``).
+        args_key: the config key of the args table (``"model.args"``); empty when the
+            target has none (``objective``, ``train.blocks``): it is called with pimm's
+            positional arguments only.
     """
 
     key: str
@@ -215,6 +217,13 @@ def check_args(spec: TargetSpec, fn: Callable, *, provided: Iterable[str] = (), 
         raise ConfigError(f"{spec.label()}: takes {len(taken)} positional arguments; pimm passes {positional}")
     provided = set(provided)
     args_key = spec.args_key or spec.key
+    if not spec.args_key:  # no args table: only pimm's positional arguments are passed
+        required = [p.name for p in rest if p.default is p.empty and p.name not in provided
+                    and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)]
+        if required:
+            raise ConfigError(f"{spec.label()}: parameter {required[0]!r} has no default, but pimm calls it with "
+                              f"{positional} positional argument(s) only ({spec.key} has no args table); "
+                              f"give {required[0]!r} a default or name a function of {positional} argument(s)")
     keyword_ok = {p.name for p in rest if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
     for name in spec.args:

@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 
 from .. import dist
 from ..dist import DistInfo
@@ -49,7 +50,7 @@ from .protocol import LoadedState, SaveItem, meta_problem
 from .publish import on_main, save_torch_file
 from .safe_read import load_torch_file
 from .selection import LEGACY_LAST, POINTERS, SINGLE_RE
-from .state import load_full_state_dict, unwrap
+from .state import is_sharded, load_full_state_dict, unwrap
 from .weights_file import DtypeCast, check_compatible, check_dtypes, dtype_casts
 
 register("file_format.published", "file_format.sidecar_written", "pointer.linked", "pointer.replaced",
@@ -284,7 +285,9 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
     load_full_state_dict(plain, raw)
     if optimizer is not None:
         try:
-            set_optimizer_state_dict(plain, optimizer, obj["optimizer"])
+            # the file holds full tensors: a sharded (FSDP2) model takes its shards of them
+            set_optimizer_state_dict(plain, optimizer, obj["optimizer"],
+                                     options=StateDictOptions(full_state_dict=is_sharded(plain)))
         except (KeyError, RuntimeError, ValueError, TypeError) as e:
             if strict:
                 raise CheckpointError(f"optimizer state in {path} does not fit: {e}") from None

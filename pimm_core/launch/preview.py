@@ -81,11 +81,14 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
 
 
 def _dry_model(cfg: Config, config_path: Path | None):
-    """Build the data and the model as the trainer would (a bad name, target or size fails as at launch)."""
+    """Build the data and the model as the trainer would, and pick ``train.blocks`` (a bad name,
+    target, size or block fails as at launch)."""
     from ..train.build import build_data, build_model
+    from ..train.parallel import check_blocks
 
     data = build_data(cfg, config_path)
     model = build_model(cfg, config_path)
+    check_blocks(model, cfg, config_path)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {cfg.model.target or cfg.model.name} ({params:,} parameters), data: "
           f"{cfg.data.target or cfg.data.name} ({_size(data.train)} train / {_size(data.val)} val samples)")

@@ -18,7 +18,7 @@ from torch import nn
 from .. import dist
 from ..checkpoint.state import unwrap
 from ..ema import EMA
-from .parallel import is_fsdp
+from .parallel import is_fsdp, reshard
 from ..objectives import BUILTIN, MetricTotals, Objective
 
 
@@ -87,6 +87,8 @@ class Evaluator:
                     _, pairs = torch.func.functional_call(step, ema_sd, (batch,)) if ema_sd is not None \
                         else step(batch)
                 totals.add(pairs)
+            if sharded:  # drop the gathered (possibly EMA) values before the raw ones are restored
+                reshard(model)
         means = totals.reduce(dist.all_reduce_sum, dist.all_gather_object, device=self.device)
         model.train(was_training)
         return {f"val/{k}": v for k, v in self.objective.finalize(means).items()}

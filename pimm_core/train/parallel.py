@@ -38,10 +38,11 @@ def parallelize(model: nn.Module, cfg: Config, info: DistInfo, device: torch.dev
     wrapper, or ``model`` itself (sharded in place under FSDP, or alone in one process).
 
     Raises:
-        ConfigError: ``train.blocks`` names no module of the model, or a target that fails.
+        ConfigError: ``train.blocks`` names no module of the model, or a target that fails;
+            under FSDP, blocks that split a tied parameter across units.
     """
     t = cfg.train
-    blocks = find_blocks(model, t.blocks, config_path) if t.blocks else []
+    blocks = check_blocks(model, cfg, config_path)
     if t.activation_checkpointing:
         for block in blocks:
             checkpoint_activations(block)
@@ -56,10 +57,25 @@ def parallelize(model: nn.Module, cfg: Config, info: DistInfo, device: torch.dev
     return model
 
 
+def check_blocks(model: nn.Module, cfg: Config, config_path=None) -> list[nn.Module]:
+    """The blocks :func:`parallelize` will use (:func:`find_blocks`), checked as it checks
+    them (under FSDP, :func:`check_tied_units` too) without changing ``model``; ``--dry-run``
+    calls it so a ``train.blocks`` the launch refuses fails there the same way.
+
+    Raises:
+        ConfigError: as :func:`find_blocks` and :func:`check_tied_units`.
+    """
+    blocks = find_blocks(model, cfg.train.blocks, config_path) if cfg.train.blocks else []
+    if cfg.train.strategy == "fsdp":
+        check_tied_units(model, blocks)
+    return blocks
+
+
 def find_blocks(model: nn.Module, names: list[str], config_path=None) -> list[nn.Module]:
     """The submodules ``train.blocks`` names: instances of a class of that name (``type(m).__name__``),
-    or the modules a target ``"pkg.mod:fn"`` returns as ``fn(model)``; in model order, the
-    root excluded, a module named twice listed once.
+    or the modules a target ``"pkg.mod:fn"`` returns as ``fn(model)``; the root excluded, a
+    module named twice listed once. In model order, a block nested in another block before
+    it (post-order: FSDP2 shards inner units first).
 
     Raises:
         ConfigError: an entry matches no submodule, or a target returns something else.
@@ -77,18 +93,56 @@ def find_blocks(model: nn.Module, names: list[str], config_path=None) -> list[nn
                               f"are {classes[:12]}")
         for m in picked:
             found.setdefault(id(m), m)
-    order = {id(m): i for i, m in enumerate(model.modules())}
+    order: dict[int, int] = {}
+    _post_order(model, order)
     return sorted(found.values(), key=lambda m: order[id(m)])
+
+
+def _post_order(module: nn.Module, order: dict[int, int]) -> None:
+    for child in module.children():
+        if id(child) not in order:
+            _post_order(child, order)
+    order.setdefault(id(module), len(order))
 
 
 def _as_modules(value, entry: str, model: nn.Module) -> Iterable[nn.Module]:
     members = {id(m) for m in model.modules() if m is not model}
-    items = list(value) if not isinstance(value, nn.Module) else [value]
+    fix = "return the model's own blocks, e.g. list(model.layers)"
+    if isinstance(value, nn.Module):
+        items = [value]
+    elif isinstance(value, Iterable) and not isinstance(value, (str, bytes, dict)):
+        items = list(value)
+    else:
+        raise ConfigError(f"train.blocks: {entry} returned {type(value).__name__}, not a list of modules; {fix}")
     for m in items:
+        if m is model:
+            raise ConfigError(f"train.blocks: {entry} returned the model itself; the root is always its own "
+                              f"unit: {fix}")
         if not isinstance(m, nn.Module) or id(m) not in members:
             raise ConfigError(f"train.blocks: {entry} returned {type(m).__name__}, not a submodule of the model; "
-                              "return the model's own blocks, e.g. list(model.layers)")
+                              f"{fix}")
     return items
+
+
+def check_tied_units(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """Refuse blocks that split a tied parameter across FSDP units (``fully_shard`` would
+    raise deep inside torch): every name of a shared parameter must fall in one unit.
+
+    Raises:
+        ConfigError: naming the two parameter names and the fix.
+    """
+    ids = {id(b) for b in blocks}
+    prefixes = {name: id(m) for name, m in model.named_modules(remove_duplicate=False) if id(m) in ids}
+    seen: dict[int, tuple[str, int]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        parts = name.split(".")
+        unit = next((prefixes[".".join(parts[:i])] for i in range(len(parts) - 1, 0, -1)
+                     if ".".join(parts[:i]) in prefixes), id(model))
+        first = seen.setdefault(id(p), (name, unit))
+        if first[1] != unit:
+            raise ConfigError(f"train.blocks: parameter {first[0]!r} is tied to {name!r}, and train.blocks puts "
+                              "them in different FSDP units; leave the modules holding them out of train.blocks "
+                              "(the root unit then holds both), or name a block that contains both")
 
 
 def checkpoint_activations(block: nn.Module) -> None:
@@ -102,7 +156,8 @@ def checkpoint_activations(block: nn.Module) -> None:
 
 
 def shard(model: nn.Module, blocks: list[nn.Module], cfg: Config, device: torch.device) -> None:
-    """``fully_shard`` each block, then the root (in place), over all ranks of the default group."""
+    """``fully_shard`` each block, then the root (in place), over all ranks of the default group;
+    ``blocks`` as :func:`check_blocks` returns them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -124,3 +179,20 @@ def is_fsdp(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every FSDP unit's gathered parameters and register its shards again.
+
+    A forward without a backward (an evaluation) leaves the units that do not reshard after
+    forward (the root when ``train.blocks`` is set, every unit with
+    ``fsdp.reshard_after_forward = false``) holding the gathered values: the next training
+    forward would reuse them (stale after an EMA swap), and ``get_optimizer_state_dict``
+    cannot map the unsharded parameters to the optimizer's. No-op for unsharded models.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+

@@ -4,6 +4,8 @@ trains like the plain model, and the config refuses combinations that cannot wor
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -119,6 +121,108 @@ def test_fsdp_options_take_effect(options):
         assert all(not torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, model.parameters()))
         compute = torch.bfloat16 if "fsdp.param_dtype=bfloat16" in options else torch.float32
         assert seen == [(compute, compute)]
+    finally:
+        dist.shutdown()
+
+
+def junk_none(model):  # train.blocks targets that return something else
+    return None
+
+
+def junk_int(model):
+    return 5
+
+
+def the_root(model):
+    return [model]
+
+
+@pytest.mark.parametrize("target,message", [
+    ("junk_none", "returned NoneType, not a list of modules"),
+    ("junk_int", "returned int, not a list of modules"),
+    ("the_root", "returned the model itself"),
+])
+def test_a_blocks_target_returning_junk_is_one_config_error(target, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        find_blocks(Net(), [f"tests.unit.test_parallel:{target}"])
+    assert "\n" not in str(e.value) and "list(model.layers)" in str(e.value)
+
+
+class Tied(Net):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.layers[1].fc.weight = self.proj.weight  # tied across a block and the root
+
+    def forward(self, x):
+        return super().forward(self.proj(x))
+
+
+def _fsdp_trains_like_plain(blocks: list[str], make=Net) -> None:
+    cfg = load_config(None, ["train.strategy=fsdp", f"train.blocks={blocks!r}".replace("'", '"')])
+    torch.manual_seed(0)
+    plain, sharded = make(), make()
+    sharded.load_state_dict(plain.state_dict())
+    dist.init(torch.device("cpu"), DistInfo(), always=True)
+    try:
+        model = parallelize(sharded, cfg, DistInfo(), torch.device("cpu"))
+        x = torch.randn(4, 8)
+        for net in (plain, model):
+            opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+            torch.manual_seed(1)
+            net(x).square().mean().backward()
+            opt.step()
+        for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+            assert torch.equal(p.detach(), q.detach().full_tensor()), name
+    finally:
+        dist.shutdown()
+
+
+def test_nested_blocks_shard_inner_units_first():
+    """A block inside another block (["Block", "Linear"]: each Block holds a Linear) is
+    sharded before its parent, as FSDP2 needs; it trains like the plain model."""
+    net = Net()
+    assert find_blocks(net, ["Block", "Linear"]) == [net.layers[0].fc, net.layers[0], net.layers[1].fc,
+                                                      net.layers[1], net.head]
+    _fsdp_trains_like_plain(["Block", "Linear"])
+
+
+def test_blocks_splitting_a_tied_parameter_are_one_config_error():
+    with pytest.raises(ConfigError, match=r"'layers.1.fc.weight' is tied to 'proj.weight'.*different FSDP units"):
+        _fsdp_trains_like_plain(["Block"], Tied)
+    _fsdp_trains_like_plain(["Linear"], Net)  # no tie: every Linear its own unit
+
+
+@pytest.mark.parametrize("weights", ["raw", "ema"])
+def test_evaluation_leaves_every_fsdp_unit_sharded_with_the_raw_weights(weights):
+    """An evaluation is a forward without a backward: a unit that does not reshard after
+    forward (the root, when train.blocks is set) kept its gathered parameters, so the save
+    after it failed (get_optimizer_state_dict: KeyError) and, with eval.weights = "ema",
+    the next training forward used the EMA's values instead of the raw weights."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from pimm_core.ema import EMA
+    from pimm_core.train.evaluator import Evaluator
+
+    cfg = load_config(None, ["train.strategy=fsdp", 'train.blocks=["Block"]'])
+    torch.manual_seed(0)
+    plain, net = Net(), Net()
+    net.load_state_dict(plain.state_dict())
+    dist.init(torch.device("cpu"), DistInfo(), always=True)
+    try:
+        model = parallelize(net, cfg, DistInfo(), torch.device("cpu"))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        ema = EMA(model, decay=0.9)
+        for t in ema.shadow.values():
+            t.add_(1.0)  # the average differs from the raw weights
+        batch = (torch.randn(4, 8), torch.tensor([0, 1, 2, 0]))
+        Evaluator([batch], torch.device("cpu"), contextlib.nullcontext, weights=weights).evaluate(model, ema)
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        get_optimizer_state_dict(model, opt)
+        x = torch.randn(4, 8)
+        model.eval(), plain.eval()
+        assert torch.allclose(model(x), plain(x), atol=1e-6)
     finally:
         dist.shutdown()
 

@@ -131,6 +131,20 @@ def test_a_wrong_target_is_one_config_error_line_naming_the_key(user_pkg, target
         assert "did you mean" not in text
 
 
+@pytest.mark.parametrize("key", ["objective", "train.blocks"])
+def test_a_target_without_an_args_table_is_never_told_to_set_one(user_pkg, key):
+    """``objective`` and ``train.blocks`` have no args table: a required parameter beyond
+    pimm's positional arguments names the fix that exists (a default), not ``objective.width``."""
+    name, cfg = user_pkg
+    with pytest.raises(ConfigError) as e:
+        call(TargetSpec(key, f"{name}.mod:Net"), config_path=cfg)
+    text = str(e.value)
+    assert text.startswith(f"{key} = \"{name}.mod:Net\": parameter 'hidden' has no default, but pimm calls it "
+                           "with 0 positional argument(s) only") and "\n" not in text
+    assert f"{key}.hidden" not in text and "give 'hidden' a default" in text
+    assert call(TargetSpec(key, f"{name}.mod:build"), 3, config_path=cfg)["width"] == 3
+
+
 def test_unknown_args_pass_through_var_keyword(user_pkg):
     name, cfg = user_pkg
     assert call(spec(f"{name}.mod:anything", a=1, b=[2]), config_path=cfg) == {"a": 1, "b": [2]}
