@@ -28,10 +28,12 @@ at start (``train.log`` and ``provenance.json``'s ``data_resume``).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -258,7 +260,26 @@ def train_loader(ds: Any, cfg: DataConfig, info: DistInfo, seed: int,
                                 drop_last=False, persistent_workers=False, collate_fn=collate_fn,
                                 worker_init_fn=functools.partial(init_worker, os.getpid()),
                                 generator=torch.Generator().manual_seed(seed + info.rank))
+    if cfg.num_workers:
+        _with_workers.add(loader)
     return loader, sampler
+
+
+# The train loaders that may hold worker processes. Their workers ignore SIGTERM
+# (ignore_stop_signals), and multiprocessing's exit handler SIGTERMs daemon children and
+# then joins them: a loader still alive at interpreter exit (a Trainer kept in a global or a
+# reference cycle) would make the program hang there. This exit handler, registered after
+# multiprocessing's and so run before it, stops them through the loader's own shutdown
+# (as Lightning's _shutdown_workers_and_reset_iterator does at its teardown).
+_with_workers: "weakref.WeakSet[StatefulDataLoader]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_workers_at_exit() -> None:
+    for loader in list(_with_workers):
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
 
 
 def eval_loader(ds: Any, cfg: DataConfig, info: DistInfo,

@@ -132,7 +132,11 @@ def test_trainer_is_freed_by_reference_counting():
     gc.disable()
     try:
         del trainer
-        assert ref() is None
+        alive = ref()
+        held_by = [type(r).__name__ + (f" {getattr(r, 'f_code', '')}" if type(r).__name__ == "frame" else "")
+                   for r in gc.get_referrers(alive)] if alive is not None else []
+        del alive
+        assert ref() is None, f"the trainer is still referenced by: {held_by}"
     finally:
         gc.enable()
 
