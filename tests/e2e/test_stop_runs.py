@@ -42,7 +42,9 @@ from pimm_core.stop import stop_file, write_stop_file
 # dropout on, two DataLoader workers per rank, status.json updated every step (so the
 # test can see progress); the reference runs use exactly the same overrides.
 COMMON = ("model.dropout=0.3", "data.num_workers=2", "train.log_every_steps=1")
-ONE_RANK = ("train.epochs=2", *COMMON)  # 45 steps per epoch, 90 in all
+# 45 steps per epoch, 360 in all: about 3 s on an idle core, so that `pimm stop` (a CLI start
+# plus the trainer's once-a-second poll of control/stop) lands mid-run (2 epochs ended first)
+ONE_RANK = ("train.epochs=8", *COMMON)
 TWO_RANKS = ("train.epochs=2", *COMMON)  # 23 steps per epoch per rank, 46 in all
 # run names a shell would mangle unquoted: the printed resume command must quote them
 NAME_1, NAME_2 = "c1 sweep[lr=0.1]", "c2 $HOME [x]"
