@@ -97,6 +97,10 @@ class DataConfig:
     name: str = "digits"
     batch_size: int = 32
     num_workers: int = 0  # per rank
+    # how DataLoader workers start (PyTorch's argument): "forkserver" from a clean process; "spawn";
+    # "fork" copies the rank with its threads and can hang (pimm_core.loader_workers)
+    multiprocessing_context: Literal["forkserver", "spawn", "fork"] = "forkserver"
+    timeout: float = 600.0  # seconds a rank waits for a batch from its workers before failing (0: forever)
     val_fraction: float = 0.2
     split_seed: int = 0
     target: str | None = None  # "package.module:factory" returning the train and val datasets

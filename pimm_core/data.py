@@ -44,7 +44,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .config import DataConfig
 from .dist import DistInfo
-from .errors import ConfigError
+from .errors import ConfigError, TrainingError
+from .loader_workers import MAIN_GUARD, is_pickling_error, unpicklable, worker_context
 from .targets import TargetSpec
 
 # torchdata 0.11 calls the deprecated torch.set_vital on every iterator; nothing for us to fix.
@@ -254,15 +255,62 @@ def train_loader(ds: Any, cfg: DataConfig, info: DistInfo, seed: int,
                               "define it as the samples it yields per epoch on each rank") from None
     sampler = None if is_stream(ds) else \
         DistributedSampler(ds, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed)
+    # Workers start from a clean process (pimm_core.loader_workers), once per epoch: a
+    # dataset's set_epoch reaches them, as it would not reach persistent workers.
+    workers = {} if not cfg.num_workers else {
+        "multiprocessing_context": worker_context(cfg.multiprocessing_context), "timeout": cfg.timeout}
     # The loader's own generator: creating an iterator must not draw from the global
     # torch RNG, or a resumed run (which creates one mid-epoch) would shift the dropout stream.
-    loader = StatefulDataLoader(ds, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
-                                drop_last=False, persistent_workers=False, collate_fn=collate_fn,
-                                worker_init_fn=functools.partial(init_worker, os.getpid()),
-                                generator=torch.Generator().manual_seed(seed + info.rank))
+    loader = TrainLoader(ds, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
+                         drop_last=False, persistent_workers=False, collate_fn=collate_fn,
+                         worker_init_fn=functools.partial(init_worker, os.getpid()),
+                         generator=torch.Generator().manual_seed(seed + info.rank), **workers)
+    loader.rank, loader.start_method = info.rank, cfg.multiprocessing_context
     if cfg.num_workers:
         _with_workers.add(loader)
     return loader, sampler
+
+
+class TrainLoader(StatefulDataLoader):
+    """A ``StatefulDataLoader`` whose worker failures are one line: a dataset the workers
+    cannot receive is a :class:`ConfigError`, a batch not ready in ``data.timeout`` seconds a
+    :class:`TrainingError` naming the rank and the wait (PyTorch's own messages say neither)."""
+
+    rank: int = 0
+    start_method: str = "fork"
+
+    def __iter__(self):
+        # StatefulDataLoader's __iter__ already waits for the first batches (its _reset)
+        try:
+            iterator = super().__iter__()
+        except Exception as e:
+            raise self._one_line(e, getattr(self, "_iterator", None)) from None
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            except Exception as e:
+                raise self._one_line(e, iterator) from None
+            yield batch
+
+    def _one_line(self, error: Exception, iterator: Any) -> Exception:
+        """The error to raise for ``error``: one line where pimm can name the cause, else ``error`` itself."""
+        if not self.num_workers:
+            return error
+        if is_pickling_error(error):
+            return unpicklable("train dataset (or its collate_fn)", self.start_method, error)
+        if isinstance(error, RuntimeError) and self.timeout and "timed out" in str(error):
+            if iterator is not None:
+                stop_workers(iterator)  # a stuck worker never exits by itself: the rank would hang at exit
+            return TrainingError(
+                f"rank {self.rank}: no batch from its {self.num_workers} DataLoader workers in {self.timeout:g} s "
+                "(data.timeout); a worker is stuck or too slow in the dataset's __getitem__/collate_fn: fix it, "
+                "or raise data.timeout (0: wait forever)")
+        if isinstance(error, RuntimeError) and "exited unexpectedly" in str(error) and self.start_method != "fork":
+            return TrainingError(f"rank {self.rank}: {error} (its error is printed above; when it failed while "
+                                 f"starting: {MAIN_GUARD})")
+        return error
 
 
 # The train loaders that may hold worker processes. Their workers ignore SIGTERM
@@ -278,8 +326,20 @@ _with_workers: "weakref.WeakSet[StatefulDataLoader]" = weakref.WeakSet()
 def _stop_workers_at_exit() -> None:
     for loader in list(_with_workers):
         iterator = getattr(loader, "_iterator", None)
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
+        if iterator is not None:
+            stop_workers(iterator)
+
+
+def stop_workers(iterator: Any) -> None:
+    """End a loader iterator's workers: the loader's own shutdown (which asks each worker to
+    exit and waits a few seconds), then SIGKILL for any still alive (a worker stuck in the
+    dataset never reads the request, and ignores SIGTERM)."""
+    if hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    for w in getattr(iterator, "_workers", ()):
+        if w.is_alive():
+            w.kill()
+            w.join(5)
 
 
 def eval_loader(ds: Any, cfg: DataConfig, info: DistInfo,
@@ -296,8 +356,9 @@ def init_worker(rank_pid: int, worker_id: int) -> None:
     """A DataLoader worker ignores stop signals and dies with its rank (``rank_pid``, its parent).
 
     PyTorch's own check (the worker polls its parent's pid) starts only after this function
-    and the worker's setup: a rank killed in between would leave the worker waiting forever,
-    holding the run lock it inherited (see pimm_core.lock).
+    and the worker's setup: a rank killed in between would leave the worker waiting forever
+    (see pimm_core.lock). Under the fork server the parent is the server, which exits with
+    the rank; :func:`pimm_core.lock.die_with_parent` then watches the rank itself.
     """
     from .lock import die_with_parent
 

@@ -10,12 +10,13 @@ last process holding it dies, even by ``kill -9``, so a stale lock never blocks 
   checks: :meth:`LauncherLock.acquire`). Who holds it (host, pid, start time) is
   written to ``<run>/lock.json`` for the refusal message.
 - ``<run>/.ranks.lock``, shared: every rank of a one-node ``pimm launch --nproc-per-node``
-  holds it while it trains (:func:`hold_run`), and so do its DataLoader workers, which are
-  forked from it and share the open file until they exit.
+  holds it while it trains (:func:`hold_run`). Its DataLoader workers start from a fork
+  server (:mod:`pimm_core.loader_workers`) and inherit no file of it; with
+  ``data.multiprocessing_context = "fork"`` they share the open file until they exit.
 
 :meth:`RunLock.acquire` takes ``.lock`` and then checks that nobody holds ``.ranks.lock``, so
 a new launch (or ``--train.resume``) is refused with one ``... is in use by ...`` line while
-the old launcher, any of its ranks or any of their DataLoader workers is alive, and is
+the old launcher or any of its ranks is alive, and is
 accepted as soon as all of them are gone.
 
 A rank of ``pimm launch --nproc-per-node`` dies with its launcher (:func:`follow_launcher`):
@@ -24,9 +25,9 @@ SIGKILL when its parent dies (:func:`die_with_parent`: Linux ``prctl(PR_SET_PDEA
 torchrun starts the ranks from the launcher's main thread, so the signal comes when the
 launcher process ends). A killed launcher takes its ranks at once, mid-step or mid-save,
 so none writes another checkpoint (an interrupted save leaves only a ``*.tmp`` leftover,
-which the next start handles). Every DataLoader worker dies with its rank the same way
+which the next start handles). Every DataLoader worker dies with its rank too
 (``data.init_worker``): PyTorch's own watchdog starts too late to catch a rank killed
-while the worker starts, and such a worker would wait forever, holding the lock. Ranks of
+while the worker starts, and such a worker would wait forever. Ranks of
 an external torchrun/srun and a single-process launch have no ``$PIMM_LAUNCHER_PID`` and
 do not follow their parent.
 

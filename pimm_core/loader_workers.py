@@ -1,0 +1,108 @@
+"""Where DataLoader workers come from: a clean process, never a fork of a busy rank.
+
+A rank is multi-threaded: pimm's own threads (the purge of ``last.prev``, async saves,
+hashing while writing), torch's (gloo, autograd, intra-op pools) and whatever the user's
+code starts. ``fork()`` copies only the calling thread; a lock another thread held at that
+instant stays held forever in the child. CPython itself takes such a lock whenever a native
+thread enters Python (``PyGILState_Ensure`` creates a thread state under the runtime's
+``HEAD_LOCK``), and a child forked then deadlocks in ``PyOS_AfterFork_Child`` before it runs
+a line: a DataLoader that forks its workers at every epoch start hangs the run, with no
+error and no timeout (seen: a 2-rank digits run stuck at epoch 11; issue #28). CPython 3.12
+warns about forking a multi-threaded process and 3.14 makes ``forkserver`` the default
+start method on Linux for this reason.
+
+pimm therefore starts DataLoader workers with ``data.multiprocessing_context`` (PyTorch's
+DataLoader argument of that name), ``"forkserver"`` by default:
+
+- The fork server is a fresh interpreter started by ``exec`` (only the file descriptors
+  multiprocessing passes, so no run lock is inherited), single-threaded, which forks the
+  workers on request. It preloads ``pimm_core.data`` (torch, numpy, torchdata) once, so a
+  worker starts in milliseconds instead of importing torch at every epoch
+  (``benchmarks/worker_start.py`` measures the choices).
+- It is started with the stop signals (SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2) blocked,
+  a mask it and the workers it forks inherit: torchrun stops a rank with ``killpg`` and a
+  scheduler signals every process of a job step, and a fork server killed by that signal
+  would take the epoch's workers with it (their watchdog follows their parent) while the
+  rank is still stopping cleanly. It exits by itself when the rank does (multiprocessing's
+  "alive" pipe), and each worker dies with its rank (:func:`pimm_core.data.init_worker`).
+- ``"spawn"`` starts each worker as a fresh interpreter (slower: torch is imported per
+  worker per epoch); ``"fork"`` is PyTorch's Linux default and the old behaviour: fastest,
+  and exposed to the hang above.
+
+Datasets, collate functions and everything they hold are pickled to the workers under
+``forkserver`` and ``spawn`` (as on macOS and Windows): a class defined in a script needs
+the script's ``if __name__ == "__main__":`` guard, and a lambda or an open file handle in a
+dataset cannot be sent (a one-line :class:`~pimm_core.errors.ConfigError` says so).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import pickle
+import signal
+import threading
+from .errors import ConfigError
+
+#: The signals a run stops on; the fork server and the workers it starts never act on them.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+                     if hasattr(signal, name))
+#: What the fork server imports once so that each worker it forks has it already.
+PRELOAD = ["pimm_core.data"]
+
+_start_lock = threading.Lock()
+
+#: Why a worker can fail while it starts: it imports the user's script (to find the classes
+#: defined there) and the script's top level trains again.
+MAIN_GUARD = ("a DataLoader worker imported the training script and it started training again: DataLoader workers "
+              "import the script that trains (data.multiprocessing_context = 'forkserver' or 'spawn'), so put its "
+              "training code under if __name__ == \"__main__\":")
+
+
+def worker_context(method: str) -> multiprocessing.context.BaseContext:
+    """The multiprocessing context DataLoader workers start from.
+
+    Args:
+        method: ``"forkserver"``, ``"spawn"`` or ``"fork"`` (``data.multiprocessing_context``).
+
+    Returns:
+        ``multiprocessing.get_context(method)``; for ``"forkserver"`` the server is running
+        (started here the first time, preloaded and with :data:`STOP_SIGNALS` blocked).
+    """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        # this is a worker importing the user's script as its __main__, and the script trains
+        raise ConfigError(MAIN_GUARD)
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        with _start_lock:
+            _ensure_forkserver()
+    return ctx
+
+
+def _ensure_forkserver() -> None:
+    # The mask of the calling thread is inherited through fork and exec; blocking here (not
+    # ignoring) loses nothing: a stop signal that arrives meanwhile is delivered to this
+    # process when the mask is restored.
+    multiprocessing.set_forkserver_preload(PRELOAD)  # no effect once the server runs
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def is_pickling_error(error: BaseException) -> bool:
+    """``error`` is multiprocessing failing to send something to a worker it starts
+    (``PicklingError``, or the ``TypeError``/``AttributeError`` pickle raises for a lambda,
+    a local class or an open file)."""
+    return isinstance(error, pickle.PicklingError) or (
+        isinstance(error, (TypeError, AttributeError)) and "pickle" in str(error).lower())
+
+
+def unpicklable(what: str, method: str, error: BaseException) -> ConfigError:
+    """The one-line error for a ``what`` (e.g. "train dataset") workers cannot receive."""
+    return ConfigError(
+        f"data: the {what} cannot be sent to DataLoader workers started by data.multiprocessing_context = "
+        f"{method!r} ({type(error).__name__}: {error}); make it picklable (module-level classes and functions, "
+        "no lambdas or open files), set data.num_workers = 0, or data.multiprocessing_context = 'fork' "
+        "(which can hang; see the README)")
