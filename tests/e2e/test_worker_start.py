@@ -139,12 +139,15 @@ def _progress(run: Path) -> tuple:
 def test_two_ranks_many_short_epochs_with_saves_and_purges_never_hang(tmp_path):
     """The issue's run, made harder: 40 epochs of 3 steps per rank, two fresh workers per rank
     at each, an async save and a purge of ``last.prev`` at every epoch end, evaluation at
-    each, and user code with native threads entering Python. It must finish; a run whose
+    each, and user code in every rank with native threads entering Python and a thread
+    holding the lock of the dataset's cache most of the time. With workers forked from the
+    ranks (``fork``, the old start) it hangs in the first epoch. It must finish; a run whose
     status makes no progress for 120 s (a hang: an epoch takes well under a second) fails."""
     root = tmp_path / "exp"
     overrides = ["train.epochs=40", "train.log_every_steps=1", "data.num_workers=2", "data.batch_size=16",
-                 "data.val_fraction=0.95", "checkpoint.every_epochs=1", "checkpoint.async=true",
-                 "model.target=userpkg.threads:churning_mlp", "model.args={hidden = 16}", "data.timeout=60"]
+                 "checkpoint.every_epochs=1", "checkpoint.async=true", "data.target=userpkg.threads:cached_digits",
+                 "data.args={val_fraction = 0.95}", "model.target=userpkg.threads:churning_mlp",
+                 "model.args={hidden = 16, cache_filler = true}"]
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     proc = subprocess.Popen([sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(DIGITS),

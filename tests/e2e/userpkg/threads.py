@@ -4,7 +4,8 @@ a ctypes callback, so CPython creates and destroys a thread state for it under i
 lock (``PyGILState_Ensure``/``Release``), without the GIL. A process forked while one of
 them holds that lock deadlocks in ``PyOS_AfterFork_Child`` (issue #28).
 
-``churning_mlp``: the built-in MLP, built while such threads run for the rest of the process.
+``churning_mlp``: a small MLP, built while such threads run for the rest of the process (and,
+with ``cache_filler``, a thread holding the lock of :func:`cached_digits`' cache).
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ def start_native_churn(threads: int = 2) -> threading.Event:
     return stop
 
 
-def churning_mlp(in_features: int = 64, hidden: int = 32, classes: int = 10, churn_threads: int = 2):
+def churning_mlp(in_features: int = 64, hidden: int = 32, classes: int = 10, churn_threads: int = 2,
+                 cache_filler: bool = False):
     from torch import nn
 
     start_native_churn(churn_threads)
+    if cache_filler:
+        start_cache_filler()
     return nn.Sequential(nn.Flatten(), nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
 
 
@@ -82,3 +86,26 @@ class CachedRange:
 
         with _cache_lock:
             return torch.tensor(i), torch.tensor(os.getppid())
+
+
+class _UnderCacheLock:
+    """A map-style dataset read under the cache lock (``(x, y, index)`` items of ``inner``)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        with _cache_lock:
+            return self.inner[i]
+
+
+def cached_digits(val_fraction: float = 0.2):
+    """The bundled digits, the train split read under the cache lock that the main process's
+    filler thread (started by :func:`churning_mlp` with ``cache_filler=True``) holds most of the time."""
+    from pimm_core.data import Datasets, digits
+
+    d = digits(val_fraction=val_fraction)
+    return Datasets(_UnderCacheLock(d.train), d.val, fingerprint=d.fingerprint)
