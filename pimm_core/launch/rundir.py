@@ -14,6 +14,7 @@ from pathlib import Path
 from ..checkpoint.selection import explain, list_candidates, resolve_resume_path, select_resume
 from ..config import Config
 from ..errors import CheckpointError, ConfigError, UsageError
+from ..run.entries import check_run_entries, ensure_dir
 from ..run.layout import NAME_SUFFIX_MAX, name_problem
 from ..run import (CONFIG, METRICS, MODEL, PROVENANCE, STATUS, RunDirClaim, append_provenance, claim_run_dir,
                    free_run_dir, now_iso, read_run_status, recorded_launch, run_dir_for, run_name)
@@ -62,6 +63,7 @@ def check_before_launch(cfg: Config, run_dir: Path, *, leftovers_ok: bool = Fals
     Raises:
         UsageError: the run root is a file; a fresh run would start in a directory that
             already has checkpoints; a resume was asked for but the run has none.
+        RunEntryError: a file pimm writes in the run directory is a link or the wrong kind of entry.
         ConfigError: a config value the trainer would refuse, a wrong target or ``args``
             (:func:`check_config`).
         CheckpointError: the warm-start source does not resolve or is not a checkpoint.
@@ -69,6 +71,8 @@ def check_before_launch(cfg: Config, run_dir: Path, *, leftovers_ok: bool = Fals
     for parent in [run_dir, *run_dir.parents]:
         if parent.exists() and not parent.is_dir():
             raise UsageError(f"{parent} is a file, not a directory; choose another --run.root or --run.name")
+    if run_dir.is_dir():
+        check_run_entries(run_dir)  # a link or a wrong kind of entry where pimm writes: refused before anything
     check_config(cfg, config_path)
     if cfg.train.resume:
         return
@@ -179,7 +183,7 @@ def auto_resume(cfg: Config, run_dir: Path, *, is_main: bool = True) -> Config:
 
 def set_aside(path: Path, under: Path) -> Path:
     """Move ``path`` (one rename, nothing copied or deleted) to ``under/<YYYYmmdd-HHMMSS>[-N]``."""
-    under.mkdir(parents=True, exist_ok=True)
+    ensure_dir(under)  # never a link: the leftovers stay inside the run
     stamp = time.strftime("%Y%m%d-%H%M%S")
     dest, n = under / stamp, 1
     while dest.exists():
