@@ -70,6 +70,10 @@ def validate(cfg: Config, where: Where, origins: dict[str, str]) -> None:
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             bound = f">= {lo}" if hi is None else f"between {lo} and {hi}"
             raise ConfigError(f"{where(dotted, origins.get(dotted, 'file'))}: {dotted} = {value!r} is out of range; it must be {bound}")
+    if cfg.data.target is None and not 0 < cfg.data.val_fraction < 1:
+        raise ConfigError(f"{where('data.val_fraction', origins.get('data.val_fraction', 'file'))}: data.val_fraction = "
+                          f"{cfg.data.val_fraction!r} leaves the {'validation' if cfg.data.val_fraction <= 0 else 'training'}"
+                          " split empty; it must be greater than 0 and less than 1 (e.g. 0.2)")
     _validate_names(cfg, where, origins)
     _validate_plugins(cfg, where, origins)
     if cfg.checkpoint.async_ and cfg.checkpoint_format != "standard":

@@ -2,7 +2,8 @@
 
 pimm appends to ``train.log`` and ``metrics.jsonl``, replaces ``status.json``,
 ``provenance.json``, ``config.toml`` and ``lock.json``, takes ``.lock`` and ``.ranks.lock``,
-writes and removes ``control/stop`` and moves leftovers to ``abandoned/``. Any of them can
+writes and removes ``control/stop``, moves leftovers to ``abandoned/`` and writes TensorBoard
+events to ``tensorboard/``. Any of them can
 be something pimm did not put there: a symbolic link to a file outside the run (pimm's lines
 would land in it, or a lock would truncate it), a link loop, a directory where a file goes or a
 file where a directory goes. :func:`check_run_entries` refuses all of these, before anything is
@@ -27,11 +28,14 @@ RANKS = ".ranks.lock"
 HOLDER = "lock.json"
 ABANDONED = "abandoned"
 STOP_FILE = "stop"
+#: The directory of the TensorBoard event files (``log.tensorboard``).
+TENSORBOARD_DIR = "tensorboard"
 
 #: Entries of a run directory pimm writes, and what each must be when present.
 RUN_ENTRIES: tuple[tuple[str, str], ...] = (
     (LOG, "file"), (METRICS, "file"), (STATUS, "file"), (PROVENANCE, "file"), (CONFIG, "file"), (HOLDER, "file"),
     (LOCK, "file"), (RANKS, "file"), (CONTROL, "dir"), (f"{CONTROL}/{STOP_FILE}", "file"), (ABANDONED, "dir"),
+    (TENSORBOARD_DIR, "dir"),
 )
 
 

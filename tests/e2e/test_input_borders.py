@@ -197,3 +197,9 @@ def test_pimm_stop_on_a_live_run_writes_the_request(tmp_path):
     result = pimm("stop", run, timeout=60)
     assert result.returncode == 0, describe(result)
     assert (run / "control" / "stop").is_file()
+
+
+@pytest.mark.parametrize("value, empty", [("0", "validation"), ("1", "training"), ("1.0", "training")])
+def test_val_fraction_that_empties_a_split_is_refused(value, empty):
+    message = config_error([f"data.val_fraction={value}"])
+    assert f"data.val_fraction = {float(value)!r} leaves the {empty} split empty" in message, message

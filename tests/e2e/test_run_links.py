@@ -75,7 +75,7 @@ CASES = [
     ("provenance.json", _link_out), ("config.toml", _link_out), (".lock", _link_out), (".lock", _loop),
     (".lock", _dir), (".ranks.lock", _link_out), ("lock.json", _link_out), ("control", _file),
     ("control", _dir_link), ("control/stop", _dir), ("control/stop", _link_out), ("abandoned", _dir_link),
-    ("metrics.jsonl", _dir),
+    ("metrics.jsonl", _dir), ("tensorboard", _dir_link),
 ]
 
 
