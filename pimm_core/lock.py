@@ -54,6 +54,7 @@ from .errors import UsageError
 from .run import now_iso, read_json, read_run_status
 from .run.entries import HOLDER, LOCK, RANKS, check_entry, check_run_entries, writable_error
 from .shell import command
+
 LAUNCHER_ENV = "PIMM_LAUNCHER_PID"  # set by LauncherLock for the ranks a launcher starts
 LAUNCHER_HOLDS_ENV = "PIMM_LAUNCHER_HOLDS_LOCK"  # set when that launcher holds .lock (one node)
 

@@ -44,13 +44,14 @@ def write_stop_file(run_dir: Path, reason: str = "operator") -> Path:
             run directory cannot be written (one line naming the path).
     """
     path = stop_file(run_dir)
-    ensure_dir(path.parent)
+    hint = "ask from an account that can write it"
+    ensure_dir(path.parent, hint=hint)
     check_entry(path, "file")
     try:
         atomic_write_bytes(path, json.dumps({"reason": reason, "time": time.time(), "pid": os.getpid()}).encode())
     except OSError as e:
         check_entry(path, "file")
-        raise writable_error(path.parent, e) from None
+        raise writable_error(path.parent, e, hint=hint) from None
     return path
 
 

@@ -87,8 +87,11 @@ def writable_error(path: Path, e: OSError, *, hint: str = "choose another --run.
     return RunEntryError(f"cannot write in {path} ({why}): make it writable or {hint}")
 
 
-def ensure_dir(path: Path) -> Path:
+def ensure_dir(path: Path, *, hint: str = "choose another --run.root") -> Path:
     """``path`` as a directory of its own (created if missing, parents included), never a link.
+
+    Args:
+        hint: what the error for a directory that cannot be written suggests (:func:`writable_error`).
 
     Raises:
         RunEntryError: it is a link or a file, or it cannot be created (read-only, no permission).
@@ -100,9 +103,9 @@ def ensure_dir(path: Path) -> Path:
     except FileExistsError:
         check_entry(path, "dir")
         raise
-    except (PermissionError, OSError) as e:
+    except OSError as e:
         if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            raise writable_error(path.parent, e) from None
+            raise writable_error(path.parent, e, hint=hint) from None
         raise
     return path
 
