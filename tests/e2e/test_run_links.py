@@ -252,3 +252,22 @@ def test_relative_symlink_out_of_the_checkpoint_is_outside(tmp_path: Path):
     (ck / "ok.pth").write_text("y")
     problems = outside_names(ck, {"weights.pth": {}, "ok.pth": {}, "sub/../../secret": {}, "": {}})
     assert [p.split("'")[1] for p in problems] == ["weights.pth", "sub/../../secret", ""]
+
+
+def test_python_api_trainer_refuses_a_linked_control_dir(tmp_path: Path):
+    """A Trainer started from Python (no ``pimm launch``, no run lock) checks the same entries before it
+    writes or removes anything: a ``control`` link out of the run would have its ``stop`` deleted."""
+    from pimm_core import Trainer
+    from pimm_core.config import load_config
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "stop").write_text(OUTSIDE_TEXT)
+    cfg = load_config(DIGITS, ["train.epochs=1", "train.max_steps=1"],
+                      {"run.root": str(tmp_path / "exp"), "run.name": "r", "run.no_timestamp": True})
+    run = tmp_path / "exp" / cfg.run.group / "r"
+    run.mkdir(parents=True)
+    (run / "control").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(RunEntryError, match="control is a symbolic link"):
+        Trainer(cfg, run_dir=run).train()
+    assert (outside / "stop").read_text() == OUTSIDE_TEXT
