@@ -200,7 +200,7 @@ class ProgressDisplay:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.rich = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                 TimeRemainingColumn(), TextColumn("{task.fields[info]}"), transient=True)
+                                 TimeRemainingColumn(), TextColumn("{task.fields[info]}", markup=False), transient=True)
 
     def start(self, step: int) -> None:
         if self.rich is not None:
