@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from .config_tables import Where
 from .errors import ConfigError
+from .run.layout import NAME_SUFFIX_MAX, name_problem
 from .targets import is_target
 
 if TYPE_CHECKING:
@@ -27,8 +28,15 @@ TARGET_KEYS = (("model.target", "model.args"), ("data.target", "data.args"),
                ("optimizer.target", "optimizer.args"), ("scheduler.target", "scheduler.args"))
 
 
+#: Inclusive ranges of the numeric keys (None: unbounded). Every float key must also be finite
+#: and every integer fit in 64 bits (:func:`pimm_core.config_tables.coerce`). ``train.seed``
+#: stays below 2**63 because the rank and the epoch are added to it before it reaches
+#: ``torch.Generator.manual_seed`` (which takes at most 2**64 - 1); ``data.split_seed`` seeds
+#: NumPy's ``RandomState`` (at most 2**32 - 1).
 RANGES: dict[str, tuple[float | None, float | None]] = {
     "train.epochs": (1, None),
+    "train.seed": (0, 2**63 - 1),
+    "data.split_seed": (0, 2**32 - 1),
     "train.lr": (0, None),
     "train.grad_accum": (1, None),
     "train.max_steps": (1, None),
@@ -63,6 +71,11 @@ def validate(cfg: Config, where: Where, origins: dict[str, str]) -> None:
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             bound = f">= {lo}" if hi is None else f"between {lo} and {hi}"
             raise ConfigError(f"{where(dotted, origins.get(dotted, 'file'))}: {dotted} = {value!r} is out of range; it must be {bound}")
+    if cfg.data.target is None and not 0 < cfg.data.val_fraction < 1:
+        raise ConfigError(f"{where('data.val_fraction', origins.get('data.val_fraction', 'file'))}: data.val_fraction = "
+                          f"{cfg.data.val_fraction!r} leaves the {'validation' if cfg.data.val_fraction <= 0 else 'training'}"
+                          " split empty; it must be greater than 0 and less than 1 (e.g. 0.2)")
+    _validate_names(cfg, where, origins)
     _validate_plugins(cfg, where, origins)
     if cfg.checkpoint.async_ and cfg.checkpoint_format != "standard":
         raise ConfigError(f"{where('checkpoint.async', origins.get('checkpoint.async', 'file'))}: checkpoint.async "
@@ -83,6 +96,19 @@ def validate(cfg: Config, where: Where, origins: dict[str, str]) -> None:
         raise ConfigError(f"{where('eval.weights', origins.get('eval.weights', 'file'))}: eval.weights = 'ema' "
                           "needs ema.enabled = true")
 
+
+
+def _validate_names(cfg: Config, where: Where, origins: dict[str, str]) -> None:
+    """``run.group`` and ``run.name`` (unless empty: the config file's stem) are one path component each."""
+    for key, value, suffix in (("run.group", cfg.run.group, 0),
+                               ("run.name", cfg.run.name, 0 if cfg.run.no_timestamp else NAME_SUFFIX_MAX)):
+        if key == "run.name" and value == "":
+            continue
+        problem = name_problem(value, suffix=suffix)
+        if problem:
+            shown = repr(value if len(value) <= 60 else value[:40] + "...")
+            raise ConfigError(f"{where(key, origins.get(key, 'file'))}: {key} = {shown} {problem}; a run name and "
+                              "its group are each one directory name under run.root (e.g. run.name = 'lr-sweep-3')")
 
 
 def _validate_plugins(cfg: Config, where: Where, origins: dict[str, str]) -> None:

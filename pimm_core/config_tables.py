@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import keyword
+import math
 import re
 import types
 import typing
@@ -13,6 +14,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import ConfigError
+
+#: The range of a TOML integer (signed 64 bits); :mod:`tomllib` itself reads larger ones.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def toml_key(name: str) -> str:
@@ -111,6 +115,11 @@ def coerce(value: Any, hint: Any, dotted: str, where: str) -> Any:
     )
     if not ok:
         raise ConfigError(f"{where}: {dotted} must be {type_name(hint)}, got {value!r}")
+    if hint is float and not math.isfinite(value):
+        raise ConfigError(f"{where}: {dotted} = {value!r} is not a finite number; write a number such as 0.001")
+    if hint is int and not INT64_MIN <= value <= INT64_MAX:
+        raise ConfigError(f"{where}: {dotted} = {value!r} does not fit in 64 bits (TOML integers are between "
+                          f"{INT64_MIN} and {INT64_MAX})")
     return float(value) if hint is float else value
 
 

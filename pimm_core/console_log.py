@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from .text import printable
+
 FORMAT = logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S")
 
 
@@ -27,6 +29,11 @@ class ConsoleHandler(logging.StreamHandler):
         super().__init__()
         self._stderr = stderr
         self.setFormatter(FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The line as logged, with control characters from user text (names, paths) shown escaped
+        (:func:`pimm_core.text.printable`): nothing in a message drives the terminal."""
+        return printable(super().format(record), keep_newlines=True)
 
     @property
     def stream(self):  # noqa: D102 - logging reads it for every record

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from .fsio import atomic_write_bytes
+from .text import printable
 
 
 class PimmError(Exception):
@@ -142,7 +143,7 @@ def report(e: PimmError, *, secondary: bool = False, file=None) -> None:
             return
         except OSError:
             pass  # fall back to printing: a lost message is worse than an extra line
-    print(f"error: {e}", file=file or sys.stderr, flush=True)
+    print(f"error: {printable(e)}", file=file or sys.stderr, flush=True)
 
 
 def rank_errors(where: str) -> dict[int, dict]:

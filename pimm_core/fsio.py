@@ -105,7 +105,9 @@ def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = True) -> None
     """
 
     def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
+        # never through a link planted under the temporary name
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
 
     atomic_write(path, write, durable=durable)

@@ -53,11 +53,9 @@ from filelock import FileLock, Timeout
 from .fsio import atomic_write_bytes
 from .errors import UsageError
 from .run import now_iso, read_json, read_run_status
+from .run.entries import HOLDER, LOCK, RANKS, check_entry, check_run_entries, writable_error
 from .shell import command
 
-LOCK = ".lock"
-RANKS = ".ranks.lock"
-HOLDER = "lock.json"
 LAUNCHER_ENV = "PIMM_LAUNCHER_PID"  # set by LauncherLock for the ranks a launcher starts
 LAUNCHER_HOLDS_ENV = "PIMM_LAUNCHER_HOLDS_LOCK"  # set when that launcher holds .lock (one node)
 
@@ -79,11 +77,20 @@ class RunLock:
     def acquire(self) -> "RunLock":
         if self._lock.is_locked:
             return self  # already held by this object (``with`` on an acquired lock)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise writable_error(self.run_dir, e) from None
+        # Every writer of the run passes here first: nothing it writes may lead outside the run
+        # (a link), be the wrong kind of entry, or sit in a directory it cannot write.
+        check_run_entries(self.run_dir)
         try:
             self._lock.acquire(timeout=0)
         except Timeout:
             raise UsageError(self._in_use(self._holder() or "pid ? on host ? (since ?)")) from None
+        except OSError as e:  # read-only, no permission; (a link appearing since the check: refused too)
+            check_entry(self.run_dir / LOCK, "file")
+            raise writable_error(self.run_dir, e) from None
         if _ranks_alive(self.run_dir):
             self._lock.release()
             status = read_run_status(self.run_dir)
@@ -91,8 +98,12 @@ class RunLock:
             ranks = f"ranks {', '.join(map(str, pids))}" if pids else "ranks"
             raise UsageError(self._in_use(f"processes of {self._holder() or 'an earlier launch'} that are still "
                                           f"running ({ranks} or their DataLoader workers)"))
-        atomic_write_bytes(self.run_dir / HOLDER, json.dumps(
-            {"pid": os.getpid(), "host": socket.gethostname(), "since": now_iso()}).encode(), durable=False)
+        try:
+            atomic_write_bytes(self.run_dir / HOLDER, json.dumps(
+                {"pid": os.getpid(), "host": socket.gethostname(), "since": now_iso()}).encode(), durable=False)
+        except OSError as e:
+            self._lock.release()
+            raise writable_error(self.run_dir, e) from None
         return self
 
     def _holder(self) -> str | None:
@@ -181,7 +192,12 @@ class _RanksLock:
     def acquire(self) -> "_RanksLock":
         if self._fd is None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.run_dir / RANKS, os.O_RDWR | os.O_CREAT, 0o644)
+            check_entry(self.run_dir / RANKS, "file")
+            try:
+                fd = os.open(self.run_dir / RANKS, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            except OSError as e:
+                check_entry(self.run_dir / RANKS, "file")
+                raise writable_error(self.run_dir, e) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH)  # only RunLock.acquire's probe takes it exclusively, for an instant
             except BaseException:

@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Iterator
 
 from .fsio import atomic_write_bytes
+from .run.entries import STOP_FILE, check_entry, ensure_dir, writable_error
 from .run.jsonfile import read_json
 from .run.layout import CONTROL
-
-STOP_FILE = "stop"
 
 
 def stop_file(run_dir: Path) -> Path:
@@ -39,10 +38,20 @@ def write_stop_file(run_dir: Path, reason: str = "operator") -> Path:
 
     Returns:
         The path written.
+
+    Raises:
+        RunEntryError: ``control`` is a link or a file, ``control/stop`` a link or a directory, or the
+            run directory cannot be written (one line naming the path).
     """
     path = stop_file(run_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, json.dumps({"reason": reason, "time": time.time(), "pid": os.getpid()}).encode())
+    hint = "ask from an account that can write it"
+    ensure_dir(path.parent, hint=hint)
+    check_entry(path, "file")
+    try:
+        atomic_write_bytes(path, json.dumps({"reason": reason, "time": time.time(), "pid": os.getpid()}).encode())
+    except OSError as e:
+        check_entry(path, "file")
+        raise writable_error(path.parent, e, hint=hint) from None
     return path
 
 

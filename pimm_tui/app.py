@@ -20,6 +20,7 @@ from textual.widgets import DataTable, Footer, Input, TabbedContent, TabPane, Ta
 
 from pimm_core.watch.snapshot import RunReader, RunSnapshot
 from pimm_core.stop import write_stop_file
+from pimm_core.text import printable
 
 from .fmt import error_line
 from .screens import ConfirmStop, stop_unavailable
@@ -103,7 +104,7 @@ class PimmConsole(App[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.sub_title = str(self.run_dir)
+        self.sub_title = printable(self.run_dir)
         self._update_stop_binding()
         self.set_interval(self.refresh_s, self.poll)
         self.poll()
@@ -160,7 +161,7 @@ class PimmConsole(App[None]):
 
     def _update_stop_binding(self) -> None:
         why = stop_unavailable(self.snapshot)
-        label = "Stop run" if why is None else f"Stop: {why}"
+        label = "Stop run" if why is None else printable(f"Stop: {why}")
         if label != self._stop_label:
             self._stop_label = label
             self._bindings.key_to_bindings["s"] = [Binding("s", "stop", label)]
@@ -192,7 +193,7 @@ class PimmConsole(App[None]):
         if not self.can_stop():
             s = self.snapshot
             why = "the run is not live" if s is None else (s.status.note or f"the run is {s.status.display_state}")
-            self.notify(f"cannot stop: {why}", severity="warning")
+            self.notify(printable(f"cannot stop: {why}"), severity="warning", markup=False)
             return
         name = "/".join(self.run_dir.absolute().parts[-2:])
         self.push_screen(ConfirmStop(name, self.snapshot.step if self.snapshot else None), self._stop_confirmed)
@@ -202,7 +203,7 @@ class PimmConsole(App[None]):
             return
         if not self.can_stop():  # the run ended (or went quiet) while the question was open
             state = self.snapshot.status.display_state if self.snapshot else "unknown"
-            self.notify(f"not sent: the run is no longer live ({state})", severity="warning")
+            self.notify(printable(f"not sent: the run is no longer live ({state})"), severity="warning", markup=False)
             return
         self._write_stop()
 
@@ -211,8 +212,8 @@ class PimmConsole(App[None]):
         try:
             path = write_stop_file(self.run_dir, "operator")
         except Exception as e:
-            self.call_from_thread(self.notify, f"could not write the stop request: {error_line(e)}",
-                                  severity="error")
+            self.call_from_thread(self.notify, printable(f"could not write the stop request: {error_line(e)}"),
+                                  severity="error", markup=False)
             return
         self.call_from_thread(self._stop_written, path)
 
@@ -220,7 +221,8 @@ class PimmConsole(App[None]):
         import time
 
         self.stop_sent_at = time.time()
-        self.notify(f"stop requested: wrote {path}; the run saves last and exits", title="stopping")
+        self.notify(printable(f"stop requested: wrote {path}; the run saves last and exits"), title="stopping",
+                    markup=False)
         self.poll(force=True)
 
     def on_resize(self) -> None:

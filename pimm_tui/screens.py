@@ -8,6 +8,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 
+from pimm_core.text import plain_text
 from pimm_core.watch.snapshot import RunSnapshot
 
 
@@ -56,11 +57,11 @@ class ConfirmStop(ModalScreen[bool]):
         if step is not None and step != self.step:
             self.step = step
             if self.is_mounted:
-                self.query_one("#confirm-title", Static).update(self._title())
+                self.query_one("#confirm-title", Static).update(plain_text(self._title()))
 
     def compose(self) -> ComposeResult:
         with Vertical(id="confirm-box"):
-            yield Static(self._title(), id="confirm-title")
+            yield Static(plain_text(self._title()), id="confirm-title")  # the run's name is never markup
             yield Static("The trainer finishes the current accumulation window, saves model/last, "
                          "and exits; resume later with --train.resume.", id="confirm-text")
             with Horizontal(id="confirm-buttons"):

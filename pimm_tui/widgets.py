@@ -10,6 +10,7 @@ from textual.app import ComposeResult
 from textual.widget import Widget
 from textual.widgets import Static
 
+from pimm_core.text import clean_text, plain_text
 from pimm_core.watch.fmt import human_duration
 from pimm_core.watch.series import NonFinite
 from pimm_core.watch.snapshot import RunSnapshot
@@ -94,7 +95,7 @@ class RunBar(Static):
                     t.append_text(line)
         if error:
             t.append(f"\n⚠ {error}", style="bold red")
-        self.update(t)
+        self.update(clean_text(t))
 
     def _problem_lines(self, problems: list[str], width: int) -> list[list[Text]]:
         """Each problem wrapped to ``width``: one line each, then the spare lines of the
@@ -196,7 +197,7 @@ if PlotWidget is not None:
             except Exception as e:  # noqa: BLE001 - a plot must not take the console down
                 self._needs_rerender = False
                 self.render_error = f"{e.__class__.__name__}: {e}"
-                return Text(f"cannot draw this plot: {self.render_error}", style="red")
+                return plain_text(f"cannot draw this plot: {self.render_error}", style="red")
 else:  # pragma: no cover
     _Plot = None  # type: ignore[assignment,misc]
 
@@ -228,7 +229,7 @@ class MetricPlot(Widget):
         self.title_text = ""
 
     def compose(self) -> ComposeResult:
-        yield Static(self.title, classes="plot-title")
+        yield Static(plain_text(self.title), classes="plot-title")
         if _Plot is not None:
             yield _Plot(allow_pan_and_zoom=False)
         else:  # pragma: no cover
@@ -289,7 +290,7 @@ class MetricPlot(Widget):
         xs_l, ys_l = _thin(tuple(xs), tuple(ys), width * 2)
         title = self._title(ys, log)
         self.title_text = title.plain
-        self.query_one(".plot-title", Static).update(title)
+        self.query_one(".plot-title", Static).update(clean_text(title))
         self.points_shown = len(xs_l)
         self.log_shown = log
         if _Plot is None:  # pragma: no cover

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..fsio import atomic_write_bytes
@@ -96,6 +96,36 @@ def _sha256_or_none(path: Path) -> str | None:
         return None
 
 
+def outside_names(root: Path, files: Any) -> list[str]:
+    """The problems of a manifest's ``files`` table that names something outside its checkpoint.
+
+    A name must be a relative POSIX path without ``..``, not absolute, and must not lead out of
+    ``root`` through a symbolic link. Such a manifest is invalid: nothing it names is read (only
+    links are followed to find where a name leads). A table that is not a dict has no names here.
+
+    Returns:
+        One line per such name (empty: every name is inside ``root``).
+    """
+    if not isinstance(files, dict):
+        return []
+    base = Path(root).resolve()
+    problems = []
+    for rel in files:
+        bad = not isinstance(rel, str) or not rel or "\0" in rel
+        if not bad:
+            parts = PurePosixPath(rel).parts
+            bad = PurePosixPath(rel).is_absolute() or ".." in parts or "\\" in rel
+        if not bad:
+            try:
+                bad = not (base / rel).resolve().is_relative_to(base)
+            except (OSError, RuntimeError):  # a link loop
+                bad = True
+        if bad:
+            problems.append(f"manifest names {rel!r}, a file outside its checkpoint (the manifest is invalid; "
+                            "nothing outside was read)")
+    return problems
+
+
 def verify_files(root: Path, files: dict[str, dict[str, Any]]) -> list[str]:
     """Compare files under ``root`` with a manifest's ``files`` table.
 
@@ -104,8 +134,12 @@ def verify_files(root: Path, files: dict[str, dict[str, Any]]) -> list[str]:
 
     Returns:
         One line per problem (missing file, size or sha256 mismatch), in the table's
-        order; empty if all match.
+        order; empty if all match. A table naming a file outside ``root``
+        (:func:`outside_names`) gives only those problems: nothing is read.
     """
+    outside = outside_names(root, files)
+    if outside:
+        return outside
     found: dict[str, str] = {}
     to_hash = []
     for rel, want in files.items():

@@ -350,13 +350,16 @@ def verify_candidate(c: Candidate) -> list[str]:
     Returns an empty list when every recorded file matches, or when the candidate has
     no manifest to check against (e.g. a legacy file written without a sidecar).
     """
-    from .manifest import verify_files
+    from .manifest import outside_names, verify_files
 
     if c.manifest is None:
         return []
     p = Path(c.path)
     root = p if p.is_dir() else p.resolve().parent
     files = c.manifest.get("files", {})
+    outside = outside_names(root, files)
+    if outside:  # an invalid manifest: not even a stat of what it names outside
+        return outside
     def key() -> tuple:
         return str(root), tuple((rel, _stat_key(root / rel), want.get("sha256"), want.get("size"))
                                 for rel, want in files.items())

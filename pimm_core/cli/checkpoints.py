@@ -15,6 +15,7 @@ import typer
 
 from ..errors import PimmError, UsageError
 from ..shell import command
+from ..text import printable
 from ._common import Command
 
 app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Inspect checkpoints without importing torch.")
@@ -47,7 +48,7 @@ def checkpoints_latest(
     chosen, cands = select_resume(_model_dir(model_dir), verify=not no_verify)
     if explain:
         for line in explain_lines(cands, chosen) or ["(no candidates)"]:
-            print(line, file=sys.stderr)
+            print(printable(line), file=sys.stderr)
     if chosen is None:
         raise PimmError(f"no complete checkpoint in {model_dir}; run `{command('checkpoints', 'ls', model_dir)}` "
                         "to see what is there")
@@ -77,6 +78,9 @@ def checkpoints_ls(
                           "selected": chosen.name if chosen else None, "candidates": rows}, indent=2))
         return
     from rich.console import Console
+    from rich.text import Text
+
+    from ..text import plain_text
 
     console = Console()
     rows = []
@@ -85,23 +89,25 @@ def checkpoints_ls(
         status = "complete" if c.complete else f"incomplete: {c.reason}"
         if c.verify_problems:
             status = f"corrupt: {'; '.join(c.verify_problems)}"
-        rows.append((mark, c.name, c.format, _s(c.step), _s(c.epoch), _s(c.iter), fmt_size(c.size), status))
+        # names and reasons are user text (a leftover can be named anything): never markup or control
+        rows.append(tuple(printable(v) for v in (mark, c.name, c.format, _s(c.step), _s(c.epoch), _s(c.iter),
+                                                 fmt_size(c.size), status)))
     if console.width < 100:
-        print(str(model_dir))
+        print(printable(model_dir))
         for line in _narrow_table(rows, console.width):
             print(line)
     else:
         from rich.table import Table
 
-        table = Table(title=str(model_dir))
+        table = Table(title=plain_text(model_dir))
         for col in ("", "name", "format", "step", "epoch", "iter", "size", "status"):
             # Names are never cut; a long status wraps in its column.
             table.add_column(col, no_wrap=col != "status", overflow="fold" if col == "status" else "ellipsis",
                              justify="right" if col in ("step", "epoch", "iter", "size") else "left")
         for row in rows:
-            table.add_row(*row)
+            table.add_row(*(Text(v) for v in row))  # a Text is never parsed as markup
         console.print(table)
-    print(f"resume would select: {chosen.name if chosen else 'nothing (no complete candidate)'}")
+    print(f"resume would select: {printable(chosen.name) if chosen else 'nothing (no complete candidate)'}")
 
 
 @app.command("verify", cls=Command)
@@ -123,14 +129,14 @@ def checkpoints_verify(
     bad = 0
     for c in cands:
         if c.manifest is None:
-            print(f"{c.name}: cannot verify ({c.reason or 'no manifest'})")
+            print(printable(f"{c.name}: cannot verify ({c.reason or 'no manifest'})"))
             bad += 1
             continue
         root = Path(c.path) if Path(c.path).is_dir() else Path(c.path).parent
         problems = verify_files(root, c.manifest.get("files", {}))
         if not c.complete:
             problems.insert(0, c.reason or "incomplete")
-        print(f"{c.name}: {'ok' if not problems else 'FAILED: ' + '; '.join(problems)}")
+        print(printable(f"{c.name}: {'ok' if not problems else 'FAILED: ' + '; '.join(problems)}"))
         bad += bool(problems)
     if bad:
         raise typer.Exit(1)
@@ -149,7 +155,7 @@ def checkpoints_diff(
     from ..watch.resume_diff import resume_diff
 
     diff = resume_diff(run_dir, world_size=nproc_per_node, overrides=overrides or [], candidate=checkpoint)
-    print(json.dumps(diff.to_json(), indent=2) if as_json else "\n".join(diff.lines()))
+    print(json.dumps(diff.to_json(), indent=2) if as_json else "\n".join(printable(line) for line in diff.lines()))
 
 
 def _narrow_table(rows: list[tuple[str, ...]], width: int) -> list[str]:

@@ -5,6 +5,7 @@ The command's torch import happens only when it runs.
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -31,7 +32,15 @@ def export_cmd(
 
     from ..checkpoint.export import EXPORT_JSON, export
 
-    out = export(checkpoint, out_dir, weights=weights, fmt=fmt, run_dir=run_dir, force=force)
+    from ..run.entries import writable_error
+
+    try:
+        out = export(checkpoint, out_dir, weights=weights, fmt=fmt, run_dir=run_dir, force=force)
+    except OSError as e:  # a destination pimm cannot write: one line naming its directory
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        raise writable_error(Path(e.filename).parent if e.filename else out_dir.parent, e,
+                             hint="choose another OUT_DIR") from None
     rec = json.loads((out / EXPORT_JSON).read_text(encoding="utf-8"))
     step = f"step {rec['step']}, " if rec.get("step") is not None else ""
     files = [rec["file"], *([rec["config"]] if rec.get("config") else []), EXPORT_JSON]

@@ -136,13 +136,14 @@ def stop(
 ) -> None:
     """Ask a live run to stop cleanly: it saves `last` at the next accumulation window and exits 0."""
     from ..run.layout import was_started
-    from ..run.status import read_run_status
     from ..stop import write_stop_file
+    from ..watch.status import liveness
 
     if not was_started(run_dir):
         raise UsageError(f"{run_dir} is not a run directory (no status.json or config.toml); pass exp/<group>/<run>")
-    state = read_run_status(run_dir).state
-    if state in ("finished", "stopped", "failed"):
-        raise PimmError(f"{run_dir} is not live (state {state}); nothing to stop")
+    view = liveness(run_dir)  # the console's verdict: a live state, a fresh heartbeat, a process not gone
+    if not view.live:
+        why = view.note or (f"state {view.state}" if view.state else view.problem or "no status.json")
+        raise PimmError(f"{run_dir} is not live ({why}); nothing to stop")
     path = write_stop_file(run_dir, reason)
     print(f"stop requested ({reason}): wrote {path}; the run saves last and exits at its next step")

@@ -45,6 +45,15 @@ class LaunchOptions:
         """Raises UsageError for flag values torchrun would misread (e.g. ``--nproc-per-node 0``)."""
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise UsageError(f"--nproc-per-node must be at least 1 (got {self.nproc_per_node})")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise UsageError(f"--master-port must be a TCP port between 1 and 65535 (got {self.master_port})")
+        if self.node_rank is not None and self.node_rank < 0:
+            raise UsageError(f"--node-rank must be 0 or more (got {self.node_rank})")
+        if self.rdzv_endpoint is not None:
+            port = str(self.rdzv_endpoint).rpartition(":")[2] if ":" in str(self.rdzv_endpoint) else ""
+            if port and not (port.isdigit() and 1 <= int(port) <= 65535):
+                raise UsageError(f"--rdzv-endpoint must be HOST[:PORT] with a port between 1 and 65535 "
+                                 f"(got {self.rdzv_endpoint!r})")
         if self.nnodes is not None:
             parts = str(self.nnodes).split(":")
             if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):

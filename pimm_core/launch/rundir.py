@@ -14,6 +14,8 @@ from pathlib import Path
 from ..checkpoint.selection import explain, list_candidates, resolve_resume_path, select_resume
 from ..config import Config
 from ..errors import CheckpointError, ConfigError, UsageError
+from ..run.entries import check_run_entries, ensure_dir
+from ..run.layout import NAME_SUFFIX_MAX, name_problem
 from ..run import (CONFIG, METRICS, MODEL, PROVENANCE, STATUS, RunDirClaim, append_provenance, claim_run_dir,
                    free_run_dir, now_iso, read_run_status, recorded_launch, run_dir_for, run_name)
 from ..shell import resume_command
@@ -28,6 +30,9 @@ def resolve_run_dir(cfg: Config, config_path: Path | None, *, when: float | None
     except in a rank of an external launcher, whose ranks must all compute the same name.
     """
     base = cfg.run.name or (config_path.stem if config_path else "run")
+    problem = name_problem(base, suffix=0 if cfg.run.no_timestamp else NAME_SUFFIX_MAX)
+    if problem:  # a name given is checked with the config; this is the config file's stem
+        raise UsageError(f"the run name {base!r} (the config file's name) {problem}; pass --run.name NAME")
     run_dir = run_dir_for(cfg.run.root, cfg.run.group, run_name(base, timestamp=not cfg.run.no_timestamp, when=when))
     return free_run_dir(run_dir) if _numbered_names(cfg) else run_dir
 
@@ -58,6 +63,7 @@ def check_before_launch(cfg: Config, run_dir: Path, *, leftovers_ok: bool = Fals
     Raises:
         UsageError: the run root is a file; a fresh run would start in a directory that
             already has checkpoints; a resume was asked for but the run has none.
+        RunEntryError: a file pimm writes in the run directory is a link or the wrong kind of entry.
         ConfigError: a config value the trainer would refuse, a wrong target or ``args``
             (:func:`check_config`).
         CheckpointError: the warm-start source does not resolve or is not a checkpoint.
@@ -65,6 +71,8 @@ def check_before_launch(cfg: Config, run_dir: Path, *, leftovers_ok: bool = Fals
     for parent in [run_dir, *run_dir.parents]:
         if parent.exists() and not parent.is_dir():
             raise UsageError(f"{parent} is a file, not a directory; choose another --run.root or --run.name")
+    if run_dir.is_dir():
+        check_run_entries(run_dir)  # a link or a wrong kind of entry where pimm writes: refused before anything
     check_config(cfg, config_path)
     if cfg.train.resume:
         return
@@ -136,7 +144,8 @@ def resume_config(run_dir: Path, overrides: list[str]) -> Config:
             raise UsageError(f"{key} cannot change on pimm resume: it resumes {run_dir} where it is, from its own "
                              "checkpoints (move the directory to move the run; warm-start a new run with pimm "
                              "launch --train.weight)")
-    extra = {"run.root": str(run_dir.parent.parent), "run.group": run_dir.parent.name, "run.name": run_dir.name,
+    where = Path(os.path.abspath(run_dir))  # `pimm resume .` inside the run: its own name, not ''
+    extra = {"run.root": str(where.parent.parent), "run.group": where.parent.name, "run.name": where.name,
              "run.no_timestamp": True, "train.resume": True}
     return load_config(run_dir / CONFIG, overrides, extra)
 
@@ -174,7 +183,7 @@ def auto_resume(cfg: Config, run_dir: Path, *, is_main: bool = True) -> Config:
 
 def set_aside(path: Path, under: Path) -> Path:
     """Move ``path`` (one rename, nothing copied or deleted) to ``under/<YYYYmmdd-HHMMSS>[-N]``."""
-    under.mkdir(parents=True, exist_ok=True)
+    ensure_dir(under)  # never a link: the leftovers stay inside the run
     stamp = time.strftime("%Y%m%d-%H%M%S")
     dest, n = under / stamp, 1
     while dest.exists():

@@ -9,6 +9,8 @@ One module per file kind, each with its writer and its reader side by side:
 - :mod:`.log`: ``train.log`` (:func:`log_handler`, :class:`LogTail`).
 - :mod:`.provenance`: ``provenance.json`` and the recorded launch.
 - :mod:`.jsonfile`, :mod:`.values`: reading JSON objects and the numbers in them.
+- :mod:`.entries`: the entries pimm writes are its own (never links, the right kind), opened
+  without following links; a directory it cannot write is one line.
 
 Everything here is torch-free so readers (CLI, console) stay fast. Only rank 0 writes.
 The names below are re-exported so ``from pimm_core.run import STATUS, write_status``

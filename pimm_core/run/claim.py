@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import shutil
 from pathlib import Path
 
+from .entries import HOLDER, LOCK, RANKS, writable_error
 from .layout import CONFIG, CONTROL, LOG, MODEL, STATUS
 
 
@@ -22,7 +24,7 @@ def free_run_dir(run_dir: Path) -> Path:
 
 
 #: What a launch creates in a run directory before the trainer writes config.toml.
-_UNSTARTED_FILES = (".lock", ".ranks.lock", "lock.json", LOG, STATUS)
+_UNSTARTED_FILES = (LOCK, RANKS, HOLDER, LOG, STATUS)
 
 
 class RunDirClaim:
@@ -67,6 +69,14 @@ class RunDirClaim:
         return not self.path.exists()
 
 
+def _first_existing(path: Path) -> Path:
+    """``path`` or its nearest existing parent (the directory a failed ``mkdir`` could not write)."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return p
+    return path
+
+
 def claim_run_dir(run_dir: Path, *, numbered_names: bool) -> RunDirClaim:
     """Create the run directory (and missing parents); return the claim.
 
@@ -80,13 +90,22 @@ def claim_run_dir(run_dir: Path, *, numbered_names: bool) -> RunDirClaim:
     """
     run_dir = Path(run_dir)
     made = [p for p in reversed(run_dir.parents) if str(p) not in ("", ".") and not p.exists()]
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise writable_error(_first_existing(run_dir.parent), e) from None
+        raise
     n = 1
     while True:
         cand = numbered(run_dir, n) if numbered_names else run_dir
         try:
             cand.mkdir()
-        except FileExistsError:
+        except OSError as e:
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise writable_error(cand.parent, e) from None
+            if not isinstance(e, FileExistsError):
+                raise
             if not numbered_names:
                 return RunDirClaim(cand, made)
             n += 1

@@ -39,6 +39,34 @@ CONTROL = "control"
 RUN_MARKERS = (CONFIG, STATUS, METRICS, MODEL)
 
 
+#: The longest file name (bytes) Linux file systems take (``NAME_MAX``).
+NAME_MAX = 255
+#: What ``run_name`` and ``claim_run_dir`` may add to a name: ``-YYYYmmdd-HHMMSS-NNN``.
+NAME_SUFFIX_MAX = 20
+
+
+def name_problem(name: str, *, suffix: int = 0) -> str | None:
+    """Why ``name`` cannot be one path component of a run directory (a run name or group), or None.
+
+    Valid: a non-empty name that is not ``.`` or ``..``, holds no ``/``, no NUL and no other
+    control character, and fits in :data:`NAME_MAX` bytes (UTF-8) with ``suffix`` bytes added
+    (the timestamp pimm appends).
+    """
+    if not name:
+        return "is empty"
+    if name in (".", ".."):
+        return f"is {name!r}, which names a directory that already exists, not a new one"
+    if "/" in name:
+        return "holds '/': a name is one directory name, not a path"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "holds a control character (NUL, newline, escape ...)"
+    size = len(name.encode("utf-8", "surrogateescape")) + suffix
+    if size > NAME_MAX:
+        extra = f" with the {suffix}-byte timestamp pimm adds" if suffix else ""
+        return f"is {size} bytes long{extra}; file names take at most {NAME_MAX}"
+    return None
+
+
 def run_name(base: str, *, timestamp: bool, when: float | None = None) -> str:
     """``base`` plus a ``-YYYYmmdd-HHMMSS`` local-time suffix unless ``timestamp`` is False.
 

@@ -7,19 +7,29 @@ import os
 from collections import deque
 from pathlib import Path
 
+from .entries import open_append
 from .layout import LOG
 
 #: One line per record: ``2026-11-29 12:00:00,123 INFO message``.
 LOG_FORMAT = logging.Formatter("%(asctime)s %(levelname)s %(message)s")
 
 
+class _LogFileHandler(logging.FileHandler):
+    """``logging.FileHandler`` that opens its file with :func:`~pimm_core.run.entries.open_append`
+    (never through a symbolic link)."""
+
+    def _open(self):  # noqa: D102 - logging's hook for opening the stream
+        return open_append(Path(self.baseFilename))
+
+
 def log_handler(run_dir: Path) -> logging.FileHandler:
     """A handler appending to ``run_dir/train.log`` in :data:`LOG_FORMAT` (the caller adds and removes it).
 
     Raises:
+        RunEntryError: ``train.log`` is a link or not a regular file, or the directory is read-only.
         OSError: the file cannot be opened.
     """
-    handler = logging.FileHandler(Path(run_dir) / LOG)
+    handler = _LogFileHandler(Path(run_dir) / LOG)
     handler.setFormatter(LOG_FORMAT)
     return handler
 

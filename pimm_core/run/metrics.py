@@ -20,7 +20,10 @@ class MetricsWriter:
     """Append-only ``metrics.jsonl``; each record is one line, flushed at once."""
 
     def __init__(self, path: Path):
-        self._f = open(path, "a", encoding="utf-8", buffering=1)
+        """Raises: RunEntryError: ``path`` is a link or not a regular file (:func:`~.entries.open_append`)."""
+        from .entries import open_append
+
+        self._f = open_append(path)
 
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record`` plus ``time`` (UNIX seconds, 3 decimals)."""

@@ -29,6 +29,7 @@ from ..config import Config, write_config
 from ..console_log import attach_console
 from ..dist import DistInfo
 from ..run import CONFIG, METRICS, MetricsWriter, append_provenance, launch_record, log_handler, now_iso, write_status
+from ..run.entries import check_run_entries
 from .state import TrainState
 from .tensorboard import TensorBoardWriter
 
@@ -72,6 +73,7 @@ class Recorder:
         if not self.writes:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        check_run_entries(self.run_dir)  # (pimm launch checked them too; a Trainer from Python starts here)
         handler = log_handler(self.run_dir)
         log.addHandler(handler)
         self._log_handler = handler
@@ -198,7 +200,7 @@ class ProgressDisplay:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.rich = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                 TimeRemainingColumn(), TextColumn("{task.fields[info]}"), transient=True)
+                                 TimeRemainingColumn(), TextColumn("{task.fields[info]}", markup=False), transient=True)
 
     def start(self, step: int) -> None:
         if self.rich is not None:

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..run.entries import TENSORBOARD_DIR  # the directory of the event files in the run directory
 
-#: The directory of the event files inside the run directory.
-TENSORBOARD_DIR = "tensorboard"
 #: Record keys that say where a record is, not what was measured.
 _POSITION = ("step", "epoch", "iter", "split", "time")
 

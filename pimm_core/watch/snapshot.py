@@ -22,7 +22,7 @@ from ..run.values import json_int
 from .candidates import candidate_identity
 from .metrics import MetricsTail
 from .series import NonFinite
-from .status import STALE_MIN_S, StatusView, read_status
+from .status import StatusView, read_status, stale_after_for
 
 
 @dataclass(frozen=True)
@@ -140,8 +140,7 @@ class RunReader:
         m.poll()
         self.log.poll()
         interval = m.log_interval()
-        stale_after = max(STALE_MIN_S, 5 * interval) if interval else STALE_MIN_S
-        status = read_status(self.run_dir, now=now, stale_after=stale_after)
+        status = read_status(self.run_dir, now=now, stale_after=stale_after_for(interval))
         config, config_problem = self._read_config()
         prov = self._read_provenance()
         cands, chosen, ckey = self._read_candidates(now, force_checkpoints)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..run.layout import METRICS
 from ..run.status import RunStatus, read_run_status
 from ..stop import read_stop_file, stop_file
 
@@ -18,6 +19,12 @@ LIVE_STATES = ("starting", "running", "stopping")
 STOPPABLE_STATES = ("starting", "running")
 #: A heartbeat older than this (or 5x the observed logging interval, if longer) is stale.
 STALE_MIN_S = 30.0
+
+
+def stale_after_for(log_interval: float | None) -> float:
+    """Seconds without a heartbeat after which a live state is stale: :data:`STALE_MIN_S`, or 5x the
+    observed logging interval (``log_interval``, seconds; None: unknown) when that is longer."""
+    return max(STALE_MIN_S, 5 * log_interval) if log_interval else STALE_MIN_S
 
 
 def pid_alive(pid: Any) -> bool | None:
@@ -124,3 +131,17 @@ def read_status(run_dir: Path, *, now: float | None = None, stale_after: float =
         view.stoppable = rec.state in STOPPABLE_STATES
     return view
 
+
+
+def liveness(run_dir: Path, *, now: float | None = None) -> StatusView:
+    """:func:`read_status` with the console's staleness rule (:func:`stale_after_for` of the logging
+    interval seen in ``metrics.jsonl``, read from its tail): the one verdict "is this run live" that
+    ``pimm stop`` and the console share (never raises for missing or damaged files)."""
+    from .metrics import MetricsTail
+
+    metrics = MetricsTail(Path(run_dir) / METRICS)
+    try:
+        metrics.poll()
+    except OSError:
+        pass
+    return read_status(run_dir, now=now, stale_after=stale_after_for(metrics.log_interval()))

@@ -13,6 +13,7 @@ from textual.containers import Vertical
 from textual.widgets import DataTable, Static
 
 from pimm_core.checkpoint.selection import Candidate
+from pimm_core.text import clean_text, plain_text, printable
 from pimm_core.watch.candidates import VerifyResult, candidate_age, candidate_identity, verify_checkpoint
 from pimm_core.watch.fmt import fmt_age, fmt_size
 from pimm_core.watch.snapshot import RunSnapshot
@@ -74,7 +75,7 @@ class CheckpointsView(Vertical):
             cols.append(("epoch", "epoch"))
         cols += [(metric, "metric"), ("size", "size"), ("age", "age"), ("status", "status")]
         for label, key in cols:
-            table.add_column(label, key=key)
+            table.add_column(plain_text(label), key=key)  # the metric's name is user text: never markup
         self._metric = metric
         self._layout = (metric, self.wide)
 
@@ -148,7 +149,7 @@ class CheckpointsView(Vertical):
                 cells.append("-" if c.epoch is None else str(c.epoch))
             cells += [Text(fmt_num(value), style="bold red" if nonfinite(value) else ""), fmt_size(c.size),
                       fmt_age(candidate_age(c)), self._status_cell(c)]
-            table.add_row(*cells, key=c.name)
+            table.add_row(*(clean_text(cell) for cell in cells), key=c.name)  # a file name is never markup
         names = list(self._cands)
         if current is not None and current.name in names:
             table.move_cursor(row=names.index(current.name), animate=False)
@@ -213,7 +214,7 @@ class CheckpointsView(Vertical):
                     out.append(f"\nthe earlier {c.name} (step {old.step}, replaced since): {verdict}", style="dim")
                 out.append(f"\n{c.path}", style="dim")
         self.detail_text = out.plain
-        self.query_one("#ckpt-detail", Static).update(out)
+        self.query_one("#ckpt-detail", Static).update(clean_text(out))
 
     def action_verify(self) -> None:
         c = self.highlighted()
@@ -249,9 +250,11 @@ class CheckpointsView(Vertical):
             self.post_message(RefreshRun())
         if not visible(self):  # shown in the row and the detail line; a toast only when they are hidden
             if r.outcome == "ok":
-                self.notify(f"{r.name} (step {r.step}): every file matches its manifest", title="verified")
+                self.notify(printable(f"{r.name} (step {r.step}): every file matches its manifest"), title="verified",
+                            markup=False)
             elif r.outcome == "failed":
-                self.notify(f"{r.name}: {'; '.join(r.problems)}", title="verify failed", severity="error")
+                self.notify(printable(f"{r.name}: {'; '.join(r.problems)}"), title="verify failed", severity="error",
+                            markup=False)
         self._draw()
 
     def action_export(self) -> None:

@@ -12,6 +12,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Checkbox, Input, Label, ProgressBar, Select, Static
 
+from pimm_core.text import clean_text, plain_text, printable
 from pimm_core.watch.snapshot import RunSnapshot
 
 from ..fmt import error_line
@@ -63,7 +64,7 @@ class ExportView(Vertical):
         current = sel.value if sel.value is not Select.NULL else None
         labels = {c.name: f"{c.name} (step {c.step})" if c.step is not None else c.name for c in snap.candidates}
         with sel.prevent(Select.Changed):
-            sel.set_options([(labels[n], n) for n in names])
+            sel.set_options([(plain_text(labels[n]), n) for n in names])  # file names are never markup
             if current in names:
                 sel.value = current
             elif names:
@@ -76,7 +77,8 @@ class ExportView(Vertical):
         if name in self._names:
             sel.value = name
         else:
-            self.notify(f"{name} is not a complete checkpoint; it cannot be exported", severity="warning")
+            self.notify(printable(f"{name} is not a complete checkpoint; it cannot be exported"), severity="warning",
+                        markup=False)
         self._default_dest()
 
     def _default_dest(self) -> None:
@@ -134,7 +136,7 @@ class ExportView(Vertical):
         return True
 
     def _result(self, text: Text) -> None:
-        self.query_one("#exp-result", Static).update(text)
+        self.query_one("#exp-result", Static).update(clean_text(text))
 
     def _progress(self, message: str) -> None:
         self._result(Text(message, style="yellow"))
@@ -166,7 +168,7 @@ class ExportView(Vertical):
             t.append(error, style="red")
             self._result(t)
             if not visible(self):  # the result line says it; a toast only when it is hidden
-                self.notify(error, title="export failed", severity="error")
+                self.notify(printable(error), title="export failed", severity="error", markup=False)
             return
         assert record is not None
         self.last_result = record
@@ -178,4 +180,4 @@ class ExportView(Vertical):
         t.append(f"sha256 {record.get('sha256', '')[:16]}…", style="dim")
         self._result(t)
         if not visible(self):
-            self.notify(f"{dest}", title="exported")
+            self.notify(printable(dest), title="exported", markup=False)

@@ -9,6 +9,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import ProgressBar, RichLog, Static
 
+from pimm_core.text import clean_text, plain_text
 from pimm_core.watch.fmt import human_duration
 from pimm_core.watch.snapshot import RunSnapshot
 
@@ -55,7 +56,7 @@ class LiveView(Vertical):
             parts.append(f"epochs {snap.epoch}" + (f"/{snap.epochs}" if snap.epochs else "") + " done")
         if snap.status.live:
             parts.append(f"ETA {human_duration(snap.eta_s)}" if snap.eta_s is not None else "ETA -")
-        self.query_one("#progress-text", Static).update(" · ".join(parts) or "no progress recorded yet")
+        self.query_one("#progress-text", Static).update(plain_text(" · ".join(parts) or "no progress recorded yet"))
 
         t = Text()
         tr = snap.last_train
@@ -84,7 +85,7 @@ class LiveView(Vertical):
                 t.append(f"{key} {fmt_num(b.get(key))} (epoch {b.get('epoch', '?')})", style="green")
         else:
             t.append("\nno evaluation yet", style="dim")
-        self.query_one("#stats", Static).update(t)
+        self.query_one("#stats", Static).update(clean_text(t))  # metric names are user text
 
         if snap.metrics_version != self._metrics_version:
             self._metrics_version = snap.metrics_version
@@ -98,7 +99,8 @@ class LiveView(Vertical):
             log = self.query_one("#log", RichLog)
             log.clear()
             for line in snap.log_lines[-60:]:
-                log.write(_LOG_PREFIX.sub(r"\1 ", line))
+                # a log line is shown as text: markup is not read, escape sequences are shown escaped
+                log.write(plain_text(_LOG_PREFIX.sub(r"\1 ", line)))
 
     def toggle_log(self) -> bool:
         """Switch the loss plot between a log and a linear y axis; returns True for log."""

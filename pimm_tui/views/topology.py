@@ -14,6 +14,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Input, Label, Static
 from textual.worker import get_current_worker
 
+from pimm_core.text import clean_text, plain_text
 from pimm_core.watch.resume_diff import DIFF_ROWS, planned_text, resume_diff
 from pimm_core.watch.snapshot import RunSnapshot
 
@@ -106,7 +107,7 @@ class TopologyView(Vertical):
 
     def _render_error(self, message: str) -> None:
         self.result_text = message
-        self.query_one("#topo-out", Static).update(Text(message, style="bold red"))
+        self.query_one("#topo-out", Static).update(plain_text(message, style="bold red"))
 
     def _show_result(self, result: Any) -> None:
         if isinstance(result, str):
@@ -117,11 +118,11 @@ class TopologyView(Vertical):
         out = Table.grid(padding=(0, 1))
         out.add_column()
         head = Text()
-        head.append(f"{c['name']}", style="bold")
+        head.append(str(c['name']), style="bold")
         head.append(f"  step {c.get('step')}, epoch {c.get('epoch')}, iter {c.get('iter')}")
         head.append("  ▶ resume's pick" if d.selected_by == "resume" else "  (chosen in Checkpoints)",
                     style="green" if d.selected_by == "resume" else "yellow")
-        out.add_row(head)
+        out.add_row(clean_text(head))
         table = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold")
         table.add_column("")
         table.add_column("recorded", overflow="fold")
@@ -130,20 +131,21 @@ class TopologyView(Vertical):
         for key, label in DIFF_ROWS:
             a, b = d.recorded.get(key), d.planned.get(key)
             changed = a is not None and b is not None and a != b
-            table.add_row(label, "-" if a is None else str(a),
-                          Text(planned_text(key, b), style="dim") if b is None else str(b),
+            # recorded and planned values are user text (a config's lists print as "[...]"): never markup
+            table.add_row(plain_text(label), plain_text("-" if a is None else a),
+                          plain_text(planned_text(key, b), style="dim") if b is None else plain_text(b),
                           Text("changed", style="bold yellow") if changed else "")
         out.add_row(table)
         diff = Text()
         diff.append("config diff: ", style="bold")
         diff.append("none" if not d.config_diff else "\n  " + "\n  ".join(d.config_diff))
-        out.add_row(diff)
+        out.add_row(clean_text(diff))
         pol = Text()
         for i, (label, text, tone) in enumerate(d.policy_rows()):  # the rows `pimm checkpoints diff` prints
             if i:
                 pol.append("\n")
             pol.append(f"{label}: ", style="dim" if tone == "dim" else "bold")
             pol.append(text, style=TONE_STYLE[tone])
-        out.add_row(pol)
+        out.add_row(clean_text(pol))
         self.result_text = "\n".join(d.lines())
         self.query_one("#topo-out", Static).update(out)

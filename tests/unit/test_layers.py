@@ -3,7 +3,8 @@
 Layers, bottom to top (a module's layer is the longest prefix below that names it):
 
 0. **fsio**: ``errors``, ``faults`` (fault-injection points), ``fsio`` (atomic write,
-   directory swap, fsync). Standard library only.
+   directory swap, fsync), ``text`` (user text made safe for a terminal). Standard library only
+   (``text`` builds ``rich.text.Text`` objects when asked).
 1. **run**: the run directory and the process it runs in: ``run.*`` (layout, status,
    metrics, log, provenance), ``lock``, ``stop``, ``shell``, ``console_log``, ``config``,
    ``config_tables``, ``config_checks``, ``targets`` (finding user code a config names), ``topology``, and ``dist`` (the process group; the checkpoint formats and the
@@ -43,6 +44,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "pimm_core.errors": (0, "fsio"),
     "pimm_core.faults": (0, "fsio"),
     "pimm_core.fsio": (0, "fsio"),
+    "pimm_core.text": (0, "fsio"),
     "pimm_core.run": (1, "run"),
     "pimm_core.lock": (1, "run"),
     "pimm_core.stop": (1, "run"),
