@@ -62,6 +62,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "pimm_core.schedule": (3, "train"),
     "pimm_core.ema": (3, "train"),
     "pimm_core.data": (3, "train"),
+    "pimm_core.loader_workers": (3, "train"),
     "pimm_core.models": (3, "train"),
     "pimm_core.objectives": (3, "train"),
     "pimm_core.optim": (3, "train"),
