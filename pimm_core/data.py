@@ -45,7 +45,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from .config import DataConfig
 from .dist import DistInfo
 from .errors import ConfigError, TrainingError
-from .loader_workers import MAIN_GUARD, is_pickling_error, unpicklable, worker_context
+from .loader_workers import MAIN_GUARD, check_importable, is_pickling_error, unpicklable, worker_context
 from .targets import TargetSpec
 
 # torchdata 0.11 calls the deprecated torch.set_vital on every iterator; nothing for us to fix.
@@ -257,8 +257,11 @@ def train_loader(ds: Any, cfg: DataConfig, info: DistInfo, seed: int,
         DistributedSampler(ds, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed)
     # Workers start from a clean process (pimm_core.loader_workers), once per epoch: a
     # dataset's set_epoch reaches them, as it would not reach persistent workers.
-    workers = {} if not cfg.num_workers else {
-        "multiprocessing_context": worker_context(cfg.multiprocessing_context), "timeout": cfg.timeout}
+    workers = {}
+    if cfg.num_workers:
+        check_importable("train dataset", ds, cfg.multiprocessing_context)
+        check_importable("collate_fn", collate_fn, cfg.multiprocessing_context)
+        workers = {"multiprocessing_context": worker_context(cfg.multiprocessing_context), "timeout": cfg.timeout}
     # The loader's own generator: creating an iterator must not draw from the global
     # torch RNG, or a resumed run (which creates one mid-epoch) would shift the dropout stream.
     loader = TrainLoader(ds, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,

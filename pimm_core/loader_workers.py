@@ -91,6 +91,30 @@ def _ensure_forkserver() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+def check_importable(what: str, obj: object, method: str) -> None:
+    """Refuse, before any worker starts, an object whose class the workers cannot import: one
+    defined in the ``__main__`` of an interactive session (a notebook, the prompt), which
+    has no file for a worker to import.
+
+    Raises:
+        ConfigError: ``obj``'s class (or ``obj`` itself, for a function) lives in such a ``__main__``.
+    """
+    import os
+    import sys
+
+    if method == "fork" or obj is None:
+        return
+    owner = obj if callable(obj) and hasattr(obj, "__qualname__") and not hasattr(obj, "__len__") else type(obj)
+    main = sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", None)
+    if getattr(owner, "__module__", None) == "__main__" and not (main_file and os.path.isfile(main_file)):
+        raise ConfigError(
+            f"data: the {what} ({owner.__qualname__}) is defined in an interactive session (a notebook or the "
+            f"prompt), which DataLoader workers started by data.multiprocessing_context = {method!r} cannot "
+            "import; define it in a module (a .py file), set data.num_workers = 0, or data.multiprocessing_context "
+            "= 'fork' (which can hang; see the README)")
+
+
 def is_pickling_error(error: BaseException) -> bool:
     """``error`` is multiprocessing failing to send something to a worker it starts
     (``PicklingError``, or the ``TypeError``/``AttributeError`` pickle raises for a lambda,

@@ -172,3 +172,16 @@ def test_two_ranks_many_short_epochs_with_saves_and_purges_never_hang(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     status = read_json(run / "status.json")
     assert status["state"] == "finished" and status["epoch"] == 40, status
+
+
+def test_a_dataset_defined_in_an_interactive_session_is_one_config_line():
+    """A notebook's or the prompt's ``__main__`` has no file a worker could import its classes from."""
+    script = ("import torch\nfrom torch.utils.data import Dataset\nfrom pimm_core.config import DataConfig\n"
+              "from pimm_core.data import train_loader\nfrom pimm_core.dist import DistInfo\n"
+              "class Mine(Dataset):\n    def __len__(self): return 4\n    def __getitem__(self, i): return torch.tensor(i)\n"
+              "try:\n    train_loader(Mine(), DataConfig(batch_size=2, num_workers=2), DistInfo(), seed=0)\n"
+              "except Exception as e:\n    print(type(e).__name__, e)\n")
+    r = subprocess.run([sys.executable], input=script, cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert r.stdout.startswith("ConfigError data: the train dataset (Mine) is defined in an interactive session"), \
+        describe(r)
