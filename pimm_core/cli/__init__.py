@@ -1,6 +1,6 @@
 """The ``pimm`` command line (Typer).
 
-Commands: ``launch`` (train), ``checkpoints ls|latest|verify`` (torch-free scripting).
+Commands: ``launch`` (train), ``checkpoints ls|latest|verify`` and ``runs ls`` (torch-free scripting).
 
 Errors a person can fix print one line, ``error: <what> ...<how to fix>``, and exit
 with 2 (usage, input) or 1 (an operation failed); never a traceback. Heavy modules
@@ -9,7 +9,7 @@ answer in a fraction of a second.
 
 One module per command group, each a Typer sub-app joined to the root app here with
 ``add_typer``: :mod:`.train` (``launch``, ``resume``, ``stop``), :mod:`.checkpoints`
-(``checkpoints ls|latest|verify|diff``, torch-free), :mod:`.export` (``export``) and
+(``checkpoints ls|latest|verify|diff``, torch-free), :mod:`.runs` (``runs ls``, torch-free), :mod:`.export` (``export``) and
 :mod:`.console` (``tui``). This module holds the root app and the entry points :func:`main` and
 :func:`run`; what the command modules share (``Command``: plain help and
 usage lines; ``ARGV``) is in :mod:`._common`, so that they never import this package.
@@ -32,12 +32,13 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 # The command groups. Unnamed sub-apps add their commands to the root; the order here is the
 # order of `pimm --help`.
-from . import checkpoints, console, export, train  # noqa: E402
+from . import checkpoints, console, export, runs, train  # noqa: E402
 
 app.add_typer(export.app)
 app.add_typer(train.app)
 app.add_typer(console.app)
 app.add_typer(checkpoints.app, name="checkpoints")
+app.add_typer(runs.app, name="runs")
 
 
 def _version(value: bool) -> None:

@@ -1,0 +1,169 @@
+"""Many runs at a glance: the run directories under a root and one summary row each (torch-free).
+
+:func:`find_runs` walks ``ROOT`` (``exp``), ``ROOT/GROUP`` or a single run directory, two
+levels deep at most (``<root>/<group>/<run>``), never following links out of it.
+:func:`summarize` reads what a row shows from small files only, so a root of hundreds of
+runs lists in a fraction of a second: ``status.json`` (state, step, epoch, host, world
+size, heartbeat) judged live or stale by the console's rule (:func:`~.status.read_status`
+with :func:`~.status.stale_after_for` of the logging interval seen in the last 64 KiB of
+``metrics.jsonl``), the last training loss from that same tail, the best selection metric
+from ``model/model_best.pth.json`` (written when the metric improves), and what a resume
+would load from the checkpoints' manifests (completeness only: ``pimm checkpoints
+verify`` runs the sha256 pass).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.selection import select_resume
+from ..run.jsonfile import read_json
+from ..config import read_saved_config
+from ..run.layout import CONFIG, METRICS, MODEL, is_run_dir
+from ..run.values import finite_number, json_int
+from .metrics import MetricsTail
+from .status import read_status, stale_after_for
+
+#: Bytes of ``metrics.jsonl`` read from its end per run (the last loss and the logging interval).
+TAIL_BYTES = 64 << 10
+#: The display states, in the order ``--sort state`` uses.
+STATES = ("live", "stopping", "starting", "stale", "stopped", "failed", "finished", "unknown")
+
+
+@dataclass(frozen=True)
+class RunRow:
+    """One run's summary.
+
+    Attributes:
+        path: the run directory.
+        name: ``path`` relative to the listed root (``group/run``).
+        state: one of :data:`STATES`: ``live`` (training, fresh heartbeat), ``stopping`` (a stop
+            requested or in progress), ``starting``, ``stale`` (a live state whose process is gone
+            or whose heartbeat is old), ``stopped``, ``failed``, ``finished``, ``unknown`` (no
+            readable ``status.json``).
+        step, total_steps, epoch, epochs: position (optimizer steps; the LR schedule's horizon).
+        loss: the last logged training loss, or None.
+        best: ``{"metric": name, "value": v, "epoch": e}`` of ``model_best.pth``, or None.
+        resume: the checkpoint a resume would load (``last``, ``iter_40.pth`` ...), or None.
+        resume_step: its step.
+        age_s: seconds since the last heartbeat (or since ``status.json`` changed).
+        host, world_size: where rank 0 ran, and the number of ranks.
+        note: why the run is stale or unreadable, or None.
+    """
+
+    path: str
+    name: str
+    state: str
+    step: int | None
+    total_steps: int | None
+    epoch: int | None
+    epochs: int | None
+    loss: float | None
+    best: dict[str, Any] | None
+    resume: str | None
+    resume_step: int | None
+    age_s: float | None
+    host: str | None
+    world_size: int | None
+    note: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def find_runs(root: Path) -> list[Path]:
+    """Run directories at ``root`` or one or two levels below it, sorted by path.
+
+    Directories that are links are not entered; ``model/`` and the run's own subdirectories
+    are never taken for runs.
+    """
+    root = Path(root)
+    if is_run_dir(root):
+        return [root]
+    found: list[Path] = []
+
+    def scan(d: Path, depth: int) -> None:
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name)
+        except OSError:
+            return
+        for e in entries:
+            if not e.is_dir(follow_symlinks=False) or e.name.startswith("."):
+                continue
+            p = Path(e.path)
+            if is_run_dir(p):
+                found.append(p)
+            elif depth < 2:
+                scan(p, depth + 1)
+
+    scan(root, 1)
+    return found
+
+
+def _display_state(view) -> str:
+    if view.state is None:
+        return "unknown"
+    if view.state in ("starting", "running", "stopping") and not view.live:
+        return "stale"
+    if view.display_state == "running":
+        return "live"
+    return view.display_state
+
+
+def summarize(run_dir: Path, root: Path, *, now: float | None = None) -> RunRow:
+    """The :class:`RunRow` of ``run_dir`` (never raises for missing or damaged files)."""
+    now = time.time() if now is None else now
+    run_dir = Path(run_dir)
+    tail = MetricsTail(run_dir / METRICS, full_read_bytes=TAIL_BYTES, tail_bytes=TAIL_BYTES, sample_lines=0,
+                       max_points=2, chunk=TAIL_BYTES)
+    try:
+        tail.poll()
+    except OSError:
+        pass
+    view = read_status(run_dir, now=now, stale_after=stale_after_for(tail.log_interval()))
+    rec = view.record
+    age = view.heartbeat_age
+    if age is None:
+        try:
+            age = max(0.0, now - (run_dir / "status.json").stat().st_mtime)
+        except OSError:
+            age = None
+    best = None
+    sidecar = read_json(run_dir / MODEL / "model_best.pth.json")
+    if isinstance(sidecar, dict) and isinstance(sidecar.get("metrics"), dict):
+        config, _ = read_saved_config(run_dir / CONFIG)
+        ev = (config or {}).get("eval") if isinstance((config or {}).get("eval"), dict) else {}
+        metric = ev.get("metric") if isinstance(ev.get("metric"), str) else "val/acc"
+        best = {"metric": metric, "value": finite_number(sidecar["metrics"].get(metric)),
+                "epoch": json_int(sidecar.get("epoch"))}
+    try:
+        chosen, _ = select_resume(run_dir / MODEL, verify=False) if (run_dir / MODEL).is_dir() else (None, [])
+    except OSError:
+        chosen = None
+    last = tail.last_train or {}
+    name = run_dir.relative_to(root).as_posix() if run_dir != root and root in run_dir.parents else run_dir.name
+    return RunRow(
+        path=str(run_dir), name=name, state=_display_state(view), step=rec.step, total_steps=rec.total_steps,
+        epoch=rec.epoch, epochs=rec.epochs, loss=finite_number(last.get("loss")), best=best,
+        resume=chosen.name if chosen else None, resume_step=chosen.step if chosen else None,
+        age_s=None if age is None else round(age, 1), host=rec.host, world_size=rec.world_size,
+        note=view.note or view.problem)
+
+
+def sort_rows(rows: list[RunRow], key: str) -> list[RunRow]:
+    """``rows`` ordered by ``key``: ``name``, ``age`` (newest first), ``state`` (:data:`STATES` order),
+    ``step`` (highest first) or ``best`` (highest first; runs without one last)."""
+    if key == "age":
+        return sorted(rows, key=lambda r: (r.age_s is None, r.age_s or 0.0))
+    if key == "state":
+        return sorted(rows, key=lambda r: (STATES.index(r.state), r.name))
+    if key == "step":
+        return sorted(rows, key=lambda r: (r.step is None, -(r.step or 0), r.name))
+    if key == "best":
+        return sorted(rows, key=lambda r: (r.best is None or r.best["value"] is None,
+                                           -((r.best or {}).get("value") or 0.0), r.name))
+    return sorted(rows, key=lambda r: r.name)
