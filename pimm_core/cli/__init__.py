@@ -32,13 +32,14 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 # The command groups. Unnamed sub-apps add their commands to the root; the order here is the
 # order of `pimm --help`.
-from . import checkpoints, console, export, runs, train  # noqa: E402
+from . import checkpoints, config_cmd, console, export, runs, train  # noqa: E402
 
 app.add_typer(export.app)
 app.add_typer(train.app)
 app.add_typer(console.app)
 app.add_typer(checkpoints.app, name="checkpoints")
 app.add_typer(runs.app, name="runs")
+app.add_typer(config_cmd.app, name="config")
 
 
 def _version(value: bool) -> None:

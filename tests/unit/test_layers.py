@@ -53,6 +53,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "pimm_core.config": (1, "run"),
     "pimm_core.config_tables": (1, "run"),
     "pimm_core.config_checks": (1, "run"),
+    "pimm_core.config_show": (1, "run"),
     "pimm_core.targets": (1, "run"),
     "pimm_core.topology": (1, "run"),
     "pimm_core.dist": (1, "run"),
