@@ -65,7 +65,7 @@ class Recorder:
         self._log_handler: logging.Handler | None = None
         self._detach_console: Callable[[], None] = lambda: None
         self._samples = 0
-        self._failing: str | None = None  # the record write that failed, until one succeeds again
+        self._failing: set[str] = set()  # the records whose last write failed
         self._last_log = (time.perf_counter(), 0)  # (time, samples) of the last train record
 
     # ------------------------------------------------------------- log file
@@ -141,14 +141,14 @@ class Recorder:
         try:
             write(*args, **kw)
         except OSError as e:
-            if self._failing is None:
+            if not self._failing:
                 log.warning("warning: cannot write %s (%s); training goes on, the run's state is recorded when "
                             "a write succeeds again; checkpoints are not affected", what, e.strerror or e)
-            self._failing = what
+            self._failing.add(what)
             return
-        if self._failing is not None:
-            log.info("%s written again (after failed writes of %s)", what, self._failing)
-            self._failing = None
+        if what in self._failing:
+            self._failing.discard(what)
+            log.info("%s written again", what)
 
     # --------------------------------------------------------------- moments
     @contextlib.contextmanager
