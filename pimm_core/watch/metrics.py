@@ -25,17 +25,20 @@ from .series import NonFinite, RunningBest, Series
 _NOT_METRICS = frozenset(("step", "epoch", "iter", "split", "time"))
 
 
-def _lines_holding(body: bytes, token: bytes):
-    """``(offset, record)`` for each whole line of ``body`` that contains ``token`` and parses
-    as a JSON object (byte scan: lines without the token are never parsed)."""
-    i = body.find(token)
+def _lines_holding(body: bytes, token: bytes, begin: int = 0, stop: int | None = None):
+    """``(offset, record)`` for each whole line of ``body[begin:stop]`` (which ends with a
+    newline) that contains ``token`` and parses as a JSON object (byte scan: lines without
+    the token are never parsed; nothing is copied but the lines parsed)."""
+    stop = len(body) if stop is None else stop
+    i = body.find(token, begin, stop)
     while i >= 0:
-        start = body.rfind(b"\n", 0, i) + 1
-        end = body.find(b"\n", i)
+        start = body.rfind(b"\n", begin, i) + 1 or begin
+        end = body.find(b"\n", i, stop)
+        end = stop if end < 0 else end
         rec = parse_record(body[start:end])
         if rec is not None:
             yield start, rec
-        i = body.find(token, end)
+        i = body.find(token, end, stop)
 
 
 class MetricsTail:
@@ -175,31 +178,33 @@ class MetricsTail:
             rec = parse_record(buf[:end])
             if rec is not None and rec.get("split", "train") == "train":
                 self._take(rec, sampled=True)
+                self.last_train = rec  # the newest known, until the tail has one
         # Every evaluation record in the head, by a byte scan (no JSON parse of training lines),
         # one chunk at a time; a line longer than MAX_LINE is dropped up to its newline.
         f.seek(start)
         pos, carry, skip = start, b"", False
         while pos < head_end:
-            block = f.read(min(self.chunk, head_end - pos))
-            if not block:
-                break
-            data, pos = carry + block, pos + len(block)
+            n = min(self.chunk, head_end - pos)
+            data = carry + f.read(n)  # (no second copy of the chunk: lines are found in place)
+            pos += n
+            begin = 0
             if skip:
                 nl = data.find(b"\n")
-                data, skip = (b"", True) if nl < 0 else (data[nl + 1:], False)
-            last_nl = data.rfind(b"\n")
-            body, carry = data[:last_nl + 1], data[last_nl + 1:]
+                begin, skip = (len(data), True) if nl < 0 else (nl + 1, False)
+            end = data.rfind(b"\n", begin) + 1
+            carry = data[max(end, begin):]
             if len(carry) > MAX_LINE:
                 carry, skip = b"", True
             # Training records with NaN/Infinity (the sample may have missed them), in file order.
-            odd = {at: rec for token in (b"NaN", b"Infinity") for at, rec in _lines_holding(body, token)
+            odd = {at: rec for token in (b"NaN", b"Infinity") for at, rec in _lines_holding(data, token, begin, end)
                    if rec.get("split", "train") == "train"}
             for _, rec in sorted(odd.items()):
                 self._check_finite(rec, "train", finite_number(rec.get("step")))
-            for _, rec in _lines_holding(body, b'"val"'):
+            for _, rec in _lines_holding(data, b'"val"', begin, end):
                 if rec.get("split") == "val":
                     self._take(rec)
                     self.records += 1
+            del data
         self.sampled = True
         self._consume(tail)
 
