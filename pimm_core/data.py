@@ -370,8 +370,10 @@ def init_worker(rank_pid: int, worker_id: int) -> None:
 
 
 def ignore_stop_signals(_worker_id: int) -> None:
-    """DataLoader workers ignore SIGINT/SIGTERM: the main process decides when to stop."""
+    """DataLoader workers ignore SIGINT/SIGTERM/SIGHUP: the main process decides when to stop
+    (a closed terminal sends SIGHUP to the whole process group)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)

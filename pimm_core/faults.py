@@ -3,8 +3,12 @@
 ``point("standard.after_weights")`` does nothing unless the environment variable
 ``PIMM_FAILPOINT`` names that point, optionally with the hit count at which to fire
 (``standard.after_weights@2``), and optionally an action after ``=``: ``kill``
-(default: SIGKILL this process, like a power cut or the OOM killer) or ``enospc``
-/ ``eio`` (raise that OSError, like a full disk or a failing device). With
+(default: SIGKILL this process, like a power cut or the OOM killer), ``enospc``
+/ ``eio`` (raise that OSError, like a full disk or a failing device) or ``sigterm`` /
+``sigint`` / ``sighup`` (send that signal to this process: a stop asked at exactly that
+moment, e.g. during start-up at ``launch.starting``). A count ending in ``+``
+(``status.write@3+=enospc``) fires at that hit and every later one (a disk that stays
+full). With
 ``PIMM_FAILPOINT_RANK=<r>`` it fires only in the process whose ``RANK`` is ``r`` (one
 rank's disk or node failing while the others carry on). The list of
 points a save passes through is :data:`POINTS`; ``benchmarks/crash_points.py`` and the
@@ -38,9 +42,13 @@ def point(name: str, path: object = None) -> None:
     if want != name:
         return
     _hits[name] = _hits.get(name, 0) + 1
-    if _hits[name] != int(nth or 1):
+    first = int(nth.rstrip("+") or 1)
+    if _hits[name] != first and not (nth.endswith("+") and _hits[name] > first):
         return
     if action in ("", "kill"):
         os.kill(os.getpid(), signal.SIGKILL)
+    if action.startswith("sig"):
+        os.kill(os.getpid(), getattr(signal, action.upper()))
+        return
     code = {"enospc": errno.ENOSPC, "eio": errno.EIO}[action]
     raise OSError(code, os.strerror(code), str(path) if path is not None else name)

@@ -146,6 +146,30 @@ def release_cached_pages(path: Path) -> None:
             os.close(fd)
 
 
+def keep_aside(path: Path, tag: str = "corrupt") -> Path:
+    """Rename ``path`` to the first free ``<name>.<tag>-<n>`` (n = 1, 2, ...) beside it,
+    never replacing an existing file (a hard link, then the unlink), and fsync the directory.
+
+    Returns:
+        The new path.
+
+    Raises:
+        OSError: the rename failed (``path`` is untouched).
+    """
+    path = Path(path)
+    n = 1
+    while True:
+        dest = path.with_name(f"{path.name}.{tag}-{n}")
+        try:
+            os.link(path, dest)
+            break
+        except FileExistsError:
+            n += 1
+    os.unlink(path)
+    fsync_dir(path.parent)
+    return dest
+
+
 def remove_tree(path: Path) -> None:
     """Remove a file or directory tree if present."""
     if path.is_symlink() or path.is_file():

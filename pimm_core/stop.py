@@ -6,6 +6,12 @@ is saved, the final evaluation is skipped, and ``train()`` returns with
 ``state.stop_reason`` set. Signal handlers only set a flag; all saving and
 communication happen in the training loop.
 
+A training process catches the stop signals (:data:`STOP_SIGNALS`: SIGINT, SIGTERM and
+SIGHUP, the terminal closing) from its very start (:func:`stop_signals`, entered by
+``pimm launch``/``pimm resume`` before anything is imported or written), so a stop asked
+during start-up is kept and honoured: before the first step the run ends cleanly with
+the stop recorded and nothing saved; later, at the next step boundary.
+
 This module is torch-free: ``pimm stop`` and the console use :func:`write_stop_file`.
 """
 
@@ -24,6 +30,9 @@ from .fsio import atomic_write_bytes
 from .run.entries import STOP_FILE, check_entry, ensure_dir, writable_error
 from .run.jsonfile import read_json
 from .run.layout import CONTROL
+
+#: The signals a training process turns into a clean stop.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def stop_file(run_dir: Path) -> Path:
@@ -107,7 +116,7 @@ class StopRequest:
             self._reason = self._cause = None
 
     @contextlib.contextmanager
-    def catch_signals(self, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator["StopRequest"]:
+    def catch_signals(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> Iterator["StopRequest"]:
         """Handle ``signals`` by requesting a stop (reason ``signal:<NAME>``) while inside.
 
         Must be entered in the main thread (a Python rule for signal handlers). The
@@ -125,3 +134,27 @@ class StopRequest:
         finally:
             for sig, old in previous.items():
                 signal.signal(sig, old)
+
+
+_active: StopRequest | None = None
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[StopRequest]:
+    """The process's stop request, with :data:`STOP_SIGNALS` turned into it while inside.
+
+    Re-entrant: inside an outer ``with stop_signals()`` it yields the same request (a
+    signal caught by the outer one, during start-up, is kept for the trainer). Must be
+    entered in the main thread; the previous handlers are restored when the outermost exits.
+    """
+    global _active
+    if _active is not None:
+        yield _active
+        return
+    stop = StopRequest()
+    with stop.catch_signals():
+        _active = stop
+        try:
+            yield stop
+        finally:
+            _active = None

@@ -16,9 +16,13 @@ Where user code is imported from, first match wins:
 3. everything already on ``sys.path``: installed packages (``pip install -e .``),
    ``PYTHONPATH``.
 
-``pimm resume RUN`` reads the config from the run directory, so it also searches the
-directories the run's earlier starts searched (recorded as ``code_search_path`` in
-``provenance.json``; :func:`add_search_dirs`).
+``pimm resume RUN`` reads the config from the run directory, so it also looks for a
+target's module in the directories the run's earlier starts searched (recorded as
+``code_search_path`` in ``provenance.json``; :func:`add_search_dirs`), but only for a
+module found nowhere above, and only in the one directory that holds it. A record pimm
+wrote is data, never code: no directory at or inside a run directory (one holding
+``provenance.json`` or ``status.json``, at any level above) is ever searched, neither the
+run directory holding a resumed config nor a directory recorded inside it.
 
 So a module next to the config, or in the project pimm runs from, shadows an installed
 package of the same name. Ranks started by torchrun run in fresh interpreters: the
@@ -95,7 +99,26 @@ def search_path(config_path: str | Path | None = None) -> list[str]:
         d = os.path.dirname(os.path.abspath(os.fspath(config_path)))
         if d not in dirs:
             dirs.append(d)
-    return dirs
+    return [d for d in dirs if not in_run_record(d)]
+
+
+#: Files only a pimm run directory holds: a directory with one of them (or under one) is data.
+_RECORD_FILES = ("provenance.json", "status.json")
+_RECORDS: list[Path] = []
+
+
+def mark_run_record(run_dir: str | Path) -> None:
+    """Treat ``run_dir`` as a run directory whatever files it holds (``pimm resume RUN``: a
+    run directory whose record files were removed is still no place for code)."""
+    _RECORDS.append(Path(os.path.abspath(os.fspath(run_dir))))
+
+
+def in_run_record(d: str | Path) -> bool:
+    """True when ``d`` is a pimm run directory or lies inside one (it, or a directory above
+    it, holds ``provenance.json`` or ``status.json``, or was given to :func:`mark_run_record`):
+    pimm's record, never searched for code."""
+    p = Path(os.path.abspath(os.fspath(d)))
+    return any(q in _RECORDS or any((q / name).is_file() for name in _RECORD_FILES) for q in (p, *p.parents))
 
 
 def install_search_path(config_path: str | Path | None = None) -> None:
@@ -107,18 +130,33 @@ def install_search_path(config_path: str | Path | None = None) -> None:
     importlib.invalidate_caches()
 
 
+_FALLBACK: list[str] = []
+
+
 def add_search_dirs(dirs: Iterable[str]) -> None:
-    """Also import user code from ``dirs`` (after :func:`search_path`, before the rest of
-    ``sys.path``), in this process and, through ``PYTHONPATH``, in the ranks it starts.
-    ``pimm resume`` passes the directories the run's earlier starts searched."""
-    dirs = [d for d in dirs if os.path.isdir(d)]
-    for d in reversed(dirs):
-        if d not in sys.path:
-            sys.path.insert(0, d)
-    old = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if dirs:
-        os.environ["PYTHONPATH"] = os.pathsep.join(old + [d for d in dirs if d not in old])
-    importlib.invalidate_caches()
+    """Directories (``pimm resume``: those the run's earlier starts searched, from
+    ``provenance.json``) where :func:`resolve` looks for a target's module that is found
+    nowhere else. Nothing is put on ``sys.path`` here: only the directory holding such a
+    module is, when that target is resolved. Directories that do not exist or are in a run
+    directory (:func:`in_run_record`) are dropped. The ranks of ``pimm resume`` read the same
+    record themselves."""
+    for d in dirs:
+        if isinstance(d, str) and os.path.isabs(d) and os.path.isdir(d) and not in_run_record(d) \
+                and d not in _FALLBACK:
+            _FALLBACK.append(d)
+
+
+def _import_recorded(module_name: str) -> Any:
+    """Import ``module_name`` from the first :func:`add_search_dirs` directory holding its
+    top-level package or module (that directory is put on ``sys.path``), or None."""
+    top = module_name.split(".")[0]
+    for d in _FALLBACK:
+        if os.path.isdir(os.path.join(d, top)) or os.path.isfile(os.path.join(d, top + ".py")):
+            if d not in sys.path:
+                sys.path.append(d)
+                importlib.invalidate_caches()
+            return importlib.import_module(module_name)
+    return None
 
 
 def child_env(config_path: str | Path | None = None, env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -170,7 +208,9 @@ def resolve(spec: TargetSpec, config_path: str | Path | None = None) -> Any:
     except ModuleNotFoundError as e:
         if not _missing_module(e, module_name):
             raise
-        where = ", ".join(search_path(config_path))
+        obj = _import_recorded(module_name)
+    if obj is None:
+        where = ", ".join(search_path(config_path) + _FALLBACK)
         raise ConfigError(f"{spec.label()}: module {module_name!r} not found (searched {where} and the "
                           "installed packages)") from None
     path = module_name

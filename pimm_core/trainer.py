@@ -61,7 +61,7 @@ from .train.parallel import is_fsdp, parallelize
 from .train.recorder import Recorder
 from .train.resume import nothing_left, resume
 from .train.state import TrainState, end_step
-from .train.session import after_step, end_session, evaluate_and_record, stop_nonfinite
+from .train.session import after_step, end_session, evaluate_and_record, stop_before_start, stop_nonfinite
 from .train.step import STOP, WindowStep, autocast_context, check_finite
 from .train.stop_agreement import StopAgreement
 
@@ -121,6 +121,7 @@ class Trainer:
                  objective: Objective | Callable | str | None = None):
         self.config, self.config_path = config, config_path
         self.stop = stop or StopRequest()
+        self.stopped_before_start = False  # train() ended at once: a stop was asked during start-up
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.info = dist.env_world()
         self.device = dist.pick_device(config.train.device, self.info)
@@ -281,6 +282,9 @@ class Trainer:
             rec.pids = dist.all_gather_object(os.getpid())  # every rank's pid, for operators and tests
             self.stop_agreement.file_used = False
             rec.status("running")
+            if stop_before_start(self):
+                end_session(self)
+                return self.state
             try:
                 self._loop(t)
                 check_finite(self.model, self.state.global_step)

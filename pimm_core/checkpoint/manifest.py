@@ -18,6 +18,12 @@ a checkpoint without importing torch. Schema (``manifest_version`` 1)::
 
 Paths in ``files`` are relative to the checkpoint directory (or, for a single-file
 checkpoint with a sidecar manifest, the file's directory).
+
+:func:`read_manifest` is the one place a manifest is read, and it checks this schema:
+``step``, ``epoch``, ``iter`` and ``files`` are required, and every known field has its
+type (unknown fields are kept, for newer writers). A manifest that fails is a
+:class:`ManifestError` whose message says what is wrong; selection makes it the
+candidate's reason (``invalid manifest: ...``) and passes over the candidate.
 """
 
 from __future__ import annotations
@@ -76,17 +82,94 @@ def write_manifest(path: Path, record: dict[str, Any]) -> None:
     atomic_write_bytes(path, (json.dumps(record, indent=2, sort_keys=False) + "\n").encode())
 
 
+class ManifestError(ValueError):
+    """A manifest is not JSON, or not the schema above; the message says what is wrong
+    (``files is a list, not a mapping``), without the path."""
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
-    """Read a manifest.
+    """Read a manifest and check its schema (:func:`check_manifest`).
 
     Raises:
-        ValueError: the file is not a JSON object (corrupt or truncated).
+        ManifestError: the file is not JSON (corrupt or truncated), not a JSON object, or a
+            field is missing or of the wrong type.
         OSError: the file cannot be read.
     """
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} is not a JSON object")
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise ManifestError("nested too deeply to be a manifest") from None
+    except ValueError as e:
+        raise ManifestError(f"not JSON ({e})") from None
+    check_manifest(data)
     return data
+
+
+_INT, _NUM, _STR, _BOOL = "an integer", "a number", "a string", "true or false"
+#: Known fields: (what it must be, may it be null). ``step``/``epoch``/``iter`` are required.
+_FIELDS: dict[str, tuple[str, bool]] = {
+    "manifest_version": (_INT, False), "step": (_INT, False), "epoch": (_INT, False), "iter": (_INT, False),
+    "world_size": (_INT, True), "workers_per_rank": (_INT, True), "batch_size": (_INT, True),
+    "grad_accum": (_INT, True), "epoch_start_step": (_INT, True), "format": (_STR, False), "kind": (_STR, True),
+    "created": (_STR, True), "torch_version": (_STR, True), "code_version": (_STR, True), "strategy": (_STR, True),
+    "data_fingerprint": (_STR, True), "weights": (_STR, True), "has_loader_state": (_BOOL, True),
+}
+_REQUIRED = ("step", "epoch", "iter", "files")
+
+
+def _type_name(v: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(v), "a number" if isinstance(v, (int, float)) else type(v).__name__)
+
+
+def _is(v: Any, want: str) -> bool:
+    if want == _INT:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    if want == _NUM:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, str) if want == _STR else isinstance(v, bool)
+
+
+def check_manifest(data: Any) -> None:
+    """Check a parsed manifest against the schema of this module's docstring.
+
+    Raises:
+        ManifestError: the first problem found, e.g. ``missing "step"``, ``"step" is a
+            string, not an integer``, ``files is a list, not a mapping``.
+    """
+    if not isinstance(data, dict):
+        raise ManifestError(f"{_type_name(data)}, not a JSON object")
+    for key in _REQUIRED:
+        if key not in data:
+            raise ManifestError(f'missing "{key}"')
+    for key, (want, nullable) in _FIELDS.items():
+        v = data.get(key)
+        if key in data and not (v is None and nullable) and not _is(v, want):
+            shown = str(v) if _is(v, _NUM) and isinstance(v, int) else _type_name(v)
+            raise ManifestError(f'"{key}" is {shown}, not {want}' + (" >= 0" if want == _INT else ""))
+    metrics = data.get("metrics")
+    if metrics is not None and not isinstance(metrics, dict):
+        raise ManifestError(f'"metrics" is {_type_name(metrics)}, not a mapping')
+    for name, v in (metrics or {}).items():
+        if v is not None and not _is(v, _NUM):
+            raise ManifestError(f'"metrics" entry "{name}" is {_type_name(v)}, not a number')
+    sm = data.get("selection_metric")
+    if sm is not None and not isinstance(sm, dict):
+        raise ManifestError(f'"selection_metric" is {_type_name(sm)}, not a mapping')
+    if sm is not None and not (sm.get("value") is None or _is(sm["value"], _NUM)):
+        raise ManifestError(f'"selection_metric" value is {_type_name(sm["value"])}, not a number')
+    files = data["files"]
+    if not isinstance(files, dict):
+        raise ManifestError(f'"files" is {_type_name(files)}, not a mapping')
+    for rel, want in files.items():
+        if not isinstance(want, dict):
+            raise ManifestError(f'"files" entry "{rel}" is {_type_name(want)}, not a mapping')
+        if not _is(want.get("size"), _INT):
+            raise ManifestError(f'"files" entry "{rel}" has no size (an integer >= 0)')
+        if not (isinstance(want.get("sha256"), str) and len(want["sha256"]) == 64):
+            raise ManifestError(f'"files" entry "{rel}" has no sha256 (64 hex digits)')
+
 
 
 def _sha256_or_none(path: Path) -> str | None:

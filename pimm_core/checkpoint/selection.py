@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .foreign import why_not_resumable
-from .manifest import COMPLETE, MANIFEST, read_manifest
+from .manifest import COMPLETE, MANIFEST, ManifestError, read_manifest
 
 WEIGHTS = "weights.pth"
 TRAINER_DCP = "trainer.dcp"
@@ -73,6 +73,7 @@ class Candidate:
     manifest: dict[str, Any] | None = None
     target: str | None = None  # for pointers: the file they point at
     verify_problems: list[str] | None = None  # set when select_resume found files not matching the manifest
+    manifest_problem: str | None = None  # its manifest is unreadable or invalid (``invalid manifest: ...``)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -94,13 +95,21 @@ def _tree_size(path: Path) -> int:
 
 
 def _apply_manifest(c: Candidate, manifest_path: Path) -> str | None:
-    """Fill step/epoch/metrics from a manifest; return a problem string or None."""
+    """Fill step/epoch/metrics from a manifest; return a problem string or None.
+
+    A manifest that is not the schema of :mod:`.manifest` is ``invalid manifest: <what>``
+    and fills nothing (the candidate is then incomplete, and passed over by a resume).
+    """
     if not manifest_path.is_file():
         return f"missing {manifest_path.name}"
     try:
         m = read_manifest(manifest_path)
-    except (OSError, ValueError) as e:
-        return f"unreadable {manifest_path.name} ({e.__class__.__name__})"
+    except ManifestError as e:
+        c.manifest_problem = f"invalid manifest: {e}"
+        return c.manifest_problem
+    except OSError as e:
+        c.manifest_problem = f"unreadable {manifest_path.name} ({e.strerror or e.__class__.__name__})"
+        return c.manifest_problem
     c.manifest = m
     c.step, c.epoch, c.iter = m.get("step"), m.get("epoch"), m.get("iter")
     c.created = m.get("created")
@@ -124,14 +133,14 @@ def _standard_dir(path: Path, kind: str) -> Candidate:
         missing.append(f"{TRAINER_DCP}/{DCP_METADATA}")
     if not (dcp / COMPLETE).is_file():
         missing.append(f"{TRAINER_DCP}/{COMPLETE}")
-    if problem and not problem.startswith("missing"):
-        missing.append(problem)
-    elif problem:
+    if problem and problem.startswith("missing"):
         missing.append(MANIFEST)
     if not (path / COMPLETE).is_file():
         missing.append(COMPLETE)
-    if missing:
-        c.reason = "missing " + ", ".join(m.removeprefix("missing ") for m in missing)
+    reasons = (["missing " + ", ".join(missing)] if missing else []) + \
+        ([problem] if problem and not problem.startswith("missing") else [])
+    if reasons:
+        c.reason = "; ".join(reasons)
     else:
         c.complete = True
     return c

@@ -32,6 +32,8 @@ Nothing here imports torch; reading the file is :mod:`.weights`' job.
 
 from __future__ import annotations
 
+import logging
+
 import os
 import re
 from pathlib import Path
@@ -270,6 +272,8 @@ def checkpoint_record(source: Path) -> dict[str, Any]:
         if cand.is_file():
             try:
                 return read_manifest(cand)
-            except (OSError, ValueError):
+            except (OSError, ValueError) as e:
+                logging.getLogger("pimm").warning("warning: %s is unusable (%s): its step, epoch and metrics are "
+                                                  "not known", cand, e)
                 return {}
     return {}

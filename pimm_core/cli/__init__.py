@@ -17,6 +17,7 @@ usage lines; ``ARGV``) is in :mod:`._common`, so that they never import this pac
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -56,12 +57,29 @@ def _main(_: bool = typer.Option(False, "--version", callback=_version, is_eager
     """pimm: a PyTorch training engine that never loses a run."""
 
 
+#: Errors of the disk itself (full, over quota, failing): one line, not a traceback.
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO)
+
+
+def _trains(argv: list[str]) -> bool:
+    """``argv`` is a ``launch`` or ``resume`` that trains (not ``--dry-run``, not ``--help``)."""
+    flags = argv[:argv.index("--")] if "--" in argv else argv
+    return bool(argv) and argv[0] in ("launch", "resume") and not {"--dry-run", "--help"} & set(flags)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pimm`` console script; returns the exit code."""
+    import contextlib
+
+    from ..stop import stop_signals
+
     ARGV[:] = sys.argv[1:] if argv is None else argv
     try:
-        # With standalone_mode=False Typer returns (not raises) the code of typer.Exit.
-        rc = app(args=ARGV, prog_name="pimm", standalone_mode=False)
+        # A command that trains catches the stop signals from here on: a stop asked during
+        # start-up is kept and honoured (pimm_core.stop).
+        with stop_signals() if _trains(ARGV) else contextlib.nullcontext():
+            # With standalone_mode=False Typer returns (not raises) the code of typer.Exit.
+            rc = app(args=ARGV, prog_name="pimm", standalone_mode=False)
     except PimmError as e:
         report(e)  # one line; a rank under `pimm launch --nproc-per-node` hands it to the launcher
         return e.exit_code
@@ -76,6 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        if e.errno not in _DISK_ERRNOS:
+            raise
+        # A full or failing disk outside a save (which reports its own failure): one line.
+        where = f" writing {e.filename}" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}; free space (or fix the device) and run the command again; "
+              "checkpoints already published are intact", file=sys.stderr)
+        return 1
     except RuntimeError as e:
         # A rank under `pimm launch` whose peer died: the collective it was in fails here. Hand
         # the launcher a one-line note (it reports the rank that died) instead of a traceback.
@@ -94,6 +120,6 @@ def run() -> None:
     import signal
 
     code = main()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     sys.exit(code)

@@ -105,9 +105,12 @@ def resume(
     from ..launch import LaunchOptions, dry_run as plan_only, recorded_launch, resume_config, spawn, train_here
 
     from ..run.provenance import recorded_search_path
-    from ..targets import add_search_dirs
+    from ..targets import add_search_dirs, mark_run_record
 
-    add_search_dirs(recorded_search_path(run_dir))  # the user code the run was started with
+    # The record is data: code is looked for in the recorded directories only for a config
+    # target found nowhere else, and never in (or under) the run directory (targets.py).
+    mark_run_record(run_dir)
+    add_search_dirs(recorded_search_path(run_dir))
     cfg = resume_config(run_dir, overrides or [])
     config_path = run_dir / "config.toml"
     if under_launcher():  # a rank (of our own spawn below, or of the user's torchrun/srun)

@@ -1,9 +1,9 @@
 """Training in this process: one rank of the run (alone, or started by torchrun/srun),
-under the run lock, with SIGINT/SIGTERM turned into a clean stop; the summary line."""
+under the run lock, with SIGINT/SIGTERM/SIGHUP turned into a clean stop from the first
+moment (:func:`pimm_core.stop.stop_signals`); the summary line."""
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
 
@@ -13,7 +13,8 @@ from ..errors import CheckpointError, TrainingError
 from ..lock import follow_launcher, hold_run
 from ..run import MODEL
 from ..shell import resume_command
-from ..stop import StopRequest
+from ..faults import point
+from ..stop import StopRequest, stop_signals
 from .rundir import check_before_launch, claim, finished, resolve_run_dir, resume_source
 
 
@@ -23,6 +24,13 @@ def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = 
 
     ``leftovers_ok`` (``--train.auto-resume``): a model/ directory with nothing resumable
     in it does not stop a fresh start (rank 0 has moved it aside)."""
+    with stop_signals() as stop:  # a stop asked from here on is kept for the trainer
+        return _train_here(cfg, config_path, resume_from, leftovers_ok, stop)
+
+
+def _train_here(cfg: Config, config_path: Path | None, resume_from: str | None, leftovers_ok: bool,
+                stop: StopRequest) -> int:
+    point("launch.starting")
     follow_launcher()  # a rank of `pimm launch --nproc-per-node` dies with it (lock.py)
     from .. import dist
 
@@ -33,14 +41,15 @@ def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = 
     claimed = claim(cfg, run_dir) if info.is_main else None
     run_dir = claimed.path if claimed is not None else run_dir
     try:
-        return _train_claimed(cfg, config_path, run_dir, resume_from, info)
+        return _train_claimed(cfg, config_path, run_dir, resume_from, info, stop)
     except BaseException:
         if claimed is not None:
             claimed.discard_if_unstarted()  # a launch that failed before the run started leaves nothing behind
         raise
 
 
-def _train_claimed(cfg: Config, config_path: Path | None, run_dir: Path, resume_from: str | None, info) -> int:
+def _train_claimed(cfg: Config, config_path: Path | None, run_dir: Path, resume_from: str | None, info,
+                   stop: StopRequest) -> int:
     lock = hold_run(run_dir, info.is_main)  # see lock.py: who holds what
     try:
         source = resume_source(cfg, run_dir, resume_from)
@@ -53,28 +62,24 @@ def _train_claimed(cfg: Config, config_path: Path | None, run_dir: Path, resume_
         if info.is_main:
             print(message, flush=True)
         return 0
-    start = time.perf_counter()
-    stop = StopRequest()
-    # SIGINT/SIGTERM (Ctrl-C, a scheduler's pre-emption notice, torchrun forwarding either)
-    # become a clean stop: finish the accumulation window, save last, exit 0. Once training
-    # has returned, later ones are ignored until this function returns (catch_signals restores
-    # what it found: SIG_IGN), so a repeated Ctrl-C cannot turn the clean exit into a traceback;
-    # the console script keeps ignoring them while the interpreter exits (cli.run).
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return _train_and_report(cfg, config_path, run_dir, source, lock, stop, info, start)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    # SIGINT/SIGTERM/SIGHUP (Ctrl-C, a scheduler's pre-emption notice, the terminal closing,
+    # torchrun forwarding one) are a clean stop: finish the accumulation window, save last, exit
+    # 0; before the first step: end with the stop recorded, nothing saved. They only set the
+    # request (train_here's stop_signals), so once training has returned a repeated Ctrl-C
+    # cannot turn the clean exit into a traceback; the console script ignores them while the
+    # interpreter exits (cli.run).
+    return _train_and_report(cfg, config_path, run_dir, source, lock, stop, info, time.perf_counter())
 
 
 def _train_and_report(cfg: Config, config_path: Path | None, run_dir: Path, source: str | None, lock,
                       stop: StopRequest, info, start: float) -> int:
     """Train under the run lock with signals turned into stop requests; print the summary line."""
     from .. import dist
+
+    point("launch.importing_trainer")  # the slow part of start-up: torch and the trainer
     from ..trainer import Trainer
 
-    with lock, stop.catch_signals():
+    with lock:
         try:
             trainer = Trainer(cfg, run_dir=run_dir, stop=stop, config_path=config_path)
             state = trainer.train(checkpoint_dir=run_dir / MODEL, resume_from=source)
@@ -89,7 +94,10 @@ def _train_and_report(cfg: Config, config_path: Path | None, run_dir: Path, sour
                                 f"Resume with a lower LR: {resume_command(run_dir)} -- train.lr={cfg.train.lr / 10:g}")
         if state.save_error is not None:  # stop_reason is its message
             raise CheckpointError(f"{state.stop_reason}; training stopped at step {state.global_step} | run {run_dir}")
-        if state.stop_reason is not None:
+        if state.stop_reason is not None and trainer.stopped_before_start:
+            print(f"stopped ({state.stop_reason}) before the first step: nothing was trained or saved | {took} | "
+                  f"run {run_dir}", flush=True)
+        elif state.stop_reason is not None:
             print(f"stopped ({state.stop_reason}): last saved at step {state.global_step} "
                   f"(epoch {state.epoch}, iter {state.iter}) | {took} | run {run_dir}\n"
                   f"resume with: {resume_command(run_dir)}", flush=True)

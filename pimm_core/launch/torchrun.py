@@ -18,6 +18,7 @@ from ..errors import RANK_ERRORS_ENV, rank_errors
 from ..lock import LauncherLock
 from ..run import LAUNCH_ENV, STATUS, read_run_status
 from ..shell import PROGRAM_ENV, program, resume_command
+from ..stop import StopRequest, stop_signals
 from ..targets import child_env
 from .forward import SignalForwarder
 from .options import LaunchOptions
@@ -39,6 +40,12 @@ def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOp
     Returns:
         0 on success, else the first failed rank's exit code.
     """
+    with stop_signals() as stop:  # the launcher's start-up, until torchrun handles the signals
+        return _spawn(cfg, config_path, argv, opts, worker_args, leftovers_ok, stop)
+
+
+def _spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOptions,
+           worker_args: list[str] | None, leftovers_ok: bool, stop: StopRequest) -> int:
     run_dir = resolve_run_dir(cfg, config_path)
     check_before_launch(cfg, run_dir, leftovers_ok=leftovers_ok, config_path=config_path)
     single_node = opts.single_node()
@@ -47,17 +54,17 @@ def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOp
     # the ranks start, and then only rank 0 writes the run files (see README, Multi-node).
     claimed = claim(cfg, run_dir, single_node=single_node)
     try:
-        code = _spawn_claimed(cfg, claimed.path, opts, argv, worker_args, single_node, config_path)
+        code = _spawn_claimed(cfg, claimed.path, opts, argv, worker_args, single_node, config_path, stop)
     except BaseException:
         claimed.discard_if_unstarted()
         raise
-    if code != 0:
-        claimed.discard_if_unstarted()  # the ranks failed before the run started: leave nothing behind
+    if code != 0 or stop.requested:
+        claimed.discard_if_unstarted()  # no rank started (stopped, or failed before the run): leave nothing behind
     return code
 
 
 def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[str], worker_args: list[str] | None,
-                   single_node: bool, config_path: Path | None) -> int:
+                   single_node: bool, config_path: Path | None, stop: StopRequest) -> int:
     # refuse at once if the run is in use; on one node, held until the ranks are gone (lock.py)
     lock = LauncherLock(run_dir, single_node=single_node).acquire()
     if worker_args is None:
@@ -90,6 +97,10 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
         old_pythonpath = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = child_env(config_path)["PYTHONPATH"]
         try:
+            if stop.requested:  # asked while this launcher started: no rank is started
+                print(f"stopped ({stop.reason}) before the ranks started: nothing was trained or saved | run {run_dir}",
+                      flush=True)
+                return 0
             with forwarder or contextlib.nullcontext():
                 return _run_ranks(run, args, run_dir, errors_dir, forwarder)
         finally:

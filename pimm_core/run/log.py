@@ -37,6 +37,11 @@ def log_handler(run_dir: Path) -> logging.FileHandler:
 class LogTail:
     """The last ``keep`` lines of a text log, read incrementally (first read: the last ``tail_bytes``).
 
+    Memory is bounded by what it shows, whatever the file's size: a poll reads at most the
+    last ``tail_bytes`` of what was appended, and a line longer than ``tail_bytes`` is kept
+    as its first ``tail_bytes`` followed by `` [...]`` (a line whose start was skipped
+    begins with ``[...] ``).
+
     Attributes:
         lines: the newest complete lines (an unfinished last line waits for its newline).
         version: increases whenever new lines were read.
@@ -49,6 +54,7 @@ class LogTail:
         self.lines: deque[str] = deque(maxlen=keep)
         self.offset = 0
         self._partial = b""
+        self._overlong = False  # the line in progress was cut at tail_bytes: the rest is skipped
         self._ident: tuple[int, int] | None = None
         self.version = 0
 
@@ -62,29 +68,36 @@ class LogTail:
         ident = (st.st_dev, st.st_ino)
         if self._ident is not None and (ident != self._ident or st.st_size < self.offset):
             self.lines.clear()
-            self.offset, self._partial = 0, b""
+            self.offset, self._partial, self._overlong = 0, b"", False
         self._ident = ident
         if st.st_size == self.offset:
             return False
         start, skipped = self.offset, False
-        if start == 0 and st.st_size > self.tail_bytes:
+        if st.st_size - start > self.tail_bytes:  # only the last tail_bytes can be shown
             start, skipped = st.st_size - self.tail_bytes, True
+            self._partial, self._overlong = b"", False
         try:
             with open(self.path, "rb") as f:
-                f.seek(start)
-                data = f.read(st.st_size - start)
+                f.seek(start - 1 if skipped else start)  # skipped: the byte before says if a line starts
+                data = f.read(st.st_size - f.tell())
         except OSError:
             return False
-        self.offset = start + len(data)
-        if skipped:  # started inside the file: drop the first, partial line
+        self.offset = start + len(data) - skipped
+        if skipped:  # the first line may be cut: kept, marked as cut
+            data = data[1:] if data[:1] == b"\n" else b"[...] " + data[1:]
+        if self._overlong:
             nl = data.find(b"\n")
-            data = data[nl + 1:] if nl >= 0 else b""
+            if nl < 0:
+                return False
+            # the rest of a cut line is skipped; its kept start (if any) ends at this newline
+            data, self._overlong = (data[nl:] if self._partial else data[nl + 1:]), False
         data = self._partial + data
         nl = data.rfind(b"\n")
-        if nl < 0:
-            self._partial = data
-            return False
         self._partial = data[nl + 1:]
+        if len(self._partial) > self.tail_bytes:
+            self._partial, self._overlong = self._partial[:self.tail_bytes] + b" [...]", True
+        if nl < 0:
+            return False
         for line in data[:nl].decode("utf-8", "replace").splitlines():
             self.lines.append(line)
         self.version += 1

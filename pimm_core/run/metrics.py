@@ -11,7 +11,9 @@ line without its newline, which readers skip. The console's incremental reader i
 from __future__ import annotations
 
 import json
+import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,20 +36,87 @@ class MetricsWriter:
         self._f.close()
 
 
+#: Longest line a reader parses (bytes); a longer one is damaged, skipped without being held in memory.
+MAX_LINE = 1 << 20
+
+
 def parse_record(line: bytes | str) -> dict[str, Any] | None:
-    """One line of ``metrics.jsonl`` as its record, or None when it is not a JSON object (damaged)."""
+    """One line of ``metrics.jsonl`` as its record, or None when it is not a JSON object
+    (damaged, or nested too deeply for the parser)."""
+    if len(line) > MAX_LINE:
+        return None
     try:
         rec = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return rec if isinstance(rec, dict) else None
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """All records of a ``metrics.jsonl``, in file order; lines that do not parse (damaged, or
-    a last line cut short by a crash) are skipped; a missing file has none."""
+def iter_metrics(path: Path, *, block: int = 1 << 20) -> Iterator[dict[str, Any] | None]:
+    """The records of a ``metrics.jsonl`` in file order, read ``block`` bytes at a time
+    (memory: one block plus one line of at most :data:`MAX_LINE`).
+
+    Yields:
+        Each complete line's record, or None for a damaged line (not a JSON object, nested
+        too deeply, or longer than :data:`MAX_LINE`). A last line without its newline (a
+        write cut short) is not yielded; a missing or unreadable file yields nothing.
+    """
     try:
-        data = Path(path).read_bytes()
+        f = open(path, "rb")
     except OSError:
-        return []
-    return [rec for line in data.splitlines() if (rec := parse_record(line)) is not None]
+        return
+    with f:
+        carry, oversize = b"", False
+        while data := f.read(block):
+            parts = (carry + data).split(b"\n")
+            carry = parts.pop()
+            for line in parts:
+                if oversize:
+                    oversize = False
+                    yield None
+                elif line.strip():
+                    yield parse_record(line)
+            if len(carry) > MAX_LINE:
+                carry, oversize = b"", True
+
+
+def records_from_end(path: Path, *, block: int = 1 << 20) -> Iterator[dict[str, Any] | None]:
+    """The records of a ``metrics.jsonl``, newest first, read backwards ``block`` bytes at a
+    time: a reader that needs the latest records stops early, and memory is one block plus
+    one line of at most :data:`MAX_LINE`, whatever the file's size.
+
+    Yields:
+        As :func:`iter_metrics`, in reverse order.
+    """
+    try:
+        f = open(path, "rb")
+    except OSError:
+        return
+    with f:
+        pos = f.seek(0, os.SEEK_END)
+        carry, oversize, unfinished = b"", False, True
+        while pos > 0:
+            n = min(block, pos)
+            pos -= n
+            f.seek(pos)
+            parts = (f.read(n) + carry).split(b"\n")
+            carry = parts[0]  # the start of this line may be in the block before
+            for line in reversed(parts[1:]):
+                if unfinished:  # after the last newline: a line still being written (or b"")
+                    unfinished = oversize = False
+                elif oversize:
+                    oversize = False
+                    yield None
+                elif line.strip():
+                    yield parse_record(line)
+            if len(carry) > MAX_LINE:
+                carry, oversize = b"", True
+        if not unfinished and (oversize or carry.strip()):
+            yield None if oversize else parse_record(carry)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All records of a ``metrics.jsonl``, in file order (:func:`iter_metrics`: damaged lines
+    and a last line cut short by a crash are skipped); a missing file has none. Memory grows
+    with the file: a reader that shows part of it iterates instead."""
+    return [rec for rec in iter_metrics(path) if rec is not None]

@@ -4,6 +4,11 @@ The top level holds the run's base record (code and torch version, host, topolog
 fingerprint, Python); ``starts`` is a list of entries, each with its ``time`` and ``kind``
 and, for a start, the ``launch`` that started it (:func:`launch_record`), which ``pimm
 resume`` reads back (:func:`recorded_launch`) to start the same ranks.
+
+The file is history pimm keeps: one that is not such a record (not JSON, truncated, a
+list, ``starts`` not a list of objects) is never overwritten: the next start moves it
+aside to ``provenance.json.corrupt-<n>``, warns once, and begins a new record. Readers
+treat it as missing, and take each recorded value only when it has the right type.
 """
 
 from __future__ import annotations
@@ -11,11 +16,14 @@ from __future__ import annotations
 import functools
 import json
 import os
+import logging
 import subprocess
 from pathlib import Path
 from typing import Any
 
-from .jsonfile import read_json, write_json
+from ..fsio import keep_aside
+from .values import json_int
+from .jsonfile import write_json
 from .layout import PROVENANCE
 
 # `pimm launch --nproc-per-node/--nnodes` hands its launcher flags to the ranks in this
@@ -99,8 +107,37 @@ def launch_record(world_size: int) -> dict[str, Any]:
 
 
 def read_provenance(run_dir: Path) -> dict[str, Any] | None:
-    """The run's ``provenance.json`` object, or None when it is missing or damaged."""
-    return read_json(Path(run_dir) / PROVENANCE)
+    """The run's ``provenance.json`` object, or None when it is missing or not a provenance
+    record (:func:`provenance_problem`)."""
+    data, problem = _load(Path(run_dir) / PROVENANCE)
+    return None if problem else data
+
+
+def provenance_problem(data: Any) -> str | None:
+    """What makes parsed ``data`` not a provenance record, or None: not an object, or
+    ``starts`` not a list of objects."""
+    if not isinstance(data, dict):
+        return f"is a JSON {type(data).__name__}, not an object"
+    starts = data.get("starts", [])
+    if not isinstance(starts, list) or not all(isinstance(e, dict) for e in starts):
+        return '"starts" is not a list of objects'
+    return None
+
+
+def _load(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """``(record, None)``, ``(None, None)`` when missing, or ``(None, problem)``."""
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"cannot be read ({e.strerror or e})"
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        return None, f"is not JSON ({e.__class__.__name__}: {str(e)[:80]})"
+    problem = provenance_problem(data)
+    return (None, problem) if problem else (data, None)
 
 
 def recorded_launch(run_dir: Path) -> dict[str, Any]:
@@ -108,10 +145,26 @@ def recorded_launch(run_dir: Path) -> dict[str, Any]:
     ``external``), ``nproc_per_node`` and the multi-node flags ``pimm launch`` was given."""
     prov = read_provenance(run_dir) or {}
     for entry in reversed(prov.get("starts") or []):
-        if isinstance(entry, dict) and isinstance(entry.get("launch"), dict):
-            return entry["launch"]
+        if isinstance(entry.get("launch"), dict):
+            return _launch_values(entry["launch"])
     # runs written before pimm recorded the launch: one node with the recorded world size
-    return {"launcher": "pimm", "nproc_per_node": int(prov.get("world_size") or 1)}
+    return {"launcher": "pimm", "nproc_per_node": max(1, json_int(prov.get("world_size")) or 1)}
+
+
+def _launch_values(record: dict[str, Any]) -> dict[str, Any]:
+    """A recorded launch with the values of the wrong type dropped (a hand-edited file):
+    counts are positive ints, the rest strings (``nnodes`` may be ``"MIN:MAX"``)."""
+    out: dict[str, Any] = {}
+    for key, v in record.items():
+        if key in ("nproc_per_node", "world_size", "node_rank", "master_port", "max_restarts"):
+            n = v if type(v) is int else None
+            if n is not None and (n >= 1 or key == "node_rank" and n >= 0):
+                out[key] = n
+        elif key == "nnodes" and type(v) is int and v >= 1:
+            out[key] = v
+        elif isinstance(v, str) or isinstance(v, bool) or v is None:
+            out[key] = v
+    return out
 
 
 def recorded_search_path(run_dir: Path) -> list[str]:
@@ -121,7 +174,8 @@ def recorded_search_path(run_dir: Path) -> list[str]:
     prov = read_provenance(run_dir) or {}
     dirs: list[str] = []
     for entry in prov.get("starts") or []:
-        for d in (entry.get("code_search_path") or []) if isinstance(entry, dict) else []:
+        paths = entry.get("code_search_path")
+        for d in paths if isinstance(paths, list) else []:
             if isinstance(d, str) and d not in dirs:
                 dirs.append(d)
     return dirs
@@ -129,19 +183,29 @@ def recorded_search_path(run_dir: Path) -> list[str]:
 
 def recorded_world_size(record: dict[str, Any]) -> int:
     """Ranks in all of a recorded launch (the largest node count for ``MIN:MAX``)."""
-    if record.get("world_size"):
-        return int(record["world_size"])
+    if type(record.get("world_size")) is int and record["world_size"] >= 1:
+        return record["world_size"]
     nodes = str(record.get("nnodes") or "1").split(":")[-1]
-    return int(record.get("nproc_per_node") or 1) * (int(nodes) if nodes.isdigit() else 1)
+    per_node = record.get("nproc_per_node")
+    return (per_node if type(per_node) is int and per_node >= 1 else 1) * (int(nodes) if nodes.isdigit() else 1)
 
 
 def append_provenance(run_dir: Path, base: dict[str, Any], entry: dict[str, Any]) -> None:
     """Merge ``base`` into ``provenance.json`` and append ``entry`` to its ``starts`` list (fsynced).
 
+    A ``provenance.json`` that is not a provenance record is first moved aside to
+    ``provenance.json.corrupt-<n>`` (with a warning naming both), and a new record begun.
+
     Raises:
         OSError: the write failed (the old file is untouched).
     """
-    data = read_provenance(run_dir) or {}
+    path = Path(run_dir) / PROVENANCE
+    data, problem = _load(path)
+    if problem:
+        kept = keep_aside(path)
+        logging.getLogger("pimm").warning("warning: %s %s; kept it as %s and started a new record", path, problem,
+                                          kept.name)
+    data = data or {}
     data.update(base)
     data.setdefault("starts", []).append(entry)
     write_json(Path(run_dir) / PROVENANCE, data, indent=2)

@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ..faults import point
 from .jsonfile import write_json
 from .layout import STATUS
 from .values import finite_number, json_int
@@ -127,6 +128,7 @@ def write_status(run_dir: Path, state: str, **fields: Any) -> None:
     record = RunStatus(state, host=socket.gethostname(), pid=os.getpid(), updated=now_iso(), heartbeat=time.time())
     record = dataclasses.replace(record, **{k: v for k, v in fields.items() if k in names},
                                  extra={k: v for k, v in fields.items() if k not in names})
+    point("status.write", Path(run_dir) / STATUS)  # a full disk at a heartbeat (crash tests)
     write_json(Path(run_dir) / STATUS, record.to_json(), durable=False)
 
 

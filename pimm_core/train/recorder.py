@@ -10,6 +10,11 @@
 
 Other ranks, and a run without a run directory, write no file. The writers are those of
 :mod:`pimm_core.run`.
+
+Once training runs, a failed write of these records (a full disk, an I/O error) does not
+end the run: it is one warning line, the first time (and one line when writing works
+again); the state is recorded at the next write that succeeds, and the checkpoints are
+the Checkpointer's (their own failures stop the run, see ``checkpoint.on_error``).
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class Recorder:
         self._log_handler: logging.Handler | None = None
         self._detach_console: Callable[[], None] = lambda: None
         self._samples = 0
+        self._failing: set[str] = set()  # the records whose last write failed
         self._last_log = (time.perf_counter(), 0)  # (time, samples) of the last train record
 
     # ------------------------------------------------------------- log file
@@ -120,16 +126,31 @@ class Recorder:
         """Replace ``status.json``: ``state`` (``running``, ``stopping``, ...) and the position."""
         if self.writes:
             s = self.state
-            write_status(self.run_dir, state, pids=self.pids, step=s.global_step, epoch=s.epoch, iter=s.iter,
-                         total_steps=self.total, steps_per_epoch=self.steps_per_epoch,
-                         epochs=self.epochs, world_size=self.info.world_size, stop_reason=s.stop_reason, **extra)
+            self._best_effort("status.json", write_status, self.run_dir, state, pids=self.pids, step=s.global_step,
+                              epoch=s.epoch, iter=s.iter, total_steps=self.total,
+                              steps_per_epoch=self.steps_per_epoch, epochs=self.epochs,
+                              world_size=self.info.world_size, stop_reason=s.stop_reason, **extra)
 
     def record(self, record: dict[str, Any]) -> None:
         """Append one record to ``metrics.jsonl`` (``time`` is added), and to TensorBoard when asked."""
         if self._metrics is not None:
-            self._metrics.write(record)
+            self._best_effort(METRICS, self._metrics.write, record)
         if self._tensorboard is not None:
-            self._tensorboard.write(record)
+            self._best_effort("the TensorBoard events", self._tensorboard.write, record)
+
+    def _best_effort(self, what: str, write: Callable[..., None], *args: Any, **kw: Any) -> None:
+        """``write(*args, **kw)``; an OSError is one warning (the first of a series), not the run's end."""
+        try:
+            write(*args, **kw)
+        except OSError as e:
+            if not self._failing:
+                log.warning("warning: cannot write %s (%s); training goes on, the run's state is recorded when "
+                            "a write succeeds again; checkpoints are not affected", what, e.strerror or e)
+            self._failing.add(what)
+            return
+        if what in self._failing:
+            self._failing.discard(what)
+            log.info("%s written again", what)
 
     # --------------------------------------------------------------- moments
     @contextlib.contextmanager
@@ -186,8 +207,9 @@ class Recorder:
         log.info("stopped (%s) at step %d, epoch %d, iter %d%s", s.stop_reason,
                  s.global_step, s.epoch, s.iter, skipped)
         if self.run_dir is not None:
-            append_provenance(self.run_dir, {}, {"time": now_iso(), "kind": "stop", "reason": s.stop_reason,
-                                                 "step": s.global_step, "epoch": s.epoch, "iter": s.iter})
+            self._best_effort("provenance.json", append_provenance, self.run_dir, {}, {
+                "time": now_iso(), "kind": "stop", "reason": s.stop_reason, "step": s.global_step, "epoch": s.epoch,
+                "iter": s.iter})
 
 
 class ProgressDisplay:

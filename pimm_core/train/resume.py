@@ -26,7 +26,9 @@ from ..checkpoint.state import set_rng_state, unwrap
 from ..errors import CheckpointError
 from ..config import TrainConfig
 from ..schedule import WarmupCosine
-from ..run import CONFIG, METRICS, read_metrics, read_run_status
+from ..run import CONFIG, METRICS, read_run_status
+from ..run.metrics import MAX_LINE, records_from_end
+from ..run.values import json_number
 from ..topology import config_diff, is_finished, plan_resume
 
 if TYPE_CHECKING:
@@ -240,16 +242,25 @@ def check_against_metrics(tr: Trainer) -> list[str]:
     if tr.run_dir is None or not tr.info.is_main:
         return []
     step = tr.state.global_step
-    recs = [r for r in read_metrics(tr.run_dir / METRICS)
-            if r.get("split") == "train" and isinstance(r.get("step"), int) and r["step"] <= step]
-    if not recs:
-        return [f"metrics.jsonl has no train record up to step {step}; cannot check the resumed schedule"] if step else []
-    last = max(recs, key=lambda r: r["step"])
+    last, damaged = None, 0
+    for r in records_from_end(tr.run_dir / METRICS):  # newest first: stops at the record it needs
+        if r is None:
+            damaged += 1
+        elif r.get("split") == "train" and type(r.get("step")) is int and r["step"] <= step:
+            last = r
+            break
+    warnings = [f"metrics.jsonl: {damaged} damaged line(s) skipped (not a JSON object, nested too deeply, or "
+                f"longer than {MAX_LINE} bytes)"] if damaged else []
+    if last is None:
+        return warnings + ([f"metrics.jsonl has no train record up to step {step}; cannot check the resumed "
+                            "schedule"] if step else [])
     sch = tr.scheduler
     expected = sch.base_lrs[0] * sch.factor(last["step"] - 1)
+    logged = json_number(last.get("lr"))
+    logged = float("nan") if logged is None else logged
     log.info("resume check: restored step %d, next lr %.6e; log before interruption: step %d lr %.6e "
-             "(this schedule: %.6e)", step, sch.get_last_lr()[0], last["step"], last.get("lr", float("nan")), expected)
-    if not math.isclose(expected, float(last.get("lr", float("nan"))), rel_tol=1e-6, abs_tol=1e-12):
-        return [f"LR schedule differs from the interrupted run: at step {last['step']} the log says "
-                f"{last.get('lr')}, this config gives {expected}"]
-    return []
+             "(this schedule: %.6e)", step, sch.get_last_lr()[0], last["step"], logged, expected)
+    if not math.isclose(expected, logged, rel_tol=1e-6, abs_tol=1e-12):
+        return warnings + [f"LR schedule differs from the interrupted run: at step {last['step']} the log says "
+                           f"{last.get('lr')}, this config gives {expected}"]
+    return warnings

@@ -42,6 +42,20 @@ def after_step(tr: Trainer, outcome: str, loss: torch.Tensor, samples: int, epoc
         tr.recorder.status("stopping")  # the console shows it until `last` is saved
 
 
+def stop_before_start(tr: Trainer) -> bool:
+    """A stop asked before the first step (a signal during start-up, ``pimm stop``): every rank
+    agrees; then True, ``tr.stopped_before_start`` is set and the session ends with the stop
+    recorded, nothing trained or saved (the caller calls :func:`end_session`)."""
+    reason = tr.stop_agreement.agree()
+    if reason is None:
+        return False
+    tr.state.stop_reason = reason
+    tr.stopped_before_start = True
+    if tr.info.is_main:
+        log.info("stop asked before the first step (%s): nothing trained, nothing saved", reason)
+    return True
+
+
 def evaluate_and_record(tr: Trainer, epoch: int) -> None:
     """Evaluate after ``epoch``; the selection metric steps a reduce-on-plateau schedule and
     may make a new best (``model_best``); the metrics are recorded.

@@ -3,6 +3,10 @@
 A large file is opened from its tail plus an evenly spaced sample of the earlier lines
 (so a million-line log opens in milliseconds); evaluation records are found by a byte
 scan. A truncated last line waits until it is completed; corrupt lines are counted.
+Memory is bounded by what the console shows, whatever the file's size: bytes are read
+``chunk`` at a time, a line longer than :data:`~pimm_core.run.metrics.MAX_LINE` is
+counted as damaged without being held, and of the evaluations only the newest
+``max_points`` and the best value of each metric are kept.
 """
 
 from __future__ import annotations
@@ -13,25 +17,28 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from ..run.metrics import parse_record
+from ..run.metrics import MAX_LINE, parse_record
 from ..run.values import finite_number, json_number
-from .series import NonFinite, Series
+from .series import NonFinite, RunningBest, Series
 
 #: Record fields that are bookkeeping, not metric values.
 _NOT_METRICS = frozenset(("step", "epoch", "iter", "split", "time"))
 
 
-def _lines_holding(body: bytes, token: bytes):
-    """``(offset, record)`` for each whole line of ``body`` that contains ``token`` and parses
-    as a JSON object (byte scan: lines without the token are never parsed)."""
-    i = body.find(token)
+def _lines_holding(body: bytes, token: bytes, begin: int = 0, stop: int | None = None):
+    """``(offset, record)`` for each whole line of ``body[begin:stop]`` (which ends with a
+    newline) that contains ``token`` and parses as a JSON object (byte scan: lines without
+    the token are never parsed; nothing is copied but the lines parsed)."""
+    stop = len(body) if stop is None else stop
+    i = body.find(token, begin, stop)
     while i >= 0:
-        start = body.rfind(b"\n", 0, i) + 1
-        end = body.find(b"\n", i)
+        start = body.rfind(b"\n", begin, i) + 1 or begin
+        end = body.find(b"\n", i, stop)
+        end = stop if end < 0 else end
         rec = parse_record(body[start:end])
         if rec is not None:
             yield start, rec
-        i = body.find(token, end)
+        i = body.find(token, end, stop)
 
 
 class MetricsTail:
@@ -46,7 +53,7 @@ class MetricsTail:
         loss, lr: decimated ``(step, value)`` series of training records.
         recent: the last training records (for rate and ETA).
         last_train, last_val: the newest training / evaluation record.
-        val: every evaluation record, in file order.
+        val: the newest ``max_points`` evaluation records, in file order.
         bad_lines: lines that were not JSON objects (skipped).
         pending: bytes of an unfinished last line (waiting for its newline).
         sampled: the early history was sampled, not read line by line.
@@ -68,12 +75,14 @@ class MetricsTail:
         self.offset = 0
         self._ident: tuple[int, int] | None = None
         self._partial = b""
+        self._overlong = False  # inside a line longer than MAX_LINE: skipped up to its newline
         self.loss = Series(self.max_points)
         self.lr = Series(self.max_points)
         self.recent: deque[dict[str, Any]] = deque(maxlen=64)
         self.last_train: dict[str, Any] | None = None
         self.last_val: dict[str, Any] | None = None
-        self.val: list[dict[str, Any]] = []
+        self.val: deque[dict[str, Any]] = deque(maxlen=self.max_points)
+        self._best = RunningBest()
         self.bad_lines = 0
         self.sampled = False
         self.records = 0
@@ -103,6 +112,7 @@ class MetricsTail:
                 self.recent.append(rec)
         elif split == "val" and not sampled:
             self.val.append(rec)
+            self._best.add(rec, _NOT_METRICS)
             self.last_val = rec
         if not sampled and split in ("train", "val") and (odd or self.nonfinite):
             self._check_finite(rec, split, step)
@@ -134,78 +144,86 @@ class MetricsTail:
             self.records += 1
             self._take(rec, odd=b"NaN" in line or b"Infinity" in line)
 
-    def _open_large(self, f: Any, size: int) -> None:
-        """First read of a large file: sampled history + val scan of the head, full tail."""
-        head_end = max(0, size - self.tail_bytes)
+    def _open_large(self, f: Any, size: int, start: int = 0) -> None:
+        """A large read (the first of a large file, or a large append from ``start``, a line
+        start): sampled history + val scan of the head, full tail."""
+        head_end = max(start, size - self.tail_bytes)
         f.seek(head_end)
         tail = f.read(size - head_end)
-        if head_end > 0:
+        if head_end > start:
             nl = tail.find(b"\n")
             cut = nl + 1 if nl >= 0 else len(tail)
             head_end += cut
             tail = tail[cut:]
         # Evenly spaced sample of the head: the first whole line after each probe offset.
-        probes = min(self.sample_lines, max(1, head_end // 64))
+        probes = min(self.sample_lines, max(1, (head_end - start) // 64))
         last_start = -1
-        vals: list[tuple[int, dict[str, Any]]] = []
         for i in range(probes):
-            pos = head_end * i // probes
+            pos = start + (head_end - start) * i // probes
             f.seek(max(0, pos - 1))
             buf = f.read(4096)
-            if pos > 0:
+            if pos > start:
                 nl = buf.find(b"\n")
                 if nl < 0:
                     continue
-                start, buf = pos + nl, buf[nl + 1:]
+                at, buf = pos + nl, buf[nl + 1:]
             else:
-                start = 0
-            if start <= last_start or start >= head_end:
+                at = start
+            if at <= last_start or at >= head_end:
                 continue
-            last_start = start
+            last_start = at
             end = buf.find(b"\n")
             if end < 0:
                 continue
             rec = parse_record(buf[:end])
             if rec is not None and rec.get("split", "train") == "train":
                 self._take(rec, sampled=True)
-        # Every evaluation record in the head, by a byte scan (no JSON parse of training lines).
-        f.seek(0)
-        pos, carry = 0, b""
-        odd: dict[int, dict[str, Any]] = {}
+                self.last_train = rec  # the newest known, until the tail has one
+        # Every evaluation record in the head, by a byte scan (no JSON parse of training lines),
+        # one chunk at a time; a line longer than MAX_LINE is dropped up to its newline.
+        f.seek(start)
+        pos, carry, skip = start, b"", False
         while pos < head_end:
-            block = f.read(min(self.chunk, head_end - pos))
-            if not block:
-                break
-            base = pos - len(carry)
-            data = carry + block
-            pos += len(block)
-            last_nl = data.rfind(b"\n")
-            if last_nl < 0:
-                carry = data
-                continue
-            body, carry = data[:last_nl + 1], data[last_nl + 1:]
-            # Training records with NaN/Infinity (the sample may have missed them).
-            for token in (b"NaN", b"Infinity"):
-                for at, rec in _lines_holding(body, token):
-                    if rec.get("split", "train") == "train":
-                        odd[base + at] = rec
-            vals += [(base + at, rec) for at, rec in _lines_holding(body, b'"val"') if rec.get("split") == "val"]
-        for _, rec in sorted(odd.items()):
-            self._check_finite(rec, "train", finite_number(rec.get("step")))
-        for _, rec in vals:
-            self._take(rec)
+            n = min(self.chunk, head_end - pos)
+            data = carry + f.read(n)  # (no second copy of the chunk: lines are found in place)
+            pos += n
+            begin = 0
+            if skip:
+                nl = data.find(b"\n")
+                begin, skip = (len(data), True) if nl < 0 else (nl + 1, False)
+            end = data.rfind(b"\n", begin) + 1
+            carry = data[max(end, begin):]
+            if len(carry) > MAX_LINE:
+                carry, skip = b"", True
+            # Training records with NaN/Infinity (the sample may have missed them), in file order.
+            odd = {at: rec for token in (b"NaN", b"Infinity") for at, rec in _lines_holding(data, token, begin, end)
+                   if rec.get("split", "train") == "train"}
+            for _, rec in sorted(odd.items()):
+                self._check_finite(rec, "train", finite_number(rec.get("step")))
+            for _, rec in _lines_holding(data, b'"val"', begin, end):
+                if rec.get("split") == "val":
+                    self._take(rec)
+                    self.records += 1
+            del data
         self.sampled = True
-        self.records += len(vals)
         self._consume(tail)
 
     def _consume(self, data: bytes) -> None:
+        if self._overlong:
+            nl = data.find(b"\n")
+            if nl < 0:
+                return
+            data, self._overlong = data[nl + 1:], False
         data = self._partial + data
         nl = data.rfind(b"\n")
         if nl < 0:
             self._partial = data
-            return
-        self._partial = data[nl + 1:]
-        self._parse_lines(data[:nl])
+        else:
+            self._partial = data[nl + 1:]
+            self._parse_lines(data[:nl])
+        if len(self._partial) > MAX_LINE:  # too long to be a record: damaged, not held
+            self._partial, self._overlong = b"", True
+            self.bad_lines += 1
 
     def poll(self) -> bool:
         """Read what was appended since the last poll. Returns True when something new was read.
@@ -230,18 +248,37 @@ class MetricsTail:
             return False
         try:
             with open(self.path, "rb") as f:
-                if self.offset == 0 and st.st_size > self.full_read_bytes:
-                    self._open_large(f, st.st_size)
-                    self.offset = st.st_size
-                else:
-                    f.seek(self.offset)
-                    data = f.read(st.st_size - self.offset)
-                    self.offset += len(data)
-                    self._consume(data)
+                self._read(f, st.st_size)
         except OSError:
             return False
         self.version += 1
         return True
+
+    def _read(self, f: Any, size: int) -> None:
+        """Read ``[offset, size)``: sampled when large (the first read, or an append of more
+        than ``full_read_bytes``: the line in progress is finished, then the rest is opened
+        as :meth:`_open_large` opens a file), else ``chunk`` bytes at a time."""
+        f.seek(self.offset)
+        while (self._partial or self._overlong) and size - self.offset > self.full_read_bytes:
+            block = f.read(min(self.chunk, size - self.offset))
+            if not block:
+                return
+            nl = block.find(b"\n")
+            if nl >= 0:
+                block = block[:nl + 1]
+                f.seek(self.offset + len(block))
+            self.offset += len(block)
+            self._consume(block)
+        if size - self.offset > self.full_read_bytes:
+            self._open_large(f, size, self.offset)
+            self.offset = size
+            return
+        while self.offset < size:
+            data = f.read(min(self.chunk, size - self.offset))
+            if not data:
+                break
+            self.offset += len(data)
+            self._consume(data)
 
     # ------------------------------------------------------------ summaries
     def rate(self) -> tuple[float | None, float | None]:
@@ -271,12 +308,5 @@ class MetricsTail:
         """The best evaluation record for ``metric`` (``val/acc`` reads the record's ``acc``);
         NaN and +-Inf values are never best."""
         key = metric.split("/", 1)[1] if "/" in metric else metric
-        best = None
-        for rec in self.val:
-            v = finite_number(rec.get(key))
-            if v is None:
-                continue
-            if best is None or (v > best[0] if mode == "max" else v < best[0]):
-                best = (v, rec)
-        return best[1] if best else None
+        return self._best.best(key, mode)
 

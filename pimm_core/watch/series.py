@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..run.values import finite_number
 from .fmt import fmt_value
 
 
@@ -108,3 +109,32 @@ class NonFinite:
         return {"key": self.key, "first_step": self.first_step, "last_step": self.last_step, "count": self.count,
                 "last_value": fmt_value(self.last_value), "finite_again": self.finite_again}
 
+
+class RunningBest:
+    """The best record of each metric seen so far, both ways (max and min), kept as records
+    arrive: memory is one entry per metric name (at most ``max_names``), not per record.
+    NaN and +-Inf are never best; on a tie the earlier record stays."""
+
+    def __init__(self, max_names: int = 256):
+        self.max_names = max_names
+        self._best: dict[str, list[tuple[float, dict[str, Any]]]] = {}
+
+    def add(self, rec: dict[str, Any], skip: frozenset[str] = frozenset()) -> None:
+        for k, v in rec.items():
+            f = finite_number(v) if k not in skip else None
+            if f is None:
+                continue
+            best = self._best.get(k)
+            if best is None:
+                if len(self._best) < self.max_names:
+                    self._best[k] = [(f, rec), (f, rec)]
+                continue
+            if f > best[0][0]:
+                best[0] = (f, rec)
+            if f < best[1][0]:
+                best[1] = (f, rec)
+
+    def best(self, key: str, mode: str) -> dict[str, Any] | None:
+        """The record with the highest (``mode="max"``) or lowest value of ``key``, or None."""
+        best = self._best.get(key)
+        return None if best is None else best[0 if mode == "max" else 1][1]

@@ -170,7 +170,7 @@ class RunReader:
         nonfinite = tuple(dataclasses.replace(n) for n in m.nonfinite.values())
         if nonfinite:
             problems.append("; ".join(n.note() for n in nonfinite))
-        bad_manifests = [c.name for c in cands if c.reason and "unreadable" in c.reason]
+        bad_manifests = [c.name for c in cands if c.manifest_problem]
         if bad_manifests:
             problems.append(f"damaged manifest: {', '.join(bad_manifests)}")
 

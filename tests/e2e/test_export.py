@@ -72,8 +72,9 @@ def fake_run(root: Path, sd: dict, *, step: int = 42, ema: dict | None = None) -
     (last / "trainer.dcp").mkdir(parents=True)
     (run / "config.toml").write_text(CONFIG_TOML)
     torch.save({"state_dict": sd} | ({"ema_state_dict": ema} if ema else {}), last / "weights.pth")
-    (last / "manifest.json").write_text(json.dumps({"format": "standard", "step": step, "epoch": 1,
-                                                    "metrics": {"val/acc": 0.5}}))
+    files = {"weights.pth": {"size": (last / "weights.pth").stat().st_size, "sha256": sha256_file(last / "weights.pth")}}
+    (last / "manifest.json").write_text(json.dumps({"format": "standard", "step": step, "epoch": 1, "iter": 0,
+                                                    "metrics": {"val/acc": 0.5}, "files": files}))
     (last / ".complete").write_text("")
     return run
 
@@ -197,7 +198,9 @@ def test_cli_keywords_weights_and_errors(tmp_path: Path, capsys) -> None:
     raw, ema = Small(), Small()
     run = fake_run(tmp_path, raw.state_dict(), ema=ema.state_dict())
     torch.save({"state_dict": raw.state_dict()}, run / "model" / "iter_20.pth")
-    (run / "model" / "iter_20.pth.json").write_text('{"format": "weights", "step": 20}')
+    it = run / "model" / "iter_20.pth"
+    (run / "model" / "iter_20.pth.json").write_text(json.dumps({"format": "weights", "step": 20, "epoch": 0, "iter": 20,
+        "files": {it.name: {"size": it.stat().st_size, "sha256": sha256_file(it)}}}))
 
     assert main(["export", "--run-dir", str(run), "last", str(tmp_path / "e"), "--weights", "ema"]) == 0
     assert "ema weights" in capsys.readouterr().out
