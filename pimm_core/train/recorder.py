@@ -165,8 +165,9 @@ class Recorder:
             self.progress.stop()
 
     def on_step(self, epoch: int, loss: torch.Tensor, lr: float, samples: int) -> None:
-        """After an optimizer step of ``epoch``: every ``log_every_steps`` (and at step 1) a train
-        record, a progress line and a status heartbeat; the bar advances at every step.
+        """After an optimizer step of ``epoch``: every ``log_every_steps``, at step 1, and at the last
+        step of each epoch and of the run, a train record, a progress line and a status heartbeat
+        (so a plot and the "last" loss never lag the run's end); the bar advances at every step.
 
         Args:
             loss: the window's mean loss (0-d tensor; read only when recorded).
@@ -175,7 +176,8 @@ class Recorder:
         """
         s = self.state
         self._samples += samples
-        if s.global_step % self.log_every_steps == 0 or s.global_step == 1:
+        ends_epoch = s.global_step - s.epoch_start_step == self.steps_per_epoch
+        if s.global_step % self.log_every_steps == 0 or s.global_step == 1 or ends_epoch or s.global_step == self.total:
             now = time.perf_counter()
             then, samples_then = self._last_log
             rate = (self._samples - samples_then) * self.info.world_size / max(now - then, 1e-9)
