@@ -97,6 +97,9 @@ class DataConfig:
     name: str = "digits"
     batch_size: int = 32
     num_workers: int = 0  # per rank
+    shuffle: bool = True  # a new permutation of the train split each epoch (seed + epoch); false: in order
+    # drop the samples that do not fill the epoch evenly: none repeated to pad the ranks' shards, no short last batch
+    drop_last: bool = False
     # how DataLoader workers start (PyTorch's argument): "forkserver" from a clean process; "spawn";
     # "fork" copies the rank with its threads and can hang (pimm_core.loader_workers)
     multiprocessing_context: Literal["forkserver", "spawn", "fork"] = "forkserver"
@@ -189,6 +192,7 @@ class FsdpConfig:
 @dataclass
 class EvalConfig:
     every_epochs: int = 1
+    batch_size: int | None = None  # per rank; unset: max(data.batch_size, 256)
     metric: str = "val/acc"
     mode: Literal["max", "min"] = "max"
     weights: Literal["raw", "ema"] = "raw"  # evaluate the raw or the EMA weights

@@ -49,6 +49,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "data.batch_size": (1, None),
     "data.num_workers": (0, None),
     "data.timeout": (0, None),
+    "eval.batch_size": (1, None),
     "data.val_fraction": (0, 1),
     "model.hidden": (1, None),
     "model.dropout": (0, 1),

@@ -142,7 +142,7 @@ class Trainer:
 
         d = self.data
         self.loader, self.sampler = train_loader(d.train, config.data, self.info, config.train.seed, d.collate_fn)
-        self.val_loader = eval_loader(d.val, config.data, self.info, d.collate_fn)
+        self.val_loader = eval_loader(d.val, config.data, self.info, d.collate_fn, config.eval.batch_size)
         self.data_resume = data_resume_policy(d.train, self.info.is_main)  # "exact" or "replay_from_boundary"
         self.optimizer = build_optimizer(config, unwrap(self.model), config_path)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.train.amp == "fp16")
@@ -360,7 +360,7 @@ class Trainer:
             if outcome == STOP:
                 stop_nonfinite(self, epoch)
                 return s.iter >= n_micro
-            after_step(self, outcome, loss, samples, epoch)
+            after_step(self, outcome, loss, samples, epoch, step.grad_norm)
             if s.stop_reason is not None:
                 return s.iter >= n_micro  # True: at the epoch end, its evaluation runs first
             run_ends = self._at_max_steps(t)

@@ -81,6 +81,7 @@ class WindowStep:
                  before_step: Callable[[], None] | None = None):
         self.model, self.optimizer, self.scaler, self.ema, self.train = model, optimizer, scaler, ema, train
         self.autocast, self.distributed, self.objective, self.before_step = autocast, distributed, objective, before_step
+        self.grad_norm: torch.Tensor | None = None
 
     def windows(self, batches: Iterable, state: TrainState, micro_batches: int,
                 device: torch.device) -> Iterator[tuple[str, torch.Tensor, int]]:
@@ -123,7 +124,8 @@ class WindowStep:
         return loss.detach()
 
     def gradients_finite(self) -> bool:
-        """Unscale, clip (``train.grad_clip``) and say whether the window's gradients are finite.
+        """Unscale, clip (``train.grad_clip``) and say whether the window's gradients are finite;
+        :attr:`grad_norm` is the window's total L2 gradient norm before clipping (0-d tensor).
 
         The check is on the total gradient norm: after DDP's all-reduce every rank holds
         the same gradients, so every rank reaches the same verdict without a collective
@@ -132,16 +134,17 @@ class WindowStep:
         """
         t = self.train
         params = [p for p in self.model.parameters() if p.grad is not None]
+        self.scaler.unscale_(self.optimizer)  # (a no-op without loss scaling) the norm is of the true gradients
         if t.grad_clip:
-            self.scaler.unscale_(self.optimizer)
-            norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
-        elif t.on_nonfinite == "continue" or self.scaler.is_enabled():
-            return True
+            norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)  # the norm before clipping
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if hasattr(norm, "full_tensor"):  # FSDP: a DTensor over the shards; full_tensor() reduces it
             norm = norm.full_tensor()
-        return self.scaler.is_enabled() or bool(torch.isfinite(norm))
+        self.grad_norm = norm.detach()  # logged as grad_norm (read only when a record is written)
+        if t.on_nonfinite == "continue" or self.scaler.is_enabled():
+            return True
+        return bool(torch.isfinite(norm))
 
     def finish(self) -> str:
         """End the window: :data:`APPLIED`, :data:`SKIPPED` (non-finite, ``on_nonfinite = "skip"``)

@@ -14,5 +14,7 @@ def test_the_last_step_of_each_epoch_and_of_the_run_is_logged(tmp_path):
     status = read_json(run / "status.json")
     per_epoch, total = status["steps_per_epoch"], status["total_steps"]
     assert total == 2 * per_epoch and per_epoch % 50  # an epoch end that is not a multiple of 50
-    steps = [x["step"] for x in read_jsonl(run / "metrics.jsonl") if x["split"] == "train"]
+    train = [x for x in read_jsonl(run / "metrics.jsonl") if x["split"] == "train"]
+    steps = [x["step"] for x in train]
+    assert all(x["grad_norm"] > 0 for x in train), train[:2]  # the window's gradient norm, before clipping
     assert steps == sorted({1, *range(50, total + 1, 50), per_epoch, total}), (steps, per_epoch)
