@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .foreign import why_not_resumable
-from .generation import READ_TRIES, identity, rotating, wait_for_rotation
+from .generation import READ_TRIES, identity, wait_for_rotation
 from .manifest import COMPLETE, MANIFEST, read_manifest
 from .verify import verify_candidate
 
@@ -174,7 +174,7 @@ def describe_entry(entry: Path) -> Candidate | None:
 
     Returns ``None`` for an entry that is not a checkpoint (a sidecar manifest, another
     file), or that a save removed while it was read. An entry a save replaced while it was
-    read is read again (at most ``READ_TRIES`` times).
+    read (``last`` rotated) is read again, at most ``READ_TRIES`` times.
     """
     c = None
     for _ in range(READ_TRIES):
@@ -189,7 +189,7 @@ def describe_entry(entry: Path) -> Candidate | None:
             if c is not None:
                 c.generation = before
             return c if os.path.lexists(entry) else None
-        if not os.path.lexists(entry):
+        if not wait_for_rotation(entry):  # gone, unless a rotation is putting a new one there
             return None
     return c
 
