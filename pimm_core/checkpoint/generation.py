@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, IncompleteCheckpointError, WeightNotFoundError
 from .manifest import COMPLETE, MANIFEST
 from .outputs import EXPORT_JSON
 
@@ -93,10 +93,11 @@ def read_whole(locate: Callable[[], Path], read: Callable[[Path], T], *, tries: 
                what: str | None = None) -> T:
     """``read(locate())`` on one generation of the checkpoint ``locate`` names.
 
-    ``locate`` (torch-free: resolve a source to the file to read) runs on every try; the
-    identity of that file's checkpoint (:func:`unit_of`) is taken before and after ``read``.
-    A change, or an error raised while it changed (a file removed by a rotation), starts
-    the next try; an error while it stayed the same is raised as it is.
+    ``locate`` (torch-free: resolve a source to the file to read) runs on every try (an
+    error that a rotation could cause is raised when it repeats on the next try); the identity of that file's
+    checkpoint (:func:`unit_of`) is taken before and after ``read``. A change, or an error
+    raised while it changed (a file removed by a rotation), starts the next try; an error
+    while it stayed the same is raised as it is.
 
     Raises:
         GenerationChanged: a save replaced the checkpoint during each of ``tries`` reads.
@@ -104,7 +105,13 @@ def read_whole(locate: Callable[[], Path], read: Callable[[Path], T], *, tries: 
     """
     unit: Path | None = None
     for attempt in range(1, tries + 1):
-        target = locate()
+        try:
+            target = locate()
+        except (WeightNotFoundError, IncompleteCheckpointError, FileNotFoundError):
+            if attempt > 1:
+                raise
+            _pause(attempt)  # what it found may have been rotated away under it: once more
+            continue
         unit = unit_of(target)
         before = identity(unit)
         try:
