@@ -143,9 +143,9 @@ def _verify_one(c, *, named: bool) -> tuple[str, bool]:
 
     path = Path(c.path)
     for _ in range(READ_TRIES):
-        if c.manifest is None:
+        if c.manifest is None and not _sidecar_arrived(c):
             return f"{c.name}: cannot verify ({c.reason or 'no manifest'})", False
-        problems = verify_stable(c)
+        problems = None if c.manifest is None else verify_stable(c)
         if problems is not None:
             if not c.complete:
                 problems.insert(0, c.reason or "incomplete")
@@ -156,6 +156,26 @@ def _verify_one(c, *, named: bool) -> tuple[str, bool]:
             return f"{c.name}: removed by a save while it was checked (nothing left to verify)", not named
         c = fresh
     return f"{c.name}: {changed_message('it', READ_TRIES)}", False
+
+
+def _sidecar_arrived(c, recent_s: float = 2.0, wait_s: float = 1.0) -> bool:
+    """For a file without its sidecar manifest that was replaced in the last ``recent_s``
+    seconds (a save writes the sidecar just after the file): whether it changed within
+    ``wait_s`` (the sidecar arrived, or the file was replaced again)."""
+    import os
+    import time
+
+    from ..checkpoint.generation import identity
+
+    try:
+        if time.time() - os.stat(c.path).st_ctime > recent_s:
+            return False
+    except OSError:
+        return True  # gone: described again by the caller
+    deadline = time.monotonic() + wait_s
+    while identity(c.path) == c.generation and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return identity(c.path) != c.generation
 
 
 @app.command("diff", cls=Command)

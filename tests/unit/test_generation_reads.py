@@ -113,3 +113,30 @@ def test_a_damaged_file_is_still_reported(tmp_path: Path) -> None:
     with contextlib.redirect_stdout(out):
         code = main(["checkpoints", "verify", str(model / "last")])
     assert code == 1 and out.getvalue() == "last: FAILED: weights.pth: sha256 mismatch\n"
+
+
+def test_verify_waits_for_the_sidecar_a_save_is_writing(tmp_path: Path, monkeypatch) -> None:
+    """model_best.pth is replaced before its sidecar manifest: verify in between is not "cannot verify"."""
+    from pimm_core.checkpoint import generation
+    from pimm_core.checkpoint.manifest import sha256_file
+
+    model = tmp_path / "model"
+    _generation(model / "last", 10)
+    best = model / "model_best.pth"
+    torch.save({"state_dict": {"w": torch.ones(4)}}, best)  # just replaced; its sidecar not yet written
+    real = generation.identity
+    land = _once(lambda: (model / "model_best.pth.json").write_text(json.dumps(
+        {"manifest_version": 1, "format": "weights", "kind": "best", "step": 10,
+         "files": {"model_best.pth": {"size": best.stat().st_size, "sha256": sha256_file(best)}}})))
+
+    def writer_lands_the_sidecar(path):
+        out = real(path)
+        if Path(path) == best:
+            land()
+        return out
+
+    monkeypatch.setattr(generation, "identity", writer_lands_the_sidecar)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["checkpoints", "verify", str(best)])
+    assert (code, out.getvalue()) == (0, "model_best.pth: ok\n")
