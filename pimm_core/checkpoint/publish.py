@@ -3,9 +3,9 @@ failure contract every format shares.
 
 Everything a save writes goes under a temporary name, is fsynced, then renamed into place
 with a directory fsync after each rename; a directory checkpoint is rotated in (``last`` ->
-``last.prev``, ``last.tmp`` -> ``last``, ``last.prev`` removed in the background). A write
-that fails on rank 0 makes every rank raise :class:`CheckpointSaveError` (:func:`on_main`),
-naming what a resume would now select (:func:`intact_note`).
+``last.prev``, ``last.tmp`` -> ``last``, ``last.prev`` renamed away whole and removed in the
+background). A write that fails on rank 0 makes every rank raise :class:`CheckpointSaveError`
+(:func:`on_main`), naming what a resume would now select (:func:`intact_note`).
 """
 
 from __future__ import annotations
@@ -93,9 +93,9 @@ def save_torch_file(path: Path, obj: Any) -> None:
 def rotate_into_place(tmp: Path, final: Path) -> None:
     """Publish directory ``tmp`` as ``final`` keeping a complete candidate at every instant.
 
-    ``final`` -> ``final.prev``; ``tmp`` -> ``final``; ``final.prev`` removed in the
-    background (see :func:`wait_for_purges`). If a previous rotation was interrupted after
-    its first rename, ``final`` is absent and ``final.prev`` is the complete one: it stays
+    ``final`` -> ``final.prev``; ``tmp`` -> ``final``; ``final.prev`` renamed to a hidden
+    ``*.tmp`` name and removed in the background (see :func:`wait_for_purges`). If a previous
+    rotation was interrupted after its first rename, ``final`` is absent and ``final.prev`` is the complete one: it stays
     until the new ``final`` is in place.
 
     Raises:
@@ -117,7 +117,12 @@ def rotate_into_place(tmp: Path, final: Path) -> None:
     fsync_dir(parent)
     point("rotate.renamed_into_place", final)
     if prev.exists():
-        _purge_in_background(prev)
+        # Renamed away whole before anything in it is removed: a reader in another process sees
+        # `final.prev` complete or absent, never half-deleted (pimm_core.checkpoint.generation).
+        doomed = prev.with_name(f".{prev.name}.removing.{os.getpid()}.tmp")
+        remove_tree(doomed)
+        os.rename(prev, doomed)
+        _purge_in_background(doomed)
 
 
 # Removing the superseded checkpoint is off the save's critical path (as torchtitan's purge

@@ -189,10 +189,13 @@ class Checkpointer:
         file, else ``torch.save`` of the plain state dict (see :meth:`Trainer.save_model`).
 
         Raises:
-            UsageError: ``weights="ema"`` without EMA.
+            UsageError: ``weights="ema"`` without EMA; ``path`` is a directory or lies in a
+                checkpoint or a run's ``model/`` directory.
         """
         from ..checkpoint.export import write_bin, write_safetensors
+        from ..checkpoint.outputs import check_output_file
 
+        check_output_file(path)  # every rank: a refused path raises everywhere, before the gather
         if weights == "ema" and self.ema is None:
             raise UsageError("this run keeps no EMA weights (ema.enabled = false); use weights='raw'")
         # (sharded: a gather every rank takes part in; rank 0 gets the full tensors)
