@@ -40,6 +40,15 @@ def build_data(cfg: Config, config_path: str | Path | None, given: Any = None) -
     return out
 
 
+def data_length(train: Any) -> int | None:
+    """The train split's ``len`` (a stream's is per rank), recorded with every checkpoint so that a
+    resume applies a loader cursor only to the data it was saved for; None when it has none."""
+    try:
+        return int(len(train))
+    except TypeError:
+        return None
+
+
 def data_resume_policy(train: Any, is_main: bool) -> str:
     """How a mid-epoch resume continues the training split: ``"exact"`` (map-style, or a
     stream with ``state_dict``/``load_state_dict``) or ``"replay_from_boundary"`` (a stream

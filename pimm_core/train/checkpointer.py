@@ -55,7 +55,8 @@ log = logging.getLogger("pimm")
 
 #: The keys of a checkpoint's trainer state (``meta``), in the order checkpoints have always
 #: stored them (the packed bytes stay the same): the parts' state dicts and the topology.
-META_ORDER = ("trainer", "scheduler", "scaler", "world_size", "ema", "workers_per_rank", "batch_size", "grad_accum")
+META_ORDER = ("trainer", "scheduler", "scaler", "world_size", "ema", "workers_per_rank", "batch_size", "grad_accum",
+              "data_length", "data_fingerprint")
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,8 @@ class Checkpointer:
         loader: the training loader (its cursor is saved mid-epoch; ``len`` is micro-batches per epoch).
         state, scaler, ema: parts whose state dicts are saved (mutated in place, never replaced).
         data_fingerprint, code_version: recorded in every manifest.
+        data_length: the train split's ``len`` (None: it has none), recorded with the fingerprint in
+            every manifest and trainer state: a resume applies the loader cursor only to the same data.
         loader_state: save the loader's cursor mid-epoch; False for a stream without state
             (a resume then replays the epoch: ``has_loader_state`` false).
     """
@@ -133,7 +136,7 @@ class Checkpointer:
     def __init__(self, config: Config, info: DistInfo, stop: StopRequest, *, model: nn.Module,
                  optimizer: torch.optim.Optimizer, loader: Any, state: TrainState, scaler: torch.amp.GradScaler,
                  ema: EMA | None, data_fingerprint: str | None, code_version: str | None,
-                 loader_state: bool = True):
+                 loader_state: bool = True, data_length: int | None = None):
         c = config.checkpoint
         self.config, self.info, self.stop = config, info, stop
         self.format = make_format(config.checkpoint_format, info, background=c.async_, keep_last=c.keep_last)
@@ -143,6 +146,7 @@ class Checkpointer:
         self.scheduler: Any = None
         self.grad_accum = config.train.grad_accum
         self.data_fingerprint, self.code_version = data_fingerprint, code_version
+        self.data_length = data_length
         self.loader_state = loader_state
         self.dir: Path | None = None
         self.failed = False  # a save failed under on_error = "stop": no more saves
@@ -163,7 +167,7 @@ class Checkpointer:
         parts = {"trainer": self.state, "scheduler": self.scheduler, "scaler": self.scaler, "ema": self.ema}
         values: dict[str, Any] = {name: part.state_dict() if part is not None else None for name, part in parts.items()}
         values.update(world_size=self.info.world_size, workers_per_rank=self.config.data.num_workers,
-                      **self._batching())
+                      data_length=self.data_length, data_fingerprint=self.data_fingerprint, **self._batching())
         return {key: values[key] for key in META_ORDER}
 
     def _batching(self) -> dict[str, int]:
@@ -178,7 +182,8 @@ class Checkpointer:
                 "world_size": self.info.world_size, "strategy": self.config.train.strategy,
                 "workers_per_rank": self.config.data.num_workers,
                 **self._batching(), "epoch_start_step": s.epoch_start_step, "metrics": s.last_eval,
-                "created": now_iso(), "torch_version": torch.__version__, "data_fingerprint": self.data_fingerprint}
+                "created": now_iso(), "torch_version": torch.__version__, "data_fingerprint": self.data_fingerprint,
+                "data_length": self.data_length}
 
     def ema_weights(self) -> dict[str, torch.Tensor] | None:
         """The EMA weight set of the model as it is now, or None without EMA."""

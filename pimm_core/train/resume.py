@@ -28,6 +28,7 @@ from ..config import TrainConfig
 from ..schedule import WarmupCosine
 from ..run import CONFIG, METRICS, read_metrics, read_run_status
 from ..topology import config_diff, is_finished, plan_resume
+from .build import data_length
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
@@ -49,13 +50,15 @@ def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict
     if cand.format == "single":
         manifest["has_loader_state"] = bool(loaded.rank_state and loaded.rank_state.get("loader") is not None) \
             if meta["world_size"] == tr.info.world_size else saved["iter"] > 0
-    for key in ("batch_size", "grad_accum", "epoch_start_step"):  # absent from older checkpoints
+    # (absent from older checkpoints)
+    for key in ("batch_size", "grad_accum", "epoch_start_step", "data_length", "data_fingerprint"):
         if meta.get(key, saved.get(key)) is not None:
             manifest[key] = meta.get(key, saved.get(key))
     plan = plan_resume(manifest, world_size=tr.info.world_size, strategy=tr.config.train.strategy,
                        workers_per_rank=tr.config.data.num_workers,
                        strict=strict, grad_accum=tr._t.grad_accum, batch_size=tr.config.data.batch_size,
-                       legacy=cand.format == "legacy")
+                       legacy=cand.format == "legacy", data_length=data_length(tr.data.train),
+                       data_fingerprint=tr.data.fingerprint)
     warnings = fallback + list(plan.warnings) + provenance_diff(tr, manifest) + loaded.skipped
     tr.state.load_state_dict(saved, epoch_start_step=plan.step if plan.iter == 0 else 0)
     tr.best.load_state_dict(saved)

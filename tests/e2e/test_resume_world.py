@@ -1,0 +1,140 @@
+"""Resumes where the world under the run changed between its save and its resume (issue 27):
+the training data (its length or fingerprint).
+
+Real launches of a user package (``tests/e2e/userpkg``): the data's items carry their index and
+the objective records, per rank, every index it trained, so a test reads the samples trained.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _helpers import REPO, clean_env, describe, read_json
+
+USERPKG = Path(__file__).resolve().parent / "userpkg"
+
+CONFIG = """\
+objective = "userpkg.objective:seen_ce"
+
+[train]
+epochs = 2
+lr = 0.01
+warmup_steps = 2
+log_every_steps = 1
+
+[data]
+target = "userpkg.data:indexed"
+batch_size = 10
+num_workers = 0
+[data.args]
+train = 100
+val = 20
+
+[model]
+name = "mlp"
+hidden = 16
+
+[eval]
+metric = "val/loss"
+mode = "min"
+"""
+
+
+def _config(tmp_path: Path) -> Path:
+    (tmp_path / "userpkg").symlink_to(USERPKG)  # beside the config: found through its directory
+    path = tmp_path / "user.toml"
+    path.write_text(CONFIG)
+    return path
+
+
+def _launch(config: Path, root: Path, *args: str, env: dict | None = None, overrides: tuple[str, ...] = (),
+            nproc: int | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(config), "--run.root", str(root),
+           "--run.name", "run", "--run.no-timestamp", *args]
+    if nproc is not None:
+        cmd += ["--nproc-per-node", str(nproc)]
+    if overrides:
+        cmd += ["--", *overrides]
+    return subprocess.run(cmd, cwd=REPO, env={**clean_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _seen(path: Path) -> list[list[int]]:
+    """The batches rank 0 trained, in order (one list of indices each)."""
+    return [list(map(int, line.split())) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory) -> tuple[Path, Path]:
+    """A run of 100 samples (10 batches an epoch) stopped by SIGTERM after its 6th step: 60 of 100 samples
+    of epoch 0 trained, ``model/last`` holds the loader cursor."""
+    tmp = tmp_path_factory.mktemp("data-changed")
+    config = _config(tmp)
+    env = {"USERPKG_SIGTERM_AT": "6", "USERPKG_SIGTERM_MARK": str(tmp / "sigterm-sent"),
+           "USERPKG_SEEN": str(tmp / "seen-before")}
+    cut = _launch(config, tmp / "exp", env=env)
+    assert cut.returncode == 0, describe(cut)
+    run = tmp / "exp" / "default" / "run"
+    m = read_json(run / "model" / "last" / "manifest.json")
+    assert (m["step"], m["epoch"], m["iter"], m["has_loader_state"]) == (6, 0, 6, True)
+    assert m["data_length"] == 100
+    assert len({i for b in _seen(tmp / "seen-before.rank0") for i in b}) == 60
+    return config, tmp / "exp"
+
+
+@pytest.mark.parametrize("n", [40, 200])
+def test_changed_length_restarts_the_epoch_over_the_new_data(stopped, tmp_path, n):
+    """Seen: 40 items, a torchdata traceback (exit 1) after a dry run promising exact continuation;
+    200 items, exit 0 with the old cursor applied to the new permutation (60 samples skipped, exact: true)."""
+    config, base = stopped
+    root = tmp_path / "exp"
+    shutil.copytree(base, root)
+    (tmp_path / "userpkg").symlink_to(USERPKG)
+    ovr = (f"data.args.train={n}",)
+    dry = _launch(config, root, "--train.resume", "--dry-run", overrides=ovr)
+    assert dry.returncode == 0, describe(dry)
+    assert "policy: the training data changed (its length or fingerprint)" in dry.stdout, dry.stdout
+    assert "continue at: step 0, epoch 0, iter 0 (replay boundary: epoch 0 start, step 0; 6 batches replay)" \
+        in dry.stdout, dry.stdout
+    assert f"train samples 100 -> {n}" in dry.stdout
+    seen = tmp_path / "seen"
+    res = _launch(config, root, "--train.resume", env={"USERPKG_SEEN": str(seen)}, overrides=ovr)
+    assert res.returncode == 0, describe(res)
+    assert "Traceback" not in res.stdout + res.stderr
+    run = root / "default" / "run"
+    assert read_json(run / "status.json")["state"] == "finished"
+    entry = read_json(run / "provenance.json")["starts"][-1]
+    assert (entry["kind"], entry["policy"], entry["exact"]) == ("resume", "data", False)
+    assert (entry["step"], entry["epoch"], entry["iter"]) == (0, 0, 0)  # what the dry run said
+    assert entry["replay_boundary"] == {"epoch": 0, "step": 0, "from_iter": 6}
+    assert (entry["topology"]["saved_data_length"], entry["topology"]["data_length"]) == (100, n)
+    assert any(f"train samples 100 -> {n}" in w for w in entry["warnings"])
+    # both epochs over the new data, each sample once per epoch: nothing skipped, nothing past the end
+    batches = _seen(seen.with_name("seen.rank0"))
+    per_epoch = n // 10
+    assert len(batches) == 2 * per_epoch
+    for e in range(2):
+        assert sorted(i for b in batches[e * per_epoch:(e + 1) * per_epoch] for i in b) == list(range(n))
+    assert read_json(run / "model" / "last" / "manifest.json")["data_length"] == n
+
+
+def test_same_data_continues_exactly(stopped, tmp_path):
+    """The recorded length and fingerprint match: the cursor is applied, the 40 samples left train."""
+    config, base = stopped
+    root = tmp_path / "exp"
+    shutil.copytree(base, root)
+    (tmp_path / "userpkg").symlink_to(USERPKG)
+    dry = _launch(config, root, "--train.resume", "--dry-run")
+    assert "(exact continuation)" in dry.stdout, describe(dry)
+    seen = tmp_path / "seen"
+    res = _launch(config, root, "--train.resume", env={"USERPKG_SEEN": str(seen)})
+    assert res.returncode == 0, describe(res)
+    entry = read_json(root / "default" / "run" / "provenance.json")["starts"][-1]
+    assert (entry["policy"], entry["exact"], entry["step"], entry["iter"]) == ("same", True, 6, 6)
+    batches = _seen(seen.with_name("seen.rank0"))
+    assert len(batches) == 4 + 10  # the rest of epoch 0, then epoch 1
