@@ -38,7 +38,7 @@ from torch import nn
 
 from ..checkpoint.formats import make_format
 from ..checkpoint.protocol import SaveItem
-from ..checkpoint.publish import on_main, wait_for_purges
+from ..checkpoint.publish import on_main, retry_stale, wait_for_purges
 from ..checkpoint.selection import BEST, ITER_RE
 from ..checkpoint.state import full_state_dict, full_tensors, is_sharded, rng_state, unwrap
 from ..checkpoint.weights_file import weights_payload, write_weights_file
@@ -253,6 +253,15 @@ class Checkpointer:
         if save.snapshot:
             self._snapshot()
 
+    def _last_purge(self) -> None:
+        """Rank 0 at the run's end: wait for the background removals, try once more what could not be
+        removed, and warn naming what is still there (it never fails the run)."""
+        if not wait_for_purges():
+            return
+        for path in retry_stale(self.dir):
+            log.warning("warning: %s (a superseded checkpoint) could still not be removed; the next save of "
+                        "this run tries again, or remove it yourself", path)
+
     def _payload(self) -> dict[str, Any] | None:
         """What a weights-only file holds: made on every rank when the model is sharded (a
         gather), else on rank 0 alone (None on the others)."""
@@ -347,5 +356,5 @@ class Checkpointer:
             if save.snapshot:
                 self._snapshot()
             # the last save's superseded checkpoint is removed before the run reports its end
-            on_main(self.info, wait_for_purges, self.dir / "last.prev", self.dir)
+            on_main(self.info, self._last_purge, self.dir / "last.prev", self.dir)
         return failure

@@ -1,5 +1,5 @@
 """Resumes where the world under the run changed between its save and its resume (issue 27):
-the training data (its length or fingerprint).
+the training data (its length or fingerprint); the disk (a previous generation that cannot be removed).
 
 Real launches of a user package (``tests/e2e/userpkg``): the data's items carry their index and
 the objective records, per rank, every index it trained, so a test reads the samples trained.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import REPO, clean_env, describe, read_json
+from _helpers import REPO, clean_env, describe, pimm, read_json, release, undeletable
 
 USERPKG = Path(__file__).resolve().parent / "userpkg"
 
@@ -138,3 +138,41 @@ def test_same_data_continues_exactly(stopped, tmp_path):
     assert (entry["policy"], entry["exact"], entry["step"], entry["iter"]) == ("same", True, 6, 6)
     batches = _seen(seen.with_name("seen.rank0"))
     assert len(batches) == 4 + 10  # the rest of epoch 0, then epoch 1
+
+
+# ------------------------------------------------------------------- the disk refuses
+def test_an_undeletable_previous_generation_never_stops_the_saves(stopped_run, tmp_path):
+    """Seen: with ``last.prev`` undeletable (a file kept immutable, as under an uploader on NFS) every save
+    after the rotation failed ("checkpoint save failed: weights.pth: Operation not permitted"), stopping
+    the run, the message naming the new checkpoint's file. Right: a warning naming the path that could not
+    be removed, saves go on under names that do not collide, and a later save retries the removal."""
+    run = tmp_path / "digits" / "base"
+    shutil.copytree(stopped_run, run)
+    model = run / "model"
+    first = None
+    try:
+        with undeletable(model / "last") as stuck:  # the step-50 checkpoint: last.prev after the next save
+            rel = stuck.relative_to(model / "last")
+            dry = pimm("resume", run, "--dry-run", "--", "checkpoint.every_steps=10")
+            assert dry.returncode == 0 and "(exact continuation)" in dry.stdout, describe(dry)
+            first = pimm("resume", run, "--", "checkpoint.every_steps=10", timeout=300)
+        assert first.returncode == 0, describe(first)
+        assert read_json(run / "status.json")["state"] == "finished"
+        m = read_json(model / "last" / "manifest.json")
+        assert m["step"] == 90  # the saves at steps 60, 70, 80 and the final one all went on
+        assert "save failed" not in first.stdout + first.stderr
+        warned = [line for line in first.stdout.splitlines() if "could not remove" in line]
+        assert len(warned) == 1, describe(first)
+        assert str(model / "last.prev" / rel) in warned[0] and str(model / "last.stale-1") in warned[0], warned
+        assert str(model / "last.stale-1") in (run / "train.log").read_text()
+        assert sorted(p.name for p in model.iterdir() if p.name.startswith("last")) == ["last", "last.stale-1"]
+        assert (model / "last.stale-1" / rel).exists()  # what is left of the tree, set aside
+        ok = pimm("checkpoints", "verify", run)
+        assert ok.returncode == 0 and "last.stale" not in ok.stdout, describe(ok)
+    finally:
+        release(model / "last.stale-1")
+    # removable again: the next run's first save removes it
+    again = pimm("resume", run, "--", "train.epochs=3", "checkpoint.every_steps=0", timeout=300)
+    assert again.returncode == 0, describe(again)
+    assert sorted(p.name for p in model.iterdir() if p.name.startswith("last")) == ["last"]
+    assert "could not remove" not in again.stdout
