@@ -1,5 +1,6 @@
 """Resumes where the world under the run changed between its save and its resume (issue 27):
-the training data (its length or fingerprint); the disk (a previous generation that cannot be removed).
+the training data (its length or fingerprint); the disk (a previous generation that cannot be removed);
+the optimizer a load fills (never stepped by the load).
 
 Real launches of a user package (``tests/e2e/userpkg``): the data's items carry their index and
 the objective records, per rank, every index it trained, so a test reads the samples trained.
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from _helpers import REPO, clean_env, describe, pimm, read_json, release, undeletable
+from _resume_driver import run_job
+from conftest import STOPPED_AT, STOPPED_OVERRIDES
 
 USERPKG = Path(__file__).resolve().parent / "userpkg"
 
@@ -176,3 +179,61 @@ def test_an_undeletable_previous_generation_never_stops_the_saves(stopped_run, t
     assert again.returncode == 0, describe(again)
     assert sorted(p.name for p in model.iterdir() if p.name.startswith("last")) == ["last"]
     assert "could not remove" not in again.stdout
+
+
+# ------------------------------------------------------------------- loading never trains
+USER_OPT = ('optimizer.target="userpkg.optim:counting_adamw"', *STOPPED_OVERRIDES)
+
+
+@pytest.fixture(scope="module")
+def user_optimizer_runs(tmp_path_factory) -> tuple[Path, Path]:
+    """The user optimizer run uninterrupted (90 steps) and stopped after step STOPPED_AT (in this process)."""
+    base = tmp_path_factory.mktemp("user-optim")
+    full, cut = base / "digits" / "full", base / "digits" / "cut"
+    trainer = run_job(full, USER_OPT)
+    assert (trainer.optimizer.steps, trainer.optimizer.hook_calls) == (90, 90)
+    trainer = run_job(cut, USER_OPT, stop_at=STOPPED_AT)
+    assert (trainer.optimizer.steps, trainer.state.global_step) == (STOPPED_AT, STOPPED_AT)
+    return full, cut
+
+
+def test_a_load_never_steps_the_users_optimizer(user_optimizer_runs, tmp_path):
+    """Seen: to create the state it loads into, DCP called a real zero-gradient step() of the trainer's
+    optimizer (a user subclass it could not copy): its step hook fired and its counter moved, also in a
+    load that trains nothing."""
+    from pimm_core.checkpoint.state import unwrap
+
+    full, cut = user_optimizer_runs
+    load_only = tmp_path / "digits" / "load"
+    shutil.copytree(cut, load_only)
+    trainer = run_job(load_only, USER_OPT, resume_from=load_only / "model" / "last", max_steps=1, checkpoint=False)
+    assert trainer.state.global_step == STOPPED_AT  # restored, nothing trained
+    assert (trainer.optimizer.steps, trainer.optimizer.hook_calls) == (0, 0)
+    assert trainer.optimizer.state  # the state was loaded all the same
+    resumed = tmp_path / "digits" / "cut"
+    shutil.copytree(cut, resumed)
+    trainer = run_job(resumed, USER_OPT, resume_from=resumed / "model" / "last")
+    assert trainer.state.global_step == 90
+    assert (trainer.optimizer.steps, trainer.optimizer.hook_calls) == (90 - STOPPED_AT, 90 - STOPPED_AT)
+    # bitwise: the same weights as the uninterrupted run
+    import torch
+
+    uninterrupted = torch.load(full / "model" / "last" / "weights.pth", weights_only=True)["state_dict"]
+    now = unwrap(trainer.model).state_dict()
+    assert [k for k in uninterrupted if not torch.equal(uninterrupted[k], now[k])] == []
+
+
+def test_a_load_fires_no_global_step_hook(stopped_run, tmp_path):
+    """Seen: with the default AdamW a global step hook fired once during the load, on a throwaway copy."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    run = tmp_path / "digits" / "base"
+    shutil.copytree(stopped_run, run)
+    calls = []
+    handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: calls.append(opt))
+    try:
+        trainer = run_job(run, STOPPED_OVERRIDES, resume_from=run / "model" / "last", max_steps=1, checkpoint=False)
+    finally:
+        handle.remove()
+    assert trainer.state.global_step == STOPPED_AT and trainer.optimizer.state
+    assert calls == []
