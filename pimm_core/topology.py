@@ -33,8 +33,8 @@ logged and recorded in ``provenance.json``. A checkpoint taken at an epoch end h
 nothing to replay, so every row continues exactly at the next epoch's first batch
 (up to the changed sample order and RNG streams of a new topology).
 
-The training data is compared by its length (``data_length``: the train split's ``len``, per
-rank for a stream) and, when the dataset gives one, its fingerprint (``data_fingerprint``).
+The training data is compared by its length (``data_length``: the train split's ``len``; not
+recorded for a stream, whose ``__len__`` is per rank) and, when the dataset gives one, its fingerprint (``data_fingerprint``).
 A loader cursor is a position in the permutation of the data it was saved for: applied to
 data of another length it would skip samples, or run past the end. So when either differs
 (both sides known) the cursor is never applied: the saved epoch restarts from its start,
@@ -214,6 +214,9 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
         warnings.append(strategy_warning(saved_strategy, strategy, row, saved_ws != world_size))
     if saved_workers != workers_per_rank:
         warnings.append(f"per-rank workers changed {saved_workers} -> {workers_per_rank}")
+    if row == "no_loader_state" and manifest.get("loader_state_problem"):
+        warnings.append(f"the checkpoint was saved without its loader cursor: the train split's state_dict(): "
+                        f"{manifest['loader_state_problem']}")
     if data_changes:
         warnings.append(f"the training data changed since the save ({'; '.join(data_changes)}): the loader cursor "
                         "was saved for the old data and is never applied to the new"
