@@ -36,11 +36,12 @@ from typing import Any, Sized
 import torch
 from torch import nn
 
+from .. import dist
 from ..checkpoint.formats import make_format
 from ..checkpoint.protocol import SaveItem
 from ..checkpoint.publish import on_main, retry_stale, wait_for_purges
 from ..checkpoint.selection import BEST, ITER_RE
-from ..checkpoint.state import full_state_dict, full_tensors, is_sharded, rng_state, unwrap
+from ..checkpoint.state import full_state_dict, full_tensors, is_sharded, load_problem, rng_state, unwrap
 from ..checkpoint.weights_file import weights_payload, write_weights_file
 from ..config import CheckpointConfig, Config
 from ..dist import DistInfo
@@ -147,6 +148,7 @@ class Checkpointer:
         self.grad_accum = config.train.grad_accum
         self.data_fingerprint, self.code_version = data_fingerprint, code_version
         self.data_length = data_length
+        self.cursor_problem: str | None = None  # why the loader cursor cannot be saved (load_problem)
         self.loader_state = loader_state
         self.dir: Path | None = None
         self.failed = False  # a save failed under on_error = "stop": no more saves
@@ -224,9 +226,11 @@ class Checkpointer:
             CheckpointSaveError: on every rank, when the write failed.
         """
         s = self.state
-        cursor = mid_epoch and self.loader_state
-        rank_state = {"rng": rng_state(), "loader": self.loader.state_dict() if cursor else None}
-        manifest = self.manifest("last", cursor)
+        loader = self._loader_state() if mid_epoch and self.loader_state else None
+        rank_state = {"rng": rng_state(), "loader": loader}
+        manifest = self.manifest("last", loader is not None)
+        if mid_epoch and self.loader_state and loader is None:
+            manifest["loader_state_problem"] = self.cursor_problem
         if selection_metric is not None:
             manifest["selection_metric"] = selection_metric
         item = SaveItem(model=self.model, optimizer=self.optimizer, meta=self.meta(), rank_state=rank_state,
@@ -237,6 +241,23 @@ class Checkpointer:
             # (a background save logs "saved" from its writer thread once it is published)
             log.info("saved %s (step %d, epoch %d, iter %d)", path, s.global_step, s.epoch, s.iter)
         return path
+
+    def _loader_state(self) -> dict[str, Any] | None:
+        """The loader cursor to save, or None when a resume could not load it (a dataset state
+        holding an enum or a user class: :func:`~pimm_core.checkpoint.state.load_problem`, agreed
+        by every rank): the checkpoint is then saved without it, and rank 0 warns with the fix."""
+        state = self.loader.state_dict()
+        problem = load_problem(state)
+        if self.info.distributed:
+            problem = next((p for p in dist.all_gather_object(problem) if p), None)
+        if problem is None:
+            return state
+        if self.info.is_main and problem != self.cursor_problem:
+            log.warning("warning: the loader cursor cannot be saved so that a resume loads it (the train split's "
+                        "state_dict(): %s); checkpoints hold no loader cursor until it can, and a resume inside an "
+                        "epoch replays that epoch from its start", problem)
+        self.cursor_problem = problem
+        return None
 
     def _periodic(self, save: Save) -> None:
         """A scheduled save; on failure log loudly and, with ``checkpoint.on_error = "stop"``

@@ -237,3 +237,71 @@ def test_a_load_fires_no_global_step_hook(stopped_run, tmp_path):
         handle.remove()
     assert trainer.state.global_step == STOPPED_AT and trainer.optimizer.state
     assert calls == []
+
+
+# ------------------------------------------------------------------- what cannot be loaded is not saved as if it could
+STREAM_CONFIG = """\
+objective = "userpkg.objective:smoothed_ce"
+
+[train]
+epochs = 2
+lr = 0.01
+warmup_steps = 2
+log_every_steps = 1
+
+[data]
+target = "userpkg.stream:phased_stream"
+batch_size = 16
+num_workers = 0
+[data.args]
+train = 192
+val = 61
+registered = {registered}
+
+[model]
+name = "mlp"
+hidden = 16
+
+[eval]
+metric = "val/loss"
+mode = "min"
+"""
+
+
+@pytest.mark.parametrize("registered", [False, True], ids=["enum", "enum-registered"])
+def test_a_cursor_a_resume_cannot_load_is_not_saved_as_if_it_could(tmp_path, registered):
+    """Seen: a stream whose state_dict() holds an enum saved without a word, `checkpoints verify` said ok,
+    and every resume was refused ("Unsupported global ..."). At 2 ranks (each saves its own cursor)."""
+    (tmp_path / "userpkg").symlink_to(USERPKG)
+    config = tmp_path / "stream.toml"
+    config.write_text(STREAM_CONFIG.format(registered="true" if registered else "false"))
+    root = tmp_path / "exp"
+    env = {"USERPKG_SIGTERM_AT": "4", "USERPKG_SIGTERM_MARK": str(tmp_path / "sigterm-sent")}
+    cut = _launch(config, root, env=env, nproc=2)  # 96 samples per rank: 6 batches an epoch
+    assert cut.returncode == 0, describe(cut)
+    run = root / "default" / "run"
+    m = read_json(run / "model" / "last" / "manifest.json")
+    assert m["epoch"] == 0 and 0 < m["iter"] < 6, m
+    warned = [line for line in cut.stdout.splitlines() if "loader cursor cannot be saved" in line]
+    dry = _launch(config, root, "--train.resume", "--dry-run", nproc=2)
+    assert dry.returncode == 0, describe(dry)
+    if registered:  # add_safe_globals: the cursor is saved and the resume is exact
+        assert warned == [] and m["has_loader_state"] is True and "loader_state_problem" not in m
+        assert "(exact continuation)" in dry.stdout, dry.stdout
+    else:  # saved without the cursor, the fix named once; the resume replays the epoch
+        assert len(warned) == 1, describe(cut)
+        assert "userpkg.stream.Phase" in warned[0] and "torch.serialization.add_safe_globals([Phase])" in warned[0]
+        assert m["has_loader_state"] is False and "add_safe_globals" in m["loader_state_problem"]
+        assert "policy: checkpoint has no loader state: restart the saved epoch" in dry.stdout, dry.stdout
+        assert "saved without its loader cursor" in dry.stdout
+    ok = pimm("checkpoints", "verify", run)
+    assert ok.returncode == 0, describe(ok)
+    res = _launch(config, root, "--train.resume", nproc=2)
+    assert res.returncode == 0, describe(res)
+    assert read_json(run / "status.json")["state"] == "finished"
+    entry = read_json(run / "provenance.json")["starts"][-1]
+    if registered:
+        assert (entry["policy"], entry["exact"], entry["iter"]) == ("same", True, m["iter"])
+    else:
+        assert (entry["policy"], entry["iter"], entry["replay_boundary"]) == (
+            "no_loader_state", 0, {"epoch": 0, "step": 0, "from_iter": m["iter"]})

@@ -51,3 +51,28 @@ def test_an_earlier_row_wins_and_the_data_change_is_still_named():
                     grad_accum=1, batch_size=10, data_length=40)
     assert p.row == "world_size"
     assert any("train samples 100 -> 40" in w for w in p.warnings)
+
+
+def test_a_checkpoint_saved_without_its_cursor_names_why():
+    m = manifest(data_length=100, has_loader_state=False, loader_state_problem="it holds userpkg.Phase, ...")
+    p = plan(m, data_length=100)
+    assert p.row == "no_loader_state" and p.replay_boundary == {"epoch": 0, "step": 0, "from_iter": 6}
+    assert any("saved without its loader cursor" in w and "userpkg.Phase" in w for w in p.warnings)
+
+
+def test_load_problem_names_the_class_and_the_fix():
+    import enum
+
+    import torch
+
+    from pimm_core.checkpoint.state import load_problem
+
+    Colour = enum.Enum("Colour", "RED")
+    Colour.__module__ = __name__
+    globals()["Colour"] = Colour  # picklable by reference
+    assert load_problem({"pos": 3, "order": torch.arange(4), "name": "a"}) is None
+    problem = load_problem({"pos": 3, "colour": Colour.RED})
+    assert f"{__name__}.Colour" in problem and "torch.serialization.add_safe_globals([Colour])" in problem
+    with torch.serialization.safe_globals([Colour]):  # what add_safe_globals does, for this block only
+        assert load_problem({"colour": Colour.RED}) is None
+    assert "cannot be serialised" in load_problem({"f": lambda: 0})
