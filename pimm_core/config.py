@@ -84,6 +84,8 @@ class TrainConfig:
     # "pkg.mod:fn" with fn(model) -> iterable of submodules; FSDP shards each block as a unit and
     # activation checkpointing recomputes each block's activations
     activation_checkpointing: bool = False  # recompute each of train.blocks' activations in backward
+    find_unused_parameters: bool = False  # DDP: allow parameters that get no gradient in a step (a layer frozen
+    # mid-run, a branch not taken); costs a pass over the autograd graph each step
 
 
 @dataclass

@@ -46,7 +46,7 @@ from ..errors import CheckpointError, CheckpointParseError
 from ..faults import point, register
 from ..fsio import fsync_dir, temp_path
 from .manifest import sha256_file, write_manifest
-from .optim_state import unstepped
+from .optim_state import frozen_state_loaded, unstepped
 from .protocol import LoadedState, SaveItem, meta_problem
 from .publish import on_main, save_torch_file
 from .safe_read import load_torch_file
@@ -292,7 +292,7 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
         fresh = not optimizer.state
         try:
             # the file holds full tensors: a sharded (FSDP2) model takes its shards of them
-            with unstepped(optimizer, fill=True):  # (a fresh optimizer's state, made by no step of it)
+            with unstepped(optimizer, fill=True), frozen_state_loaded(plain, (obj["optimizer"] or {}).get("state")):
                 set_optimizer_state_dict(plain, optimizer, obj["optimizer"],
                                          options=StateDictOptions(full_state_dict=is_sharded(plain)))
         except (KeyError, RuntimeError, ValueError, TypeError) as e:

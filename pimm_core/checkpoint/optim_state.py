@@ -55,7 +55,9 @@ def _shadow_state(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, 
     scalars), from a step of a deep copy of ``optimizer`` whose parameters are ``meta`` stand-ins
     (one per distinct group, shape, strides and dtype: per-parameter state in ``torch.optim``
     depends on nothing else). The copy is never the user's object and runs no hook; its
-    constructor is not called. None when the copy cannot be made or stepped."""
+    constructor is not called. A parameter frozen now (``requires_grad`` False) gets the state a
+    step gave it while it trained; the caller drops it where the checkpoint has none. None when
+    the copy cannot be made or stepped."""
     memo: dict[int, Any] = {}
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     for g, group in enumerate(optimizer.param_groups):
@@ -66,9 +68,8 @@ def _shadow_state(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, 
                 return None
             key = (g, tuple(local.shape), tuple(local.stride()), local.dtype, p.requires_grad)
             if key not in metas:  # empty_like keeps the layout (channels_last, transposed), as zeros_like does
-                m = metas[key] = torch.empty_like(local, device="meta").requires_grad_(p.requires_grad)
-                if p.requires_grad:
-                    m.grad = torch.empty_like(m)
+                m = metas[key] = torch.empty_like(local, device="meta").requires_grad_(True)
+                m.grad = torch.empty_like(m)  # (a frozen parameter too: the state a step gave it before)
             memo[id(p)] = metas[key]
             pairs.append((p, metas[key]))
     try:
@@ -174,3 +175,21 @@ def unstepped(optimizer: torch.optim.Optimizer | None, *, fill: bool) -> Iterato
         for k in [k for k in vars(optimizer) if k not in attrs and k not in ("state", "param_groups", *_HOOKS)]:
             delattr(optimizer, k)
         vars(optimizer).update(attrs)
+
+
+@contextlib.contextmanager
+def frozen_state_loaded(model: nn.Module, saved_state: Any) -> Iterator[None]:
+    """Inside, the parameters frozen now (``requires_grad`` False) whose state ``saved_state`` (the
+    ``"state"`` of an FQN-keyed optimizer state dict) holds count as trainable, so that
+    ``set_optimizer_state_dict`` loads their state too (DCP drops the state of frozen parameters):
+    a layer frozen mid-run keeps the optimizer state it trained with, as the uninterrupted run does.
+    """
+    saved = saved_state if isinstance(saved_state, dict) else {}
+    thawed = [p for name, p in model.named_parameters() if not p.requires_grad and name in saved]
+    for p in thawed:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in thawed:
+            p.requires_grad_(False)

@@ -37,7 +37,7 @@ from ..errors import CheckpointError, CheckpointParseError, CheckpointSaveError
 from ..faults import point
 from ..fsio import release_cached_pages
 from .mapped_reader import MappedFileSystemReader
-from .optim_state import unstepped
+from .optim_state import frozen_state_loaded, unstepped
 from .protocol import LoadedState, SaveItem, meta_problem
 from .publish import (follow_hashes, intact_note, on_main, prepare, publish, remove_quietly, short_error,
                       wait_for_purges, without_zip_crc32)
@@ -232,6 +232,9 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
             if not saved_optim and fresh is not None and target:  # saved before the optimizer's first step
                 fresh.state.clear()  # (it stays fresh, as it was then)
                 target = {}
+            # a parameter frozen now has the state it had while it trained, if it ever did
+            frozen = tuple(f"optim/state/{n}/" for n, p in plain.named_parameters() if not p.requires_grad)
+            target = {k: v for k, v in target.items() if k in saved_optim or not k.startswith(frozen)}
             mismatched = sorted(k for k in set(target) & saved_optim if tuple(target[k].shape) != tuple(saved[k].size))
             missing = sorted(set(target) - saved_optim)
             extra = sorted(saved_optim - set(target))  # e.g. state of a parameter frozen since the save
@@ -272,8 +275,9 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
         if rank_state is not None and not isinstance(rank_state, dict):
             raise CheckpointParseError(f"{path} is not a pimm trainer state: its {rank_key!r} item is not a dict")
         if optimizer is not None:
-            with unstepped(optimizer, fill=False):
-                set_optimizer_state_dict(plain, optimizer, join_tensors(skeleton, request))
+            joined = join_tensors(skeleton, request)
+            with unstepped(optimizer, fill=False), frozen_state_loaded(plain, joined.get("state")):
+                set_optimizer_state_dict(plain, optimizer, joined)
     except BaseException:
         if fresh is not None:  # uninitialized state buffers (fill_empty_state) must not outlive a failed load
             fresh.state.clear()

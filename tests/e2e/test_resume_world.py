@@ -305,3 +305,55 @@ def test_a_cursor_a_resume_cannot_load_is_not_saved_as_if_it_could(tmp_path, reg
     else:
         assert (entry["policy"], entry["iter"], entry["replay_boundary"]) == (
             "no_loader_state", 0, {"epoch": 0, "step": 0, "from_iter": m["iter"]})
+
+
+# ------------------------------------------------------------------- freezing a layer mid-run
+DRIVER = Path(__file__).with_name("_resume_driver.py")
+FREEZE_OVERRIDES = ["train.epochs=2", "data.num_workers=0", "train.find_unused_parameters=true"]
+FREEZE_AT, STOP_AT = 10, 30  # 23 steps an epoch at 2 ranks: frozen in epoch 0, stopped in epoch 1
+
+
+def _ranks(jobs: list[dict], jobs_file: Path) -> subprocess.CompletedProcess[str]:
+    import json
+
+    jobs_file.write_text(json.dumps(jobs))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(DRIVER),
+           str(jobs_file)]
+    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
+
+
+def test_freezing_a_layer_mid_run_at_two_ranks_resumes_bitwise(tmp_path):
+    """Seen: a callback freezing a layer (requires_grad = False) at 2 ranks crashed at the next step
+    ("Expected to have finished reduction in the prior iteration"): DDP was built with no way to allow
+    unused parameters. With train.find_unused_parameters, the run goes on, and a stop + resume keeps the
+    frozen layer's optimizer state and step count: bitwise the uninterrupted run."""
+    import torch
+
+    full, cut = tmp_path / "digits" / "full", tmp_path / "digits" / "cut"
+    freeze = ["net.0", FREEZE_AT]
+    jobs = [{"run_dir": str(full), "overrides": FREEZE_OVERRIDES, "freeze": freeze, "full_dump": str(tmp_path / "full")},
+            {"run_dir": str(cut), "overrides": FREEZE_OVERRIDES, "freeze": freeze, "stop_at": STOP_AT},
+            {"run_dir": str(cut), "overrides": FREEZE_OVERRIDES, "freeze": freeze, "freeze_now": True,
+             "resume_from": str(cut / "model" / "last"), "full_dump": str(tmp_path / "cut")}]
+    r = _ranks(jobs, tmp_path / "jobs.json")
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    a, b = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("full", "cut"))
+    assert a["state"]["global_step"] == b["state"]["global_step"] == 46
+    assert [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])] == []
+    # the frozen layer kept the optimizer state of its last trained step, in both runs
+    for name in ("net.0.weight", "net.0.bias"):
+        assert float(a["optim"]["state"][name]["step"]) == float(b["optim"]["state"][name]["step"]) == FREEZE_AT
+        assert torch.equal(a["optim"]["state"][name]["exp_avg"], b["optim"]["state"][name]["exp_avg"])
+    assert float(b["optim"]["state"]["net.3.weight"]["step"]) == 46
+    entry = read_json(cut / "provenance.json")["starts"][-1]
+    assert (entry["kind"], entry["policy"], entry["exact"]) == ("resume", "same", True)
+
+
+def test_freezing_a_layer_without_the_option_names_it(tmp_path):
+    """The same freeze under DDP's default: one line naming train.find_unused_parameters, not DDP's riddle."""
+    run = tmp_path / "digits" / "run"
+    jobs = [{"run_dir": str(run), "overrides": FREEZE_OVERRIDES[:2], "freeze": ["net.0", 3]}]
+    r = _ranks(jobs, tmp_path / "jobs.json")
+    assert r.returncode != 0
+    assert "set train.find_unused_parameters = true" in r.stderr, r.stderr[-3000:]
+    assert read_json(run / "status.json")["state"] == "failed"
