@@ -93,7 +93,7 @@ def save_torch_file(path: Path, obj: Any) -> None:
     atomic_write(path, lambda tmp: torch.save(obj, tmp), points="file", before_replace=drop_sidecar)
 
 
-def rotate_into_place(tmp: Path, final: Path) -> None:
+def rotate_into_place(tmp: Path, final: Path, keep_full: int = 1) -> None:
     """Publish directory ``tmp`` as ``final`` keeping a complete candidate at every instant.
 
     ``final`` -> ``final.prev``; ``tmp`` -> ``final``; ``final.prev`` removed in the
@@ -106,6 +106,9 @@ def rotate_into_place(tmp: Path, final: Path) -> None:
     ``<final>.stale-<k>`` (the first free ``k``; selection ignores that name), a warning
     names the path that could not be removed, and every later rotation (and the next run's
     first save) tries again (:func:`retry_stale`).
+
+    ``keep_full`` > 1 (``checkpoint.keep_full``): the superseded ``final.prev`` is kept as
+    ``full_<step>/`` instead of removed, and only the newest ``keep_full - 1`` of those stay.
 
     Raises:
         OSError: a rename of ``final`` or ``tmp`` failed.
@@ -133,7 +136,36 @@ def rotate_into_place(tmp: Path, final: Path) -> None:
     os.rename(tmp, final)
     fsync_dir(parent)
     point("rotate.renamed_into_place", final)
-    _purge_in_background(prev if prev.exists() and prev not in _stale else None, final)
+    superseded = prev if prev.exists() and prev not in _stale else None
+    if superseded is not None and keep_full > 1:
+        superseded = _keep_generation(superseded, keep_full)
+    _purge_in_background(superseded, final)
+
+
+FULL_PREFIX = "full_"
+
+
+def _keep_generation(prev: Path, keep_full: int) -> Path | None:
+    """Keep the superseded ``prev`` as ``full_<step>`` (its manifest's step) and remove the oldest
+    ``full_*`` beyond ``keep_full - 1`` in the background; returns what to remove now (``prev``
+    itself when its step is already kept or unknown), or None."""
+    import json
+
+    parent = prev.parent
+    try:
+        step = int(json.loads((prev / MANIFEST).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return prev  # not a readable checkpoint: removed as before
+    dest = parent / f"{FULL_PREFIX}{step}"
+    if dest.exists():
+        return prev  # (this step is kept already)
+    os.rename(prev, dest)
+    fsync_dir(parent)
+    kept = sorted((p for p in parent.glob(f"{FULL_PREFIX}*") if p.name[len(FULL_PREFIX):].isdigit()),
+                  key=lambda p: int(p.name[len(FULL_PREFIX):]))
+    for old in kept[:max(0, len(kept) - (keep_full - 1))]:
+        _purge_in_background(old, parent / "last")
+    return None
 
 
 # Removing the superseded checkpoint is off the save's critical path (as torchtitan's purge
@@ -257,7 +289,7 @@ def prepare(tmp: Path) -> None:
 
 
 def publish(tmp: Path, final: Path, weights: dict[str, Any] | None, manifest: dict[str, Any],
-            hasher: FollowingHasher | None = None) -> None:
+            hasher: FollowingHasher | None = None, keep_full: int = 1) -> None:
     """Rank 0, after every rank's DCP write: markers, ``weights.pth``, manifest, ``.complete``, rotation.
 
     ``weights`` None writes no ``weights.pth`` (a sharded model's weights kept in
@@ -279,7 +311,7 @@ def publish(tmp: Path, final: Path, weights: dict[str, Any] | None, manifest: di
     _write_marker(tmp / COMPLETE)
     fsync_dir(tmp)
     point("standard.complete_written", tmp / COMPLETE)
-    rotate_into_place(tmp, final)
+    rotate_into_place(tmp, final, keep_full)
 
 
 def short_error(e: BaseException) -> str:

@@ -38,6 +38,7 @@ LEGACY_LAST = "model_last.pth"
 BEST = "model_best.pth"
 ITER_RE = re.compile(r"^iter_(\d+)\.pth$")
 SINGLE_RE = re.compile(r"^step_(\d+)\.pth$")
+FULL_RE = re.compile(r"^full_(\d+)$")  # standard format, checkpoint.keep_full: a superseded last, kept
 POINTERS = ("last", "best", "final")
 RESUME_ORDER = ("last", "last.prev", LEGACY_LAST)
 
@@ -48,7 +49,7 @@ class Candidate:
 
     Attributes:
         name: entry name in the model directory (``last``, ``iter_40.pth``, ...).
-        kind: ``last`` | ``last.prev`` | ``legacy`` | ``best`` | ``iter`` | ``tmp``.
+        kind: ``last`` | ``last.prev`` | ``full`` | ``legacy`` | ``best`` | ``iter`` | ``single`` | ``tmp``.
         format: ``standard`` | ``legacy`` | ``weights`` (weights-only file) | ``unknown``.
         resumable: holds trainer state, so ``--train.resume`` may pick it.
         complete: every required part is present (not a checksum check; see verify).
@@ -190,6 +191,10 @@ def list_candidates(model_dir: Path) -> list[Candidate]:
             iters.append(c)
         elif name in ("last", "last.prev") and entry.is_dir():
             out.append(_standard_dir(entry, name))
+        elif (m := FULL_RE.match(name)) and entry.is_dir() and not entry.is_symlink():
+            c = _standard_dir(entry, "full")
+            c.step = c.step if c.step is not None else int(m.group(1))
+            iters.append(c)
         elif name == LEGACY_LAST and entry.is_file():
             out.append(_weights_file(entry, "legacy", resumable=True, fmt="legacy"))
         elif name == BEST and entry.is_file():
@@ -204,11 +209,13 @@ def list_candidates(model_dir: Path) -> list[Candidate]:
 
 
 def in_resume_order(cands: list[Candidate]) -> list[Candidate]:
-    """Candidates a resume may load, most preferred first: :data:`RESUME_ORDER`, then
-    single-format ``step_<N>.pth`` files newest first (a file ``last`` points at is listed once)."""
+    """Candidates a resume may load, most preferred first: :data:`RESUME_ORDER`, then the kept
+    ``full_<N>/`` (``checkpoint.keep_full``) and single-format ``step_<N>.pth`` files, newest first
+    (a file ``last`` points at is listed once)."""
     named = [c for name in RESUME_ORDER for c in cands if c.name == name]
     seen = {c.target for c in named if c.target}
-    return named + sorted((c for c in cands if c.kind == "single" and c.name not in seen), key=lambda c: -(c.step or 0))
+    return named + sorted((c for c in cands if c.kind in ("full", "single") and c.name not in seen),
+                          key=lambda c: -(c.step or 0))
 
 
 def select_resume(model_dir: Path, *, verify: bool = True) -> tuple[Candidate | None, list[Candidate]]:
@@ -310,7 +317,7 @@ def resolve_resume_path(path: str | Path) -> Candidate:
             if chosen is None:
                 raise CheckpointError(f"no complete checkpoint in {p}: " + "; ".join(explain(cands, None)), exit_code=2)
             return chosen
-        if p.name not in RESUME_ORDER and ".tmp" not in p.name:
+        if p.name not in RESUME_ORDER and ".tmp" not in p.name and not FULL_RE.match(p.name):
             refusal = why_not_resumable(p) or (
                 f"{p} is not a pimm checkpoint directory (it has no {WEIGHTS}, {TRAINER_DCP}/, {MANIFEST} or "
                 f"{COMPLETE}); --train.resume-from takes a run's model/last, its model/ directory, model_last.pth "
@@ -329,7 +336,7 @@ def resolve_resume_path(path: str | Path) -> Candidate:
             raise CheckpointError(f"{p} holds weights only and cannot resume a run; warm-start with --train.weight {p}",
                                   exit_code=2)
         return cand
-    cand = _standard_dir(p, p.name)
+    cand = _standard_dir(p, "full" if FULL_RE.match(p.name) else p.name)
     if not cand.complete:
         _raise_incomplete(p, cand)
     return cand

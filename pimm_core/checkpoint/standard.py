@@ -55,13 +55,14 @@ class StandardFormat:
     name = "standard"
     asynchronous = False
 
-    def __init__(self, info: DistInfo):
-        self.info = info
+    def __init__(self, info: DistInfo, keep_full: int = 1):
+        self.info, self.keep_full = info, keep_full
 
     def save(self, model_dir: Path, item: SaveItem, *, background: bool = False) -> Path:
         return save_standard(model_dir, model=item.model, optimizer=item.optimizer, meta=item.meta,
                              rank_state=item.rank_state, manifest=item.manifest, info=self.info,
-                             ema_state_dict=item.ema_weights(), gather_weights=item.gather_weights)
+                             ema_state_dict=item.ema_weights(), gather_weights=item.gather_weights,
+                             keep_full=self.keep_full)
 
     def load(self, path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
              strict: bool = True, ema_target: dict[str, torch.Tensor] | None = None) -> LoadedState:
@@ -87,6 +88,7 @@ def save_standard(
     name: str = "last",
     ema_state_dict: dict[str, torch.Tensor] | None = None,
     gather_weights: bool = True,
+    keep_full: int = 1,
 ) -> Path:
     """Write and publish a standard checkpoint; every rank must call it.
 
@@ -143,7 +145,7 @@ def save_standard(
             weights = lambda: gathered  # noqa: E731
             if not gather_weights:
                 manifest = {**manifest, WEIGHTS_FIELD: TRAINER_DCP}
-        on_main(info, lambda: publish(tmp, final, weights(), manifest, hasher), tmp, model_dir)
+        on_main(info, lambda: publish(tmp, final, weights(), manifest, hasher, keep_full), tmp, model_dir)
     finally:
         if hasher is not None:
             hasher.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from ..checkpoint.branch import describe_branch, later_checkpoints
 from ..checkpoint.selection import fallback_warnings, resolve_resume_path, select_resume
 from ..config import Config
 from ..run import MODEL
@@ -54,6 +55,9 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     print(f"checkpoint: {cand.path} (step {cand.step}, epoch {cand.epoch}, iter {cand.iter})")
     for w in fallbacks:
         print(f"warning: {w}")
+    later = later_checkpoints(cand) if Path(cand.path).parent.resolve() == (run_dir / MODEL).resolve() else []
+    if later:
+        print(f"branch: {describe_branch(cand, later, run_dir / MODEL / 'abandoned-<time>')}")
     message = finished(cfg, cand.path, run_dir)
     if message is not None:
         print(message)

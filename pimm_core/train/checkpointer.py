@@ -140,7 +140,8 @@ class Checkpointer:
                  loader_state: bool = True, data_length: int | None = None):
         c = config.checkpoint
         self.config, self.info, self.stop = config, info, stop
-        self.format = make_format(config.checkpoint_format, info, background=c.async_, keep_last=c.keep_last)
+        self.format = make_format(config.checkpoint_format, info, background=c.async_, keep_last=c.keep_last,
+                                  keep_full=c.keep_full)
         self.schedule = SaveSchedule.from_config(c)
         self.model, self.optimizer, self.loader = model, optimizer, loader
         self.state, self.scaler, self.ema = state, scaler, ema

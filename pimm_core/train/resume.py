@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import dist
+from ..checkpoint.branch import set_aside_later
 from ..checkpoint.formats import make_format
 from ..checkpoint.selection import is_model_dir, resolve_resume_path, select_verified, verify_candidate
 from ..checkpoint.state import set_rng_state, unwrap
@@ -38,7 +39,8 @@ log = logging.getLogger("pimm")
 
 def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict[str, Any]:
     """Restore state from ``source`` following the resume policy; returns the provenance entry."""
-    cand, fallback = choose_intact(tr, Path(str(source)) if not str(source).startswith("hf://") else source)
+    cand, fallback = choose_intact(tr, Path(str(source)) if not str(source).startswith("hf://") else source,
+                                   checkpoint_dir)
     strict = tr.config.resume_strict_state
     loaded = make_format(cand.format, tr.info).load(Path(cand.path), model=tr.model, optimizer=tr.optimizer,
                                                     strict=strict, ema_target=tr.ema.shadow if tr.ema else None)
@@ -110,15 +112,17 @@ def nothing_left(tr: Trainer, t: TrainConfig) -> bool:
                        run_state=state)
 
 
-def choose_intact(tr: Trainer, source: Path | str):
+def choose_intact(tr: Trainer, source: Path | str, checkpoint_dir: Path | None = None):
     """Resolve the resume source and check its files against the manifest (rank 0 reads,
     every rank gets the verdict). A ``model/`` directory falls back past corrupt
-    candidates with a warning; an explicitly named corrupt candidate is refused.
+    candidates with a warning; an explicitly named corrupt candidate is refused. An explicit
+    earlier checkpoint of ``checkpoint_dir`` (``full_<step>``) branches the run: the later ones
+    are set aside (:func:`pimm_core.checkpoint.branch.set_aside_later`), with a warning.
 
     Raises:
         CheckpointError: nothing intact to resume from (names each problem).
     """
-    verdict: tuple[str | None, list[str], str | None] = (None, [], None)
+    verdict: tuple[str | None, list[str], Any, list[str]] = (None, [], None, [])
     if tr.info.is_main:
         try:
             if isinstance(source, Path) and is_model_dir(source):
@@ -127,34 +131,43 @@ def choose_intact(tr: Trainer, source: Path | str):
                     detail = "; ".join(warnings) or "no complete candidate"
                     raise CheckpointError(f"no intact checkpoint to resume in {source}: {detail}", exit_code=1)
                 warnings += set_aside_corrupt_last(source, chosen)
-                verdict = (chosen.path, warnings, None)
+                verdict = (chosen.path, warnings, None, [])
             else:
                 cand = resolve_resume_path(source)
                 problems = verify_candidate(cand)
                 if problems:
                     raise CheckpointError(f"checkpoint {cand.path} is corrupt ({'; '.join(problems)}); resume "
                                           "from another candidate (see pimm checkpoints ls)", exit_code=1)
-                verdict = (cand.path, [], None)
+                # an earlier point of this run's own line: the later checkpoints are set aside
+                try:
+                    notes = set_aside_later(cand) if checkpoint_dir is not None and \
+                        Path(cand.path).parent.resolve() == Path(checkpoint_dir).resolve() else []
+                except OSError as e:
+                    raise CheckpointError(f"cannot set aside the checkpoints after {cand.path}: {e}") from None
+                verdict = (cand.path, [], None, notes)
         except CheckpointError as e:
-            verdict = (None, [], e)  # PimmError pickles with its class and exit code
-    path, warnings, error = dist.broadcast_object(verdict)
+            verdict = (None, [], e, [])  # PimmError pickles with its class and exit code
+    path, warnings, error, notes = dist.broadcast_object(verdict)
     if error is not None:
         raise error
-    for w in warnings:
-        if tr.info.is_main:
+    if tr.info.is_main:
+        for w in warnings:
             log.error("ERROR: %s", w)
-    return resolve_resume_path(path), warnings
+        for n in notes:
+            log.warning("warning: %s", n)
+    return resolve_resume_path(path), warnings + notes
 
 
 def set_aside_corrupt_last(model_dir: Path, chosen) -> list[str]:
-    """Rank 0, resuming from ``last.prev`` because ``last`` failed verification: rename the corrupt
-    ``last`` to ``last.corrupt-<time>`` (kept for inspection; selection ignores it).
+    """Rank 0, resuming from another candidate (``last.prev``, a kept ``full_<step>``) because ``last``
+    failed verification: rename the corrupt ``last`` to ``last.corrupt-<time>`` (kept for
+    inspection; selection ignores it).
 
     Otherwise the next save's rotation would remove the intact ``last.prev`` to make room for
     the corrupt ``last``, and a crash in between would leave nothing to resume from.
     """
     last = model_dir / "last"
-    if chosen.name != "last.prev" or not last.is_dir():
+    if chosen.name == "last" or not last.is_dir():
         return []
     dest = model_dir / f"last.corrupt-{time.strftime('%Y%m%d-%H%M%S')}"
     os.rename(last, dest)

@@ -357,3 +357,58 @@ def test_freezing_a_layer_without_the_option_names_it(tmp_path):
     assert r.returncode != 0
     assert "set train.find_unused_parameters = true" in r.stderr, r.stderr[-3000:]
     assert read_json(run / "status.json")["state"] == "failed"
+
+
+# ------------------------------------------------------------------- going back to an earlier point
+KEEP_OVERRIDES = ("train.epochs=2", "data.num_workers=0", "checkpoint.every_steps=10", "checkpoint.keep_full=3")
+
+
+def test_going_back_to_an_earlier_point_branches_the_run(tmp_path):
+    """Seen: in the standard format only `last` could resume (`last.prev` is gone after a save), so "go back
+    to before the loss spike at step 30" could not be expressed. With checkpoint.keep_full = 3, last and the
+    two newest superseded checkpoints are kept; resuming from one branches the run, continues exactly (the
+    same weights as the uninterrupted run), and from then on resume picks the branch's newest, also when a
+    checkpoint of the branch is damaged, never a higher step of the abandoned line."""
+    import torch
+
+    from pimm_core.checkpoint.selection import select_resume
+    from pimm_core.checkpoint.state import unwrap
+
+    full = tmp_path / "digits" / "full"
+    run_job(full, KEEP_OVERRIDES)  # uninterrupted: 90 steps
+    run = tmp_path / "digits" / "run"
+    run_job(run, KEEP_OVERRIDES, stop_at=45)  # saves at steps 10..40, stopped at 45
+    model = run / "model"
+    assert sorted(p.name for p in model.iterdir() if p.is_dir()) == ["full_30", "full_40", "last"]
+    assert read_json(model / "full_30" / "manifest.json")["step"] == 30
+    # the dry run says what the resume does: the branch, and an exact continuation at step 30
+    dry = pimm("launch", "--train.config", REPO / "configs" / "digits.toml", "--run.root", tmp_path,
+               "--run.name", "run", "--run.no-timestamp", "--train.resume-from", model / "full_30", "--dry-run",
+               "--", "model.dropout=0.3", "train.log_every_steps=1", *KEEP_OVERRIDES)
+    assert dry.returncode == 0, describe(dry)
+    assert "branch: resuming from full_30 (step 30) branches the run: the later checkpoints " in dry.stdout
+    assert "last (step 45)" in dry.stdout and "full_40 (step 40)" in dry.stdout
+    assert "continue at: step 30, epoch 0, iter 30 (exact continuation)" in dry.stdout, dry.stdout
+    trainer = run_job(run, KEEP_OVERRIDES, resume_from=model / "full_30")
+    entry = read_json(run / "provenance.json")["starts"][-1]
+    assert (entry["policy"], entry["exact"], entry["step"], entry["iter"]) == ("same", True, 30, 30)
+    assert any("branches the run" in w for w in entry["warnings"])
+    # exact: the branch from step 30 ends with the uninterrupted run's weights
+    want = torch.load(full / "model" / "last" / "weights.pth", weights_only=True)["state_dict"]
+    now = unwrap(trainer.model).state_dict()
+    assert [k for k in want if not torch.equal(want[k], now[k])] == []
+    # the abandoned line is kept whole, aside; the branch's checkpoints are the candidates
+    aside = [p for p in model.iterdir() if p.name.startswith("abandoned-")]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["full_40", "last"]
+    assert read_json(aside[0] / "last" / "manifest.json")["step"] == 45
+    assert sorted(p.name for p in model.iterdir() if p.name.startswith(("full_", "last"))) == [
+        "full_70", "full_80", "last"]
+    chosen, _ = select_resume(model)
+    assert (chosen.name, chosen.step) == ("last", 90)
+    # a damaged checkpoint of the branch: the fallback is the branch's newest intact one
+    w = model / "last" / "weights.pth"
+    data = bytearray(w.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    w.write_bytes(bytes(data))
+    latest = pimm("checkpoints", "latest", model)
+    assert latest.returncode == 0 and latest.stdout.strip() == str(model / "full_80"), describe(latest)
