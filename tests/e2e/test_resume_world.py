@@ -186,15 +186,18 @@ USER_OPT = ('optimizer.target="userpkg.optim:counting_adamw"', *STOPPED_OVERRIDE
 
 
 @pytest.fixture(scope="module")
-def user_optimizer_runs(tmp_path_factory) -> tuple[Path, Path]:
-    """The user optimizer run uninterrupted (90 steps) and stopped after step STOPPED_AT (in this process)."""
+def user_optimizer_runs(tmp_path_factory) -> tuple[Path, Path, int]:
+    """The user optimizer run uninterrupted (90 steps) and stopped after step STOPPED_AT (in this process),
+    and how often its hook fires per step (twice once torch has wrapped AdamW.step too, which the subclass's
+    super().step() then also goes through: that depends on what this process built before)."""
     base = tmp_path_factory.mktemp("user-optim")
     full, cut = base / "digits" / "full", base / "digits" / "cut"
     trainer = run_job(full, USER_OPT)
-    assert (trainer.optimizer.steps, trainer.optimizer.hook_calls) == (90, 90)
+    per_step, rest = divmod(trainer.optimizer.hook_calls, 90)
+    assert trainer.optimizer.steps == 90 and per_step >= 1 and rest == 0
     trainer = run_job(cut, USER_OPT, stop_at=STOPPED_AT)
     assert (trainer.optimizer.steps, trainer.state.global_step) == (STOPPED_AT, STOPPED_AT)
-    return full, cut
+    return full, cut, per_step
 
 
 def test_a_load_never_steps_the_users_optimizer(user_optimizer_runs, tmp_path):
@@ -203,7 +206,7 @@ def test_a_load_never_steps_the_users_optimizer(user_optimizer_runs, tmp_path):
     load that trains nothing."""
     from pimm_core.checkpoint.state import unwrap
 
-    full, cut = user_optimizer_runs
+    full, cut, per_step = user_optimizer_runs
     load_only = tmp_path / "digits" / "load"
     shutil.copytree(cut, load_only)
     trainer = run_job(load_only, USER_OPT, resume_from=load_only / "model" / "last", max_steps=1, checkpoint=False)
@@ -214,7 +217,7 @@ def test_a_load_never_steps_the_users_optimizer(user_optimizer_runs, tmp_path):
     shutil.copytree(cut, resumed)
     trainer = run_job(resumed, USER_OPT, resume_from=resumed / "model" / "last")
     assert trainer.state.global_step == 90
-    assert (trainer.optimizer.steps, trainer.optimizer.hook_calls) == (90 - STOPPED_AT, 90 - STOPPED_AT)
+    assert (trainer.optimizer.steps, trainer.optimizer.hook_calls) == (90 - STOPPED_AT, per_step * (90 - STOPPED_AT))
     # bitwise: the same weights as the uninterrupted run
     import torch
 
