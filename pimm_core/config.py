@@ -84,6 +84,8 @@ class TrainConfig:
     # "pkg.mod:fn" with fn(model) -> iterable of submodules; FSDP shards each block as a unit and
     # activation checkpointing recomputes each block's activations
     activation_checkpointing: bool = False  # recompute each of train.blocks' activations in backward
+    find_unused_parameters: bool = False  # DDP: allow parameters that get no gradient in a step (a layer frozen
+    # mid-run, a branch not taken); costs a pass over the autograd graph each step
 
 
 @dataclass
@@ -168,6 +170,8 @@ class CheckpointConfig:
     every_epochs: int = 1  # 0: no epoch-end saves (the end of training still saves)
     keep_iter: int = 3  # how many iter_<step>.pth snapshots to keep; 0 keeps none
     keep_last: int = 3  # single format: how many step_<step>.pth files to keep (pointer targets always kept)
+    keep_full: int = 1  # standard format: how many full checkpoints to keep: last and the newest k-1 superseded
+    # ones as full_<step>/ (each can resume: --train.resume-from model/full_<step>)
     on_error: Literal["stop", "continue"] = "stop"  # a failed periodic save stops the run (or only warns)
     async_: bool = False  # TOML key `async`: write periodic standard saves in the background
     gather_weights: bool = True  # FSDP: also gather the full weights into weights.pth (rank 0, via CPU);

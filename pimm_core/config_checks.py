@@ -57,6 +57,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "checkpoint.every_epochs": (0, None),
     "checkpoint.keep_iter": (0, None),
     "checkpoint.keep_last": (1, None),
+    "checkpoint.keep_full": (1, None),
     "eval.every_epochs": (0, None),
     "ema.decay": (0, 1),
 }

@@ -53,8 +53,8 @@ from .targets import search_path
 from .stop import StopRequest
 from .topology import finished_message
 from .train.best import BestTracker
-from .train.build import (build_data, build_model, build_objective, data_resume_policy, user_code_of,
-                          warm_start_model)
+from .train.build import (build_data, build_model, build_objective, data_length, data_resume_policy,
+                          user_code_of, warm_start_model)
 from .train.checkpointer import Checkpointer
 from .train.evaluator import Evaluator
 from .train.parallel import is_fsdp, parallelize
@@ -154,7 +154,8 @@ class Trainer:
         self.checkpointer = Checkpointer(config, self.info, self.stop, model=self.model, optimizer=self.optimizer,
                                          loader=self.loader, state=self.state, scaler=self.scaler, ema=self.ema,
                                          data_fingerprint=self.data.fingerprint, code_version=self._code_version,
-                                         loader_state=self.data_resume == "exact")
+                                         loader_state=self.data_resume == "exact",
+                                         data_length=data_length(d.train))
         self.stop_agreement = StopAgreement(self.stop, self.info, self.run_dir, self.device)
         self.best = BestTracker(config.eval.metric, config.eval.mode)
         # (a plain function, not a bound method: a part holding the trainer would make a reference

@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .foreign import why_not_resumable
 from .generation import READ_TRIES, identity, wait_for_rotation
 from .manifest import COMPLETE, MANIFEST, ManifestError, read_manifest
 from .verify import verify_candidate
@@ -40,6 +39,7 @@ LEGACY_LAST = "model_last.pth"
 BEST = "model_best.pth"
 ITER_RE = re.compile(r"^iter_(\d+)\.pth$")
 SINGLE_RE = re.compile(r"^step_(\d+)\.pth$")
+FULL_RE = re.compile(r"^full_(\d+)$")  # standard format, checkpoint.keep_full: a superseded last, kept
 POINTERS = ("last", "best", "final")
 RESUME_ORDER = ("last", "last.prev", LEGACY_LAST)
 
@@ -50,7 +50,7 @@ class Candidate:
 
     Attributes:
         name: entry name in the model directory (``last``, ``iter_40.pth``, ...).
-        kind: ``last`` | ``last.prev`` | ``legacy`` | ``best`` | ``iter`` | ``tmp``.
+        kind: ``last`` | ``last.prev`` | ``full`` | ``legacy`` | ``best`` | ``iter`` | ``single`` | ``tmp``.
         format: ``standard`` | ``legacy`` | ``weights`` (weights-only file) | ``unknown``.
         resumable: holds trainer state, so ``--train.resume`` may pick it.
         complete: every required part is present (not a checksum check; see verify).
@@ -218,6 +218,10 @@ def _describe(entry: Path) -> Candidate | None:
         return c
     if name in ("last", "last.prev") and entry.is_dir():
         return _standard_dir(entry, name)
+    if (m := FULL_RE.match(name)) and entry.is_dir() and not entry.is_symlink():
+        c = _standard_dir(entry, "full")
+        c.step = c.step if c.step is not None else int(m.group(1))
+        return c
     if name == LEGACY_LAST and entry.is_file():
         return _weights_file(entry, "legacy", resumable=True, fmt="legacy")
     if name == BEST and entry.is_file():
@@ -248,18 +252,20 @@ def list_candidates(model_dir: Path) -> list[Candidate]:
     for name in sorted(names):
         c = describe_entry(model_dir / name)
         if c is not None:
-            (iters if c.kind in ("single", "iter") else out).append(c)
+            (iters if c.kind in ("single", "iter", "full") else out).append(c)
     order = {n: i for i, n in enumerate(RESUME_ORDER)}
     out.sort(key=lambda c: (order.get(c.name, len(order)), c.name))
     return out + sorted(iters, key=lambda c: c.step or 0)
 
 
 def in_resume_order(cands: list[Candidate]) -> list[Candidate]:
-    """Candidates a resume may load, most preferred first: :data:`RESUME_ORDER`, then
-    single-format ``step_<N>.pth`` files newest first (a file ``last`` points at is listed once)."""
+    """Candidates a resume may load, most preferred first: :data:`RESUME_ORDER`, then the kept
+    ``full_<N>/`` (``checkpoint.keep_full``) and single-format ``step_<N>.pth`` files, newest first
+    (a file ``last`` points at is listed once)."""
     named = [c for name in RESUME_ORDER for c in cands if c.name == name]
     seen = {c.target for c in named if c.target}
-    return named + sorted((c for c in cands if c.kind == "single" and c.name not in seen), key=lambda c: -(c.step or 0))
+    return named + sorted((c for c in cands if c.kind in ("full", "single") and c.name not in seen),
+                          key=lambda c: -(c.step or 0))
 
 
 def select_resume(model_dir: Path, *, verify: bool = True) -> tuple[Candidate | None, list[Candidate]]:
@@ -354,77 +360,6 @@ def explain(cands: list[Candidate], chosen: Candidate | None) -> list[str]:
 def has_checkpoints(model_dir: Path) -> bool:
     """True when ``model_dir`` holds anything a run wrote (a checkpoint or a leftover)."""
     return bool(list_candidates(model_dir))
-
-
-def resolve_resume_path(path: str | Path) -> Candidate:
-    """Validate an explicit resume source and return it as a candidate.
-
-    ``path`` may be a checkpoint directory (``.../model/last``), a legacy
-    ``model_last.pth``, a single-format file or pointer, or a ``model/`` directory (or the
-    run directory holding it: its :func:`select_resume` choice).
-
-    Raises:
-        CheckpointError: ``hf://`` sources (Hub artifacts carry no trainer state);
-            "No weight found" for a path that does not exist; "Incomplete checkpoint
-            directory" naming the missing parts and the complete candidates beside it;
-            (exit code 2) something pimm did not write, named when recognisable
-            (:func:`.foreign.why_not_resumable`: an Accelerate ``save_state`` directory,
-            a Lightning ``.ckpt``, a Hugging Face model directory, a plain state dict)
-            with the warm start to use instead, or "not a PyTorch checkpoint".
-    """
-    from ..errors import CheckpointError
-
-    text = str(path)
-    if text.startswith("hf://"):
-        raise CheckpointError(
-            f"cannot resume from {text}: Hub model artifacts omit trainer state (no trainer.dcp/); "
-            "warm-start a new run with --train.weight instead, or resume from the original run's model/last",
-            exit_code=2)
-    p = Path(text)
-    if not text or not p.exists():
-        raise CheckpointError(f"No weight found: {text!r} does not exist; check the run path "
-                              "(pimm checkpoints latest MODEL_DIR finds the newest complete checkpoint)", exit_code=2)
-    if p.is_dir() and not is_model_dir(p) and is_model_dir(p / "model"):
-        p = p / "model"  # a run directory: its model/ directory's choice
-    looks_standard = any((p / n).exists() for n in (WEIGHTS, TRAINER_DCP, COMPLETE, MANIFEST))
-    if p.is_dir() and not looks_standard:
-        if is_model_dir(p):
-            chosen, cands = select_resume(p)
-            if chosen is None:
-                raise CheckpointError(f"no complete checkpoint in {p}: " + "; ".join(explain(cands, None)), exit_code=2)
-            return chosen
-        if p.name not in RESUME_ORDER and ".tmp" not in p.name:
-            refusal = why_not_resumable(p) or (
-                f"{p} is not a pimm checkpoint directory (it has no {WEIGHTS}, {TRAINER_DCP}/, {MANIFEST} or "
-                f"{COMPLETE}); --train.resume-from takes a run's model/last, its model/ directory, model_last.pth "
-                "or step_<N>.pth")
-            raise CheckpointError(refusal, exit_code=2)
-    if p.is_file() and p.name != LEGACY_LAST and not SINGLE_RE.match(p.name):
-        refusal = why_not_resumable(p)  # text, Lightning, a plain state dict... (pimm's own files: None)
-        if refusal is not None:
-            raise CheckpointError(refusal, exit_code=2)
-    if p.is_file():
-        if p.is_symlink():
-            return _pointer(p) if _pointer(p).complete else _raise_incomplete(p, _pointer(p))
-        fmt = "legacy" if p.name == LEGACY_LAST else "single" if SINGLE_RE.match(p.name) else "weights"
-        cand = _weights_file(p, fmt if fmt != "weights" else "weights", resumable=fmt != "weights", fmt=fmt)
-        if not cand.resumable:
-            raise CheckpointError(f"{p} holds weights only and cannot resume a run; warm-start with --train.weight {p}",
-                                  exit_code=2)
-        return cand
-    cand = _standard_dir(p, p.name)
-    if not cand.complete:
-        _raise_incomplete(p, cand)
-    return cand
-
-
-def _raise_incomplete(p: Path, cand: Candidate) -> Candidate:
-    from ..errors import CheckpointError
-
-    others = [c for c in list_candidates(p.parent) if c.complete and c.resumable and c.path != cand.path]
-    alt = ", ".join(c.path for c in others) if others else "none"
-    raise CheckpointError(f"Incomplete checkpoint directory {p}: {cand.reason}. Complete candidates: {alt}",
-                          exit_code=2)
 
 
 def is_model_dir(p: Path) -> bool:

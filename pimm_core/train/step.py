@@ -19,7 +19,7 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..ema import EMA
-from ..errors import TrainingError
+from ..errors import ConfigError, TrainingError
 from ..checkpoint.state import unwrap
 from ..objectives import BUILTIN, Objective, batch_size
 from .evaluator import to_device
@@ -119,9 +119,25 @@ class WindowStep:
         """One micro-batch; returns its (detached) share of the window's mean loss."""
         with gradient_sync(self.model, last_in_window or not self.distributed):
             with self.autocast():
-                loss = self.objective(self.model, batch)[0] / window_len
+                loss = self._forward(batch) / window_len
             self.scaler.scale(loss).backward()
         return loss.detach()
+
+    def _forward(self, batch: Any) -> torch.Tensor:
+        """The objective's loss of ``batch``.
+
+        Raises:
+            ConfigError: DDP found a parameter that got no gradient in the previous step (a layer
+                frozen mid-run, a branch not taken) and ``train.find_unused_parameters`` is off.
+        """
+        try:
+            return self.objective(self.model, batch)[0]
+        except RuntimeError as e:
+            if "Expected to have finished reduction in the prior iteration" not in str(e):
+                raise
+            raise ConfigError("a parameter got no gradient in the previous step (a layer frozen mid-run, a branch "
+                              "not taken), which DDP refuses by default; set train.find_unused_parameters = true"
+                              ) from None
 
     def gradients_finite(self) -> bool:
         """Unscale, clip (``train.grad_clip``) and say whether the window's gradients are finite;
