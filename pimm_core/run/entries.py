@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ..errors import UsageError
-from .layout import CONFIG, CONTROL, LOG, METRICS, PROVENANCE, STATUS
+from .layout import CONFIG, CONTROL, LOG, METRICS, PROVENANCE, STATUS, SUPERSEDED
 
 LOCK = ".lock"
 RANKS = ".ranks.lock"
@@ -33,7 +33,7 @@ TENSORBOARD_DIR = "tensorboard"
 
 #: Entries of a run directory pimm writes, and what each must be when present.
 RUN_ENTRIES: tuple[tuple[str, str], ...] = (
-    (LOG, "file"), (METRICS, "file"), (STATUS, "file"), (PROVENANCE, "file"), (CONFIG, "file"), (HOLDER, "file"),
+    (LOG, "file"), (METRICS, "file"), (SUPERSEDED, "file"), (STATUS, "file"), (PROVENANCE, "file"), (CONFIG, "file"), (HOLDER, "file"),
     (LOCK, "file"), (RANKS, "file"), (CONTROL, "dir"), (f"{CONTROL}/{STOP_FILE}", "file"), (ABANDONED, "dir"),
     (TENSORBOARD_DIR, "dir"),
 )

@@ -28,7 +28,8 @@ import torch
 from ..config import Config, write_config
 from ..console_log import attach_console
 from ..dist import DistInfo
-from ..run import CONFIG, METRICS, MetricsWriter, append_provenance, launch_record, log_handler, now_iso, write_status
+from ..run import (CONFIG, METRICS, MetricsWriter, append_provenance, launch_record, log_handler, now_iso,
+                   supersede_after, write_status)
 from ..run.entries import check_run_entries
 from .state import TrainState
 from .tensorboard import TensorBoardWriter
@@ -104,11 +105,15 @@ class Recorder:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_config(config, self.run_dir / CONFIG)
+        s = self.state
         if fresh:
             (self.run_dir / METRICS).unlink(missing_ok=True)
+        else:  # what the interrupted run logged after the resumed position is written again
+            supersede_after(self.run_dir / METRICS, s.global_step, eval_done=s.eval_step == s.global_step)
         self._metrics = MetricsWriter(self.run_dir / METRICS)
         if config.log.tensorboard:
-            self._tensorboard = TensorBoardWriter(self.run_dir)
+            self._tensorboard = TensorBoardWriter(self.run_dir, resumed_at=None if fresh else s.global_step,
+                                                  eval_done=s.eval_step == s.global_step)
         world, workers = self.info.world_size, config.data.num_workers
         base = {"code_version": code_version, "torch_version": torch.__version__, "host": socket.gethostname(),
                 "world_size": world, "workers_per_rank": workers, "data_fingerprint": data_fingerprint,
