@@ -160,6 +160,14 @@ class LogConfig:
 
 
 @dataclass
+class CallbackConfig:
+    """One ``[[callbacks]]`` entry: ``target`` is a factory called with ``args`` (:mod:`pimm_core.train.callbacks`)."""
+
+    target: str = ""  # "package.module:Factory"
+    args: dict[str, Any] | None = None  # keyword arguments of target
+
+
+@dataclass
 class CheckpointConfig:
     every_steps: int = 0  # 0: no step-based saves
     every_epochs: int = 1  # 0: no epoch-end saves (the end of training still saves)
@@ -218,6 +226,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    callbacks: list[CallbackConfig] = field(default_factory=list)  # [[callbacks]] tables, called in order
     objective: str = "classification"  # a name in OBJECTIVES or a "package.module:function" target
     checkpoint_format: Literal["standard", "legacy", "single"] = "standard"
     resume_strict_state: bool = True
@@ -229,6 +238,8 @@ class Config:
 
 
 def _drop_none(d: Any, rename: bool = True) -> Any:
+    if isinstance(d, list):  # an array of tables ([[callbacks]])
+        return [_drop_none(x, rename) for x in d]
     if not isinstance(d, dict):
         return d
     out = {}

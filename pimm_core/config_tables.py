@@ -153,7 +153,13 @@ def build(cls: type, data: dict[str, Any], origins: dict[str, str], where: Where
         dotted = f"{prefix}{toml_key(name)}"
         hint = hints[name]
         value = data[name]
-        if dataclasses.is_dataclass(hint):
+        if typing.get_origin(hint) is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+            item = typing.get_args(hint)[0]  # an array of tables: [[callbacks]]
+            if not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
+                raise ConfigError(f"{where(dotted, origins.get(dotted, 'file'))}: {dotted} must be an array of "
+                                  f"tables ([[{dotted}]])")
+            kwargs[name] = [build(item, v, origins, where, f"{dotted}[{i}].", item) for i, v in enumerate(value)]
+        elif dataclasses.is_dataclass(hint):
             if not isinstance(value, dict):
                 raise ConfigError(f"{where(dotted, origins.get(dotted, 'file'))}: {dotted} must be a table")
             kwargs[name] = build(hint, value, origins, where, f"{dotted}.", root)
