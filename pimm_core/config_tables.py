@@ -153,6 +153,10 @@ def build(cls: type, data: dict[str, Any], origins: dict[str, str], where: Where
         dotted = f"{prefix}{toml_key(name)}"
         hint = hints[name]
         value = data[name]
+        optional = [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(optional) == 1 \
+                and dataclasses.is_dataclass(optional[0]) and value is not None:
+            hint = optional[0]  # an optional table ([log.mlflow]): present means used
         if typing.get_origin(hint) is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
             item = typing.get_args(hint)[0]  # an array of tables: [[callbacks]]
             if not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):

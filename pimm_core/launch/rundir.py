@@ -113,10 +113,9 @@ def check_config(cfg: Config, config_path: Path | None = None) -> None:
     from ..plugins import check_targets
 
     check_targets(cfg, config_path)
-    if cfg.log.tensorboard:
-        from ..train.tensorboard import check_available
+    from ..train.sinks import check_available
 
-        check_available()
+    check_available(cfg)  # the packages of log.tensorboard, [log.mlflow], [log.wandb]
     cuda = torch.cuda.is_available()
     if cfg.train.device == "cuda" and not cuda:
         raise ConfigError("train.device = 'cuda' but CUDA is not available here; use 'auto' or 'cpu'")

@@ -13,26 +13,14 @@ after the resumed position; a fresh start purges from step 0.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
 from ..run import METRICS, read_metrics
 from ..run.entries import TENSORBOARD_DIR  # the directory of the event files in the run directory
 
 #: Record keys that say where a record is, not what was measured.
 _POSITION = ("step", "epoch", "iter", "split", "time")
-
-
-def check_available() -> None:
-    """Raises:
-        ConfigError: the ``tensorboard`` package is not installed (names how to install it).
-    """
-    if importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("log.tensorboard = true needs the tensorboard package, which is not installed; "
-                          "install it with `uv sync` (the dev group) or `pip install tensorboard`, "
-                          "or set log.tensorboard = false")
 
 
 class TensorBoardWriter:
@@ -43,12 +31,10 @@ class TensorBoardWriter:
         resumed_at: the global step a resumed run continues from; None: a fresh start.
         eval_done: the evaluation at ``resumed_at`` is in the checkpoint (it is not redone).
 
-    Raises:
-        ConfigError: the ``tensorboard`` package is missing (:func:`check_available`).
+    The ``tensorboard`` package must be installed (:func:`~.sinks.check_available` says so first).
     """
 
     def __init__(self, run_dir: Path, *, resumed_at: int | None = None, eval_done: bool = True):
-        check_available()
         from torch.utils.tensorboard import SummaryWriter
 
         # TensorBoard's purge hides every event at or after purge_step; an evaluation at the resumed
@@ -68,5 +54,5 @@ class TensorBoardWriter:
                 self._writer.add_scalar(f"{split}/{key}", value, step)
         self._writer.flush()
 
-    def close(self) -> None:
+    def close(self, state: str = "") -> None:
         self._writer.close()
