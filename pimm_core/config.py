@@ -163,19 +163,9 @@ class MlflowConfig:
 
 
 @dataclass
-class WandbConfig:
-    """``[log.wandb]``: also send the metrics to Weights & Biases (pimm_core.train.wandb_sink)."""
-
-    project: str = ""  # "": the run's group
-    entity: str = ""  # "": W&B's default entity
-    mode: Literal["online", "offline", "env"] = "env"  # "env": WANDB_MODE, else online
-
-
-@dataclass
 class LogConfig:
     tensorboard: bool = False  # also write metrics as TensorBoard events (metrics.jsonl stays the source)
     mlflow: MlflowConfig | None = None  # [log.mlflow] present: also an MLflow sink
-    wandb: WandbConfig | None = None  # [log.wandb] present: also a W&B sink
 
 
 @dataclass

@@ -30,16 +30,14 @@ ABANDONED = "abandoned"
 STOP_FILE = "stop"
 #: The directory of the TensorBoard event files (``log.tensorboard``).
 TENSORBOARD_DIR = "tensorboard"
-#: The ids of the tracked runs a sink continues on resume (``[log.mlflow]``, ``[log.wandb]``).
+#: The id of the tracked run the MLflow sink continues on resume (``[log.mlflow]``).
 MLFLOW_ID = "mlflow.json"
-WANDB_ID = "wandb.json"
-WANDB_DIR = "wandb"
 
 #: Entries of a run directory pimm writes, and what each must be when present.
 RUN_ENTRIES: tuple[tuple[str, str], ...] = (
     (LOG, "file"), (METRICS, "file"), (SUPERSEDED, "file"), (STATUS, "file"), (PROVENANCE, "file"), (CONFIG, "file"), (HOLDER, "file"),
     (LOCK, "file"), (RANKS, "file"), (CONTROL, "dir"), (f"{CONTROL}/{STOP_FILE}", "file"), (ABANDONED, "dir"),
-    (TENSORBOARD_DIR, "dir"), (MLFLOW_ID, "file"), (WANDB_ID, "file"), (WANDB_DIR, "dir"),
+    (TENSORBOARD_DIR, "dir"), (MLFLOW_ID, "file"),
 )
 
 

@@ -1,7 +1,6 @@
-"""The metrics sinks beside ``metrics.jsonl`` (rank 0): TensorBoard, MLflow, Weights & Biases.
+"""The metrics sinks beside ``metrics.jsonl`` (rank 0): TensorBoard, MLflow.
 
-Each is used only when the config asks for it (``log.tensorboard``, ``[log.mlflow]``,
-``[log.wandb]``) and its package is imported only then. :func:`check_available` runs before
+Each is used only when the config asks for it (``log.tensorboard``, ``[log.mlflow]``) and its package is imported only then. :func:`check_available` runs before
 any rank starts (and in ``--dry-run``): a missing package is one line. A sink gets every
 record ``metrics.jsonl`` gets, and ``close(state)`` with how the session ended; after a
 resume each step is in every sink once (each sink's module says how).
@@ -27,8 +26,7 @@ def _wanted(config: Config) -> list[tuple[str, str]]:
     """``(config key, package)`` of each sink the config asks for."""
     log = config.log
     return [(key, package) for key, package, on in (("log.tensorboard = true", "tensorboard", log.tensorboard),
-                                                    ("[log.mlflow]", "mlflow", log.mlflow is not None),
-                                                    ("[log.wandb]", "wandb", log.wandb is not None)) if on]
+                                                    ("[log.mlflow]", "mlflow", log.mlflow is not None)) if on]
 
 
 def check_available(config: Config) -> None:
@@ -67,9 +65,4 @@ def open_sinks(config: Config, run_dir: Path, *, resumed_at: int | None, eval_do
 
         sinks.append(MlflowSink(config, run_dir, resumed=resumed_at is not None,
                                 params=run_params(config, provenance)))
-    if config.log.wandb is not None:
-        from .wandb_sink import WandbSink
-
-        sinks.append(WandbSink(config, run_dir, resumed=resumed_at is not None,
-                               params=run_params(config, provenance)))
     return sinks

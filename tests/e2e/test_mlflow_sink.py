@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 from mlflow import MlflowClient
 
-from _helpers import clean_env, describe, launch, pimm, read_json, read_jsonl
+from _helpers import DIGITS, clean_env, describe, launch, pimm, pimm_here, read_json, read_jsonl
 
 _RUN = ("train.max_steps=14", "train.log_every_steps=1", "checkpoint.every_steps=5", "checkpoint.every_epochs=0")
 
@@ -81,3 +81,14 @@ def test_a_resumed_run_continues_the_same_mlflow_run_with_each_step_once(tmp_pat
     assert run.data.params["provenance.world_size"] == "1" and "provenance.torch_version" in run.data.params
 
 
+
+
+def test_mlflow_without_its_package_is_one_error_line_before_any_rank(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # as if not installed: importlib finds no spec
+    for args in ((), ("--dry-run",)):
+        r = pimm_here("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "no",
+                      "--run.no-timestamp", *args, "--", 'log.mlflow.experiment="x"')
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert r.returncode == 2 and len(errors) == 1, describe(r)
+        assert "[log.mlflow] needs the mlflow package" in errors[0] and "pip install mlflow" in errors[0]
+        assert not (tmp_path / "digits" / "no").exists()
