@@ -243,7 +243,10 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict with TOML key names, ``None`` values and tables left empty by
         that dropped (TOML has no null; an unused ``[optimizer]`` is not written)."""
-        return _drop_none(dataclasses.asdict(self))
+        d = _drop_none(dataclasses.asdict(self))
+        if not d["callbacks"]:
+            del d["callbacks"]  # (no [[callbacks]]: nothing written, as before they existed)
+        return d
 
 
 def _drop_none(d: Any, rename: bool = True) -> Any:

@@ -44,9 +44,11 @@ class MlflowSink:
         self.id_file = Path(run_dir) / MLFLOW_ID
         saved = read_json(self.id_file) if resumed else None
         self.sent: dict[str, int] = {}  # metric key -> last step the tracked run has
+        self.was: str | None = None  # the tracked run's status before this session
         if saved and saved.get("run_id"):
             self.run_id = saved["run_id"]
             run = self.client.get_run(self.run_id)
+            self.was = run.info.status
             for key in run.data.metrics:
                 self.sent[key] = max(m.step for m in self.client.get_metric_history(self.run_id, key))
             self.client.update_run(self.run_id, status="RUNNING")
@@ -79,9 +81,10 @@ class MlflowSink:
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics, synchronous=False)
 
-    def close(self, state: str) -> None:
-        """Flush what is still being sent and mark the tracked run with how the session ended."""
+    def close(self, state: str | None) -> None:
+        """Flush what is still being sent and mark the tracked run with how the session ended
+        (``state`` None: nothing was trained, its earlier status is put back)."""
         import mlflow
 
         mlflow.flush_async_logging()
-        self.client.set_terminated(self.run_id, _STATUS.get(state, "KILLED"))
+        self.client.set_terminated(self.run_id, _STATUS.get(state or "", self.was or "KILLED"))

@@ -59,7 +59,7 @@ class Recorder:
         self.progress: ProgressDisplay | None = None
         self._metrics: MetricsWriter | None = None
         self._sinks: list[Sink] = []  # TensorBoard, MLflow (train/sinks.py)
-        self._last_state = "stopped"  # the last status.json state, for the sinks' close
+        self._last_state: str | None = None  # the last status.json state, for the sinks' close
         self._log_handler: logging.Handler | None = None
         self._detach_console: Callable[[], None] = lambda: None
         self._samples = 0

@@ -2,7 +2,8 @@
 
 Each is used only when the config asks for it (``log.tensorboard``, ``[log.mlflow]``) and its package is imported only then. :func:`check_available` runs before
 any rank starts (and in ``--dry-run``): a missing package is one line. A sink gets every
-record ``metrics.jsonl`` gets, and ``close(state)`` with how the session ended; after a
+record ``metrics.jsonl`` gets, and ``close(state)`` with how the session ended (the last
+``status.json`` state; None: a resume that had nothing left to train wrote none); after a
 resume each step is in every sink once (each sink's module says how).
 """
 
@@ -19,7 +20,7 @@ from ..errors import ConfigError
 class Sink(Protocol):
     def write(self, record: dict[str, Any]) -> None: ...
 
-    def close(self, state: str) -> None: ...
+    def close(self, state: str | None) -> None: ...
 
 
 def _wanted(config: Config) -> list[tuple[str, str]]:

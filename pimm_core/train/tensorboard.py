@@ -54,5 +54,5 @@ class TensorBoardWriter:
                 self._writer.add_scalar(f"{split}/{key}", value, step)
         self._writer.flush()
 
-    def close(self, state: str = "") -> None:
+    def close(self, state: str | None = None) -> None:
         self._writer.close()
