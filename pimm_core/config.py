@@ -160,8 +160,25 @@ class SchedulerConfig:
 
 
 @dataclass
+class MlflowConfig:
+    """``[log.mlflow]``: also send the metrics to an MLflow tracking server (pimm_core.train.mlflow_sink)."""
+
+    tracking_uri: str = ""  # "": MLFLOW_TRACKING_URI, else MLflow's default (./mlruns)
+    experiment: str = ""  # "": the run's group
+
+
+@dataclass
 class LogConfig:
     tensorboard: bool = False  # also write metrics as TensorBoard events (metrics.jsonl stays the source)
+    mlflow: MlflowConfig | None = None  # [log.mlflow] present: also an MLflow sink
+
+
+@dataclass
+class CallbackConfig:
+    """One ``[[callbacks]]`` entry: ``target`` is a factory called with ``args`` (:mod:`pimm_core.train.callbacks`)."""
+
+    target: str = ""  # "package.module:Factory"
+    args: dict[str, Any] | None = None  # keyword arguments of target
 
 
 @dataclass
@@ -226,6 +243,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    callbacks: list[CallbackConfig] = field(default_factory=list)  # [[callbacks]] tables, called in order
     objective: str = "classification"  # a name in OBJECTIVES or a "package.module:function" target
     checkpoint_format: Literal["standard", "legacy", "single"] = "standard"
     resume_strict_state: bool = True
@@ -233,10 +251,15 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict with TOML key names, ``None`` values and tables left empty by
         that dropped (TOML has no null; an unused ``[optimizer]`` is not written)."""
-        return _drop_none(dataclasses.asdict(self))
+        d = _drop_none(dataclasses.asdict(self))
+        if not d["callbacks"]:
+            del d["callbacks"]  # (no [[callbacks]]: nothing written, as before they existed)
+        return d
 
 
 def _drop_none(d: Any, rename: bool = True) -> Any:
+    if isinstance(d, list):  # an array of tables ([[callbacks]])
+        return [_drop_none(x, rename) for x in d]
     if not isinstance(d, dict):
         return d
     out = {}

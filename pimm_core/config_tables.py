@@ -153,7 +153,17 @@ def build(cls: type, data: dict[str, Any], origins: dict[str, str], where: Where
         dotted = f"{prefix}{toml_key(name)}"
         hint = hints[name]
         value = data[name]
-        if dataclasses.is_dataclass(hint):
+        optional = [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(optional) == 1 \
+                and dataclasses.is_dataclass(optional[0]) and value is not None:
+            hint = optional[0]  # an optional table ([log.mlflow]): present means used
+        if typing.get_origin(hint) is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+            item = typing.get_args(hint)[0]  # an array of tables: [[callbacks]]
+            if not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
+                raise ConfigError(f"{where(dotted, origins.get(dotted, 'file'))}: {dotted} must be an array of "
+                                  f"tables ([[{dotted}]])")
+            kwargs[name] = [build(item, v, origins, where, f"{dotted}[{i}].", item) for i, v in enumerate(value)]
+        elif dataclasses.is_dataclass(hint):
             if not isinstance(value, dict):
                 raise ConfigError(f"{where(dotted, origins.get(dotted, 'file'))}: {dotted} must be a table")
             kwargs[name] = build(hint, value, origins, where, f"{dotted}.", root)

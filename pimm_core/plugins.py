@@ -1,7 +1,7 @@
 """The checks of a config's user code that run before any rank starts (and in ``--dry-run``).
 
 :func:`check_targets` resolves every target the config names (model, data, objective,
-optimizer, scheduler) and checks each ``args`` table against its target's signature,
+optimizer, scheduler, ``[[callbacks]]``) and checks each ``args`` table against its target's signature,
 and the built-in scheduler kinds' options against theirs, without building anything: no
 model, dataset, optimizer or schedule is created. Importing a user module runs its
 top-level code, as any import does.
@@ -17,6 +17,7 @@ from .models import model_spec
 from .objectives import get_objective
 from .optim import optimizer_factory, scheduler_factory
 from .targets import load
+from .train import callbacks
 
 
 def check_targets(cfg: Config, config_path: str | Path | None = None) -> None:
@@ -38,3 +39,4 @@ def check_targets(cfg: Config, config_path: str | Path | None = None) -> None:
     get_objective(cfg.objective, config_path)
     optimizer_factory(cfg, config_path)
     scheduler_factory(cfg, config_path)
+    callbacks.check(cfg, config_path)

@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import random
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,6 +56,7 @@ from .topology import finished_message
 from .train.best import BestTracker
 from .train.build import (build_data, build_model, build_objective, data_length, data_resume_policy,
                           user_code_of, warm_start_model)
+from .train.callbacks import Callbacks
 from .train.checkpointer import Checkpointer
 from .train.evaluator import Evaluator
 from .train.parallel import is_fsdp, parallelize
@@ -106,14 +108,12 @@ class Trainer:
         trainer = Trainer(cfg, model=MyNet(), datasets=(train_ds, val_ds), objective="regression")
         trainer.train(TrainConfig(epochs=100), checkpoint_dir=Path("ckpt"), resume_from=None)
 
-    ``trainer.callbacks`` holds functions called with the trainer after every optimizer
-    step on every rank (before the stop agreement), e.g. to request a stop.
+    ``trainer.callbacks``: the config's ``[[callbacks]]`` and any objects (moments and state:
+    :mod:`pimm_core.train.callbacks`) or functions ``fn(trainer)`` (after each optimizer step, on
+    every rank, before the stop agreement: e.g. to request a stop) appended from Python.
 
-    Its parts: see the module docstring.
-
-    Under torchrun the process group is created here (gloo on CPU, NCCL on CUDA) and
-    the model is wrapped in DDP or sharded with FSDP2 (``train.strategy``; see
-    :mod:`pimm_core.train.parallel`).
+    Its parts: see the module docstring. Under torchrun the process group is created here (gloo
+    on CPU, NCCL on CUDA); the model is wrapped in DDP or sharded with FSDP2 (``train.strategy``).
     """
 
     def __init__(self, config: Config, run_dir: Path | None = None, *, stop: StopRequest | None = None,
@@ -148,14 +148,16 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.train.amp == "fp16")
         self.state = TrainState()
         self._pending_loader_state: dict[str, Any] | None = None
-        self.callbacks: list[Callable[["Trainer"], None]] = []
+        callbacks = Callbacks.from_config(config, config_path)  # [[callbacks]]; Python may append more
         self._code_version = code_version() if self.info.is_main else None
         self._user_code = user_code_of(model, d, self.objective) if self.info.is_main else []
         self.checkpointer = Checkpointer(config, self.info, self.stop, model=self.model, optimizer=self.optimizer,
                                          loader=self.loader, state=self.state, scaler=self.scaler, ema=self.ema,
                                          data_fingerprint=self.data.fingerprint, code_version=self._code_version,
                                          loader_state=self.data_resume == "exact",
-                                         data_length=data_length(d.train))
+                                         data_length=data_length(d.train), callbacks=callbacks)
+        ref = weakref.ref(self)  # (a weak reference: a part holding the trainer keeps the loaders alive)
+        self.checkpointer.on_saved = lambda path: ref().callbacks.fire("on_checkpoint_saved", ref(), path)
         self.stop_agreement = StopAgreement(self.stop, self.info, self.run_dir, self.device)
         self.best = BestTracker(config.eval.metric, config.eval.mode)
         # (a plain function, not a bound method: a part holding the trainer would make a reference
@@ -164,6 +166,10 @@ class Trainer:
                                    functools.partial(autocast_context, config.train.amp, self.device.type),
                                    config.eval.weights, self.objective)
         self.recorder: Recorder | None = None  # one per train() call
+
+    callbacks = property(lambda self: self.checkpointer.callbacks,  # (the checkpointer saves their state)
+                         lambda self, value: setattr(self.checkpointer, "callbacks", Callbacks(value)),
+                         doc="The run's callbacks in call order (:class:`~pimm_core.train.callbacks.Callbacks`).")
 
     # ----------------------------------------------------------------- set-up
     def _build_scheduler(self, t: TrainConfig):
@@ -184,9 +190,6 @@ class Trainer:
         (:func:`~pimm_core.train.state.end_step`)."""
         return end_step(self.state, t, micro_batches=self.micro_batches_per_epoch,
                         steps_per_epoch=self.steps_per_epoch)
-
-    def _autocast(self):
-        return autocast_context(self.config.train.amp, self.device.type)
 
     def _at_max_steps(self, t: TrainConfig) -> bool:
         return bool(t.max_steps) and self.state.global_step >= t.max_steps
@@ -308,7 +311,8 @@ class Trainer:
         s, n_micro = self.state, self.micro_batches_per_epoch
         fmt = self.checkpointer.format
         # (the async format's staging must finish copying the weights before the optimizer step)
-        step = WindowStep(self.model, self.optimizer, self.scaler, self.ema, t, autocast=self._autocast,
+        autocast = functools.partial(autocast_context, self.config.train.amp, self.device.type)
+        step = WindowStep(self.model, self.optimizer, self.scaler, self.ema, t, autocast=autocast,
                           distributed=self.info.distributed or is_fsdp(self.model), objective=self.objective,
                           before_step=fmt.wait_staged if fmt.asynchronous else None)
         self.model.train()

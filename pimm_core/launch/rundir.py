@@ -17,7 +17,7 @@ from ..config import Config
 from ..errors import CheckpointError, ConfigError, UsageError
 from ..run.entries import check_run_entries, ensure_dir
 from ..run.layout import NAME_SUFFIX_MAX, name_problem
-from ..run import (CONFIG, METRICS, MODEL, PROVENANCE, STATUS, RunDirClaim, append_provenance, claim_run_dir,
+from ..run import (CONFIG, METRICS, SUPERSEDED, MODEL, PROVENANCE, STATUS, RunDirClaim, append_provenance, claim_run_dir,
                    free_run_dir, now_iso, read_run_status, recorded_launch, run_dir_for, run_name)
 from ..shell import resume_command
 from ..topology import continue_override, finished_message, is_finished
@@ -114,10 +114,9 @@ def check_config(cfg: Config, config_path: Path | None = None) -> None:
     from ..plugins import check_targets
 
     check_targets(cfg, config_path)
-    if cfg.log.tensorboard:
-        from ..train.tensorboard import check_available
+    from ..train.sinks import check_available
 
-        check_available()
+    check_available(cfg)  # the packages of log.tensorboard and [log.mlflow]
     cuda = torch.cuda.is_available()
     if cfg.train.device == "cuda" and not cuda:
         raise ConfigError("train.device = 'cuda' but CUDA is not available here; use 'auto' or 'cpu'")
@@ -170,7 +169,7 @@ def auto_resume(cfg: Config, run_dir: Path, *, is_main: bool = True) -> Config:
             # another node's agent of this multi-node launch moved it first (each agent decides
             # alone, before the rendezvous; one rename wins), and said so
             return replace(cfg, train=replace(cfg.train, resume=False))
-        for name in (METRICS, STATUS):  # the abandoned attempt's log goes with its leftovers
+        for name in (METRICS, SUPERSEDED, STATUS):  # the abandoned attempt's log goes with its leftovers
             if (run_dir / name).exists():
                 os.replace(run_dir / name, moved / name)
         append_provenance(run_dir, {}, {"time": now_iso(), "kind": "abandoned", "moved_to": str(moved),

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ..errors import UsageError
-from .layout import CONFIG, CONTROL, LOG, METRICS, PROVENANCE, STATUS
+from .layout import CONFIG, CONTROL, LOG, METRICS, PROVENANCE, STATUS, SUPERSEDED
 
 LOCK = ".lock"
 RANKS = ".ranks.lock"
@@ -30,12 +30,14 @@ ABANDONED = "abandoned"
 STOP_FILE = "stop"
 #: The directory of the TensorBoard event files (``log.tensorboard``).
 TENSORBOARD_DIR = "tensorboard"
+#: The id of the tracked run the MLflow sink continues on resume (``[log.mlflow]``).
+MLFLOW_ID = "mlflow.json"
 
 #: Entries of a run directory pimm writes, and what each must be when present.
 RUN_ENTRIES: tuple[tuple[str, str], ...] = (
-    (LOG, "file"), (METRICS, "file"), (STATUS, "file"), (PROVENANCE, "file"), (CONFIG, "file"), (HOLDER, "file"),
+    (LOG, "file"), (METRICS, "file"), (SUPERSEDED, "file"), (STATUS, "file"), (PROVENANCE, "file"), (CONFIG, "file"), (HOLDER, "file"),
     (LOCK, "file"), (RANKS, "file"), (CONTROL, "dir"), (f"{CONTROL}/{STOP_FILE}", "file"), (ABANDONED, "dir"),
-    (TENSORBOARD_DIR, "dir"),
+    (TENSORBOARD_DIR, "dir"), (MLFLOW_ID, "file"),
 )
 
 

@@ -30,6 +30,8 @@ from ..errors import UsageError
 CONFIG = "config.toml"
 PROVENANCE = "provenance.json"
 METRICS = "metrics.jsonl"
+#: The records of ``metrics.jsonl`` a resume replaced (:func:`~.metrics.supersede_after`), kept aside.
+SUPERSEDED = "metrics.superseded.jsonl"
 STATUS = "status.json"
 LOG = "train.log"
 MODEL = "model"

@@ -6,6 +6,10 @@ values (``loss``, ``lr``, ``samples_per_s``, ``acc``...). A value may be ``NaN``
 ``Infinity`` (Python's json writes them). Only rank 0 writes; a crash can leave a last
 line without its newline, which readers skip. The console's incremental reader is
 :class:`pimm_core.watch.metrics.MetricsTail`; it parses lines with :func:`parse_record`.
+
+After a resume each step is in the file once: :func:`supersede_after` moves the records
+the interrupted run wrote after the resumed position to ``metrics.superseded.jsonl``
+(appended, never deleted) before the resumed run appends its own.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from ..fsio import atomic_write, fsync_file
+from .layout import SUPERSEDED
 
 
 class MetricsWriter:
@@ -120,3 +127,74 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     and a last line cut short by a crash are skipped); a missing file has none. Memory grows
     with the file: a reader that shows part of it iterates instead."""
     return [rec for rec in iter_metrics(path) if rec is not None]
+
+
+def superseded(rec: dict[str, Any] | None, step: int, eval_done: bool) -> bool:
+    """Whether a record of an interrupted run is replaced by a run resumed at global step ``step``.
+
+    Records after ``step`` are; an evaluation record at ``step`` is too unless the checkpoint
+    holds that evaluation (``eval_done``: the resumed run does not evaluate it again). A line
+    that is not a record (damaged, or cut short by the crash) is superseded.
+    """
+    if rec is None:
+        return True
+    at = rec.get("step")
+    if not isinstance(at, (int, float)) or isinstance(at, bool):
+        return False
+    return at > step or (at == step and rec.get("split", "train") != "train" and not eval_done)
+
+
+def _any_superseded(path: Path, step: int, eval_done: bool) -> bool:
+    """Whether ``path`` holds a record :func:`superseded` by a resume at ``step``: read from the end
+    (records are in step order) and stopped at the first record before ``step``."""
+    for rec in records_from_end(path):
+        if superseded(rec, step, eval_done):
+            return True
+        at = rec.get("step") if rec is not None else None
+        if isinstance(at, (int, float)) and not isinstance(at, bool) and at < step:
+            return False
+    return False
+
+
+def supersede_after(path: Path, step: int, *, eval_done: bool) -> int:
+    """Move the records of ``path`` (a ``metrics.jsonl``) that a run resumed at ``step`` replaces
+    (:func:`superseded`) to :data:`SUPERSEDED` beside it, keeping the others in order.
+
+    The moved lines are appended there and synced first, then ``path`` is replaced atomically:
+    a crash in between leaves them in both files, never in neither.
+
+    Returns:
+        The number of lines moved (0: nothing was rewritten).
+
+    Raises:
+        RunEntryError: ``metrics.superseded.jsonl`` is a link or not a regular file.
+        OSError: the write failed (``path`` is then unchanged).
+    """
+    from .entries import open_append
+
+    path = Path(path)
+    if not _any_superseded(path, step, eval_done):
+        return 0  # (the usual resume: nothing after the checkpoint; the file is not rewritten)
+    aside = path.with_name(SUPERSEDED)
+    moved = 0
+
+    def split(tmp: Path) -> None:  # streamed: memory is one line, whatever the file's size
+        nonlocal moved
+        out = None
+        with open(path, "rb") as src, open(tmp, "wb") as keep:
+            for line in src:
+                if not line.strip():
+                    continue
+                if superseded(parse_record(line), step, eval_done):
+                    out = out or open_append(aside)
+                    out.write(line.rstrip(b"\n").decode("utf-8", "replace") + "\n")
+                    moved += 1
+                else:
+                    keep.write(line if line.endswith(b"\n") else line + b"\n")
+        if out is not None:
+            out.flush()
+            out.close()
+            fsync_file(aside)  # the moved lines are safe aside before the file loses them
+
+    atomic_write(path, split, points=None)
+    return moved

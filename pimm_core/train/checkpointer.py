@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sized
+from typing import Any, Callable, Sized
 
 import torch
 from torch import nn
@@ -57,7 +57,8 @@ log = logging.getLogger("pimm")
 #: The keys of a checkpoint's trainer state (``meta``), in the order checkpoints have always
 #: stored them (the packed bytes stay the same): the parts' state dicts and the topology.
 META_ORDER = ("trainer", "scheduler", "scaler", "world_size", "ema", "workers_per_rank", "batch_size", "grad_accum",
-              "data_length", "data_fingerprint")
+              "data_length", "data_fingerprint",
+              "callbacks")
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,8 @@ class Checkpointer:
     def __init__(self, config: Config, info: DistInfo, stop: StopRequest, *, model: nn.Module,
                  optimizer: torch.optim.Optimizer, loader: Any, state: TrainState, scaler: torch.amp.GradScaler,
                  ema: EMA | None, data_fingerprint: str | None, code_version: str | None,
-                 loader_state: bool = True, data_length: int | None = None):
+                 loader_state: bool = True, data_length: int | None = None,
+                 callbacks: Any = None):
         c = config.checkpoint
         self.config, self.info, self.stop = config, info, stop
         self.format = make_format(config.checkpoint_format, info, background=c.async_, keep_last=c.keep_last,
@@ -151,6 +153,8 @@ class Checkpointer:
         self.data_length = data_length
         self.cursor_problem: str | None = None  # why the loader cursor cannot be saved (load_problem)
         self.loader_state = loader_state
+        self.callbacks = callbacks  # their state_dict() goes into every checkpoint
+        self.on_saved: Callable[[Path], None] = lambda path: None  # a checkpoint was published
         self.dir: Path | None = None
         self.failed = False  # a save failed under on_error = "stop": no more saves
 
@@ -167,7 +171,8 @@ class Checkpointer:
     def meta(self) -> dict[str, Any]:
         """The trainer state a checkpoint holds: each part's ``state_dict()`` (None for an absent
         EMA) and the topology it was trained with, under :data:`META_ORDER`'s keys."""
-        parts = {"trainer": self.state, "scheduler": self.scheduler, "scaler": self.scaler, "ema": self.ema}
+        parts = {"trainer": self.state, "scheduler": self.scheduler, "scaler": self.scaler, "ema": self.ema,
+                 "callbacks": self.callbacks}
         values: dict[str, Any] = {name: part.state_dict() if part is not None else None for name, part in parts.items()}
         values.update(world_size=self.info.world_size, workers_per_rank=self.config.data.num_workers,
                       data_length=self.data_length, data_fingerprint=self.data_fingerprint, **self._batching())
@@ -244,6 +249,7 @@ class Checkpointer:
         if self.info.is_main and not (background and self.format.asynchronous):
             # (a background save logs "saved" from its writer thread once it is published)
             log.info("saved %s (step %d, epoch %d, iter %d)", path, s.global_step, s.epoch, s.iter)
+        self.on_saved(path)
         return path
 
     def _loader_state(self) -> dict[str, Any] | None:

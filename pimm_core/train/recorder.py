@@ -33,10 +33,11 @@ import torch
 from ..config import Config, write_config
 from ..console_log import attach_console
 from ..dist import DistInfo
-from ..run import CONFIG, METRICS, MetricsWriter, append_provenance, launch_record, log_handler, now_iso, write_status
+from ..run import (CONFIG, METRICS, MetricsWriter, append_provenance, launch_record, log_handler, now_iso,
+                   supersede_after, write_status)
 from ..run.entries import check_run_entries
 from .state import TrainState
-from .tensorboard import TensorBoardWriter
+from .sinks import Sink, open_sinks
 
 log = logging.getLogger("pimm")
 
@@ -62,7 +63,8 @@ class Recorder:
         self.pids = [os.getpid()]  # every rank's pid, set by the trainer once gathered
         self.progress: ProgressDisplay | None = None
         self._metrics: MetricsWriter | None = None
-        self._tensorboard: TensorBoardWriter | None = None
+        self._sinks: list[Sink] = []  # TensorBoard, MLflow (train/sinks.py)
+        self._last_state: str | None = None  # the last status.json state, for the sinks' close
         self._log_handler: logging.Handler | None = None
         self._detach_console: Callable[[], None] = lambda: None
         self._samples = 0
@@ -96,9 +98,12 @@ class Recorder:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
+        sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            try:
+                sink.close(self._last_state)
+            except Exception as e:  # a tracking server gone at the end must not hide how the run ended
+                log.warning("warning: closing the %s sink failed: %s: %s", type(sink).__name__, type(e).__name__, e)
 
     # --------------------------------------------------- run directory files
     def start(self, config: Config, entry: dict[str, Any], *, fresh: bool, code_version: str | None,
@@ -110,33 +115,36 @@ class Recorder:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_config(config, self.run_dir / CONFIG)
+        s = self.state
         if fresh:
             (self.run_dir / METRICS).unlink(missing_ok=True)
+        else:  # what the interrupted run logged after the resumed position is written again
+            supersede_after(self.run_dir / METRICS, s.global_step, eval_done=s.eval_step == s.global_step)
         self._metrics = MetricsWriter(self.run_dir / METRICS)
-        if config.log.tensorboard:
-            self._tensorboard = TensorBoardWriter(self.run_dir)
         world, workers = self.info.world_size, config.data.num_workers
         base = {"code_version": code_version, "torch_version": torch.__version__, "host": socket.gethostname(),
                 "world_size": world, "workers_per_rank": workers, "data_fingerprint": data_fingerprint,
                 "python": sys.version.split()[0]}
+        self._sinks = open_sinks(config, self.run_dir, resumed_at=None if fresh else s.global_step,
+                                 eval_done=s.eval_step == s.global_step, provenance=base)
         append_provenance(self.run_dir, base, {"time": now_iso(), "world_size": world, "workers_per_rank": workers,
                                                "launch": launch_record(world), **entry})
 
     def status(self, state: str, **extra: Any) -> None:
         """Replace ``status.json``: ``state`` (``running``, ``stopping``, ...) and the position."""
         if self.writes:
-            s = self.state
+            s, self._last_state = self.state, state
             self._best_effort("status.json", write_status, self.run_dir, state, pids=self.pids, step=s.global_step,
                               epoch=s.epoch, iter=s.iter, total_steps=self.total,
                               steps_per_epoch=self.steps_per_epoch, epochs=self.epochs,
                               world_size=self.info.world_size, stop_reason=s.stop_reason, **extra)
 
     def record(self, record: dict[str, Any]) -> None:
-        """Append one record to ``metrics.jsonl`` (``time`` is added), and to TensorBoard when asked."""
+        """Append one record to ``metrics.jsonl`` (``time`` is added), and to the sinks asked for."""
         if self._metrics is not None:
             self._best_effort(METRICS, self._metrics.write, record)
-        if self._tensorboard is not None:
-            self._best_effort("the TensorBoard events", self._tensorboard.write, record)
+        for sink in self._sinks:
+            self._best_effort(getattr(sink, "what", type(sink).__name__), sink.write, record)
 
     def _best_effort(self, what: str, write: Callable[..., None], *args: Any, **kw: Any) -> None:
         """``write(*args, **kw)``; an OSError is one warning (the first of a series), not the run's end."""

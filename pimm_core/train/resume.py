@@ -67,6 +67,7 @@ def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict
     warnings = fallback + list(plan.warnings) + provenance_diff(tr, manifest) + loaded.skipped
     tr.state.load_state_dict(saved, epoch_start_step=plan.step if plan.iter == 0 else 0)
     tr.best.load_state_dict(saved)
+    tr.callbacks.load_state_dict(meta.get("callbacks"))  # (None: a checkpoint from before callbacks)
     tr.scheduler.load_state_dict(meta["scheduler"])
     if meta.get("scaler"):
         tr.scaler.load_state_dict(meta["scaler"])

@@ -35,13 +35,13 @@ def after_step(tr: Trainer, outcome: str, loss: torch.Tensor, samples: int, epoc
     tr.scheduler.step()
     s.global_step += 1
     tr.recorder.on_step(epoch, loss, lr, samples, grad_norm=grad_norm)
-    for callback in tr.callbacks:
-        callback(tr)  # e.g. lambda tr: tr.stop.request("budget") if ... else None
+    tr.callbacks.fire("on_step_end", tr)  # e.g. lambda tr: tr.stop.request("budget") if ... else None
     reason = tr.stop_agreement.agree()
     if reason is not None:
         cause = tr.stop_agreement.cause
         s.stop_reason, s.save_error = reason, cause if isinstance(cause, CheckpointSaveError) else None
         tr.recorder.status("stopping")  # the console shows it until `last` is saved
+        tr.callbacks.fire("on_stop_requested", tr, reason)
 
 
 def stop_before_start(tr: Trainer) -> bool:
@@ -78,6 +78,7 @@ def evaluate_and_record(tr: Trainer, epoch: int) -> None:
         tr.checkpointer.on_best(epoch, {"name": e.metric, "value": value, "mode": e.mode, "split": "val",
                                         "epoch": epoch, "weights": e.weights})
     tr.recorder.on_eval(epoch, metrics, e.metric)
+    tr.callbacks.fire("on_eval_end", tr, metrics)
 
 
 def stop_nonfinite(tr: Trainer, epoch: int) -> None:
@@ -91,6 +92,7 @@ def stop_nonfinite(tr: Trainer, epoch: int) -> None:
         log.error("ERROR: %s (train.on_nonfinite = 'stop')", s.error)
     s.stop_reason = s.error
     tr.recorder.status("stopping")
+    tr.callbacks.fire("on_stop_requested", tr, s.error)
 
 
 def end_session(tr: Trainer) -> None:
@@ -104,3 +106,4 @@ def end_session(tr: Trainer) -> None:
         tr.stop_agreement.consume()  # consumed: must not stop the resumed run
         tr.recorder.on_stop()
     tr.recorder.status("failed" if s.save_error is not None else "finished" if s.finished else "stopped")
+    tr.callbacks.fire("on_train_end", tr)

@@ -171,7 +171,7 @@ def test_tensorboard_without_the_package_is_one_error_line(tmp_path):
     r = _launch(_config(tmp_path), tmp_path / "exp", "tb", overrides=("log.tensorboard=true",))
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 2 and len(errors) == 1, describe(r)
-    assert "log.tensorboard" in errors[0] and "uv sync --group tensorboard" in errors[0]
+    assert "log.tensorboard" in errors[0] and "pip install tensorboard" in errors[0]
 
 
 def test_stateful_stream_in_two_workers_resumes_bitwise(tmp_path):

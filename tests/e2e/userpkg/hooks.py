@@ -1,0 +1,48 @@
+"""A callback for the tests: counts the moments it sees, stops the run at a step, keeps its counts
+in checkpoints (``state_dict``), and writes them (rank 0) to ``out`` as JSON after each moment."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class EventCounter:
+    def __init__(self, out: str, stop_at: int = 0):
+        self.out, self.stop_at = Path(out), stop_at
+        self.counts = {"step_end": 0, "eval_end": 0, "checkpoint_saved": 0, "stop_requested": 0, "train_end": 0}
+        self.saved: list[str] = []
+        self.restored = False
+
+    def _note(self, trainer, what):
+        self.counts[what] += 1
+        if trainer.info.is_main:
+            self.out.write_text(json.dumps({"counts": self.counts, "saved": self.saved, "restored": self.restored,
+                                            "step": trainer.state.global_step, "pid": os.getpid()}))
+
+    def on_step_end(self, trainer):
+        self._note(trainer, "step_end")
+        if trainer.state.global_step == self.stop_at:
+            trainer.stop.request("callback stop")
+
+    def on_eval_end(self, trainer, metrics):
+        assert "val/acc" in metrics
+        self._note(trainer, "eval_end")
+
+    def on_checkpoint_saved(self, trainer, path):
+        self.saved.append(Path(path).name)
+        self._note(trainer, "checkpoint_saved")
+
+    def on_stop_requested(self, trainer, reason):
+        assert "callback stop" in reason
+        self._note(trainer, "stop_requested")
+
+    def on_train_end(self, trainer):
+        self._note(trainer, "train_end")
+
+    def state_dict(self):
+        return {"counts": dict(self.counts), "saved": list(self.saved)}
+
+    def load_state_dict(self, state):
+        self.counts, self.saved, self.restored = dict(state["counts"]), list(state["saved"]), True
