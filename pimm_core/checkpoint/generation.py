@@ -6,10 +6,11 @@ and ``model_last.pth`` are replaced by a rename with their sidecar manifests, a
 single-format pointer is re-pointed, and retention deletes old files. The files inside a
 published generation are never modified. A reader in another process therefore tells
 whether what it read under a name is one generation by the name's :func:`identity` (the
-inode and mtime of its directory or file, a pointer's target, and the bytes of its
-manifest) taken before and after the read: a generation never comes back under a name it
-left, and a reused inode number comes with a different manifest, so equal identities mean
-every file opened in between belonged to that generation.
+inode and mtime of its directory or file, a pointer's target, and the same of its
+manifest, which is only ever replaced by a rename) taken before and after the read: a
+generation never comes back under a name it left, and a reused inode number comes with a
+new manifest file, so equal identities mean every file opened in between belonged to that
+generation.
 
 :func:`read_whole` runs a read under that check and repeats it (a bounded number of
 times) when a save overtook it; :func:`wait_for_rotation` covers the instant between a
@@ -18,7 +19,6 @@ rotation's two renames, when ``last`` is briefly absent.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 import time
@@ -43,33 +43,34 @@ class GenerationChanged(CheckpointError):
     """A save replaced the checkpoint being read on every try (not a verdict on any checkpoint; exit code 1)."""
 
 
-def _digest(path: Path) -> bytes | None:
+def _file_key(path: str) -> tuple[int, int, int] | None:
+    """A manifest's identity: pimm replaces one only by a rename (a new inode), never in place."""
     try:
-        return hashlib.sha256(path.read_bytes()).digest()
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        st = os.stat(path)
+    except OSError:
         return None
-    except OSError as e:
-        return f"unreadable: {e.errno}".encode()
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def identity(path: str | os.PathLike[str]) -> Identity | None:
     """What generation ``path`` holds now; ``None`` when nothing is there.
 
-    A directory: its device, inode, mtime and the bytes of its ``manifest.json``. A file
-    (a pointer symlink is followed, and its target named): device, inode, size, mtime and
-    the bytes of the sidecar manifest ``<file>.json`` beside the target.
+    A directory: its device, inode and mtime, and its ``manifest.json``'s inode, size and
+    mtime. A file (a pointer symlink is followed, and its target named): device, inode,
+    size and mtime, and the same of the sidecar manifest ``<file>.json`` beside the target.
     """
-    p = Path(path)
+    p = os.fspath(path)  # plain strings: a listing of a few hundred checkpoints calls this twice for each
     try:
-        link = os.readlink(p) if p.is_symlink() else None
-        st = os.stat(p)
+        st = os.lstat(p)
+        link = None
+        if stat.S_ISLNK(st.st_mode):
+            link, st = os.readlink(p), os.stat(p)
     except OSError:
         return None
     if stat.S_ISDIR(st.st_mode):
-        return ("dir", link, st.st_dev, st.st_ino, st.st_mtime_ns, _digest(p / MANIFEST))
-    real = p.resolve() if link is not None else p
-    return ("file", link, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
-            _digest(real.with_name(real.name + ".json")))
+        return ("dir", link, st.st_dev, st.st_ino, st.st_mtime_ns, _file_key(os.path.join(p, MANIFEST)))
+    real = os.path.realpath(p) if link is not None else p
+    return ("file", link, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, _file_key(real + ".json"))
 
 
 def unit_of(path: str | os.PathLike[str]) -> Path:

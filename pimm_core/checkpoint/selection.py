@@ -185,6 +185,8 @@ def describe_entry(entry: Path) -> Candidate | None:
     file), or that a save removed while it was read. An entry a save replaced while it was
     read (``last`` rotated) is read again, at most ``READ_TRIES`` times.
     """
+    if entry.name.endswith(".json") and not entry.is_dir():
+        return None  # a sidecar manifest: described with its file
     c = None
     for _ in range(READ_TRIES):
         before = identity(entry)
@@ -205,8 +207,6 @@ def describe_entry(entry: Path) -> Candidate | None:
 
 def _describe(entry: Path) -> Candidate | None:
     name = entry.name
-    if name.endswith(".json") and not entry.is_dir():
-        return None  # sidecar manifests
     if name.endswith(".tmp") or (name.startswith(".") and ".tmp" in name):
         return Candidate(name, str(entry), "tmp", "unknown", False, False,
                          reason="temporary leftover of an interrupted save", size=_tree_size(entry))
