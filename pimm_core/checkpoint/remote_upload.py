@@ -33,7 +33,7 @@ from .selection import BEST, ITER_RE
 
 log = logging.getLogger("pimm")
 
-register("remote.file_uploaded", "remote.markers_uploading")
+register("remote.file_uploaded", "remote.step_markers", "remote.sidecar")
 
 
 def with_retries(what: str, fn: Callable[[], Any], *, attempts: int = 4, base: float = 0.5,
@@ -194,7 +194,7 @@ class Uploader:
                     f.result()
         except FileNotFoundError:
             return False  # rotated away while uploading
-        point("remote.markers_uploading", remote)
+        point("remote.step_markers" if markers[-1] == COMPLETE else "remote.sidecar", remote)
         for rel in markers:  # the marker last
             self._retry(remote, lambda rel=rel: fs.put_file(str(local / rel), f"{remote}/{rel}"))
         return True

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,8 @@ def start_s3() -> S3:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{server._server.server_port}"
+    # moto's state lives in this process: an earlier test's bucket is removed
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=30).close()
     fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": endpoint},
                            skip_instance_cache=True)
     fs.mkdir(BUCKET)
