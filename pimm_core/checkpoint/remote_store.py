@@ -101,6 +101,43 @@ def remote_candidates(fs: Any, prefix: str) -> list[RemoteCandidate]:
     return sorted(out, key=lambda c: (c.kind != "standard", -(c.step or -1), c.name))
 
 
+def run_remote(run_dir: Path) -> tuple[str, dict[str, Any] | None] | None:
+    """``(checkpoint.remote, checkpoint.remote_options)`` from the run's resolved ``config.toml``
+    (torch-free), or None when the run has no remote or no readable config."""
+    import tomllib
+
+    try:
+        table = tomllib.loads((run_dir / "config.toml").read_text()).get("checkpoint", {})
+    except (OSError, ValueError):
+        return None
+    url = table.get("remote") if isinstance(table, dict) else None
+    if not isinstance(url, str) or not url:
+        return None
+    options = table.get("remote_options")
+    return url, options if isinstance(options, dict) else None
+
+
+def describe_remote(run_dir: Path, local_step: int | None) -> dict[str, Any] | None:
+    """What ``pimm checkpoints ls`` shows of the run's remote: ``{"url", "candidates": [{name,
+    step, complete, kind}], "uploading": [what is local and not complete remotely], "error"}``,
+    or None when the run has no ``checkpoint.remote``. Never raises: an unreachable store is ``error``."""
+    remote = run_remote(run_dir)
+    if remote is None:
+        return None
+    url, options = remote
+    out: dict[str, Any] = {"url": run_prefix(url, run_dir), "candidates": [], "uploading": [], "error": None}
+    try:
+        fs, _ = open_store(url, options)
+        cands = remote_candidates(fs, fs._strip_protocol(out["url"]))
+    except Exception as e:
+        out["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return out
+    out["candidates"] = [{"name": c.name, "step": c.step, "complete": c.complete, "kind": c.kind} for c in cands]
+    if local_step is not None and not any(c.complete and c.step == local_step for c in cands if c.kind == "standard"):
+        out["uploading"].append(f"last (step {local_step})")
+    return out
+
+
 def download_newest(fs: Any, prefix: str, dest: Path) -> RemoteCandidate | None:
     """Download the newest complete remote ``step_<N>/`` into directory ``dest`` (created;
     it must not exist) and check every file against its manifest; None when there is none.

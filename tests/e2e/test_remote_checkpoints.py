@@ -68,6 +68,18 @@ def test_uploaded_with_layout_retention_and_resumed_after_model_dir_is_wiped(tmp
         assert s3.fs.cat_file(f"{prefix}/{rel}") == (model / "last" / rel).read_bytes(), rel
     assert json.loads(s3.fs.cat_file(f"{prefix}/manifest.json")) == local
 
+    # `pimm checkpoints ls` lists the remote candidates, torch-free
+    code = ("import sys; from pimm_core.cli import main; "
+            f"main(['checkpoints', 'ls', {str(model.parent)!r}, '--json']); print('torch' in sys.modules)")
+    ls = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=s3.env(), capture_output=True, text=True,
+                        timeout=120)
+    assert ls.returncode == 0, ls.stderr
+    *body, torch_loaded = ls.stdout.strip().splitlines()
+    assert torch_loaded == "False"
+    listed = json.loads("\n".join(body))["remote"]
+    assert listed["error"] is None and listed["uploading"] == []
+    assert {"name": "step_90", "step": 90, "complete": True, "kind": "standard"} in listed["candidates"]
+
     shutil.rmtree(model)  # a wiped scratch disk: the run directory without its checkpoints
     r2 = auto_resume(tmp_path, "r", s3, "train.epochs=3", *RUN[1:])
     assert r2.returncode == 0, r2.stderr
