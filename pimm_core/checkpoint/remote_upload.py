@@ -142,24 +142,25 @@ class Uploader:
         step = None
         if (last / COMPLETE).exists():
             try:
-                manifest = json.loads((last / MANIFEST).read_text())
-                step = int(manifest["step"])
-                files = list(manifest["files"])
+                described = (last / MANIFEST).read_bytes()
+                manifest = json.loads(described)
+                step, files = int(manifest["step"]), list(manifest["files"])
             except (OSError, ValueError, KeyError, TypeError):
                 step = None  # rotated away meanwhile: the next request uploads the new one
-            self._current = f"model/last (step {step})"
-            if step is not None and not self._upload_unit(fs, last, f"{prefix}/step_{step}", manifest["files"],
-                                                          files, [MANIFEST, COMPLETE]):
-                self._wake.set()  # rotated away while uploading: the newer one goes next
+            if step is not None:
+                self._current = f"model/last (step {step})"
+                if not self._upload_unit(fs, last, f"{prefix}/step_{step}", described, files, [MANIFEST, COMPLETE]):
+                    self._wake.set()  # replaced while uploading: the newer one goes next
+                    step = None  # and no older remote step is pruned before it is complete
         local_weights = {p.name for p in self.model_dir.glob("*.pth") if p.name == BEST or ITER_RE.match(p.name)}
         for name in sorted(local_weights):
             try:
-                side = json.loads((self.model_dir / f"{name}.json").read_text())
-                sums = side["files"]
+                described = (self.model_dir / f"{name}.json").read_bytes()
+                json.loads(described)["files"][name]
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # no sidecar yet: uploaded with the next request
             self._current = f"model/{name}"
-            if not self._upload_unit(fs, self.model_dir, prefix, sums, [name], [f"{name}.json"]):
+            if not self._upload_unit(fs, self.model_dir, prefix, described, [name], [f"{name}.json"]):
                 self._wake.set()
         if not missing:
             self._current = "removing what the local retention removed"
@@ -167,13 +168,20 @@ class Uploader:
         self._current = ""
         return missing
 
-    def _upload_unit(self, fs: Any, local: Path, remote: str, sums: dict[str, Any], files: list[str],
+    def _upload_unit(self, fs: Any, local: Path, remote: str, described: bytes, files: list[str],
                      markers: list[str]) -> bool:
-        """Upload ``files`` (sha256 checked against ``sums``) then ``markers`` in order; False when
-        the local copy changed under it (a rotation) or the remote already has it complete."""
+        """Upload ``files`` of ``local``, each sha256 read back and checked against ``described``
+        (the manifest or sidecar bytes read once, before), then ``markers`` in order: ``described``
+        as ``markers[0]``, an empty ``.complete`` after it. True when the remote has it complete;
+        False when a newer save replaced the local copy while it was uploading (rotation).
+
+        Raises:
+            OSError, or the filesystem's own errors: the store failed beyond the retries.
+        """
+        sums = json.loads(described)["files"]
+        contents = [described] + [b""] * (len(markers) - 1)
         marker = f"{remote}/{markers[-1]}"
-        local_marker = local / markers[-1]
-        if fs.exists(marker) and fs.cat_file(marker) == local_marker.read_bytes():
+        if fs.exists(marker) and fs.cat_file(marker) == contents[-1]:
             return True
 
         def put(rel: str) -> None:
@@ -192,11 +200,17 @@ class Uploader:
             with ThreadPoolExecutor(self.concurrency, thread_name_prefix="pimm-upload-file") as pool:
                 for f in [pool.submit(put, rel) for rel in files]:
                     f.result()
-        except FileNotFoundError:
-            return False  # rotated away while uploading
+        except OSError:
+            try:
+                replaced = (local / markers[0]).read_bytes() != described
+            except FileNotFoundError:
+                replaced = True
+            if replaced:
+                return False  # its files now hold a newer save's bytes, not the manifest's
+            raise
         point("remote.step_markers" if markers[-1] == COMPLETE else "remote.sidecar", remote)
-        for rel in markers:  # the marker last
-            self._retry(remote, lambda rel=rel: fs.put_file(str(local / rel), f"{remote}/{rel}"))
+        for rel, data in zip(markers, contents):  # the marker last
+            self._retry(remote, lambda rel=rel, data=data: fs.pipe_file(f"{remote}/{rel}", data))
         return True
 
     def _prune(self, fs: Any, prefix: str, step: int | None, local_weights: set[str]) -> None:
