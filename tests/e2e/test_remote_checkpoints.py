@@ -166,3 +166,17 @@ def wait_for(cond, what: str, timeout: float = 240) -> None:
             pass
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_pimm_resume_downloads_the_newest_complete_remote_checkpoint_into_a_wiped_model_dir(tmp_path, s3):
+    r = launch(tmp_path, "r", "train.epochs=1", *remote(s3), env=s3.env())
+    assert r.returncode == 0, r.stderr
+    run_dir = tmp_path / "digits" / "r"
+    shutil.rmtree(run_dir / "model")
+    r2 = subprocess.run([sys.executable, "-m", "pimm_core.cli", "resume", str(run_dir), "--", "train.epochs=2"],
+                        cwd=REPO, env=s3.env(), capture_output=True, text=True, timeout=300)
+    assert r2.returncode == 0, r2.stdout + r2.stderr
+    assert "step_45" in r2.stdout + r2.stderr
+    resumes = [e for e in read_json(run_dir / "provenance.json")["starts"] if e.get("kind") == "resume"]
+    assert len(resumes) == 1 and resumes[0]["step"] == 45 and resumes[0]["exact"], resumes
+    assert read_json(run_dir / "model" / "last" / "manifest.json")["step"] == 90
