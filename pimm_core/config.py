@@ -193,6 +193,9 @@ class CheckpointConfig:
     async_: bool = False  # TOML key `async`: write periodic standard saves in the background
     gather_weights: bool = True  # FSDP: also gather the full weights into weights.pth (rank 0, via CPU);
     # false: the weights stay sharded in trainer.dcp/ (export, warm start and resume read them there)
+    remote: str = ""  # e.g. "s3://bucket/prefix": every published checkpoint is also uploaded there (fsspec)
+    remote_options: dict[str, Any] | None = None  # storage options of the remote's filesystem (e.g. endpoint_url)
+    remote_timeout: float = 600.0  # seconds the run's end waits for uploads still in flight
 
 
 @dataclass

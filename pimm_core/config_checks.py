@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from .config_tables import Where
 from .errors import ConfigError
+from .fsio import url_scheme
 from .run.layout import NAME_SUFFIX_MAX, name_problem
 from .targets import is_target
 
@@ -59,6 +60,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "checkpoint.keep_last": (1, None),
     "checkpoint.keep_full": (1, None),
     "eval.every_epochs": (0, None),
+    "checkpoint.remote_timeout": (0, None),
     "ema.decay": (0, 1),
 }
 
@@ -78,6 +80,7 @@ def validate(cfg: Config, where: Where, origins: dict[str, str]) -> None:
                           f"{cfg.data.val_fraction!r} leaves the {'validation' if cfg.data.val_fraction <= 0 else 'training'}"
                           " split empty; it must be greater than 0 and less than 1 (e.g. 0.2)")
     _validate_names(cfg, where, origins)
+    _validate_places(cfg, where, origins)
     _validate_plugins(cfg, where, origins)
     if cfg.checkpoint.async_ and cfg.checkpoint_format != "standard":
         raise ConfigError(f"{where('checkpoint.async', origins.get('checkpoint.async', 'file'))}: checkpoint.async "
@@ -111,6 +114,22 @@ def _validate_names(cfg: Config, where: Where, origins: dict[str, str]) -> None:
             shown = repr(value if len(value) <= 60 else value[:40] + "...")
             raise ConfigError(f"{where(key, origins.get(key, 'file'))}: {key} = {shown} {problem}; a run name and "
                               "its group are each one directory name under run.root (e.g. run.name = 'lr-sweep-3')")
+
+
+def _validate_places(cfg: Config, where: Where, origins: dict[str, str]) -> None:
+    """``run.root`` is a local (or shared POSIX) path, never a URL; ``checkpoint.remote`` is a URL."""
+    root = cfg.run.root
+    if url_scheme(root):
+        raise ConfigError(f"{where('run.root', origins.get('run.root', 'file'))}: run.root = {root!r} is a remote URL; "
+                          "the run directory (logs, metrics, status) must be a local or shared POSIX path: use "
+                          f"a local run.root and checkpoint.remote = {root!r} to upload the checkpoints there")
+    remote = cfg.checkpoint.remote
+    if remote and not url_scheme(remote):
+        raise ConfigError(f"{where('checkpoint.remote', origins.get('checkpoint.remote', 'file'))}: checkpoint.remote = "
+                          f"{remote!r} is not a URL; write e.g. checkpoint.remote = 's3://bucket/prefix'")
+    if cfg.checkpoint.remote_options is not None and not remote:
+        raise ConfigError(f"{where('checkpoint.remote_options', 'file')}: checkpoint.remote_options is set but "
+                          "checkpoint.remote is not")
 
 
 def _validate_plugins(cfg: Config, where: Where, origins: dict[str, str]) -> None:

@@ -8,6 +8,7 @@ file or the new one under the final name, never a partial one.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -18,6 +19,18 @@ from .faults import point, register
 register("atomic.written", "atomic.synced", "atomic.renamed")
 
 TMP_SUFFIX = ".tmp"
+
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def url_scheme(text: str) -> str | None:
+    """The scheme of ``text`` when it is a URL (``s3://b/p`` -> ``"s3"``; any ``scheme://``), else None.
+
+    A local path never has one; pimm takes such a string as a URL, never as a directory named ``s3:``.
+    """
+    m = _URL.match(text)
+    return m.group(1).lower() if m else None
 
 
 def fsync_dir(path: Path) -> None:

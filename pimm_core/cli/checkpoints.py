@@ -72,10 +72,15 @@ def checkpoints_ls(
         raise UsageError(f"{run_dir} is not a run directory (no config.toml, status.json, metrics.jsonl or "
                          "model/) nor a model/ directory with checkpoints; pass exp/<group>/<run>")
     chosen, cands = select_resume(model_dir, verify=not no_verify)
+    from ..checkpoint.remote_store import describe_remote
+
+    last = next((c for c in cands if c.name == "last" and c.complete and c.format == "standard"), None)
+    remote = describe_remote(model_dir.parent, last.step if last is not None else None)
     if as_json:
         rows = [{**c.to_json(), "selected": chosen is not None and c.path == chosen.path} for c in cands]
         print(json.dumps({"schema_version": 1, "model_dir": str(model_dir),
-                          "selected": chosen.name if chosen else None, "candidates": rows}, indent=2))
+                          "selected": chosen.name if chosen else None, "candidates": rows,
+                          **({"remote": remote} if remote is not None else {})}, indent=2))
         return
     from rich.console import Console
     from rich.text import Text
@@ -108,6 +113,23 @@ def checkpoints_ls(
             table.add_row(*(Text(v) for v in row))  # a Text is never parsed as markup
         console.print(table)
     print(f"resume would select: {printable(chosen.name) if chosen else 'nothing (no complete candidate)'}")
+    if remote is not None:
+        _print_remote(remote)
+
+
+def _print_remote(remote: dict) -> None:
+    """The run's ``checkpoint.remote`` candidates, one line each, and what is not there yet."""
+    print(f"remote {printable(remote['url'])}:")
+    if remote["error"]:
+        print(f"  cannot be listed: {printable(remote['error'])}")
+        return
+    for c in remote["candidates"]:
+        state = "complete" if c["complete"] else "incomplete (no marker: never selected)"
+        print(f"  {printable(c['name'])}  step {_s(c['step'])}  {state}")
+    if not remote["candidates"]:
+        print("  no checkpoints yet")
+    for what in remote["uploading"]:
+        print(f"  not on the remote yet: {printable(what)}")
 
 
 @app.command("verify", cls=Command)

@@ -123,6 +123,10 @@ def resume(
                          f"{record.get('world_size')}); run `{command('resume', run_dir)}` under that launcher again, "
                          "or pass --nproc-per-node N to start the ranks here")
     opts = LaunchOptions.recorded(record, given)
+    if not dry_run:
+        from ..launch.rundir import restore_from_remote
+
+        restore_from_remote(cfg, run_dir)  # a wiped model/: the newest complete remote checkpoint
     if dry_run:
         print(f"launch: {opts.describe()}")
         raise typer.Exit(plan_only(cfg, config_path, None, opts.world_size()))

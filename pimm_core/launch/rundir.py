@@ -178,7 +178,43 @@ def auto_resume(cfg: Config, run_dir: Path, *, is_main: bool = True) -> Config:
             "warning: %s held no resumable checkpoint (%s); moved it, with that attempt's metrics.jsonl and "
             "status.json, to %s and starting the run fresh (nothing was deleted; remove it when you no longer "
             "need it)", run_dir / MODEL, "; ".join(explain(cands, None)), moved)
+    if is_main and restore_from_remote(cfg, run_dir):
+        return replace(cfg, train=replace(cfg.train, resume=True))
     return replace(cfg, train=replace(cfg.train, resume=False))
+
+
+def restore_from_remote(cfg: Config, run_dir: Path) -> bool:
+    """No intact checkpoint in ``<run>/model/`` and ``checkpoint.remote`` set: download the newest
+    complete remote candidate as ``model/last`` (checked against its manifest). True when one was.
+
+    Rank 0's node only (one node, or ``model/`` on a file system every node shares). A store
+    that cannot be read is a warning: the run then starts as it would without a remote.
+    """
+    from ..checkpoint.remote_store import RemoteError, download_newest, open_store, run_prefix
+    from ..fsio import remove_tree
+
+    c = cfg.checkpoint
+    model = run_dir / MODEL
+    if not c.remote or select_resume(model)[0] is not None:
+        return False
+    dest = model / "last.tmp"  # a save's temporary name: removed if a download is cut short
+    try:
+        fs, _ = open_store(c.remote, c.remote_options)
+        prefix = run_prefix(c.remote, run_dir)
+        remove_tree(dest)
+        got = download_newest(fs, fs._strip_protocol(prefix), dest)
+    except RemoteError as e:
+        remove_tree(dest)
+        logging.getLogger("pimm").warning("warning: no checkpoint taken from the remote: %s", e)
+        return False
+    if got is None:
+        return False
+    if (model / "last").exists():
+        set_aside(model / "last", run_dir / "abandoned")
+    os.rename(dest, model / "last")
+    logging.getLogger("pimm").warning("%s had no intact checkpoint: downloaded %s/%s (step %s) from the remote "
+                                      "as %s", model, prefix, got.name, got.step, model / "last")
+    return True
 
 
 def set_aside(path: Path, under: Path) -> Path:

@@ -157,6 +157,7 @@ class Checkpointer:
         self.on_saved: Callable[[Path], None] = lambda path: None  # a checkpoint was published
         self.dir: Path | None = None
         self.failed = False  # a save failed under on_error = "stop": no more saves
+        self.uploader: Any = None  # checkpoint.remote: rank 0's background Uploader
 
     # ------------------------------------------------------------ contents
     def begin(self, checkpoint_dir: Path | None, *, scheduler: Any, grad_accum: int) -> None:
@@ -167,6 +168,18 @@ class Checkpointer:
             checkpoint_dir.mkdir(parents=True, exist_ok=True)
             for name in remove_stale_temporaries(checkpoint_dir):
                 log.warning("removed %s, left by a save that was interrupted", checkpoint_dir / name)
+            if self.config.checkpoint.remote and self.uploader is None:
+                from ..checkpoint.remote_store import run_prefix
+                from ..checkpoint.remote_upload import Uploader
+
+                c = self.config.checkpoint
+                self.uploader = Uploader(c.remote, c.remote_options, checkpoint_dir,
+                                         run_prefix(c.remote, checkpoint_dir.parent))
+
+    def _upload(self) -> None:
+        """Rank 0: what was just published is also uploaded to ``checkpoint.remote`` (in the background)."""
+        if self.uploader is not None:
+            self.uploader.request()
 
     def meta(self) -> dict[str, Any]:
         """The trainer state a checkpoint holds: each part's ``state_dict()`` (None for an absent
@@ -249,6 +262,7 @@ class Checkpointer:
         if self.info.is_main and not (background and self.format.asynchronous):
             # (a background save logs "saved" from its writer thread once it is published)
             log.info("saved %s (step %d, epoch %d, iter %d)", path, s.global_step, s.epoch, s.iter)
+        self._upload()
         self.on_saved(path)
         return path
 
@@ -323,6 +337,7 @@ class Checkpointer:
         for _, old in snaps[: max(0, len(snaps) - self.schedule.keep_iter)]:
             old.with_name(old.name + ".json").unlink(missing_ok=True)
             old.unlink(missing_ok=True)
+        self._upload()
 
     # ------------------------------------------------------------- moments
     def on_step(self, *, run_ends: bool) -> None:
@@ -361,6 +376,7 @@ class Checkpointer:
             trained = s.iter if s.epoch == epoch else n_micro
             self._write_weights(self.dir / BEST, {**self.manifest("best"), "epoch": epoch, "iter": trained,
                                                   "selection_metric": selection}, payload)
+            self._upload()
 
     def on_end(self) -> CheckpointSaveError | None:
         """The session ends (finished or stopped): wait for the save in flight, then the final save.
@@ -388,4 +404,17 @@ class Checkpointer:
                 self._snapshot()
             # the last save's superseded checkpoint is removed before the run reports its end
             on_main(self.info, self._last_purge, self.dir / "last.prev", self.dir)
+        self._finish_upload()
         return failure
+
+    def _finish_upload(self) -> None:
+        """Rank 0: wait (at most ``checkpoint.remote_timeout``) for the uploads; say what is not on the remote."""
+        if self.uploader is None:
+            return
+        c = self.config.checkpoint
+        missing, self.uploader = self.uploader.close(c.remote_timeout), None
+        if missing:
+            log.warning("warning: not on the remote %s after waiting %gs: %s (the local copies are intact)",
+                        c.remote, c.remote_timeout, "; ".join(missing))
+        else:
+            log.info("checkpoints uploaded to %s", c.remote)

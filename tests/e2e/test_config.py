@@ -192,3 +192,20 @@ def test_cli_config_errors_are_one_line_exit_2(tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert not (tmp_path / "exp").exists()  # nothing created for a rejected launch
+
+
+@pytest.mark.parametrize("root", ["s3://bucket/exp", "gs://bucket/exp", "file:///tmp/exp"])
+def test_remote_url_as_run_root_is_one_line_exit_2_and_creates_nothing(tmp_path, root):
+    """The run directory must be a local path: a URL is refused rather than trained into ``./s3:/``."""
+    result = pimm("launch", "--train.config", DIGITS, "--run.root", root, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "run.root" in lines[0], result.stderr
+    assert "checkpoint.remote" in lines[0]  # the fix: a local root, the URL as checkpoint.remote
+    assert list(tmp_path.iterdir()) == []  # no directory named "s3:" (or anything else)
+
+
+def test_checkpoint_remote_must_be_a_url():
+    message = error_of(DIGITS, ["checkpoint.remote=bucket/prefix"])
+    assert "checkpoint.remote" in message and "s3://" in message
+    assert load_config(DIGITS, ["checkpoint.remote=s3://b/p"]).checkpoint.remote == "s3://b/p"

@@ -1,0 +1,168 @@
+"""A run's checkpoints on a remote store (``checkpoint.remote``, any fsspec URL): layout, listing, download.
+
+Torch-free (``pimm checkpoints ls`` lists remote candidates). The remote mirrors the run's
+``model/`` under ``<remote>/<group>/<run>/model/``:
+
+- ``step_<N>/``: the standard checkpoint published locally as ``last`` at step ``N``, with its
+  layout (``weights.pth``, ``trainer.dcp/``, ``manifest.json``); complete only once its
+  ``.complete`` is there, written after every file was uploaded and its sha256 checked
+  against the manifest, and after ``manifest.json`` itself;
+- ``model_best.pth``, ``iter_<step>.pth``: weights files, complete once their sidecar
+  ``<name>.json`` (written last) is there and matches the file's size.
+
+A kill during an upload leaves a ``step_<N>/`` without ``.complete``: :func:`remote_candidates`
+reports it as incomplete and :func:`download_newest` never takes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .manifest import COMPLETE, MANIFEST
+
+STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+class RemoteError(OSError):
+    """The remote store could not be reached or read (network, credentials, missing filesystem package)."""
+
+
+def open_store(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """``(filesystem, root path)`` of ``url`` through fsspec, with ``options`` as storage options.
+
+    Raises:
+        RemoteError: no filesystem for the URL's scheme is installed (e.g. ``s3fs`` for ``s3://``).
+    """
+    import fsspec
+
+    try:
+        return fsspec.core.url_to_fs(url, **(options or {}))
+    except (ImportError, ValueError) as e:
+        raise RemoteError(f"cannot open checkpoint.remote = {url!r}: {e}") from None
+
+
+def run_prefix(url: str, run_dir: Path) -> str:
+    """The URL under which run ``run_dir`` (``<root>/<group>/<run>``) keeps its ``model/``."""
+    return f"{url.rstrip('/')}/{run_dir.parent.name}/{run_dir.name}/model"
+
+
+@dataclass
+class RemoteCandidate:
+    """One checkpoint on the remote: ``name`` (``step_<N>`` or a weights file), its step,
+    whether its marker is there (``complete``), its URL-relative path."""
+
+    name: str
+    step: int | None
+    complete: bool
+    kind: str  # "standard" or "weights"
+
+
+def sha256_remote(fs: Any, path: str, bufsize: int = 1 << 22) -> str:
+    """Hex sha256 of a remote object's bytes, read back from the store."""
+    h = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def remote_candidates(fs: Any, prefix: str) -> list[RemoteCandidate]:
+    """The checkpoints under ``prefix`` (newest step first), complete or not.
+
+    Raises:
+        RemoteError: the store cannot be listed.
+    """
+    try:
+        fs.invalidate_cache()
+        entries = fs.ls(prefix, detail=True) if fs.exists(prefix) else []
+    except (OSError, Exception) as e:  # botocore/aiohttp errors are not OSErrors
+        raise RemoteError(f"cannot list {prefix}: {e}") from None
+    names = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in entries}
+    out = []
+    for name, entry in names.items():
+        if (m := STEP_RE.match(name)) and entry.get("type") == "directory":
+            out.append(RemoteCandidate(name, int(m.group(1)), fs.exists(f"{prefix}/{name}/{COMPLETE}"), "standard"))
+        elif name.endswith(".pth"):
+            step = None
+            complete = f"{name}.json" in names
+            if complete:
+                try:
+                    side = json.loads(fs.cat_file(f"{prefix}/{name}.json"))
+                    step = side.get("step")
+                    complete = side["files"][name]["size"] == entry.get("size")
+                except (ValueError, KeyError, TypeError):
+                    complete = False
+            out.append(RemoteCandidate(name, step, complete, "weights"))
+    return sorted(out, key=lambda c: (c.kind != "standard", -(c.step or -1), c.name))
+
+
+def run_remote(run_dir: Path) -> tuple[str, dict[str, Any] | None] | None:
+    """``(checkpoint.remote, checkpoint.remote_options)`` from the run's resolved ``config.toml``
+    (torch-free), or None when the run has no remote or no readable config."""
+    import tomllib
+
+    try:
+        table = tomllib.loads((run_dir / "config.toml").read_text()).get("checkpoint", {})
+    except (OSError, ValueError):
+        return None
+    url = table.get("remote") if isinstance(table, dict) else None
+    if not isinstance(url, str) or not url:
+        return None
+    options = table.get("remote_options")
+    return url, options if isinstance(options, dict) else None
+
+
+def describe_remote(run_dir: Path, local_step: int | None) -> dict[str, Any] | None:
+    """What ``pimm checkpoints ls`` shows of the run's remote: ``{"url", "candidates": [{name,
+    step, complete, kind}], "uploading": [what is local and not complete remotely], "error"}``,
+    or None when the run has no ``checkpoint.remote``. Never raises: an unreachable store is ``error``."""
+    remote = run_remote(run_dir)
+    if remote is None:
+        return None
+    url, options = remote
+    out: dict[str, Any] = {"url": run_prefix(url, run_dir), "candidates": [], "uploading": [], "error": None}
+    try:
+        fs, _ = open_store(url, options)
+        cands = remote_candidates(fs, fs._strip_protocol(out["url"]))
+    except Exception as e:
+        out["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return out
+    out["candidates"] = [{"name": c.name, "step": c.step, "complete": c.complete, "kind": c.kind} for c in cands]
+    if local_step is not None and not any(c.complete and c.step == local_step for c in cands if c.kind == "standard"):
+        out["uploading"].append(f"last (step {local_step})")
+    return out
+
+
+def download_newest(fs: Any, prefix: str, dest: Path) -> RemoteCandidate | None:
+    """Download the newest complete remote ``step_<N>/`` into directory ``dest`` (created;
+    it must not exist) and check every file against its manifest; None when there is none.
+
+    Raises:
+        RemoteError: the store failed, or a downloaded file does not match the manifest.
+    """
+    for cand in remote_candidates(fs, prefix):
+        if cand.kind != "standard" or not cand.complete:
+            continue
+        src = f"{prefix}/{cand.name}"
+        try:
+            manifest = json.loads(fs.cat_file(f"{src}/{MANIFEST}"))
+            dest.mkdir(parents=True)
+            for rel in manifest["files"]:
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                fs.get_file(f"{src}/{rel}", str(dest / rel))
+            fs.get_file(f"{src}/{MANIFEST}", str(dest / MANIFEST))
+        except Exception as e:
+            raise RemoteError(f"cannot download {src}: {e}") from None
+        from .manifest import verify_files
+
+        problems = verify_files(dest, manifest["files"])
+        if problems:
+            raise RemoteError(f"{src} downloaded but does not match its manifest: {'; '.join(problems)}")
+        (dest / COMPLETE).write_bytes(b"")
+        return cand
+    return None

@@ -1,0 +1,226 @@
+"""Uploading a run's published checkpoints to ``checkpoint.remote`` in the background (rank 0).
+
+:class:`Uploader` mirrors the run's local ``model/`` onto the remote layout of
+:mod:`~pimm_core.checkpoint.remote_store` on one thread of its own, off the training step's
+critical path: :meth:`Uploader.request` (after each save) wakes it; it uploads what is
+published locally and not yet complete remotely, files of one checkpoint ``concurrency`` at
+a time, each retried with exponential backoff, its sha256 read back and compared with the
+manifest, the marker (``.complete``, a weights file's sidecar) last; then it removes from
+the remote what the local retention removed (older ``step_<N>/``, rotated ``iter_<step>.pth``).
+
+A failure (unreachable store, credentials, full bucket) is a warning; the thread retries on
+the next request or after a backoff while training goes on. :meth:`Uploader.close` waits
+at most ``timeout`` seconds and returns what is not on the remote.
+
+With FSDP/DCP every rank's shards are written into the shared ``model/`` on rank 0's node
+(one node) or a shared file system (several), so rank 0 alone uploads them all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from ..faults import point, register
+from .manifest import COMPLETE, MANIFEST
+from .remote_store import STEP_RE, open_store, sha256_remote
+from .selection import BEST, ITER_RE
+
+log = logging.getLogger("pimm")
+
+register("remote.file_uploaded", "remote.step_markers", "remote.sidecar")
+
+
+def with_retries(what: str, fn: Callable[[], Any], *, attempts: int = 4, base: float = 0.5,
+                 stopping: threading.Event | None = None) -> Any:
+    """``fn()``, retried ``attempts`` times with backoff ``base * 2**i`` seconds; the last error is raised."""
+    for i in range(attempts):
+        try:
+            return fn()
+        except Exception:
+            if i == attempts - 1 or (stopping is not None and stopping.is_set()):
+                raise
+            time.sleep(base * 2 ** i)
+    raise AssertionError("unreachable")
+
+
+class Uploader:
+    """Background mirror of ``model_dir`` onto ``prefix`` of the store at ``url`` (see the module docstring).
+
+    Args:
+        url: ``checkpoint.remote`` (any fsspec URL).
+        options: ``checkpoint.remote_options`` (storage options of that filesystem).
+        model_dir: the run's local ``model/``.
+        prefix: the remote path of this run's ``model/`` (:func:`~pimm_core.checkpoint.remote_store.run_prefix`).
+        concurrency: files of one checkpoint uploaded at a time.
+    """
+
+    def __init__(self, url: str, options: dict[str, Any] | None, model_dir: Path, prefix: str, *,
+                 concurrency: int = 4, retry_after: float = 5.0):
+        self.url, self.options, self.model_dir, self.concurrency = url, options, model_dir, concurrency
+        self.remote_prefix, self.retry_after = prefix, retry_after
+        self._fs: Any = None
+        self._prefix = ""
+        self._wake = threading.Event()
+        self._closing = threading.Event()
+        self._lock = threading.Lock()
+        self._missing: list[str] = []  # what the last pass could not upload
+        self._generation = 0  # requests made
+        self._done = 0  # the request generation the last successful pass covered
+        self._warned = False
+        self._current = ""  # what the pass in progress is uploading ("model/last (step N)")
+        self._thread = threading.Thread(target=self._run, name="pimm-upload", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- public
+    def request(self) -> None:
+        """A checkpoint was published locally: upload it (returns at once)."""
+        with self._lock:
+            self._generation += 1
+        self._wake.set()
+
+    def close(self, timeout: float) -> list[str]:
+        """Upload what is published, waiting at most ``timeout`` seconds; returns what is not on the remote."""
+        self.request()
+        with self._lock:
+            target = self._generation
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._done >= target:
+                    return []
+            time.sleep(0.05)
+        self._closing.set()
+        self._wake.set()
+        with self._lock:
+            return list(self._missing) or [self._current or "the upload in progress"]
+
+    # ---------------------------------------------------------------- thread
+    def _run(self) -> None:
+        while not self._closing.is_set():
+            if not self._wake.wait(self.retry_after) and not self._missing:
+                continue
+            self._wake.clear()
+            with self._lock:
+                generation = self._generation
+            try:
+                missing = self._pass()
+            except Exception as e:  # the store failed beyond its retries: a warning, training goes on
+                error = str(e).splitlines()[0] if str(e) else type(e).__name__
+                missing = [f"{self._current or self.url} ({error})"]
+            with self._lock:
+                self._missing = missing
+                if not missing:
+                    self._done = generation
+            if missing and not self._warned:
+                log.warning("warning: checkpoint upload to %s failed: %s; retrying while training goes on",
+                            self.remote_prefix, "; ".join(missing))
+                self._warned = True
+            elif not missing and self._warned:
+                log.info("checkpoint upload to %s works again", self.remote_prefix)
+                self._warned = False
+
+    def _store(self) -> tuple[Any, str]:
+        if self._fs is None:
+            self._fs, _ = open_store(self.url, self.options)
+            self._prefix = self._fs._strip_protocol(self.remote_prefix)
+        return self._fs, self._prefix
+
+    def _retry(self, what: str, fn: Callable[[], Any]) -> Any:
+        return with_retries(what, fn, stopping=self._closing)
+
+    def _pass(self) -> list[str]:
+        """One mirror pass; returns what could not be uploaded."""
+        fs, prefix = self._store()
+        missing: list[str] = []
+        last = self.model_dir / "last"
+        step = None
+        if (last / COMPLETE).exists():
+            try:
+                described = (last / MANIFEST).read_bytes()
+                manifest = json.loads(described)
+                step, files = int(manifest["step"]), list(manifest["files"])
+            except (OSError, ValueError, KeyError, TypeError):
+                step = None  # rotated away meanwhile: the next request uploads the new one
+            if step is not None:
+                self._current = f"model/last (step {step})"
+                if not self._upload_unit(fs, last, f"{prefix}/step_{step}", described, files, [MANIFEST, COMPLETE]):
+                    self._wake.set()  # replaced while uploading: the newer one goes next
+                    step = None  # and no older remote step is pruned before it is complete
+        local_weights = {p.name for p in self.model_dir.glob("*.pth") if p.name == BEST or ITER_RE.match(p.name)}
+        for name in sorted(local_weights):
+            try:
+                described = (self.model_dir / f"{name}.json").read_bytes()
+                json.loads(described)["files"][name]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # no sidecar yet: uploaded with the next request
+            self._current = f"model/{name}"
+            if not self._upload_unit(fs, self.model_dir, prefix, described, [name], [f"{name}.json"]):
+                self._wake.set()
+        if not missing:
+            self._current = "removing what the local retention removed"
+            self._prune(fs, prefix, step, local_weights)
+        self._current = ""
+        return missing
+
+    def _upload_unit(self, fs: Any, local: Path, remote: str, described: bytes, files: list[str],
+                     markers: list[str]) -> bool:
+        """Upload ``files`` of ``local``, each sha256 read back and checked against ``described``
+        (the manifest or sidecar bytes read once, before), then ``markers`` in order: ``described``
+        as ``markers[0]``, an empty ``.complete`` after it. True when the remote has it complete;
+        False when a newer save replaced the local copy while it was uploading (rotation).
+
+        Raises:
+            OSError, or the filesystem's own errors: the store failed beyond the retries.
+        """
+        sums = json.loads(described)["files"]
+        contents = [described] + [b""] * (len(markers) - 1)
+        marker = f"{remote}/{markers[-1]}"
+        if fs.exists(marker) and fs.cat_file(marker) == contents[-1]:
+            return True
+
+        def put(rel: str) -> None:
+            src, dst = local / rel, f"{remote}/{rel}"
+            self._retry(dst, lambda: fs.put_file(str(src), dst))
+            got = self._retry(dst, lambda: sha256_remote(fs, dst))
+            if got != sums[rel]["sha256"]:
+                raise OSError(f"{dst}: sha256 after upload {got[:12]} does not match the manifest")
+            point("remote.file_uploaded", dst)
+
+        # a marker left by an earlier attempt would make a half-replaced unit look complete
+        for m in markers:
+            if fs.exists(f"{remote}/{m}"):
+                self._retry(remote, lambda m=m: fs.rm_file(f"{remote}/{m}"))
+        try:
+            with ThreadPoolExecutor(self.concurrency, thread_name_prefix="pimm-upload-file") as pool:
+                for f in [pool.submit(put, rel) for rel in files]:
+                    f.result()
+        except OSError:
+            try:
+                replaced = (local / markers[0]).read_bytes() != described
+            except FileNotFoundError:
+                replaced = True
+            if replaced:
+                return False  # its files now hold a newer save's bytes, not the manifest's
+            raise
+        point("remote.step_markers" if markers[-1] == COMPLETE else "remote.sidecar", remote)
+        for rel, data in zip(markers, contents):  # the marker last
+            self._retry(remote, lambda rel=rel, data=data: fs.pipe_file(f"{remote}/{rel}", data))
+        return True
+
+    def _prune(self, fs: Any, prefix: str, step: int | None, local_weights: set[str]) -> None:
+        """Remove from the remote what the local retention removed."""
+        fs.invalidate_cache()
+        for entry in fs.ls(prefix, detail=False) if fs.exists(prefix) else []:
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            m = STEP_RE.match(name)
+            if m and step is not None and int(m.group(1)) != step:
+                self._retry(entry, lambda e=entry: fs.rm(e, recursive=True))
+            base = name[:-5] if name.endswith(".pth.json") else name
+            if ITER_RE.match(base) and base not in local_weights:
+                self._retry(entry, lambda e=entry: fs.rm_file(e))

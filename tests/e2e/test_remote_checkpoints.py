@@ -1,0 +1,182 @@
+"""checkpoint.remote: published checkpoints uploaded in the background to a real S3 server
+(moto on 127.0.0.1), a wiped model/ resumed from it, kills mid-upload, the server going away."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _helpers import DIGITS, REPO, launch, read_json
+from _s3 import BUCKET, start_s3
+
+# 2 epochs of digits (45 steps each): saves at the end of epoch 1 (step 45) and the final one (step 90),
+# iter_<step>.pth snapshots every 20 steps keeping the newest 2
+RUN = ("train.epochs=2", "checkpoint.every_steps=20", "checkpoint.keep_iter=2")
+
+
+@pytest.fixture
+def s3():
+    server = start_s3()
+    yield server
+    try:
+        server.server.stop()
+    except Exception:
+        pass  # stopped by the test (the store going away)
+
+
+def auto_resume(root: Path, name: str, s3, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """``pimm launch --train.auto-resume`` of ``<root>/digits/<name>`` (the cluster job's repeated command)."""
+    return subprocess.run([sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(DIGITS),
+                           "--run.root", str(root), "--run.name", name, "--run.no-timestamp", "--train.auto-resume",
+                           "--", *overrides, *remote(s3)], cwd=REPO, env=s3.env(), capture_output=True, text=True,
+                          timeout=300)
+
+
+def remote(s3) -> list[str]:
+    return [f"checkpoint.remote={s3.url}", "checkpoint.remote_timeout=120"]
+
+
+def run_model(s3, run: str = "r") -> str:
+    return f"exp/digits/{run}/model"
+
+
+def test_uploaded_with_layout_retention_and_resumed_after_model_dir_is_wiped(tmp_path, s3):
+    r = launch(tmp_path, "r", *RUN, *remote(s3), env=s3.env())
+    assert r.returncode == 0, r.stderr
+    out = r.stdout + r.stderr
+    assert "checkpoints uploaded to" in out, out
+    model = tmp_path / "digits" / "r" / "model"
+    local = read_json(model / "last" / "manifest.json")
+    assert local["step"] == 90
+    # retention: only the newest step is kept remotely, as locally; the iter snapshots are those kept locally
+    names = s3.ls(run_model(s3))
+    assert [n for n in names if n.startswith("step_")] == ["step_90"]
+    local_iters = sorted(p.name for p in model.glob("iter_*.pth*"))
+    assert [n for n in names if n.startswith("iter_")] == local_iters == [
+        "iter_60.pth", "iter_60.pth.json", "iter_80.pth", "iter_80.pth.json"]
+    assert "model_best.pth" in names and "model_best.pth.json" in names
+    # the layout and the bytes of each file, as the manifest records them
+    prefix = f"{BUCKET}/{run_model(s3)}/step_90"
+    assert s3.fs.exists(f"{prefix}/.complete") and s3.fs.exists(f"{prefix}/trainer.dcp/.complete")
+    for rel, want in local["files"].items():
+        assert s3.fs.cat_file(f"{prefix}/{rel}") == (model / "last" / rel).read_bytes(), rel
+    assert json.loads(s3.fs.cat_file(f"{prefix}/manifest.json")) == local
+
+    # `pimm checkpoints ls` lists the remote candidates, torch-free
+    code = ("import sys; from pimm_core.cli import main; "
+            f"main(['checkpoints', 'ls', {str(model.parent)!r}, '--json']); print('torch' in sys.modules)")
+    ls = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=s3.env(), capture_output=True, text=True,
+                        timeout=120)
+    assert ls.returncode == 0, ls.stderr
+    *body, torch_loaded = ls.stdout.strip().splitlines()
+    assert torch_loaded == "False"
+    listed = json.loads("\n".join(body))["remote"]
+    assert listed["error"] is None and listed["uploading"] == []
+    assert {"name": "step_90", "step": 90, "complete": True, "kind": "standard"} in listed["candidates"]
+
+    shutil.rmtree(model)  # a wiped scratch disk: the run directory without its checkpoints
+    r2 = auto_resume(tmp_path, "r", s3, "train.epochs=3", *RUN[1:])
+    assert r2.returncode == 0, r2.stderr
+    out2 = r2.stdout + r2.stderr
+    assert "downloaded" in out2 and "step_90" in out2, out2
+    resumes = [e for e in read_json(tmp_path / "digits" / "r" / "provenance.json")["starts"] if e.get("kind") == "resume"]
+    assert resumes and resumes[-1]["step"] == 90 and resumes[-1]["exact"], resumes
+    assert read_json(model / "last" / "manifest.json")["step"] == 135
+    assert [n for n in s3.ls(run_model(s3)) if n.startswith("step_")] == ["step_135"]
+
+
+def test_kill_during_an_upload_leaves_no_candidate_that_selection_accepts(tmp_path, s3):
+    from pimm_core.checkpoint.remote_store import download_newest, remote_candidates
+
+    # SIGKILL after every file of the first step_<N>/ uploaded is uploaded and checked, before its
+    # manifest and .complete (uploads are coalesced: N is whichever `last` the uploader took first)
+    env = {**s3.env(), "PIMM_FAILPOINT": "remote.step_markers@1=kill"}
+    r = launch(tmp_path, "r", *RUN, *remote(s3), env=env)
+    assert r.returncode == -9, r.stderr
+    prefix = f"{BUCKET}/{run_model(s3)}"
+    partial = [c for c in remote_candidates(s3.fs, prefix) if c.kind == "standard"]
+    # (an earlier one whose local copy was rotated away mid-upload may be there too, as incomplete)
+    assert partial and not any(c.complete for c in partial), partial
+    s3.fs.invalidate_cache()
+    assert s3.fs.exists(f"{prefix}/{partial[0].name}/weights.pth")  # cut short mid-upload, not never started
+    assert download_newest(s3.fs, prefix, tmp_path / "dl") is None and not (tmp_path / "dl").exists()
+
+    # a fresh node (model/ wiped) finds nothing on the remote to resume: it starts the run fresh
+    model = tmp_path / "digits" / "r" / "model"
+    kept = tmp_path / "kept"
+    shutil.copytree(model, kept)
+    shutil.rmtree(model)
+    r2 = auto_resume(tmp_path, "r", s3, *RUN)
+    assert r2.returncode == 0, r2.stderr
+    assert "downloaded" not in r2.stdout + r2.stderr
+    starts = read_json(tmp_path / "digits" / "r" / "provenance.json")["starts"]
+    assert [e["kind"] for e in starts] == ["start", "start"]
+    # and the remote ends with the new run's final checkpoint alone, complete (the partial step_45 pruned)
+    assert [c.name for c in remote_candidates(s3.fs, prefix) if c.kind == "standard"] == ["step_90"]
+    assert remote_candidates(s3.fs, prefix)[0].complete
+
+
+def test_server_going_away_is_a_warning_training_continues_and_the_end_says_what_is_missing(tmp_path, s3):
+    from pimm_core.checkpoint.remote_store import remote_candidates
+    from pimm_core.checkpoint.selection import select_resume
+
+    run_dir = tmp_path / "digits" / "r"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(DIGITS), "--run.root", str(tmp_path),
+         "--run.name", "r", "--run.no-timestamp", "--", "train.epochs=1000", f"checkpoint.remote={s3.url}",
+         "checkpoint.remote_timeout=5"], cwd=REPO, env=s3.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    try:
+        wait_for(lambda: any(c.complete for c in remote_candidates(s3.fs, f"{BUCKET}/{run_model(s3)}")),
+                 "the first upload")
+        s3.server.stop()  # the store goes away mid-run
+        log = run_dir / "train.log"
+        wait_for(lambda: "checkpoint upload to" in log.read_text() and "failed" in log.read_text(), "the warning")
+        status = read_json(run_dir / "status.json")
+        step = status.get("step", status.get("global_step"))
+        wait_for(lambda: (s := read_json(run_dir / "status.json")).get("step", s.get("global_step")) > step,
+                 "training going on after the warning")
+        stop = subprocess.run([sys.executable, "-m", "pimm_core.cli", "stop", str(run_dir)], cwd=REPO,
+                              env=s3.env(), capture_output=True, text=True, timeout=60)
+        assert stop.returncode == 0, stop.stderr
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    end = [line for line in out.splitlines() if "not on the remote" in line]
+    assert end and "model/last (step" in end[0], out
+    chosen, _ = select_resume(run_dir / "model")
+    assert chosen is not None and chosen.step > 0  # the local checkpoint is intact
+
+
+def wait_for(cond, what: str, timeout: float = 240) -> None:
+    """Wait for an event (catches hangs only; no machine-speed assumption)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_pimm_resume_downloads_the_newest_complete_remote_checkpoint_into_a_wiped_model_dir(tmp_path, s3):
+    r = launch(tmp_path, "r", "train.epochs=1", *remote(s3), env=s3.env())
+    assert r.returncode == 0, r.stderr
+    run_dir = tmp_path / "digits" / "r"
+    shutil.rmtree(run_dir / "model")
+    r2 = subprocess.run([sys.executable, "-m", "pimm_core.cli", "resume", str(run_dir), "--", "train.epochs=2"],
+                        cwd=REPO, env=s3.env(), capture_output=True, text=True, timeout=300)
+    assert r2.returncode == 0, r2.stdout + r2.stderr
+    assert "step_45" in r2.stdout + r2.stderr
+    resumes = [e for e in read_json(run_dir / "provenance.json")["starts"] if e.get("kind") == "resume"]
+    assert len(resumes) == 1 and resumes[0]["step"] == 45 and resumes[0]["exact"], resumes
+    assert read_json(run_dir / "model" / "last" / "manifest.json")["step"] == 90
