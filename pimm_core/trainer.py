@@ -286,6 +286,8 @@ class Trainer:
                 check_finite(self.model, self.state.global_step)
             except BaseException as e:
                 rec.status("failed", error=f"{e.__class__.__name__}: {e}")
+                if isinstance(e, ConfigError) and resume_from is None and self.state.global_step == 0:
+                    rec.unstart()  # a config fault found at the first step: the launch leaves no run behind
                 raise
             end_session(self)
             return self.state
