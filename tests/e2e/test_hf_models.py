@@ -69,6 +69,14 @@ def test_language_modeling_trains_a_transformers_gpt2(tmp_path: Path) -> None:
     evals = [r for r in read_jsonl(rd / "metrics.jsonl") if r.get("split") == "val"]
     assert len(losses) == 8 and evals, describe(result)  # 64 rows / batch 8; perplexity derived from val/loss
     assert 1 < evals[-1]["perplexity"] < 64  # better than chance over a 64-token vocabulary
+    # provenance: the model's module is transformers' own, recorded by its distribution and version,
+    # not by the git commit of the checkout the environment happens to sit in
+    import transformers
+
+    code = {c["module"]: c for c in read_json(rd / "provenance.json")["starts"][-1]["user_code"]}
+    hf = code["transformers.models.gpt2.modeling_gpt2"]
+    assert (hf["distribution"], hf["version"], hf["git_commit"]) == ("transformers", transformers.__version__, None)
+    assert code["userpkg.hf"]["git_commit"] is not None and "distribution" not in code["userpkg.hf"]
 
 
 def test_an_output_the_builtins_cannot_read_is_one_line_and_leaves_no_run(tmp_path: Path) -> None:
