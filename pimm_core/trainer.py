@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from . import dist
+from .checkpoint.library_model import library_record
 from .checkpoint.state import unwrap
 from .config import Config, TrainConfig
 from .data import eval_loader, train_loader
@@ -150,6 +151,7 @@ class Trainer:
         self.callbacks: list[Callable[["Trainer"], None]] = []
         self._code_version = code_version() if self.info.is_main else None
         self._user_code = user_code_of(model, d, self.objective) if self.info.is_main else []
+        self._model_library = library_record(model) if self.info.is_main else None  # how an export writes it
         self.checkpointer = Checkpointer(config, self.info, self.stop, model=self.model, optimizer=self.optimizer,
                                          loader=self.loader, state=self.state, scaler=self.scaler, ema=self.ema,
                                          data_fingerprint=self.data.fingerprint, code_version=self._code_version,
@@ -298,6 +300,8 @@ class Trainer:
         # code_search_path: where `pimm resume` (config read from the run directory) finds user code
         entry = {**entry, "data_resume": self.data_resume, "user_code": self._user_code,
                  "code_search_path": search_path(self.config_path)}
+        if self._model_library is not None:
+            entry["model_library"] = self._model_library
         self.recorder.start(self.config, entry, fresh=fresh, code_version=self._code_version,
                             data_fingerprint=self.data.fingerprint)
 

@@ -3,6 +3,7 @@ the built-in objectives read their outputs, and an output they cannot read is on
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -58,12 +59,17 @@ def run_dir(root: Path, name: str) -> Path:
     return found
 
 
-def test_language_modeling_trains_a_transformers_gpt2(tmp_path: Path) -> None:
-    """GPT2LMHeadModel returns a CausalLMOutputWithCrossAttentions: the built-in takes its logits."""
-    cfg = config(tmp_path, GPT2)
-    result = launch(cfg, tmp_path / "runs", "gpt2")
+@pytest.fixture(scope="module")
+def gpt2_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    tmp = tmp_path_factory.mktemp("gpt2")
+    result = launch(config(tmp, GPT2), tmp / "runs", "gpt2")
     assert result.returncode == 0, describe(result)
-    rd = run_dir(tmp_path / "runs", "gpt2")
+    return run_dir(tmp / "runs", "gpt2"), result
+
+
+def test_language_modeling_trains_a_transformers_gpt2(gpt2_run) -> None:
+    """GPT2LMHeadModel returns a CausalLMOutputWithCrossAttentions: the built-in takes its logits."""
+    rd, result = gpt2_run
     assert read_json(rd / "status.json")["state"] == "finished"
     losses = [r["loss"] for r in read_jsonl(rd / "metrics.jsonl") if r.get("split") == "train"]
     evals = [r for r in read_jsonl(rd / "metrics.jsonl") if r.get("split") == "val"]
@@ -90,3 +96,64 @@ def test_an_output_the_builtins_cannot_read_is_one_line_and_leaves_no_run(tmp_pa
         describe(result)
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("bad")), \
         sorted(map(str, (tmp_path / "runs").rglob("*")))
+
+
+def _export(rd: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**clean_env(), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "pimm_core.cli", "export", "--run-dir", str(rd), "last", str(out),
+                           *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _trained(rd: Path) -> dict:
+    from pimm_core.checkpoint.weights import read_weight_sets
+
+    return read_weight_sets(rd / "model" / "last")["raw"]
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_an_exported_gpt2_loads_back_with_transformers_own_calls(gpt2_run, tmp_path: Path, fmt: str) -> None:
+    """The export directory is what save_pretrained writes: from_pretrained and AutoModelForCausalLM
+    build the trained 2-layer model from its own config.json, tied head included; pimm's run
+    config is pimm_config.json."""
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2LMHeadModel
+
+    rd, _ = gpt2_run
+    out = tmp_path / "export"
+    result = _export(rd, out, "--format", fmt)
+    assert result.returncode == 0, describe(result)
+    weights = "model.safetensors" if fmt == "safetensors" else "pytorch_model.bin"
+    assert {"config.json", weights, "pimm_config.json", "export.json"} <= {p.name for p in out.iterdir()}
+    assert "train" in json.loads((out / "pimm_config.json").read_text())
+    trained = _trained(rd)
+    for load in (GPT2LMHeadModel.from_pretrained, AutoModelForCausalLM.from_pretrained):
+        model = load(out)
+        assert type(model) is GPT2LMHeadModel and model.config.n_layer == 2 and model.config.n_embd == 32
+        assert model.lm_head.weight is model.transformer.wte.weight
+        state = model.state_dict()
+        assert sorted(state) == sorted(trained)
+        assert all(torch.equal(state[k], trained[k]) for k in trained)
+    record = json.loads((out / "export.json").read_text())
+    assert record["library"] == "transformers" and record["aliases"] == {"lm_head.weight": "transformer.wte.weight"}
+
+
+def test_a_gpt2_export_loads_with_safetensors_load_model_and_shards_as_transformers_does(gpt2_run,
+                                                                                        tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from pimm_core.checkpoint.export import export
+
+    rd, _ = gpt2_run
+    out = export("last", tmp_path / "one", run_dir=rd)
+    model = GPT2LMHeadModel(GPT2Config.from_pretrained(out))
+    assert load_model(model, out / "model.safetensors", strict=True) == (set(), [])  # tied weight stored once
+    trained = _trained(rd)
+    assert all(torch.equal(model.state_dict()[k], trained[k]) for k in trained)
+
+    sharded = export("last", tmp_path / "sharded", run_dir=rd, max_shard_size="40KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and not (sharded / "model.safetensors").exists()
+    back = GPT2LMHeadModel.from_pretrained(sharded)
+    assert all(torch.equal(back.state_dict()[k], trained[k]) for k in trained)

@@ -55,3 +55,25 @@ class Wrapped(torch.nn.Module):
 
 def tuple_model():
     return Wrapped()
+
+
+class Images(Dataset):
+    """Digits as ``(1, 8, 8)`` float images and int64 labels."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int):
+        return self.x[index], self.y[index]
+
+
+def digit_images(train: int = 64, val: int = 32):
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.tensor(bunch.data, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+    y = torch.tensor(bunch.target, dtype=torch.int64)
+    return Images(x[:train], y[:train]), Images(x[train:train + val], y[train:train + val])
