@@ -157,3 +157,40 @@ def test_a_gpt2_export_loads_with_safetensors_load_model_and_shards_as_transform
     assert len(set(index["weight_map"].values())) > 1 and not (sharded / "model.safetensors").exists()
     back = GPT2LMHeadModel.from_pretrained(sharded)
     assert all(torch.equal(back.state_dict()[k], trained[k]) for k in trained)
+
+
+TIMM = """\
+objective = "classification"
+
+[train]
+epochs = 1
+lr = 0.01
+
+[data]
+target = "userpkg.hf:digit_images"
+batch_size = 16
+
+[model]
+target = "userpkg.hf:resnet"
+"""
+
+
+def test_an_exported_timm_model_loads_back_through_timm(tmp_path: Path) -> None:
+    """timm's resnet18 trained from a config target, exported, and built again by timm itself
+    from the export's model.safetensors (pretrained_cfg_overlay), with the trained weights."""
+    import timm
+    import torch
+
+    result = launch(config(tmp_path, TIMM), tmp_path / "runs", "timm")
+    assert result.returncode == 0, describe(result)
+    rd = run_dir(tmp_path / "runs", "timm")
+    out = tmp_path / "export"
+    exported = _export(rd, out)
+    assert exported.returncode == 0, describe(exported)
+    assert "config.json" not in {p.name for p in out.iterdir()}  # timm's own files: the weights
+    model = timm.create_model("resnet18", pretrained=True, num_classes=10, in_chans=1,
+                              pretrained_cfg_overlay=dict(file=str(out / "model.safetensors"), num_classes=10))
+    trained = _trained(rd)
+    state = model.state_dict()
+    assert sorted(state) == sorted(trained)
+    assert [k for k in trained if not torch.equal(state[k], trained[k])] == []
