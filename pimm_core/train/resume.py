@@ -246,7 +246,7 @@ def check_against_metrics(tr: Trainer) -> list[str]:
         return [f"metrics.jsonl has no train record up to step {step}; cannot check the resumed schedule"] if step else []
     last = max(recs, key=lambda r: r["step"])
     sch = tr.scheduler
-    expected = sch.base_lrs[0] * sch.factor(last["step"] - 1)
+    expected = sch.base_lrs[0] * sch.logged_factor(last["step"])
     log.info("resume check: restored step %d, next lr %.6e; log before interruption: step %d lr %.6e "
              "(this schedule: %.6e)", step, sch.get_last_lr()[0], last["step"], last.get("lr", float("nan")), expected)
     if not math.isclose(expected, float(last.get("lr", float("nan"))), rel_tol=1e-6, abs_tol=1e-12):
