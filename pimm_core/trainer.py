@@ -277,7 +277,7 @@ class Trainer:
                         log.info("%s", finished_message(self.state.global_step, self.state.epoch, t))
                     self._start_files({**entry, "finished": True}, fresh=False)
                     return self.state
-            rec.total = self.scheduler.total
+            rec.total = self.end_step(t)  # the run's horizon, whatever the schedule knows of it
             self._start_files(entry, fresh=resume_from is None)
             self.stop_agreement.discard_stale()
             rec.pids = dist.all_gather_object(os.getpid())  # every rank's pid, for operators and tests
