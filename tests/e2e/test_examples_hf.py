@@ -17,7 +17,7 @@ import torch
 from _helpers import REPO, clean_env, describe, read_json, read_jsonl
 
 CONFIG = REPO / "configs" / "hf_gpt2.toml"
-STEPS = 60
+STEPS = 30
 ENV = {**clean_env(), "HF_HUB_OFFLINE": "1"}
 
 
