@@ -28,6 +28,11 @@ Built-ins (the names of :data:`pimm_core.config.OBJECTIVES`):
   cross-entropy over all ``B * (T-1)`` positions; metrics ``loss`` (nats per token) and
   ``perplexity`` (``exp(loss)``).
 
+The built-ins read the model's output as a tensor, or take its logits from a
+``ModelOutput``/object with a ``logits`` attribute (Hugging Face ``transformers``) or a
+mapping with a ``"logits"`` key (:func:`logits_of`); any other output is a
+:class:`ObjectiveOutputError` naming what the model returned.
+
 A user objective is a target ``"package.module:function"`` with that signature; it may
 also name an :class:`Objective` instance to add derived metrics.
 """
@@ -118,6 +123,32 @@ class Objective:
         return out
 
 
+class ObjectiveOutputError(ConfigError):
+    """A built-in objective cannot read the model's output (neither a tensor nor logits)."""
+
+
+def logits_of(name: str, out: Any) -> torch.Tensor:
+    """The logits tensor of a model output: the tensor itself, ``out["logits"]`` of a mapping
+    (a ``transformers`` ``ModelOutput`` is one) or ``out.logits``.
+
+    Raises:
+        ObjectiveOutputError: ``out`` is none of these; the message names its type and how
+            to write an objective that reads it.
+    """
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    what = type(out).__name__
+    if isinstance(out, Mapping):
+        what += f" with keys {sorted(map(str, out))}"
+    raise ObjectiveOutputError(
+        f'objective = "{name}": the model returned a {what}, not a tensor or an output with logits; '
+        'return logits from forward, or write an objective "package.module:function" taking (model, batch) '
+        "and returning (loss, {metric: value}) (README: Your own model, data and objective)")
+
+
 def _inputs_targets(name: str, batch: Any) -> tuple[Any, torch.Tensor]:
     if not (isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[1], torch.Tensor)):
         raise ConfigError(f'objective = "{name}": needs batches (inputs, targets, ...); got {type(batch).__name__}')
@@ -127,7 +158,7 @@ def _inputs_targets(name: str, batch: Any) -> tuple[Any, torch.Tensor]:
 def classification(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Pair]]:
     """Cross-entropy of ``model(inputs)`` logits against int64 class targets (see module docstring)."""
     x, y = _inputs_targets("classification", batch)
-    logits = model(x)
+    logits = logits_of("classification", model(x))
     loss = F.cross_entropy(logits, y)  # the mean, exactly as pimm's digits training computes it
     with torch.no_grad():  # the summed loss, as pimm's evaluation always added it (bit for bit)
         total = F.cross_entropy(logits.float(), y, reduction="sum")
@@ -138,7 +169,7 @@ def classification(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str
 def regression(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Pair]]:
     """Mean squared error of ``model(inputs)`` against float targets (see module docstring)."""
     x, y = _inputs_targets("regression", batch)
-    pred = model(x)
+    pred = logits_of("regression", model(x))
     if pred.shape != y.shape:
         if pred.numel() != y.numel():
             raise ConfigError(f'objective = "regression": model output shape {tuple(pred.shape)} does not match '
@@ -157,7 +188,7 @@ def language_modeling(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[
             and tokens.shape[1] >= 2):
         what = f"shape {tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
         raise ConfigError(f'objective = "language_modeling": needs integer token batches (B, T) with T >= 2; got {what}')
-    logits = model(tokens[:, :-1])
+    logits = logits_of("language_modeling", model(tokens[:, :-1]))
     targets = tokens[:, 1:]
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     n = targets.numel()

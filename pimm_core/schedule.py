@@ -67,6 +67,11 @@ class WarmupCosine(torch.optim.lr_scheduler.LRScheduler):
     def get_lr(self) -> list[float]:
         return [base * self.factor(self.last_epoch) for base in self.base_lrs]
 
+    def logged_factor(self, step: int) -> float:
+        """The factor of the LR that optimizer step ``step`` (1-based, as ``metrics.jsonl``
+        numbers it) trained with: ``factor(step - 1)``, as this schedule's state has it."""
+        return self.factor(step - 1)
+
     def set_step(self, step: int) -> None:
         """Point the schedule (and the optimizer's LR) at ``step`` optimizer steps taken."""
         self.last_epoch = step
@@ -208,7 +213,7 @@ class WarmupSchedule(WarmupCosine):
     the options stay those this schedule was built with (the config's).
     """
 
-    _progress_keys = ("scale", "best", "num_bad", "cooldown_left")
+    _progress_keys = ("scale", "best", "num_bad", "cooldown_left", "cut_step", "scale_before_cut")
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, warmup: int, total: int, min_ratio: float, kind: str,
                  options: dict[str, Any] | None = None, mode: str = "min"):
@@ -218,6 +223,7 @@ class WarmupSchedule(WarmupCosine):
         self.mode = mode
         self.scale, self.best = 1.0, (math.inf if mode == "min" else -math.inf)
         self.num_bad, self.cooldown_left = 0, 0
+        self.cut_step, self.scale_before_cut = None, 1.0  # the last plateau cut: at which step, from what scale
         super().__init__(optimizer, warmup=warmup, total=total, min_ratio=min_ratio, kind=kind)
 
     def factor(self, step: int) -> float:
@@ -273,9 +279,23 @@ class WarmupSchedule(WarmupCosine):
         if self.num_bad > o["patience"]:
             new = max(self.scale * o["factor"], self.min_ratio)
             reduced = new < self.scale
+            if reduced:
+                self.cut_step, self.scale_before_cut = self.last_epoch, self.scale
             self.scale, self.cooldown_left, self.num_bad = new, o["cooldown"], 0
         self.set_step(self.last_epoch)
         return reduced
+
+    def logged_factor(self, step: int) -> float:
+        """As :meth:`WarmupCosine.logged_factor`; a step at or before the last plateau cut (an
+        evaluation after that step lowered the LR) trained with the scale from before the cut."""
+        if self.kind == "plateau" and self.cut_step is not None and step <= self.cut_step:
+            scale = self.scale
+            try:
+                self.scale = self.scale_before_cut
+                return self.factor(step - 1)
+            finally:
+                self.scale = scale
+        return self.factor(step - 1)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)

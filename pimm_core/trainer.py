@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from . import dist
+from .checkpoint.library_model import library_record
 from .checkpoint.state import unwrap
 from .config import Config, TrainConfig
 from .data import eval_loader, train_loader
@@ -50,7 +51,6 @@ from .errors import ConfigError
 from .objectives import Objective
 from .optim import build_optimizer, build_scheduler
 from .run import code_version
-from .targets import search_path
 from .stop import StopRequest
 from .topology import finished_message
 from .train.best import BestTracker
@@ -63,7 +63,8 @@ from .train.parallel import is_fsdp, parallelize
 from .train.recorder import Recorder
 from .train.resume import nothing_left, resume
 from .train.state import TrainState, end_step
-from .train.session import after_step, end_session, evaluate_and_record, stop_before_start, stop_nonfinite
+from .train.session import (after_step, end_session, evaluate_and_record, start_files, stop_before_start,
+                            stop_nonfinite)
 from .train.step import STOP, WindowStep, autocast_context, check_finite
 from .train.stop_agreement import StopAgreement
 
@@ -151,6 +152,7 @@ class Trainer:
         callbacks = Callbacks.from_config(config, config_path)  # [[callbacks]]; Python may append more
         self._code_version = code_version() if self.info.is_main else None
         self._user_code = user_code_of(model, d, self.objective) if self.info.is_main else []
+        self._model_library = library_record(model) if self.info.is_main else None  # how an export writes it
         self.checkpointer = Checkpointer(config, self.info, self.stop, model=self.model, optimizer=self.optimizer,
                                          loader=self.loader, state=self.state, scaler=self.scaler, ema=self.ema,
                                          data_fingerprint=self.data.fingerprint, code_version=self._code_version,
@@ -278,10 +280,10 @@ class Trainer:
                     self.state.finished = True
                     if self.info.is_main:
                         log.info("%s", finished_message(self.state.global_step, self.state.epoch, t))
-                    self._start_files({**entry, "finished": True}, fresh=False)
+                    start_files(self, {**entry, "finished": True}, fresh=False)
                     return self.state
-            rec.total = self.scheduler.total
-            self._start_files(entry, fresh=resume_from is None)
+            rec.total = self.end_step(t)  # the run's horizon, whatever the schedule knows of it
+            start_files(self, entry, fresh=resume_from is None)
             self.stop_agreement.discard_stale()
             rec.pids = dist.all_gather_object(os.getpid())  # every rank's pid, for operators and tests
             self.stop_agreement.file_used = False
@@ -294,18 +296,13 @@ class Trainer:
                 check_finite(self.model, self.state.global_step)
             except BaseException as e:
                 rec.status("failed", error=f"{e.__class__.__name__}: {e}")
+                if isinstance(e, ConfigError) and resume_from is None and self.state.global_step == 0:
+                    rec.unstart()  # a config fault found at the first step: the launch leaves no run behind
                 raise
             end_session(self)
             return self.state
         finally:
             rec.close()
-
-    def _start_files(self, entry: dict[str, Any], *, fresh: bool) -> None:
-        # code_search_path: where `pimm resume` (config read from the run directory) finds user code
-        entry = {**entry, "data_resume": self.data_resume, "user_code": self._user_code,
-                 "code_search_path": search_path(self.config_path)}
-        self.recorder.start(self.config, entry, fresh=fresh, code_version=self._code_version,
-                            data_fingerprint=self.data.fingerprint)
 
     def _loop(self, t: TrainConfig) -> None:
         s, n_micro = self.state, self.micro_batches_per_epoch

@@ -4,20 +4,26 @@
 
     OUT_DIR/
       model.safetensors   one weight set (raw or EMA), no module./_orig_mod. prefixes
-                          (or model.bin: torch.save of the state dict, with --format bin)
-      config.json         the run's training config when discoverable, load triggers
+                          (or pytorch_model.bin: torch.save of the same tensors, --format bin)
+      pimm_config.json    the run's training config when discoverable, load triggers
                           cleared (train.weight = "", train.resume = false) and every
                           other absolute path replaced by "<redacted>"
       export.json         source checkpoint (path, layout, step, epoch, metrics, its
                           creation time from its manifest), weight set, format, size and
-                          sha256 of the model file, tied-tensor aliases, torch version
+                          sha256 of each weight file, tied-tensor aliases, torch version
+
+A model that a library defines (a ``transformers`` model, recorded by the run: see
+:mod:`.library_model`) is written by that library's own ``save_pretrained``: its
+``config.json`` and weights (sharded with an index above a size limit), so
+``from_pretrained(OUT_DIR)`` loads it; pimm's files are the two above.
 
 An export is reproducible: the same checkpoint exported again (same options, same torch
 and safetensors versions) gives the same bytes in every file. Nothing records the time
 of the export, and the model file's writers give equal bytes for equal contents.
 
-Tied tensors are stored once in ``model.safetensors`` (see :mod:`.export_formats`); the
-aliases are recorded in ``export.json`` too, and :func:`load_exported` puts them back
+Tied tensors are stored once, in either format (see :mod:`.export_formats`), as
+``safetensors.torch.load_model`` and ``from_pretrained`` expect; the aliases are recorded
+in ``export.json`` too, and :func:`load_exported` puts them back
 and re-ties the model's parameters. The config is sanitized by :mod:`.export_config`.
 
 The directory is written under a fresh hidden name beside ``OUT_DIR``, fsynced and renamed
@@ -38,26 +44,31 @@ from torch import nn
 from ..errors import UsageError
 from ..fsio import atomic_write_bytes, fsync_tree, remove_tree
 from .export_config import read_run_config, sanitize_config
-from .foreign import BIN, SAFETENSORS
+from .foreign import HF_BIN, SAFETENSORS
+from .library_model import MAX_SHARD_SIZE, save_library_model
 from .hub import is_remote
 from .key_rules import DEFAULT_KEY_RULES, apply_key_rules
 from .manifest import sha256_file
 from .outputs import CONFIG_JSON, EXPORT_JSON, check_output_dir, check_output_file, new_temp_dir, replace_dir
 from ..run.layout import find_run_dir
+from ..run.provenance import read_provenance
 from .generation import read_whole
-from .sources import resolve_weight_source
+from .sources import checkpoint_record, resolve_weight_source
 from .state import load_full_state_dict
 from .strict_load import check_strict, check_unwrapped
 from .ties import find_aliases, follow_model_ties, tie_parameters
 from .export_formats import write_bin, write_safetensors
 from .weights import WEIGHT_SETS, read_checkpoint, read_source, retie, select_weight_set
 
-FORMATS = {"safetensors": SAFETENSORS, "bin": BIN}
+FORMATS = {"safetensors": SAFETENSORS, "bin": HF_BIN}
+EXPORT_JSON = "export.json"
+CONFIG_JSON = "pimm_config.json"  # the run's config; config.json is the model's own (a library's)
 EXPORT_VERSION = 1
 
 
 def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, weights: str = "raw",
-           fmt: str = "safetensors", run_dir: Path | None = None, force: bool = False) -> Path:
+           fmt: str = "safetensors", run_dir: Path | None = None, force: bool = False,
+           max_shard_size: int | str = MAX_SHARD_SIZE) -> Path:
     """Export one weight set of a checkpoint into ``out_dir``.
 
     Args:
@@ -65,11 +76,14 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
             with ``run_dir`` also ``last``, ``best``, ``final`` or ``iter_<step>``.
         out_dir: the directory to create (missing parents are created).
         weights: ``raw`` or ``ema``.
-        fmt: ``safetensors`` (``model.safetensors``) or ``bin`` (``model.bin``).
+        fmt: ``safetensors`` (``model.safetensors``) or ``bin`` (``pytorch_model.bin``).
         run_dir: the run the checkpoint belongs to; its ``config.toml`` becomes
-            ``config.json``. Default: the nearest directory above the checkpoint file
+            ``pimm_config.json``, and the model its ``provenance.json`` records as a
+            library's is written by that library. Default: the nearest directory above the checkpoint file
             (up to 4 levels) that holds ``config.toml``.
         force: replace an existing non-empty ``out_dir`` that is a previous export.
+        max_shard_size: for a library's model, its ``save_pretrained`` limit per weight file
+            (bytes, or text such as ``"5GB"``); larger weights are sharded with an index.
 
     Returns:
         ``out_dir``.
@@ -98,18 +112,24 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
 
     rd = Path(run_dir) if run_dir is not None else (None if is_remote(source) else _run_dir_near(resolved))
     cfg = read_run_config(rd) if rd is not None else None
+    library = _library_record(rd) if rd is not None else None
 
     tmp = new_temp_dir(target, "export")
     try:
-        model_file = tmp / FORMATS[fmt]
-        if fmt == "safetensors":
+        aliases = find_aliases(sd)
+        if library is not None:
+            files, stored = save_library_model(library, sd, tmp, fmt=fmt, max_shard_size=max_shard_size)
+            aliases = _aliases_of(aliases, stored)
+        elif fmt == "safetensors":
             meta = {"pimm.weights": weights}
             if step is not None:
                 meta["pimm.step"] = str(step)
-            aliases = write_safetensors(sd, model_file, metadata=meta)
-        else:
-            aliases = find_aliases(sd)
-            write_bin(sd, model_file)
+            write_safetensors(sd, tmp / SAFETENSORS, metadata=meta)
+            files = [SAFETENSORS]
+        else:  # the same rule as safetensors: each tied tensor once, under the name that file keeps
+            write_bin({k: v for k, v in sd.items() if k not in aliases}, tmp / HF_BIN)
+            files = [HF_BIN]
+        model_file = tmp / next(f for f in files if not f.endswith(".index.json"))
         cleared: list[str] = []
         redacted: list[str] = []
         if cfg is not None:
@@ -129,9 +149,11 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
             "file": model_file.name,
             "size": model_file.stat().st_size,
             "sha256": sha256_file(model_file),
+            "files": {f: {"size": (tmp / f).stat().st_size, "sha256": sha256_file(tmp / f)} for f in files},
+            "library": library["library"] if library is not None else None,
             "num_tensors": len(sd),
             "aliases": aliases,
-            "aliases_stored": "metadata" if fmt == "safetensors" else "file",
+            "aliases_stored": "once",
             "config": CONFIG_JSON if cfg is not None else None,
             "config_cleared": cleared,
             "config_redacted": redacted,
@@ -145,6 +167,27 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
         remove_tree(tmp)
         raise
     return out_dir
+
+
+def _aliases_of(aliases: dict[str, str], stored: set[str]) -> dict[str, str]:
+    """``aliases`` ({alias: kept}) re-keyed so that each group keeps the name that was ``stored``."""
+    groups: dict[str, list[str]] = {}
+    for alias, kept in aliases.items():
+        groups.setdefault(kept, [kept]).append(alias)
+    out: dict[str, str] = {}
+    for names in groups.values():
+        keep = next((n for n in sorted(names) if n in stored), sorted(names)[0])
+        out.update({n: keep for n in names if n != keep})
+    return dict(sorted(out.items()))
+
+
+def _library_record(run_dir: Path) -> dict | None:
+    """The ``model_library`` of the run's latest start (``provenance.json``), if any."""
+    for entry in reversed((read_provenance(run_dir) or {}).get("starts") or []):
+        if isinstance(entry, dict) and "model_library" in entry:
+            record = entry["model_library"]
+            return record if isinstance(record, dict) and record.get("library") == "transformers" else None
+    return None
 
 
 def _run_dir_near(path: Path, levels: int = 4) -> Path | None:
@@ -164,7 +207,7 @@ def load_exported(model: nn.Module, out_dir: str | os.PathLike[str], *, retie_pa
 
     Args:
         model: an unwrapped module of the exported architecture.
-        out_dir: an export directory (``model.safetensors``, else ``model.bin``) or the file.
+        out_dir: an export directory (``model.safetensors``, else ``pytorch_model.bin``) or the file.
         retie_params: for each recorded alias whose module entries are distinct tensors,
             make the alias name refer to the kept name's parameter/buffer (as in the
             exported model). A model that ties them itself is unchanged.

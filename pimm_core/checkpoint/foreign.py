@@ -43,9 +43,9 @@ _SCAN_BYTES = 4 << 20  # enough of data.pkl to see a checkpoint's top-level keys
 ACCELERATE_STATE = re.compile(r"^(optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|sampler(_\d+)?\.bin|"
                               r"random_states_\d+\.pkl|scaler\.pt|custom_checkpoint_\d+\.pkl)$")
 SAFETENSORS = "model.safetensors"  # an export's (and a Hugging Face directory's) weights
-BIN = "model.bin"  # an export's weights with --format bin
-HF_BIN = "pytorch_model.bin"  # a Hugging Face directory's torch.save weights
-EXPORT_FILES = (SAFETENSORS, BIN)
+BIN = "model.bin"  # an export's weights with --format bin, before exports took Hugging Face's name
+HF_BIN = "pytorch_model.bin"  # a Hugging Face directory's (and an export's) torch.save weights
+EXPORT_FILES = (SAFETENSORS, HF_BIN, BIN)
 HF_WEIGHTS = (SAFETENSORS, HF_BIN)
 HF_SHARD_INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 

@@ -25,6 +25,8 @@ EXPORT_JSON = "export.json"
 CONFIG_JSON = "config.json"
 #: The files an export directory holds (``export.json`` names it one).
 EXPORT_DIR_FILES = (*EXPORT_FILES, CONFIG_JSON, EXPORT_JSON)
+PIMM_CONFIG_JSON = "pimm_config.json"  # the run's config in an export (config.json: the model's own)
+LIBRARY_FILES = ("config.json", "generation_config.json")
 _CHECKPOINT_MARKS = (MANIFEST, COMPLETE, "trainer.dcp")
 
 
@@ -50,13 +52,20 @@ def inside_checkpoints(path: str | os.PathLike[str]) -> str | None:
 
 def is_previous_export(d: Path) -> bool:
     """True for a directory pimm's export wrote: ``export.json`` (with ``export_version``) and
-    nothing but :data:`EXPORT_DIR_FILES`."""
+    nothing but :data:`EXPORT_DIR_FILES`, the weight files it lists, ``pimm_config.json`` and, for
+    a library's model, what its ``save_pretrained`` writes (:data:`LIBRARY_FILES`)."""
     try:
         names = {e.name for e in d.iterdir()}
         record = json.loads((d / EXPORT_JSON).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return names <= set(EXPORT_DIR_FILES) and isinstance(record, dict) and "export_version" in record
+    if not (isinstance(record, dict) and "export_version" in record):
+        return False
+    files = record.get("files") if isinstance(record.get("files"), dict) else {}
+    own = {*EXPORT_DIR_FILES, PIMM_CONFIG_JSON, *files}
+    if record.get("library"):  # what the library's save_pretrained writes beside the weights
+        own |= set(LIBRARY_FILES)
+    return names <= own
 
 
 def _what_it_holds(d: Path) -> str:

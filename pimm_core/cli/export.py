@@ -27,7 +27,8 @@ def export_cmd(
     fmt: Literal["safetensors", "bin"] = typer.Option("safetensors", "--format", help="File format."),
     force: bool = typer.Option(False, "--force", help="Replace OUT_DIR when it is a previous export."),
 ) -> None:
-    """Export a checkpoint's weights (model.safetensors or model.bin, config.json, export.json)."""
+    """Export a checkpoint's weights (model.safetensors or pytorch_model.bin, pimm_config.json, export.json);
+    a transformers model as its own save_pretrained writes it (config.json, weights, shards)."""
     import json
 
     from ..checkpoint.export import EXPORT_JSON, export
@@ -43,7 +44,9 @@ def export_cmd(
                              hint="choose another OUT_DIR") from None
     rec = json.loads((out / EXPORT_JSON).read_text(encoding="utf-8"))
     step = f"step {rec['step']}, " if rec.get("step") is not None else ""
-    files = [rec["file"], *([rec["config"]] if rec.get("config") else []), EXPORT_JSON]
+    files = [*(rec.get("files") or [rec["file"]]), *([rec["config"]] if rec.get("config") else []), EXPORT_JSON]
+    if rec.get("library"):
+        files.insert(0, "config.json")
     ties = f", {len(rec['aliases'])} tied" if rec.get("aliases") else ""
     print(f"exported {checkpoint} ({step}{rec['weights']} weights, {rec['num_tensors']} tensors{ties}) "
           f"from {rec['source']} to {out}: {', '.join(files)}")

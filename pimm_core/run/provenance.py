@@ -62,7 +62,10 @@ def user_code(modules: list[str]) -> list[dict[str, Any]]:
     Returns:
         One ``{"module", "file", "git_commit", "dirty"}`` per module, in order; ``git_commit``
         (full sha of ``HEAD``) and ``dirty`` (uncommitted changes in that work tree) are
-        None when the file is not in a git work tree.
+        None when the file is not in a git work tree. A module of an installed distribution
+        (not an editable install) has ``distribution`` and ``version`` instead (from
+        :func:`importlib.metadata.packages_distributions`), and no git commit: the
+        environment may sit inside some checkout that has nothing to do with it.
     """
     import sys
 
@@ -72,12 +75,41 @@ def user_code(modules: list[str]) -> list[dict[str, Any]]:
         file = getattr(mod, "__file__", None)
         if not file or name.split(".")[0] in ("pimm_core", "torch", "builtins") or name in sys.stdlib_module_names:
             continue
-        where = Path(file).resolve().parent
+        path = Path(file).resolve()
+        installed = _installed_distribution(name.split(".")[0], path)
+        if installed is not None:  # an installed package: its version, not the git tree it may sit in
+            out.append({"module": name, "file": str(path), "distribution": installed[0], "version": installed[1],
+                        "git_commit": None, "dirty": None})
+            continue
+        where = path.parent
         commit = _git(["rev-parse", "HEAD"], where)
         status = _git(["status", "--porcelain", "--untracked-files=no"], where) if commit else None
-        out.append({"module": name, "file": str(Path(file).resolve()), "git_commit": commit,
-                    "dirty": bool(status) if commit else None})
+        out.append({"module": name, "file": str(path), "git_commit": commit, "dirty": bool(status) if commit else None})
     return out
+
+
+def _installed_distribution(top: str, file: Path) -> tuple[str, str] | None:
+    """``(distribution, version)`` of the installed distribution whose files hold ``file`` (a
+    module of top-level package ``top``), or None: not from a distribution, or an editable
+    install (its files live in their own work tree, whose git commit says more)."""
+    from importlib import metadata
+
+    for dist_name in _packages_distributions().get(top, ()):
+        try:
+            dist = metadata.distribution(dist_name)
+        except metadata.PackageNotFoundError:
+            continue
+        root = Path(str(dist.locate_file(""))).resolve()
+        if file.is_relative_to(root):
+            return dist.metadata["Name"] or dist_name, dist.version
+    return None
+
+
+@functools.cache
+def _packages_distributions() -> dict[str, list[str]]:
+    from importlib import metadata
+
+    return metadata.packages_distributions()
 
 
 @functools.cache

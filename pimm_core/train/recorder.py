@@ -33,8 +33,8 @@ import torch
 from ..config import Config, write_config
 from ..console_log import attach_console
 from ..dist import DistInfo
-from ..run import (CONFIG, METRICS, MetricsWriter, append_provenance, launch_record, log_handler, now_iso,
-                   supersede_after, write_status)
+from ..run import (CONFIG, METRICS, PROVENANCE, MetricsWriter, append_provenance, launch_record, log_handler,
+                   now_iso, supersede_after, write_status)
 from ..run.entries import check_run_entries
 from .state import TrainState
 from .sinks import Sink, open_sinks
@@ -129,6 +129,19 @@ class Recorder:
                                  eval_done=s.eval_step == s.global_step, provenance=base)
         append_provenance(self.run_dir, base, {"time": now_iso(), "world_size": world, "workers_per_rank": workers,
                                                "launch": launch_record(world), **entry})
+
+    def unstart(self) -> None:
+        """Take back what :meth:`start` wrote on a fresh start (``config.toml``, ``provenance.json``,
+        ``metrics.jsonl``), for a run that failed on its configuration before its first step:
+        the launch then removes the run directory as it does for any run that never started
+        (:meth:`~pimm_core.run.claim.RunDirClaim.discard_if_unstarted`)."""
+        if not self.writes:
+            return
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        for name in (CONFIG, PROVENANCE, METRICS):
+            (self.run_dir / name).unlink(missing_ok=True)
 
     def status(self, state: str, **extra: Any) -> None:
         """Replace ``status.json``: ``state`` (``running``, ``stopping``, ...) and the position."""

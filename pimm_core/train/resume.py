@@ -273,7 +273,7 @@ def check_against_metrics(tr: Trainer) -> list[str]:
         return warnings + ([f"metrics.jsonl has no train record up to step {step}; cannot check the resumed "
                             "schedule"] if step else [])
     sch = tr.scheduler
-    expected = sch.base_lrs[0] * sch.factor(last["step"] - 1)
+    expected = sch.base_lrs[0] * sch.logged_factor(last["step"])
     logged = json_number(last.get("lr"))
     logged = float("nan") if logged is None else logged
     log.info("resume check: restored step %d, next lr %.6e; log before interruption: step %d lr %.6e "

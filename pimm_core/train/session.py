@@ -9,12 +9,13 @@ agreement) in the order the loop needs.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import CheckpointSaveError, ConfigError
 from ..optim import observe_metric
+from ..targets import search_path
 from .step import SKIPPED
 
 if TYPE_CHECKING:
@@ -107,3 +108,15 @@ def end_session(tr: Trainer) -> None:
         tr.recorder.on_stop()
     tr.recorder.status("failed" if s.save_error is not None else "finished" if s.finished else "stopped")
     tr.callbacks.fire("on_train_end", tr)
+
+
+def start_files(tr: Trainer, entry: dict[str, Any], *, fresh: bool) -> None:
+    """The run's files at a ``train()`` start: config, status and the provenance start ``entry``
+    with what this start knows of the code and data (``code_search_path``: where ``pimm resume``,
+    reading the config from the run directory, finds user code)."""
+    entry = {**entry, "data_resume": tr.data_resume, "user_code": tr._user_code,
+             "code_search_path": search_path(tr.config_path)}
+    if tr._model_library is not None:
+        entry["model_library"] = tr._model_library  # how an export writes the model (its library)
+    tr.recorder.start(tr.config, entry, fresh=fresh, code_version=tr._code_version,
+                      data_fingerprint=tr.data.fingerprint)

@@ -92,7 +92,7 @@ def test_export_standard_run(tmp_path: Path) -> None:
     model = Small()
     run = fake_run(tmp_path, {f"module.{k}": v for k, v in model.state_dict().items()})
     out = export("last", tmp_path / "art" / "small", run_dir=run)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "export.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["export.json", "model.safetensors", "pimm_config.json"]
     assert not (tmp_path / "art" / "small.tmp").exists()
 
     sd = read_weight_sets(out / "model.safetensors")["raw"]
@@ -101,7 +101,7 @@ def test_export_standard_run(tmp_path: Path) -> None:
     load_exported(fresh, out)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
 
-    cfg = json.loads((out / "config.json").read_text())
+    cfg = json.loads((out / "pimm_config.json").read_text())
     assert cfg["train"]["weight"] == "" and cfg["train"]["resume"] is False
     assert cfg["run"]["root"] == REDACTED and cfg["data"]["cache"] == [REDACTED, "relative/dir", REDACTED]
     assert not [s for s in strings(cfg) if os.path.isabs(s) or s.startswith("C:")]
@@ -119,14 +119,14 @@ def test_config_found_by_walking_up_and_bin_format(tmp_path: Path) -> None:
     model = Small()
     run = fake_run(tmp_path, model.state_dict(), step=9)
     out = export(run / "model" / "last", tmp_path / "o", fmt="bin")
-    assert (out / "config.json").is_file()
-    plain = torch.load(out / "model.bin", weights_only=True)  # an ordinary state dict
+    assert (out / "pimm_config.json").is_file()
+    plain = torch.load(out / "pytorch_model.bin", weights_only=True)  # an ordinary state dict
     assert sorted(plain) == sorted(model.state_dict())
     assert json.loads((out / "export.json").read_text())["step"] == 9
-    # a file outside any run: no config.json
+    # a file outside any run: no pimm_config.json
     torch.save(model.state_dict(), tmp_path / "user.pt")
     out2 = export(tmp_path / "user.pt", tmp_path / "o2")
-    assert not (out2 / "config.json").exists()
+    assert not (out2 / "pimm_config.json").exists()
     assert json.loads((out2 / "export.json").read_text())["config"] is None
 
 
@@ -169,7 +169,20 @@ def test_tied_weights_round_trip(tmp_path: Path) -> None:
     again = export(tmp_path / "reordered.pth", tmp_path / "st2")
     assert json.loads((again / "export.json").read_text())["aliases"] == {"head.weight": "embed.weight"}
 
+    # the standard loaders restore the tie: safetensors' load_model, strictly
+    from safetensors.torch import load_model
+
+    torch.manual_seed(2)
+    std = Tied()
+    assert load_model(std, out / "model.safetensors", strict=True) == (set(), [])
+    assert torch.equal(std.head.weight, model.embed.weight)
+
+    # one rule for every format: pytorch_model.bin holds the same names as model.safetensors
     out_bin = export(tmp_path / "weights.pth", tmp_path / "bin", fmt="bin")
+    assert list(torch.load(out_bin / "pytorch_model.bin", weights_only=True)) == ["embed.weight"]
+    std_bin = Tied()
+    std_bin.load_state_dict(torch.load(out_bin / "pytorch_model.bin", weights_only=True), strict=False)
+    assert std_bin.head.weight is std_bin.embed.weight and torch.equal(std_bin.head.weight, model.embed.weight)
     fresh_bin = Tied(tie=False)
     load_exported(fresh_bin, out_bin)
     assert fresh_bin.head.weight is fresh_bin.embed.weight
@@ -255,7 +268,7 @@ def test_trained_run_export_reproduces_val_accuracy(trained_run, tmp_path: Path)
 
     out = tmp_path / "artifact"
     assert main(["export", "--run-dir", str(run), "last", str(out)]) == 0
-    cfg = json.loads((out / "config.json").read_text())
+    cfg = json.loads((out / "pimm_config.json").read_text())
     assert cfg["run"]["root"] == REDACTED
     data = build_datasets(DataConfig(**cfg["data"]))
     model = build_model(ModelConfig(**cfg["model"]), data.in_features, data.in_shape, data.num_classes)
@@ -270,6 +283,9 @@ def test_trained_run_export_reproduces_val_accuracy(trained_run, tmp_path: Path)
 
 
 # ------------------------------------------------------------------ reproducible exports
+WEIGHTS_FILE = {"safetensors": "model.safetensors", "bin": "pytorch_model.bin"}
+
+
 def _digests(out: Path) -> dict[str, str]:
     return {p.name: sha256_file(p) for p in sorted(out.iterdir())}
 
@@ -278,7 +294,7 @@ def _digests(out: Path) -> dict[str, str]:
 def test_export_twice_gives_the_same_bytes(tmp_path: Path, fmt: str) -> None:
     """Two `pimm export`s of one checkpoint, in two processes with different hash seeds: every file
     has the same sha256 (no export time recorded; the safetensors header, whose metadata order the
-    library leaves to a hash map, is written in one order; model.bin's inner folder is not named
+    library leaves to a hash map, is written in one order; pytorch_model.bin's inner folder is not named
     after a temporary file)."""
     torch.manual_seed(0)
     model = Tied()
@@ -294,9 +310,9 @@ def test_export_twice_gives_the_same_bytes(tmp_path: Path, fmt: str) -> None:
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONHASHSEED": seed})
     assert res.returncode == 0, res.stderr[-2000:]
     outs = [_digests(tmp_path / "out0"), _digests(tmp_path / "out1")]
-    assert outs[0] == outs[1] and sorted(outs[0]) == sorted(["config.json", "export.json", f"model.{fmt}"])
+    assert outs[0] == outs[1] and sorted(outs[0]) == sorted(["pimm_config.json", "export.json", WEIGHTS_FILE[fmt]])
     rec = json.loads((tmp_path / "out0" / "export.json").read_text())
-    assert "created" not in rec and rec["sha256"] == outs[0][f"model.{fmt}"]
+    assert "created" not in rec and rec["sha256"] == outs[0][WEIGHTS_FILE[fmt]]
 
 
 def test_safetensors_header_is_canonical(tmp_path: Path) -> None:

@@ -160,3 +160,21 @@ def test_get_objective_resolves_user_targets(tmp_path, monkeypatch):
             get_objective(f"{name}:stpe")
     finally:
         sys.modules.pop(name, None)
+
+
+def test_builtins_take_the_logits_of_a_mapping_or_an_output_object() -> None:
+    """A model returning ``{"logits": ...}`` (or a ``transformers`` ``ModelOutput``) trains with
+    the built-ins exactly as one returning the logits tensor."""
+    from transformers.modeling_outputs import CausalLMOutput
+
+    from pimm_core.objectives import BUILTIN, ObjectiveOutputError
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(4, 3)
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 1, 0])
+    plain = BUILTIN["classification"](head, (x, y))
+    as_dict = BUILTIN["classification"](lambda v: {"logits": head(v), "hidden": v}, (x, y))
+    as_output = BUILTIN["classification"](lambda v: CausalLMOutput(logits=head(v)), (x, y))
+    assert torch.equal(plain[0], as_dict[0]) and torch.equal(plain[0], as_output[0])
+    with pytest.raises(ObjectiveOutputError, match=r"the model returned a dict with keys \['hidden'\].*write an objective"):
+        BUILTIN["classification"](lambda v: {"hidden": v}, (x, y))

@@ -47,3 +47,22 @@ def test_plateau_schedule_resumes_exactly(tmp_path):
     assert _lrs(tmp_path / "cut") == lrs
     a, b = full.model.state_dict(), resumed.model.state_dict()
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_a_resume_after_a_cut_at_the_last_evaluation_does_not_warn_of_a_schedule_change(tmp_path):
+    """Stopped at an epoch's end, whose evaluation cut the LR: the log's last train record carries the
+    LR from before the cut, the checkpoint the cut one. The traces are identical, so no warning."""
+    full = _trainer(tmp_path / "full")
+    full.train(checkpoint_dir=tmp_path / "full" / "model")
+    lrs = _lrs(tmp_path / "full")
+    assert lrs[9] < lrs[8]  # the evaluation at step 8 cut the LR
+
+    cut = _trainer(tmp_path / "cut")
+    cut.callbacks.append(lambda tr: tr.stop.request("test") if tr.state.global_step == 8 else None)
+    assert cut.train(checkpoint_dir=tmp_path / "cut" / "model").stop_reason is not None
+    resumed = _trainer(tmp_path / "cut")
+    assert resumed.train(checkpoint_dir=tmp_path / "cut" / "model", resume_from=tmp_path / "cut" / "model").finished
+    assert _lrs(tmp_path / "cut") == lrs
+    start = json.loads((tmp_path / "cut" / "provenance.json").read_text())["starts"][-1]
+    assert start["kind"] == "resume" and start["step"] == 8
+    assert [w for w in start["warnings"] if "LR schedule" in w] == []
