@@ -29,6 +29,7 @@ A periodic save that fails, or a best/iter file that cannot be written, is logge
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sized
@@ -146,6 +147,7 @@ class Checkpointer:
         self.loader_state = loader_state
         self.dir: Path | None = None
         self.failed = False  # a save failed under on_error = "stop": no more saves
+        self.last_save_s: float | None = None  # seconds the last synchronous save took (train.max_time's rule)
 
     # ------------------------------------------------------------ contents
     def begin(self, checkpoint_dir: Path | None, *, scheduler: Any, grad_accum: int) -> None:
@@ -227,7 +229,10 @@ class Checkpointer:
         item = SaveItem(model=self.model, optimizer=self.optimizer, meta=self.meta(), rank_state=rank_state,
                         manifest=manifest, step=s.global_step, ema_weights=self.ema_weights, pointers=pointers,
                         gather_weights=self.config.checkpoint.gather_weights)
+        started = time.monotonic()
         path = self.format.save(checkpoint_dir, item, background=background)
+        if not (background and self.format.asynchronous):
+            self.last_save_s = time.monotonic() - started
         if self.info.is_main and not (background and self.format.asynchronous):
             # (a background save logs "saved" from its writer thread once it is published)
             log.info("saved %s (step %d, epoch %d, iter %d)", path, s.global_step, s.epoch, s.iter)

@@ -33,7 +33,7 @@ import torch
 from ..config import Config, write_config
 from ..console_log import attach_console
 from ..dist import DistInfo
-from ..run import CONFIG, METRICS, MetricsWriter, append_provenance, launch_record, log_handler, now_iso, write_status
+from ..run import CONFIG, METRICS, MetricsWriter, append_provenance, launch_record, log_handler, scheduler_record, now_iso, write_status
 from ..run.entries import check_run_entries
 from .state import TrainState
 from .tensorboard import TensorBoardWriter
@@ -119,8 +119,10 @@ class Recorder:
         base = {"code_version": code_version, "torch_version": torch.__version__, "host": socket.gethostname(),
                 "world_size": world, "workers_per_rank": workers, "data_fingerprint": data_fingerprint,
                 "python": sys.version.split()[0]}
+        job = scheduler_record()  # the Slurm job (and its restart count) of this start, if any
         append_provenance(self.run_dir, base, {"time": now_iso(), "world_size": world, "workers_per_rank": workers,
-                                               "launch": launch_record(world), **entry})
+                                               "launch": launch_record(world), **({"scheduler": job} if job else {}),
+                                               **entry})
 
     def status(self, state: str, **extra: Any) -> None:
         """Replace ``status.json``: ``state`` (``running``, ``stopping``, ...) and the position."""
