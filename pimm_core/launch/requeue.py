@@ -2,8 +2,9 @@
 ask Slurm to requeue the job (``scontrol requeue $SLURM_JOB_ID``); the job starts again
 under the same id and, launched with ``--train.auto-resume``, continues exactly.
 
-Done once per job by its outermost pimm process: the ``pimm launch --nproc-per-node``
-launcher once its ranks are gone, or rank 0 of ranks started by ``srun``/an external torchrun.
+Done once per job by its outermost pimm process on the job's first node (``SLURM_NODEID``
+0): the ``pimm launch --nproc-per-node`` launcher once its ranks are gone, or rank 0 of
+ranks started by ``srun``/an external torchrun.
 A pause asked with ``pimm stop`` (or ``Trainer.stop.request``) is not requeued.
 """
 
@@ -35,6 +36,8 @@ def requeue_if_asked(cfg: Config, run_dir: Path) -> int:
     if not job:
         print("train.requeue: not inside a Slurm job ($SLURM_JOB_ID unset); nothing requeued", flush=True)
         return 0
+    if os.environ.get("SLURM_NODEID", "0") != "0":
+        return 0  # the job's first node asks, once for the whole job
     # Slurm ends this job's processes (SIGTERM, then SIGKILL) as it requeues it: this process has
     # nothing left to do but exit, so the stop signals are ignored from here on.
     for sig in caught_signals():
