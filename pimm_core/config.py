@@ -84,6 +84,8 @@ class TrainConfig:
     # "pkg.mod:fn" with fn(model) -> iterable of submodules; FSDP shards each block as a unit and
     # activation checkpointing recomputes each block's activations
     activation_checkpointing: bool = False  # recompute each of train.blocks' activations in backward
+    find_unused_parameters: bool = False  # DDP: allow parameters that get no gradient in a step (a layer frozen
+    # mid-run, a branch not taken); costs a pass over the autograd graph each step
     # signals that stop the run cleanly (save `last`, exit 0), on every rank; add the one a scheduler
     # sends before its time limit, e.g. "SIGUSR1" for `sbatch --signal=B:USR1@60`
     stop_signals: list[str] = field(default_factory=lambda: ["SIGINT", "SIGTERM", "SIGHUP"])
@@ -106,6 +108,9 @@ class DataConfig:
     name: str = "digits"
     batch_size: int = 32
     num_workers: int = 0  # per rank
+    shuffle: bool = True  # a new permutation of the train split each epoch (seed + epoch); false: in order
+    # drop the samples that do not fill the epoch evenly: none repeated to pad the ranks' shards, no short last batch
+    drop_last: bool = False
     # how DataLoader workers start (PyTorch's argument): "forkserver" from a clean process; "spawn";
     # "fork" copies the rank with its threads and can hang (pimm_core.loader_workers)
     multiprocessing_context: Literal["forkserver", "spawn", "fork"] = "forkserver"
@@ -174,6 +179,8 @@ class CheckpointConfig:
     every_epochs: int = 1  # 0: no epoch-end saves (the end of training still saves)
     keep_iter: int = 3  # how many iter_<step>.pth snapshots to keep; 0 keeps none
     keep_last: int = 3  # single format: how many step_<step>.pth files to keep (pointer targets always kept)
+    keep_full: int = 1  # standard format: how many full checkpoints to keep: last and the newest k-1 superseded
+    # ones as full_<step>/ (each can resume: --train.resume-from model/full_<step>)
     on_error: Literal["stop", "continue"] = "stop"  # a failed periodic save stops the run (or only warns)
     async_: bool = False  # TOML key `async`: write periodic standard saves in the background
     gather_weights: bool = True  # FSDP: also gather the full weights into weights.pth (rank 0, via CPU);
@@ -198,6 +205,7 @@ class FsdpConfig:
 @dataclass
 class EvalConfig:
     every_epochs: int = 1
+    batch_size: int | None = None  # per rank; unset: max(data.batch_size, 256)
     metric: str = "val/acc"
     mode: Literal["max", "min"] = "max"
     weights: Literal["raw", "ema"] = "raw"  # evaluate the raw or the EMA weights

@@ -51,6 +51,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "data.batch_size": (1, None),
     "data.num_workers": (0, None),
     "data.timeout": (0, None),
+    "eval.batch_size": (1, None),
     "data.val_fraction": (0, 1),
     "model.hidden": (1, None),
     "model.dropout": (0, 1),
@@ -58,6 +59,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "checkpoint.every_epochs": (0, None),
     "checkpoint.keep_iter": (0, None),
     "checkpoint.keep_last": (1, None),
+    "checkpoint.keep_full": (1, None),
     "eval.every_epochs": (0, None),
     "ema.decay": (0, 1),
 }

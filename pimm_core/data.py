@@ -240,9 +240,12 @@ def stream_shard() -> tuple[int, int]:
 def train_loader(ds: Any, cfg: DataConfig, info: DistInfo, seed: int,
                  collate_fn: Callable[[list[Any]], Any] | None = None
                  ) -> tuple[StatefulDataLoader, DistributedSampler | None]:
-    """Shuffled, epoch-addressed training loader for this rank over a map-style ``ds``
-    (``drop_last`` on the sampler off; ``collate_fn`` None: PyTorch's default); over an
-    iterable ``ds`` no sampler (None; the stream shards itself, see the module docstring).
+    """Epoch-addressed training loader for this rank over a map-style ``ds``: a
+    ``DistributedSampler`` shuffled by ``seed + epoch`` (``data.shuffle``), and with
+    ``data.drop_last`` the sampler drops the tail that does not divide among the ranks
+    (instead of repeating samples to pad the shards) and the loader its short last batch
+    (``collate_fn`` None: PyTorch's default); over an iterable ``ds`` no sampler (None; the
+    stream shards itself, see the module docstring; ``drop_last`` still drops a short batch).
 
     Raises:
         ConfigError: an iterable ``ds`` without ``__len__``.
@@ -254,7 +257,8 @@ def train_loader(ds: Any, cfg: DataConfig, info: DistInfo, seed: int,
             raise ConfigError(f"data: the train split {type(ds).__name__} is an IterableDataset without __len__; "
                               "define it as the samples it yields per epoch on each rank") from None
     sampler = None if is_stream(ds) else \
-        DistributedSampler(ds, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed)
+        DistributedSampler(ds, num_replicas=info.world_size, rank=info.rank, shuffle=cfg.shuffle, seed=seed,
+                           drop_last=cfg.drop_last)
     # Workers start from a clean process (pimm_core.loader_workers), once per epoch: a
     # dataset's set_epoch reaches them, as it would not reach persistent workers.
     workers = {}
@@ -265,7 +269,7 @@ def train_loader(ds: Any, cfg: DataConfig, info: DistInfo, seed: int,
     # The loader's own generator: creating an iterator must not draw from the global
     # torch RNG, or a resumed run (which creates one mid-epoch) would shift the dropout stream.
     loader = TrainLoader(ds, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
-                         drop_last=False, persistent_workers=False, collate_fn=collate_fn,
+                         drop_last=cfg.drop_last, persistent_workers=False, collate_fn=collate_fn,
                          worker_init_fn=functools.partial(init_worker, os.getpid()),
                          generator=torch.Generator().manual_seed(seed + info.rank), **workers)
     loader.rank, loader.start_method = info.rank, cfg.multiprocessing_context
@@ -346,12 +350,15 @@ def stop_workers(iterator: Any) -> None:
 
 
 def eval_loader(ds: Any, cfg: DataConfig, info: DistInfo,
-                collate_fn: Callable[[list[Any]], Any] | None = None) -> torch.utils.data.DataLoader:
+                collate_fn: Callable[[list[Any]], Any] | None = None,
+                batch_size: int | None = None) -> torch.utils.data.DataLoader:
     """This rank's unpadded shard of a map-style validation set (:class:`ShardSampler`), in
-    batches of ``max(data.batch_size, 256)``: every sample is evaluated exactly once. An
-    iterable set is read as it yields (it shards itself: :func:`stream_shard`)."""
+    batches of ``batch_size`` (``eval.batch_size``; None: ``max(data.batch_size, 256)``): every
+    sample is evaluated exactly once. An iterable set is read as it yields (it shards itself:
+    :func:`stream_shard`)."""
     sampler = None if is_stream(ds) else ShardSampler(len(ds), info)
-    return torch.utils.data.DataLoader(ds, batch_size=max(cfg.batch_size, 256), sampler=sampler,
+    size = batch_size if batch_size is not None else max(cfg.batch_size, 256)
+    return torch.utils.data.DataLoader(ds, batch_size=size, sampler=sampler,
                                        generator=torch.Generator().manual_seed(0), collate_fn=collate_fn)
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from .faults import point, register
 
@@ -171,11 +172,24 @@ def keep_aside(path: Path, tag: str = "corrupt") -> Path:
 
 
 def remove_tree(path: Path) -> None:
-    """Remove a file or directory tree if present."""
+    """Remove a file or directory tree if present.
+
+    Raises:
+        OSError: the first entry that could not be removed, its ``filename`` the entry's full
+            path (not the name relative to its directory that ``shutil.rmtree`` reports).
+    """
     if path.is_symlink() or path.is_file():
         path.unlink(missing_ok=True)
     elif path.exists():
-        shutil.rmtree(path)
+        def named(_func: Any, where: str, exc: BaseException) -> None:
+            if isinstance(exc, OSError):
+                raise OSError(exc.errno, exc.strerror, where) from exc
+            raise exc
+
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(path, onexc=named)
+        else:
+            shutil.rmtree(path, onerror=lambda func, where, info: named(func, where, info[1]))
 
 
 def remove_stale_temporaries(directory: Path) -> list[str]:

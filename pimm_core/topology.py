@@ -9,6 +9,7 @@ The resume policy, one row per condition (checked in this order)::
     per-rank micro-batch size changes      discard loader cursor; restart the saved epoch
     accumulation window changes            discard loader cursor; restart the saved epoch
     per-rank worker count changes          discard loader cursor; restart the saved epoch
+    the training data changed              discard loader cursor; restart the saved epoch
     checkpoint has no loader state         restart the saved epoch
     strategy changes (ddp <-> fsdp) alone  reshard model, optimizer and EMA exactly (DCP); keep loader
                                            cursor and per-rank RNG; continue from the saved iteration
@@ -32,6 +33,14 @@ logged and recorded in ``provenance.json``. A checkpoint taken at an epoch end h
 nothing to replay, so every row continues exactly at the next epoch's first batch
 (up to the changed sample order and RNG streams of a new topology).
 
+The training data is compared by its length (``data_length``: the train split's ``len``; not
+recorded for a stream, whose ``__len__`` is per rank) and, when the dataset gives one, its fingerprint (``data_fingerprint``).
+A loader cursor is a position in the permutation of the data it was saved for: applied to
+data of another length it would skip samples, or run past the end. So when either differs
+(both sides known) the cursor is never applied: the saved epoch restarts from its start,
+over the new data, with a warning. Checkpoints that did not record a length (older ones)
+and datasets without a fingerprint are compared by what is known, and resume as before.
+
 Torch-free: ``--dry-run``, ``pimm checkpoints diff`` and the console use it.
 """
 
@@ -47,6 +56,7 @@ ROWS = {
     "batch_size": "per-rank micro-batch size changes: discard loader cursor, restart the saved epoch",
     "grad_accum": "accumulation window changes: discard loader cursor, restart the saved epoch",
     "workers": "per-rank worker count changes: discard loader cursor, restart the saved epoch",
+    "data": "the training data changed (its length or fingerprint): discard loader cursor, restart the saved epoch",
     "no_loader_state": "checkpoint has no loader state: restart the saved epoch",
     "non_strict": "resume_strict_state=False: best-effort state restore; loader cursor skipped",
     "legacy": "legacy mid-epoch checkpoint: no structured cursor; replay from an epoch boundary",
@@ -110,7 +120,8 @@ def replay_step(manifest: dict[str, Any], grad_accum: int) -> int:
 
 
 def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, workers_per_rank: int, strict: bool,
-                grad_accum: int = 1, batch_size: int | None = None, legacy: bool = False) -> ResumePlan:
+                grad_accum: int = 1, batch_size: int | None = None, legacy: bool = False,
+                data_length: int | None = None, data_fingerprint: str | None = None) -> ResumePlan:
     """Apply the resume policy to a checkpoint's manifest.
 
     Args:
@@ -125,6 +136,9 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
         grad_accum: planned micro-batches per optimizer step.
         batch_size: planned per-rank micro-batch size (None: not compared).
         legacy: the checkpoint is a legacy single file (no structured cursor).
+        data_length, data_fingerprint: the planned train split's length and fingerprint (None:
+            not known, not compared), against the manifest's ``data_length`` and
+            ``data_fingerprint``.
     """
     step, epoch, it = int(manifest.get("step", 0)), int(manifest.get("epoch", 0)), int(manifest.get("iter", 0))
     saved_ws = int(manifest.get("world_size", world_size))
@@ -137,6 +151,9 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
     topo = {"saved_world_size": saved_ws, "world_size": world_size, "saved_strategy": saved_strategy, "strategy": strategy,
             "saved_workers_per_rank": saved_workers, "workers_per_rank": workers_per_rank,
             **{f"saved_{k}": saved[k] for k in BATCHING_KEYS}, **planned}
+    data_changes = data_change(manifest, data_length, data_fingerprint)
+    if manifest.get("data_length") is not None or data_length is not None:
+        topo.update(saved_data_length=manifest.get("data_length"), data_length=data_length)
     changed_batching = [k for k in BATCHING_KEYS if planned[k] is not None and saved[k] != planned[k]]
     if legacy:
         row = "legacy"
@@ -148,6 +165,8 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
         row = changed_batching[0]
     elif saved_workers != workers_per_rank:
         row = "workers"
+    elif data_changes:
+        row = "data"
     elif it > 0 and not has_loader:
         row = "no_loader_state"
     elif strategy_changed:
@@ -157,7 +176,7 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
     # The sample order and the RNG streams depend on rank and world size, never on the strategy.
     restore_cursor = row in ("same", "strategy") and it > 0
     # A legacy file carries rank 0's RNG only: usable when rank 0 is the whole run, before and after.
-    restore_rng = row in ("same", "strategy", "workers", "no_loader_state", *BATCHING_KEYS) \
+    restore_rng = row in ("same", "strategy", "workers", "data", "no_loader_state", *BATCHING_KEYS) \
         or (row == "non_strict" and saved_ws == world_size) or (row == "legacy" and saved_ws == world_size == 1)
     restored = ["model weights", "optimizer", "scheduler", "AMP scaler", "epoch/step counters", "best-metric state",
                 "EMA (when the run keeps one)"]
@@ -195,6 +214,13 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
         warnings.append(strategy_warning(saved_strategy, strategy, row, saved_ws != world_size))
     if saved_workers != workers_per_rank:
         warnings.append(f"per-rank workers changed {saved_workers} -> {workers_per_rank}")
+    if row == "no_loader_state" and manifest.get("loader_state_problem"):
+        warnings.append(f"the checkpoint was saved without its loader cursor: the train split's state_dict(): "
+                        f"{manifest['loader_state_problem']}")
+    if data_changes:
+        warnings.append(f"the training data changed since the save ({'; '.join(data_changes)}): the loader cursor "
+                        "was saved for the old data and is never applied to the new"
+                        + (f"; epoch {epoch} restarts from its start over the new data" if it > 0 else ""))
     for k in changed_batching:
         label = "per-rank micro-batch size" if k == "batch_size" else "accumulation window (train.grad_accum)"
         warnings.append(f"{label} changed {saved[k]} -> {planned[k]}: optimizer steps from here on average over "
@@ -202,6 +228,18 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
     exact = (row == "same" or (row == "legacy" and it == 0 and restore_rng)) and not strategy_changed
     return ResumePlan(row, restore_cursor, restore_rng, exact, new_step, epoch, new_iter, replay,
                       restored, discarded, warnings, topo)
+
+
+def data_change(manifest: dict[str, Any], length: int | None, fingerprint: str | None) -> list[str]:
+    """How the planned train data differs from what ``manifest`` recorded (``data_length``,
+    ``data_fingerprint``): ``["train samples 100 -> 40"]``; empty when the same or unknown."""
+    out = []
+    saved_len, saved_fp = manifest.get("data_length"), manifest.get("data_fingerprint")
+    if saved_len is not None and length is not None and int(saved_len) != int(length):
+        out.append(f"train samples {saved_len} -> {length}")
+    if saved_fp is not None and fingerprint is not None and str(saved_fp) != str(fingerprint):
+        out.append(f"data fingerprint {saved_fp} -> {fingerprint}")
+    return out
 
 
 def strategy_warning(saved: str, planned: str, row: str, world_size_changed: bool) -> str:

@@ -54,8 +54,8 @@ from .stop import StopRequest
 from .time_limit import TimeLimit
 from .topology import finished_message
 from .train.best import BestTracker
-from .train.build import (build_data, build_model, build_objective, data_resume_policy, user_code_of,
-                          warm_start_model)
+from .train.build import (build_data, build_model, build_objective, data_length, data_resume_policy,
+                          user_code_of, warm_start_model)
 from .train.checkpointer import Checkpointer
 from .train.evaluator import Evaluator
 from .train.parallel import is_fsdp, parallelize
@@ -143,7 +143,7 @@ class Trainer:
 
         d = self.data
         self.loader, self.sampler = train_loader(d.train, config.data, self.info, config.train.seed, d.collate_fn)
-        self.val_loader = eval_loader(d.val, config.data, self.info, d.collate_fn)
+        self.val_loader = eval_loader(d.val, config.data, self.info, d.collate_fn, config.eval.batch_size)
         self.data_resume = data_resume_policy(d.train, self.info.is_main)  # "exact" or "replay_from_boundary"
         self.optimizer = build_optimizer(config, unwrap(self.model), config_path)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.train.amp == "fp16")
@@ -155,7 +155,8 @@ class Trainer:
         self.checkpointer = Checkpointer(config, self.info, self.stop, model=self.model, optimizer=self.optimizer,
                                          loader=self.loader, state=self.state, scaler=self.scaler, ema=self.ema,
                                          data_fingerprint=self.data.fingerprint, code_version=self._code_version,
-                                         loader_state=self.data_resume == "exact")
+                                         loader_state=self.data_resume == "exact",
+                                         data_length=data_length(d.train))
         self.stop_agreement = StopAgreement(self.stop, self.info, self.run_dir, self.device)
         self.best = BestTracker(config.eval.metric, config.eval.mode)
         # (a plain function, not a bound method: a part holding the trainer would make a reference
@@ -362,7 +363,7 @@ class Trainer:
             if outcome == STOP:
                 stop_nonfinite(self, epoch)
                 return s.iter >= n_micro
-            after_step(self, outcome, loss, samples, epoch)
+            after_step(self, outcome, loss, samples, epoch, step.grad_norm)
             if s.stop_reason is not None:
                 return s.iter >= n_micro  # True: at the epoch end, its evaluation runs first
             run_ends = self._at_max_steps(t)

@@ -19,6 +19,7 @@ from textual.message import Message
 from textual.widgets import DataTable, Footer, Input, TabbedContent, TabPane, Tabs
 
 from pimm_core.watch.snapshot import RunReader, RunSnapshot
+from pimm_core.shell import resume_command
 from pimm_core.stop import write_stop_file
 from pimm_core.text import printable
 
@@ -196,7 +197,8 @@ class PimmConsole(App[None]):
             self.notify(printable(f"cannot stop: {why}"), severity="warning", markup=False)
             return
         name = "/".join(self.run_dir.absolute().parts[-2:])
-        self.push_screen(ConfirmStop(name, self.snapshot.step if self.snapshot else None), self._stop_confirmed)
+        self.push_screen(ConfirmStop(name, self.snapshot.step if self.snapshot else None, resume_command(self.run_dir)),
+                         self._stop_confirmed)
 
     def _stop_confirmed(self, confirmed: bool | None) -> None:
         if not confirmed:

@@ -43,10 +43,11 @@ class ConfirmStop(ModalScreen[bool]):
         Binding("n,escape", "cancel", "Cancel"),
     ]
 
-    def __init__(self, run_name: str, step: int | None):
+    def __init__(self, run_name: str, step: int | None, resume: str):
         super().__init__()
         self.run_name = run_name
         self.step = step
+        self.resume = resume  # the command that resumes the run, as `pimm launch` prints it
 
     def _title(self) -> str:
         at = f" (now at step {self.step})" if self.step is not None else ""
@@ -62,8 +63,8 @@ class ConfirmStop(ModalScreen[bool]):
     def compose(self) -> ComposeResult:
         with Vertical(id="confirm-box"):
             yield Static(plain_text(self._title()), id="confirm-title")  # the run's name is never markup
-            yield Static("The trainer finishes the current accumulation window, saves model/last, "
-                         "and exits; resume later with --train.resume.", id="confirm-text")
+            yield Static(plain_text("The trainer finishes the current accumulation window, saves model/last, "
+                                    f"and exits; resume later with: {self.resume}"), id="confirm-text")
             with Horizontal(id="confirm-buttons"):
                 yield Button("Stop (y)", variant="error", id="confirm-yes", compact=True)
                 yield Button("Cancel (n)", variant="default", id="confirm-no", compact=True)

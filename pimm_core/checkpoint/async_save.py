@@ -181,7 +181,7 @@ class AsyncStandardFormat:
                 if staged is not None:
                     staged[1].result()
                 weights = read_checkpoint_weights(tmp) if from_shards else staged[0] if staged is not None else None
-                publish(tmp, final, weights, manifest, hasher)
+                publish(tmp, final, weights, manifest, hasher, getattr(self.inner, "keep_full", 1))
                 logging.getLogger("pimm").info("saved %s (step %s, epoch %s, iter %s; written in the background)",
                                                final, manifest.get("step"), manifest.get("epoch"),
                                                manifest.get("iter"))

@@ -20,8 +20,10 @@ Tied tensors are stored once in ``model.safetensors`` (see :mod:`.export_formats
 aliases are recorded in ``export.json`` too, and :func:`load_exported` puts them back
 and re-ties the model's parameters. The config is sanitized by :mod:`.export_config`.
 
-The directory is written as ``OUT_DIR.tmp``, fsynced and renamed into place; an
-existing non-empty ``OUT_DIR`` is replaced only with ``force``.
+The directory is written under a fresh hidden name beside ``OUT_DIR``, fsynced and renamed
+into place; an existing non-empty ``OUT_DIR`` is replaced only with ``force``, and only when
+it is a previous export (see :mod:`.outputs`). The weights and the metadata come from one
+generation of the checkpoint, even while a live run rotates it (:func:`.weights.read_source`).
 """
 
 from __future__ import annotations
@@ -34,31 +36,24 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from ..fsio import atomic_write_bytes, fsync_dir, fsync_tree, remove_tree
+from ..fsio import atomic_write_bytes, fsync_tree, remove_tree
 from .export_config import read_run_config, sanitize_config
 from .foreign import BIN, SAFETENSORS
 from .hub import is_remote
 from .key_rules import DEFAULT_KEY_RULES, apply_key_rules
 from .manifest import sha256_file
+from .outputs import CONFIG_JSON, EXPORT_JSON, check_output_dir, check_output_file, new_temp_dir, replace_dir
 from ..run.layout import find_run_dir
-from .sources import checkpoint_record, resolve_weight_source
+from .generation import read_whole
+from .sources import resolve_weight_source
 from .state import load_full_state_dict
 from .strict_load import check_strict, check_unwrapped
 from .ties import find_aliases, follow_model_ties, tie_parameters
 from .export_formats import write_bin, write_safetensors
-from .weights import WEIGHT_SETS, read_checkpoint, read_weight_sets, retie, select_weight_set
+from .weights import WEIGHT_SETS, read_checkpoint, read_source, retie, select_weight_set
 
 FORMATS = {"safetensors": SAFETENSORS, "bin": BIN}
-EXPORT_JSON = "export.json"
-CONFIG_JSON = "config.json"
 EXPORT_VERSION = 1
-
-
-def _check_out_dir(out_dir: Path, force: bool) -> None:
-    if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
-        raise UsageError(f"{out_dir} exists and is not a directory; choose a directory for the export")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise UsageError(f"{out_dir} already exists and is not empty; use --force to replace it")
 
 
 def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, weights: str = "raw",
@@ -74,14 +69,16 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
         run_dir: the run the checkpoint belongs to; its ``config.toml`` becomes
             ``config.json``. Default: the nearest directory above the checkpoint file
             (up to 4 levels) that holds ``config.toml``.
-        force: replace an existing non-empty ``out_dir``.
+        force: replace an existing non-empty ``out_dir`` that is a previous export.
 
     Returns:
         ``out_dir``.
 
     Raises:
-        UsageError: bad ``weights`` or ``fmt``; ``out_dir`` exists and is not empty
-            (without ``force``) or is not a directory.
+        UsageError: bad ``weights`` or ``fmt``; ``out_dir`` is refused by
+            :func:`~pimm_core.checkpoint.outputs.check_output_dir` (not empty without
+            ``force``; with it, not a previous export; inside a checkpoint; not a directory).
+        GenerationChanged: a live run replaced the checkpoint during every read.
         WeightNotFoundError, IncompleteCheckpointError: ``source`` does not resolve.
         CheckpointError: unreadable or unsafe checkpoint; no such weight set; bad config.toml.
         OSError: a write failed (``out_dir`` is untouched).
@@ -91,20 +88,18 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
     if weights not in WEIGHT_SETS:
         raise UsageError(f"weights {weights!r} is not a weight set; use one of {list(WEIGHT_SETS)}")
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir, force)
+    target = check_output_dir(out_dir, force=force)
 
-    resolved = resolve_weight_source(source, run_dir=run_dir)
-    sets, info = read_checkpoint(resolved)
+    resolved, sets, info, record = read_source(source, run_dir=run_dir)
     sd = apply_key_rules(select_weight_set(sets, weights, source), DEFAULT_KEY_RULES)
-    record = {} if is_remote(source) else checkpoint_record(resolved)
+    if is_remote(source):
+        record = {}
     step = record.get("step", info.get("step"))
 
     rd = Path(run_dir) if run_dir is not None else (None if is_remote(source) else _run_dir_near(resolved))
     cfg = read_run_config(rd) if rd is not None else None
 
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    remove_tree(tmp)
-    tmp.mkdir(parents=True)
+    tmp = new_temp_dir(target, "export")
     try:
         model_file = tmp / FORMATS[fmt]
         if fmt == "safetensors":
@@ -145,7 +140,7 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
         }
         atomic_write_bytes(tmp / EXPORT_JSON, (json.dumps(record_out, indent=2) + "\n").encode())
         fsync_tree(tmp)
-        _publish(tmp, out_dir)
+        replace_dir(tmp, target)
     except BaseException:
         remove_tree(tmp)
         raise
@@ -161,19 +156,6 @@ def _run_dir_near(path: Path, levels: int = 4) -> Path | None:
     except ValueError:
         return None
     return found if depth <= levels else None
-
-
-def _publish(tmp: Path, out_dir: Path) -> None:
-    """``tmp`` -> ``out_dir``; an existing ``out_dir`` is moved aside first and removed after."""
-    parent = out_dir.parent
-    old = out_dir.with_name(out_dir.name + ".old")
-    if out_dir.exists():
-        remove_tree(old)
-        os.rename(out_dir, old)
-        fsync_dir(parent)
-    os.rename(tmp, out_dir)
-    fsync_dir(parent)
-    remove_tree(old)
 
 
 # ---------------------------------------------------------------------- load
@@ -195,16 +177,20 @@ def load_exported(model: nn.Module, out_dir: str | os.PathLike[str], *, retie_pa
         CheckpointError: unreadable file, or keys/shapes that differ from the model.
     """
     check_unwrapped(model)
-    path = resolve_weight_source(out_dir)
-    sets, info = read_checkpoint(path)
-    sd = dict(sets["raw"])
-    aliases = dict(info.get("aliases") or {})
-    side = path.parent / EXPORT_JSON
-    if side.is_file():
-        try:
-            aliases.update(json.loads(side.read_text(encoding="utf-8")).get("aliases") or {})
-        except (OSError, ValueError, AttributeError):
-            pass
+
+    def read(path: Path) -> tuple[Path, dict[str, torch.Tensor], dict[str, str]]:
+        sets, info = read_checkpoint(path)
+        aliases = dict(info.get("aliases") or {})
+        side = path.parent / EXPORT_JSON
+        if side.is_file():
+            try:
+                aliases.update(json.loads(side.read_text(encoding="utf-8")).get("aliases") or {})
+            except (OSError, ValueError, AttributeError):
+                pass
+        return path, dict(sets["raw"]), aliases
+
+    # the model file and export.json of one export, even while `pimm export --force` replaces it
+    path, sd, aliases = read_whole(lambda: resolve_weight_source(out_dir), read, what=os.fspath(out_dir))
     retie(sd, aliases)
     sd = follow_model_ties(model, apply_key_rules(sd, DEFAULT_KEY_RULES))
     check_strict(model, sd, str(path))
@@ -231,13 +217,15 @@ def export_weights(checkpoint: str | os.PathLike[str], path: str | os.PathLike[s
     The file is written atomically (temporary name, fsync, rename).
 
     Raises:
-        UsageError: bad ``weights``; ``path`` is an existing non-empty directory.
+        UsageError: bad ``weights``; ``path`` is an existing non-empty directory (not a
+            previous export), or lies in a checkpoint or a run's ``model/`` directory.
         WeightNotFoundError, IncompleteCheckpointError, CheckpointError: as :func:`load_weights`.
     """
     out = Path(path)
     if out.suffix in (".safetensors", ".bin", ".pth", ".pt"):
-        src = resolve_weight_source(checkpoint)
-        sd = apply_key_rules(select_weight_set(read_weight_sets(src), weights, checkpoint))
+        check_output_file(out)
+        _, sets, _, _ = read_source(checkpoint)
+        sd = apply_key_rules(select_weight_set(sets, weights, checkpoint))
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.suffix == ".safetensors":
             write_safetensors(sd, out, metadata={"pimm.weights": weights})

@@ -46,6 +46,7 @@ from ..errors import CheckpointError, CheckpointParseError
 from ..faults import point, register
 from ..fsio import fsync_dir, temp_path
 from .manifest import sha256_file, write_manifest
+from .optim_state import frozen_state_loaded, unstepped
 from .protocol import LoadedState, SaveItem, meta_problem
 from .publish import on_main, save_torch_file
 from .safe_read import load_torch_file
@@ -136,8 +137,10 @@ def save_legacy(model_dir: Path, *, model: nn.Module, optimizer: torch.optim.Opt
                 ema_state_dict: dict[str, torch.Tensor] | None) -> Path:
     """Publish ``model_dir/model_last.pth`` (rank 0 only)."""
     plain = unwrap(model)
+    with unstepped(optimizer, fill=False):
+        optim_sd = get_optimizer_state_dict(plain, optimizer)
     payload: dict[str, Any] = {
-        "format": "legacy", "state_dict": plain.state_dict(), "optimizer": get_optimizer_state_dict(plain, optimizer),
+        "format": "legacy", "state_dict": plain.state_dict(), "optimizer": optim_sd,
         "scheduler": meta["scheduler"], "scaler": meta["scaler"], "epoch": meta["trainer"]["epoch"],
         "progress": meta["trainer"], "world_size": meta["world_size"], "workers_per_rank": meta["workers_per_rank"],
         "rng": rank0_state["rng"],
@@ -184,7 +187,9 @@ def save_single(model_dir: Path, *, model: nn.Module, optimizer: torch.optim.Opt
     weights = {"raw": plain.state_dict()}
     if ema_state_dict is not None:
         weights["ema"] = ema_state_dict
-    payload = {"format": "single", "weights": weights, "optimizer": get_optimizer_state_dict(plain, optimizer),
+    with unstepped(optimizer, fill=False):
+        optim_sd = get_optimizer_state_dict(plain, optimizer)
+    payload = {"format": "single", "weights": weights, "optimizer": optim_sd,
                **{k: meta[k] for k in ("trainer", "scheduler", "scaler", "ema", "world_size", "workers_per_rank")},
                "rank_states": rank_states}
     path = model_dir / f"step_{meta['trainer']['global_step']}.pth"
@@ -284,11 +289,15 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
     skipped: list[str] = check_dtypes(path, casts, strict)
     load_full_state_dict(plain, raw)
     if optimizer is not None:
+        fresh = not optimizer.state
         try:
             # the file holds full tensors: a sharded (FSDP2) model takes its shards of them
-            set_optimizer_state_dict(plain, optimizer, obj["optimizer"],
-                                     options=StateDictOptions(full_state_dict=is_sharded(plain)))
+            with unstepped(optimizer, fill=True), frozen_state_loaded(plain, (obj["optimizer"] or {}).get("state")):
+                set_optimizer_state_dict(plain, optimizer, obj["optimizer"],
+                                         options=StateDictOptions(full_state_dict=is_sharded(plain)))
         except (KeyError, RuntimeError, ValueError, TypeError) as e:
+            if fresh:
+                optimizer.state.clear()  # no uninitialized state outlives a failed load
             if strict:
                 raise CheckpointError(f"optimizer state in {path} does not fit: {e}") from None
             skipped.append(f"optimizer state in {path} skipped (resume_strict_state=false): {e}")

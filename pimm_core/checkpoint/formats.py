@@ -12,7 +12,8 @@ from .standard import StandardFormat
 FORMAT_NAMES = ("standard", "legacy", "single")
 
 
-def make_format(name: str, info: DistInfo, *, background: bool = False, keep_last: int = 0) -> CheckpointFormat:
+def make_format(name: str, info: DistInfo, *, background: bool = False, keep_last: int = 0,
+                keep_full: int = 1) -> CheckpointFormat:
     """The format called ``name``, for this process's rank layout.
 
     Args:
@@ -21,12 +22,14 @@ def make_format(name: str, info: DistInfo, *, background: bool = False, keep_las
             process group when distributed, so every rank must make the same call);
             ignored by the file formats.
         keep_last: ``checkpoint.keep_last``, the single format's retention (0 keeps all).
+        keep_full: ``checkpoint.keep_full``, the standard format's full checkpoints kept (``last``
+            and the newest ``keep_full - 1`` superseded ones as ``full_<step>/``).
 
     Raises:
         ConfigError: an unknown name.
     """
     if name == "standard":
-        standard = StandardFormat(info)
+        standard = StandardFormat(info, keep_full=keep_full)
         return AsyncStandardFormat(standard) if background else standard
     if name == "legacy":
         return LegacyFormat(info)

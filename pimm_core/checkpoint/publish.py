@@ -3,14 +3,15 @@ failure contract every format shares.
 
 Everything a save writes goes under a temporary name, is fsynced, then renamed into place
 with a directory fsync after each rename; a directory checkpoint is rotated in (``last`` ->
-``last.prev``, ``last.tmp`` -> ``last``, ``last.prev`` removed in the background). A write
-that fails on rank 0 makes every rank raise :class:`CheckpointSaveError` (:func:`on_main`),
-naming what a resume would now select (:func:`intact_note`).
+``last.prev``, ``last.tmp`` -> ``last``, ``last.prev`` renamed away whole and removed in the
+background). A write that fails on rank 0 makes every rank raise :class:`CheckpointSaveError`
+(:func:`on_main`), naming what a resume would now select (:func:`intact_note`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +28,8 @@ from ..fsio import atomic_write, atomic_write_bytes, fsync_dir, fsync_tree, remo
 from .follow import FollowingHasher
 from .manifest import COMPLETE, MANIFEST, describe_files, write_manifest
 from .selection import TRAINER_DCP, WEIGHTS, select_resume
+
+log = logging.getLogger("pimm")
 
 register("file.written", "file.synced", "file.renamed", "standard.prepared", "standard.dcp_written",
          "standard.dcp_complete", "standard.weights_written", "standard.synced", "standard.manifest_written",
@@ -90,52 +93,145 @@ def save_torch_file(path: Path, obj: Any) -> None:
     atomic_write(path, lambda tmp: torch.save(obj, tmp), points="file", before_replace=drop_sidecar)
 
 
-def rotate_into_place(tmp: Path, final: Path) -> None:
+def rotate_into_place(tmp: Path, final: Path, keep_full: int = 1) -> None:
     """Publish directory ``tmp`` as ``final`` keeping a complete candidate at every instant.
 
-    ``final`` -> ``final.prev``; ``tmp`` -> ``final``; ``final.prev`` removed in the
-    background (see :func:`wait_for_purges`). If a previous rotation was interrupted after
-    its first rename, ``final`` is absent and ``final.prev`` is the complete one: it stays
+    ``final`` -> ``final.prev``; ``tmp`` -> ``final``; ``final.prev`` renamed to a hidden
+    ``*.tmp`` name and removed in the background (see :func:`wait_for_purges`). If a previous
+    rotation was interrupted after its first rename, ``final`` is absent and ``final.prev`` is the complete one: it stays
     until the new ``final`` is in place.
 
+    A superseded tree that cannot be removed (a file kept busy or immutable, a directory
+    without write permission) never blocks a save: it is moved out of the way to
+    ``<final>.stale-<k>`` (the first free ``k``; selection ignores that name), a warning
+    names the path that could not be removed, and every later rotation (and the next run's
+    first save) tries again (:func:`retry_stale`).
+
+    ``keep_full`` > 1 (``checkpoint.keep_full``): the superseded ``final.prev`` is kept as
+    ``full_<step>/`` instead of removed, and only the newest ``keep_full - 1`` of those stay.
+
     Raises:
-        OSError: a rename failed, or the background removal of the previous rotation's
-            ``final.prev`` did (reported here, by the save after it).
+        OSError: a rename of ``final`` or ``tmp`` failed.
     """
     prev = final.with_name(final.name + ".prev")
     parent = final.parent
     wait_for_purges()
     if final.exists():
         if prev.exists():
-            remove_tree(prev)
+            try:
+                remove_tree(prev)
+                fsync_dir(parent)
+                point("rotate.old_prev_removed", prev)
+            except OSError as e:
+                _set_aside(prev, final, e)
+        if prev.exists():  # it could be neither removed nor renamed: the superseded one goes aside
+            dest = _stale_name(final)
+            os.rename(final, dest)
             fsync_dir(parent)
-            point("rotate.old_prev_removed", prev)
-        os.rename(final, prev)
-        fsync_dir(parent)
-        point("rotate.renamed_to_prev", prev)
+            _remember(dest)
+        else:
+            os.rename(final, prev)
+            fsync_dir(parent)
+            point("rotate.renamed_to_prev", prev)
     os.rename(tmp, final)
     fsync_dir(parent)
     point("rotate.renamed_into_place", final)
-    if prev.exists():
-        _purge_in_background(prev)
+    superseded = prev if prev.exists() and prev not in _stale else None
+    if superseded is not None and keep_full > 1:
+        superseded = _keep_generation(superseded, keep_full)
+    if superseded is not None:
+        # Renamed away whole before anything in it is removed: a reader in another process sees
+        # `final.prev` complete or absent, never half-deleted (pimm_core.checkpoint.generation).
+        doomed = superseded.with_name(f".{superseded.name}.removing.{os.getpid()}.tmp")
+        try:
+            remove_tree(doomed)
+            os.rename(superseded, doomed)
+            superseded = doomed
+        except OSError:
+            pass  # (it cannot be renamed either: the purge below fails and sets it aside, with the warning)
+    _purge_in_background(superseded, final)
+
+
+FULL_PREFIX = "full_"
+
+
+def _keep_generation(prev: Path, keep_full: int) -> Path | None:
+    """Keep the superseded ``prev`` as ``full_<step>`` (its manifest's step) and remove the oldest
+    ``full_*`` beyond ``keep_full - 1`` in the background; returns what to remove now (``prev``
+    itself when its step is already kept or unknown), or None."""
+    import json
+
+    parent = prev.parent
+    try:
+        step = int(json.loads((prev / MANIFEST).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return prev  # not a readable checkpoint: removed as before
+    dest = parent / f"{FULL_PREFIX}{step}"
+    if dest.exists():
+        return prev  # (this step is kept already)
+    os.rename(prev, dest)
+    fsync_dir(parent)
+    kept = sorted((p for p in parent.glob(f"{FULL_PREFIX}*") if p.name[len(FULL_PREFIX):].isdigit()),
+                  key=lambda p: int(p.name[len(FULL_PREFIX):]))
+    for old in kept[:max(0, len(kept) - (keep_full - 1))]:
+        _purge_in_background(old, parent / "last")
+    return None
 
 
 # Removing the superseded checkpoint is off the save's critical path (as torchtitan's purge
 # thread does): deleting a GiB-sized tree costs ~0.2 s on ext4 with online discard, and the
-# new checkpoint is already complete and in place. A failure is not lost: it is raised by
-# the next rotation or by wait_for_purges at the end of the run.
+# new checkpoint is already complete and in place. A removal that fails is a warning naming
+# the path; the tree is moved aside and removed again later (retry_stale).
 _purge_lock = threading.Lock()
 _purge_pool: ThreadPoolExecutor | None = None
 _purges: list[Future] = []
+_stale: set[Path] = set()  # trees that could not be removed (retried by later rotations)
+STALE_INFIX = ".stale-"
 
 
-def _purge_in_background(path: Path) -> None:
+def _stale_name(final: Path) -> Path:
+    k = 1
+    while (dest := final.with_name(f"{final.name}{STALE_INFIX}{k}")).exists() or dest.is_symlink():
+        k += 1
+    return dest
+
+
+def _remember(path: Path) -> None:
+    with _purge_lock:
+        _stale.add(path)
+
+
+def _set_aside(path: Path, final: Path, error: OSError) -> None:
+    """``path`` could not be removed: warn naming it, move it to ``<final>.stale-<k>`` (so the
+    name ``final.prev`` is free and no half-removed candidate sits under it) and remember it."""
+    where = path
+    try:
+        dest = _stale_name(final)
+        os.rename(path, dest)
+        fsync_dir(path.parent)
+        where = dest
+        kept = f"moved to {dest}; "
+    except OSError:
+        kept = "left in place; "
+    log.warning("warning: could not remove the superseded checkpoint %s (%s); %sremoval is retried at later "
+                "saves; new saves go on", error.filename or path, error.strerror or error, kept)
+    _remember(where)
+
+
+def _purge_in_background(path: Path | None, final: Path) -> None:
+    """Remove ``path`` (the superseded ``final.prev``; None: none) on the purge thread, then
+    retry the trees set aside before (:func:`retry_stale`)."""
     global _purge_pool
 
     def purge() -> None:
-        remove_tree(path)
-        fsync_dir(path.parent)
-        point("rotate.prev_removed", path)
+        if path is not None:
+            try:
+                remove_tree(path)
+                fsync_dir(path.parent)
+                point("rotate.prev_removed", path)
+            except OSError as e:
+                _set_aside(path, final, e)
+        retry_stale(final.parent, final.name)
 
     with _purge_lock:
         if _purge_pool is None:  # its thread is joined at interpreter exit, so a purge is never cut short
@@ -143,20 +239,37 @@ def _purge_in_background(path: Path) -> None:
         _purges.append(_purge_pool.submit(purge))
 
 
-def wait_for_purges() -> None:
-    """Block until superseded checkpoints are removed.
+def retry_stale(directory: Path, name: str = "last") -> list[Path]:
+    """Try again to remove the trees set aside in ``directory`` (``<name>.stale-<k>``, this
+    process's and those an earlier run left); returns the ones still there (quietly: the
+    first failure was the warning)."""
+    left = []
+    found = set(directory.glob(f"{name}{STALE_INFIX}*")) if directory.is_dir() else set()
+    with _purge_lock:
+        mine = {p for p in _stale if p.parent == directory}
+    for path in sorted(found | mine):
+        try:
+            remove_tree(path)
+        except OSError:
+            left.append(path)
+            continue
+        with _purge_lock:
+            _stale.discard(path)
+    if len(left) < len(found | mine):
+        fsync_dir(directory)
+    return left
 
-    Raises:
-        OSError: a removal failed (the first failure; the rest are dropped).
-    """
+
+def wait_for_purges() -> list[Path]:
+    """Block until the background removals of superseded checkpoints are done; returns the
+    trees that could not be removed (each was a warning when it failed)."""
     with _purge_lock:
         pending = list(_purges)
         _purges.clear()
-    errors = [f.exception() for f in pending]
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise first
-
+    for f in pending:
+        f.exception()  # purge() catches OSError; anything else is a bug, and shows in the thread
+    with _purge_lock:
+        return sorted(_stale)
 
 
 def follow_hashes(tmp: Path) -> FollowingHasher:
@@ -186,7 +299,7 @@ def prepare(tmp: Path) -> None:
 
 
 def publish(tmp: Path, final: Path, weights: dict[str, Any] | None, manifest: dict[str, Any],
-            hasher: FollowingHasher | None = None) -> None:
+            hasher: FollowingHasher | None = None, keep_full: int = 1) -> None:
     """Rank 0, after every rank's DCP write: markers, ``weights.pth``, manifest, ``.complete``, rotation.
 
     ``weights`` None writes no ``weights.pth`` (a sharded model's weights kept in
@@ -208,7 +321,7 @@ def publish(tmp: Path, final: Path, weights: dict[str, Any] | None, manifest: di
     _write_marker(tmp / COMPLETE)
     fsync_dir(tmp)
     point("standard.complete_written", tmp / COMPLETE)
-    rotate_into_place(tmp, final)
+    rotate_into_place(tmp, final, keep_full)
 
 
 def short_error(e: BaseException) -> str:

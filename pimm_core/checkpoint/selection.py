@@ -25,8 +25,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .foreign import why_not_resumable
+from .generation import READ_TRIES, identity, wait_for_rotation
 from .manifest import COMPLETE, MANIFEST, ManifestError, read_manifest
+from .verify import verify_candidate
 
 WEIGHTS = "weights.pth"
 TRAINER_DCP = "trainer.dcp"
@@ -38,6 +39,7 @@ LEGACY_LAST = "model_last.pth"
 BEST = "model_best.pth"
 ITER_RE = re.compile(r"^iter_(\d+)\.pth$")
 SINGLE_RE = re.compile(r"^step_(\d+)\.pth$")
+FULL_RE = re.compile(r"^full_(\d+)$")  # standard format, checkpoint.keep_full: a superseded last, kept
 POINTERS = ("last", "best", "final")
 RESUME_ORDER = ("last", "last.prev", LEGACY_LAST)
 
@@ -48,7 +50,7 @@ class Candidate:
 
     Attributes:
         name: entry name in the model directory (``last``, ``iter_40.pth``, ...).
-        kind: ``last`` | ``last.prev`` | ``legacy`` | ``best`` | ``iter`` | ``tmp``.
+        kind: ``last`` | ``last.prev`` | ``full`` | ``legacy`` | ``best`` | ``iter`` | ``single`` | ``tmp``.
         format: ``standard`` | ``legacy`` | ``weights`` (weights-only file) | ``unknown``.
         resumable: holds trainer state, so ``--train.resume`` may pick it.
         complete: every required part is present (not a checksum check; see verify).
@@ -74,10 +76,12 @@ class Candidate:
     target: str | None = None  # for pointers: the file they point at
     verify_problems: list[str] | None = None  # set when select_resume found files not matching the manifest
     manifest_problem: str | None = None  # its manifest is unreadable or invalid (``invalid manifest: ...``)
+    generation: tuple[Any, ...] | None = None  # generation.identity() of the path this was read from
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("manifest")
+        d.pop("generation")
         return d
 
 
@@ -174,50 +178,94 @@ def _pointer(link: Path) -> Candidate:
     return c
 
 
+def describe_entry(entry: Path) -> Candidate | None:
+    """The candidate one entry of a model directory is, read from one generation of it.
+
+    Returns ``None`` for an entry that is not a checkpoint (a sidecar manifest, another
+    file), or that a save removed while it was read. An entry a save replaced while it was
+    read (``last`` rotated) is read again, at most ``READ_TRIES`` times.
+    """
+    c = None
+    for _ in range(READ_TRIES):
+        before = identity(entry)
+        try:
+            c = _describe(entry)
+        except OSError:  # removed (or replaced) under the read: a live save
+            c = None
+        if c is not None and c.kind == "tmp":
+            return c  # being written: no generation to keep
+        if identity(entry) == before:
+            if c is not None:
+                c.generation = before
+            return c if os.path.lexists(entry) else None
+        if not wait_for_rotation(entry):  # gone, unless a rotation is putting a new one there
+            return None
+    return c
+
+
+def _describe(entry: Path) -> Candidate | None:
+    name = entry.name
+    if name.endswith(".json") and not entry.is_dir():
+        return None  # sidecar manifests
+    if name.endswith(".tmp") or (name.startswith(".") and ".tmp" in name):
+        return Candidate(name, str(entry), "tmp", "unknown", False, False,
+                         reason="temporary leftover of an interrupted save", size=_tree_size(entry))
+    if name in POINTERS and entry.is_symlink():
+        return _pointer(entry)
+    if (m := SINGLE_RE.match(name)) and entry.is_file():
+        c = _weights_file(entry, "single", resumable=True, fmt="single")
+        c.step = c.step if c.step is not None else int(m.group(1))
+        return c
+    if name in ("last", "last.prev") and entry.is_dir():
+        return _standard_dir(entry, name)
+    if (m := FULL_RE.match(name)) and entry.is_dir() and not entry.is_symlink():
+        c = _standard_dir(entry, "full")
+        c.step = c.step if c.step is not None else int(m.group(1))
+        return c
+    if name == LEGACY_LAST and entry.is_file():
+        return _weights_file(entry, "legacy", resumable=True, fmt="legacy")
+    if name == BEST and entry.is_file():
+        return _weights_file(entry, "best", resumable=False, fmt="weights")
+    if (m := ITER_RE.match(name)) and entry.is_file():
+        c = _weights_file(entry, "iter", resumable=False, fmt="weights")
+        c.step = c.step if c.step is not None else int(m.group(1))
+        return c
+    return None
+
+
 def list_candidates(model_dir: Path) -> list[Candidate]:
     """Every checkpoint and leftover in ``model_dir``, resume candidates first.
 
-    Returns an empty list when ``model_dir`` does not exist.
+    Safe beside a live run: each entry is read from one generation (:func:`describe_entry`);
+    the resume candidates (``last``, ``last.prev``, ``model_last.pth``, pointers) are looked
+    up by name as well as listed, since a directory listing taken during a rename may miss
+    the renamed entry. Returns an empty list when ``model_dir`` does not exist.
     """
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
+    try:
+        names = {entry.name for entry in model_dir.iterdir()}
+    except (FileNotFoundError, NotADirectoryError):
         return []
+    names.update(n for n in (*RESUME_ORDER, *POINTERS, BEST) if os.path.lexists(model_dir / n))
     out: list[Candidate] = []
     iters: list[Candidate] = []
-    for entry in sorted(model_dir.iterdir(), key=lambda p: p.name):
-        name = entry.name
-        if name.endswith(".json") and not entry.is_dir():
-            continue  # sidecar manifests
-        if name.endswith(".tmp") or (name.startswith(".") and ".tmp" in name):
-            out.append(Candidate(name, str(entry), "tmp", "unknown", False, False,
-                                 reason="temporary leftover of an interrupted save", size=_tree_size(entry)))
-        elif name in POINTERS and entry.is_symlink():
-            out.append(_pointer(entry))
-        elif (m := SINGLE_RE.match(name)) and entry.is_file():
-            c = _weights_file(entry, "single", resumable=True, fmt="single")
-            c.step = c.step if c.step is not None else int(m.group(1))
-            iters.append(c)
-        elif name in ("last", "last.prev") and entry.is_dir():
-            out.append(_standard_dir(entry, name))
-        elif name == LEGACY_LAST and entry.is_file():
-            out.append(_weights_file(entry, "legacy", resumable=True, fmt="legacy"))
-        elif name == BEST and entry.is_file():
-            out.append(_weights_file(entry, "best", resumable=False, fmt="weights"))
-        elif (m := ITER_RE.match(name)) and entry.is_file():
-            c = _weights_file(entry, "iter", resumable=False, fmt="weights")
-            c.step = c.step if c.step is not None else int(m.group(1))
-            iters.append(c)
+    for name in sorted(names):
+        c = describe_entry(model_dir / name)
+        if c is not None:
+            (iters if c.kind in ("single", "iter", "full") else out).append(c)
     order = {n: i for i, n in enumerate(RESUME_ORDER)}
     out.sort(key=lambda c: (order.get(c.name, len(order)), c.name))
     return out + sorted(iters, key=lambda c: c.step or 0)
 
 
 def in_resume_order(cands: list[Candidate]) -> list[Candidate]:
-    """Candidates a resume may load, most preferred first: :data:`RESUME_ORDER`, then
-    single-format ``step_<N>.pth`` files newest first (a file ``last`` points at is listed once)."""
+    """Candidates a resume may load, most preferred first: :data:`RESUME_ORDER`, then the kept
+    ``full_<N>/`` (``checkpoint.keep_full``) and single-format ``step_<N>.pth`` files, newest first
+    (a file ``last`` points at is listed once)."""
     named = [c for name in RESUME_ORDER for c in cands if c.name == name]
     seen = {c.target for c in named if c.target}
-    return named + sorted((c for c in cands if c.kind == "single" and c.name not in seen), key=lambda c: -(c.step or 0))
+    return named + sorted((c for c in cands if c.kind in ("full", "single") and c.name not in seen),
+                          key=lambda c: -(c.step or 0))
 
 
 def select_resume(model_dir: Path, *, verify: bool = True) -> tuple[Candidate | None, list[Candidate]]:
@@ -231,31 +279,63 @@ def select_resume(model_dir: Path, *, verify: bool = True) -> tuple[Candidate | 
         ``(chosen, candidates)``: ``chosen`` is the first complete resumable (and, with
         ``verify``, intact) candidate in :func:`in_resume_order`, or ``None``;
         ``candidates`` is :func:`list_candidates`.
+
+    Beside a live run the answer is one a save could not have made wrong: a candidate that
+    a save replaced while it was verified is not called corrupt, a ``last.prev`` is not
+    chosen while a newer ``last`` is there, and "nothing" is answered only when the resume
+    candidates stayed the same through the listing; otherwise ``model/`` is listed again
+    (at most ``RELIST_TRIES`` times).
     """
-    for _ in range(RELIST_TRIES):
+    model_dir = Path(model_dir)
+    for attempt in range(1, RELIST_TRIES + 1):
+        before = _resume_names(model_dir)
         cands = list_candidates(model_dir)
-        chosen = _first_intact(cands, verify)
-        # A save's rotation (last -> last.prev, new -> last) between the listing and the reads
-        # makes a listed candidate vanish and leaves its successor unlisted: list again.
-        if chosen is not None or all(os.path.lexists(c.path) for c in cands):
-            return chosen, cands
+        chosen, changed = _first_intact(cands, verify)
+        if not changed:
+            if chosen is None and _resume_names(model_dir) == before:
+                return None, cands
+            listed_last = next((c.generation for c in cands if c.name == "last"), None)
+            if chosen is not None and not (chosen.name == "last.prev" and identity(model_dir / "last") != listed_last):
+                return chosen, cands
+        wait_for_rotation(model_dir / "last", 0.02 * attempt)
     return chosen, cands
 
 
-#: How many times :func:`select_resume` lists ``model/`` again when a rotation ran under it.
+#: How many times :func:`select_resume` lists ``model/`` again when a save changed it under the read.
 RELIST_TRIES = 5
 
 
-def _first_intact(cands: list[Candidate], verify: bool) -> Candidate | None:
+def _resume_names(model_dir: Path) -> tuple[Any, ...]:
+    """What the names a resume may pick hold now (their generations)."""
+    return tuple(identity(model_dir / n) for n in RESUME_ORDER)
+
+
+def _first_intact(cands: list[Candidate], verify: bool) -> tuple[Candidate | None, bool]:
+    """The first complete, resumable (and, with ``verify``, intact) candidate in resume order,
+    and whether one that came before it in that order changed while it was checked."""
     for c in in_resume_order(cands):
         if not (c.complete and c.resumable):
             continue
         if verify:
-            c.verify_problems = verify_candidate(c) or None
+            problems = verify_stable(c)
+            if problems is None:
+                return None, True
+            c.verify_problems = problems or None
             if c.verify_problems:
                 continue
-        return c
-    return None
+        if identity(Path(c.path)) != c.generation:
+            return None, True
+        return c, False
+    return None, False
+
+
+def verify_stable(c: Candidate) -> list[str] | None:
+    """:func:`verify_candidate`, or ``None`` when the candidate's path no longer holds the
+    generation it was described from (a save replaced or removed it): no verdict."""
+    problems = verify_candidate(c)
+    if c.generation is not None and identity(Path(c.path)) != c.generation:
+        return None
+    return problems
 
 
 def explain(cands: list[Candidate], chosen: Candidate | None) -> list[str]:
@@ -282,119 +362,6 @@ def has_checkpoints(model_dir: Path) -> bool:
     return bool(list_candidates(model_dir))
 
 
-def resolve_resume_path(path: str | Path) -> Candidate:
-    """Validate an explicit resume source and return it as a candidate.
-
-    ``path`` may be a checkpoint directory (``.../model/last``), a legacy
-    ``model_last.pth``, a single-format file or pointer, or a ``model/`` directory (or the
-    run directory holding it: its :func:`select_resume` choice).
-
-    Raises:
-        CheckpointError: ``hf://`` sources (Hub artifacts carry no trainer state);
-            "No weight found" for a path that does not exist; "Incomplete checkpoint
-            directory" naming the missing parts and the complete candidates beside it;
-            (exit code 2) something pimm did not write, named when recognisable
-            (:func:`.foreign.why_not_resumable`: an Accelerate ``save_state`` directory,
-            a Lightning ``.ckpt``, a Hugging Face model directory, a plain state dict)
-            with the warm start to use instead, or "not a PyTorch checkpoint".
-    """
-    from ..errors import CheckpointError
-
-    text = str(path)
-    if text.startswith("hf://"):
-        raise CheckpointError(
-            f"cannot resume from {text}: Hub model artifacts omit trainer state (no trainer.dcp/); "
-            "warm-start a new run with --train.weight instead, or resume from the original run's model/last",
-            exit_code=2)
-    p = Path(text)
-    if not text or not p.exists():
-        raise CheckpointError(f"No weight found: {text!r} does not exist; check the run path "
-                              "(pimm checkpoints latest MODEL_DIR finds the newest complete checkpoint)", exit_code=2)
-    if p.is_dir() and not is_model_dir(p) and is_model_dir(p / "model"):
-        p = p / "model"  # a run directory: its model/ directory's choice
-    looks_standard = any((p / n).exists() for n in (WEIGHTS, TRAINER_DCP, COMPLETE, MANIFEST))
-    if p.is_dir() and not looks_standard:
-        if is_model_dir(p):
-            chosen, cands = select_resume(p)
-            if chosen is None:
-                raise CheckpointError(f"no complete checkpoint in {p}: " + "; ".join(explain(cands, None)), exit_code=2)
-            return chosen
-        if p.name not in RESUME_ORDER and ".tmp" not in p.name:
-            refusal = why_not_resumable(p) or (
-                f"{p} is not a pimm checkpoint directory (it has no {WEIGHTS}, {TRAINER_DCP}/, {MANIFEST} or "
-                f"{COMPLETE}); --train.resume-from takes a run's model/last, its model/ directory, model_last.pth "
-                "or step_<N>.pth")
-            raise CheckpointError(refusal, exit_code=2)
-    if p.is_file() and p.name != LEGACY_LAST and not SINGLE_RE.match(p.name):
-        refusal = why_not_resumable(p)  # text, Lightning, a plain state dict... (pimm's own files: None)
-        if refusal is not None:
-            raise CheckpointError(refusal, exit_code=2)
-    if p.is_file():
-        if p.is_symlink():
-            return _pointer(p) if _pointer(p).complete else _raise_incomplete(p, _pointer(p))
-        fmt = "legacy" if p.name == LEGACY_LAST else "single" if SINGLE_RE.match(p.name) else "weights"
-        cand = _weights_file(p, fmt if fmt != "weights" else "weights", resumable=fmt != "weights", fmt=fmt)
-        if not cand.resumable:
-            raise CheckpointError(f"{p} holds weights only and cannot resume a run; warm-start with --train.weight {p}",
-                                  exit_code=2)
-        return cand
-    cand = _standard_dir(p, p.name)
-    if not cand.complete:
-        _raise_incomplete(p, cand)
-    return cand
-
-
-def _raise_incomplete(p: Path, cand: Candidate) -> Candidate:
-    from ..errors import CheckpointError
-
-    others = [c for c in list_candidates(p.parent) if c.complete and c.resumable and c.path != cand.path]
-    alt = ", ".join(c.path for c in others) if others else "none"
-    raise CheckpointError(f"Incomplete checkpoint directory {p}: {cand.reason}. Complete candidates: {alt}",
-                          exit_code=2)
-
-
-def verify_candidate(c: Candidate) -> list[str]:
-    """Problems found by checking a candidate's files against its manifest (sizes, sha256).
-
-    Returns an empty list when every recorded file matches, or when the candidate has
-    no manifest to check against (e.g. a legacy file written without a sidecar).
-    """
-    from .manifest import outside_names, verify_files
-
-    if c.manifest is None:
-        return []
-    p = Path(c.path)
-    root = p if p.is_dir() else p.resolve().parent
-    files = c.manifest.get("files", {})
-    outside = outside_names(root, files)
-    if outside:  # an invalid manifest: not even a stat of what it names outside
-        return outside
-    def key() -> tuple:
-        return str(root), tuple((rel, _stat_key(root / rel), want.get("sha256"), want.get("size"))
-                                for rel, want in files.items())
-
-    before = key()
-    if before in _VERIFIED:
-        return list(_VERIFIED[before])
-    problems = verify_files(root, files)
-    if key() == before:  # a file replaced while it was hashed (a live rotation) is not cached
-        if len(_VERIFIED) > 64:
-            _VERIFIED.clear()
-        _VERIFIED[before] = problems
-    return list(problems)
-
-
-_VERIFIED: dict[tuple, list[str]] = {}
-
-
-def _stat_key(p: Path) -> tuple[int, int, int] | None:
-    try:
-        st = p.stat()
-    except OSError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
 def is_model_dir(p: Path) -> bool:
     """A ``model/`` directory (holds candidates), as opposed to one checkpoint directory."""
     return p.is_dir() and not (p / WEIGHTS).exists() and not (p / TRAINER_DCP).exists() \
@@ -403,12 +370,8 @@ def is_model_dir(p: Path) -> bool:
 
 
 def select_verified(model_dir: Path) -> tuple[Candidate | None, list[str]]:
-    """:func:`select_resume` with verification, and one warning per candidate passed over
-    as corrupt that names the candidate actually used.
-
-    Returns:
-        ``(chosen or None, warnings)``.
-    """
+    """:func:`select_resume` with verification: ``(chosen or None, warnings)``, one warning per
+    candidate passed over as corrupt, naming the candidate actually used."""
     chosen, cands = select_resume(model_dir, verify=True)
     return chosen, fallback_warnings(cands, chosen)
 

@@ -44,6 +44,7 @@ from ..errors import (CheckpointError, CheckpointParseError, IncompleteCheckpoin
 from ..run.layout import model_dir_of
 from ..run.status import read_run_status
 from .foreign import BIN, EXPORT_FILES, HF_BIN, SAFETENSORS, directory_layout, not_a_checkpoint, sniff
+from .generation import wait_for_rotation
 from .hub import is_remote, resolve_hf
 from .manifest import COMPLETE, MANIFEST, read_manifest
 from .selection import BEST, LEGACY_LAST, POINTERS, TRAINER_DCP, WEIGHTS, select_resume, weights_in_dcp
@@ -98,6 +99,7 @@ def resolve_weight_source(path: str | os.PathLike[str], *, run_dir: Path | None 
 
 
 def _resolve_local(p: Path, *, shown: str) -> Path:
+    wait_for_rotation(p)  # `last` between a live save's two renames is back in a moment
     if p.is_symlink() and not p.exists():
         raise WeightNotFoundError(f"No weight found: {shown} is a pointer to {os.readlink(p)}, which does not exist")
     if not p.exists():
@@ -197,6 +199,7 @@ def resolve_run_checkpoint(run_dir: Path, name: str) -> Path:
     model = model_dir_of(run_dir)
     if name == "last":
         last = model / "last"
+        wait_for_rotation(last)
         if last.is_symlink() or last.is_dir():
             if last.is_dir() and not (last / COMPLETE).is_file():
                 chosen, _ = select_resume(model)

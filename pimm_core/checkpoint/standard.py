@@ -37,6 +37,7 @@ from ..errors import CheckpointError, CheckpointParseError, CheckpointSaveError
 from ..faults import point
 from ..fsio import release_cached_pages
 from .mapped_reader import MappedFileSystemReader
+from .optim_state import frozen_state_loaded, unstepped
 from .protocol import LoadedState, SaveItem, meta_problem
 from .publish import (follow_hashes, intact_note, on_main, prepare, publish, remove_quietly, short_error,
                       wait_for_purges, without_zip_crc32)
@@ -54,13 +55,14 @@ class StandardFormat:
     name = "standard"
     asynchronous = False
 
-    def __init__(self, info: DistInfo):
-        self.info = info
+    def __init__(self, info: DistInfo, keep_full: int = 1):
+        self.info, self.keep_full = info, keep_full
 
     def save(self, model_dir: Path, item: SaveItem, *, background: bool = False) -> Path:
         return save_standard(model_dir, model=item.model, optimizer=item.optimizer, meta=item.meta,
                              rank_state=item.rank_state, manifest=item.manifest, info=self.info,
-                             ema_state_dict=item.ema_weights(), gather_weights=item.gather_weights)
+                             ema_state_dict=item.ema_weights(), gather_weights=item.gather_weights,
+                             keep_full=self.keep_full)
 
     def load(self, path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
              strict: bool = True, ema_target: dict[str, torch.Tensor] | None = None) -> LoadedState:
@@ -86,6 +88,7 @@ def save_standard(
     name: str = "last",
     ema_state_dict: dict[str, torch.Tensor] | None = None,
     gather_weights: bool = True,
+    keep_full: int = 1,
 ) -> Path:
     """Write and publish a standard checkpoint; every rank must call it.
 
@@ -142,7 +145,7 @@ def save_standard(
             weights = lambda: gathered  # noqa: E731
             if not gather_weights:
                 manifest = {**manifest, WEIGHTS_FIELD: TRAINER_DCP}
-        on_main(info, lambda: publish(tmp, final, weights(), manifest, hasher), tmp, model_dir)
+        on_main(info, lambda: publish(tmp, final, weights(), manifest, hasher, keep_full), tmp, model_dir)
     finally:
         if hasher is not None:
             hasher.close()
@@ -154,7 +157,8 @@ def dcp_state(plain: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str
               ema_state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """The flat dict ``trainer.dcp/`` stores: optimizer tensors by FQN, packed ``meta``, this rank's
     state; for a sharded model also its weights and ``ema_state_dict`` (:func:`.sharded.sharded_items`)."""
-    tensors, skeleton = split_tensors(get_optimizer_state_dict(plain, optimizer), "optim")
+    with unstepped(optimizer, fill=False):  # (a stateless optimizer is not stepped to make state)
+        tensors, skeleton = split_tensors(get_optimizer_state_dict(plain, optimizer), "optim")
     state: dict[str, Any] = dict(tensors)
     if is_sharded(plain):
         state.update(sharded_items(plain, ema_state_dict))
@@ -224,9 +228,15 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
     fresh = optimizer if optimizer is not None and not optimizer.state else None
     try:
         if optimizer is not None:
-            _empty_optimizer_state(optimizer)
-            target, _ = split_tensors(get_optimizer_state_dict(plain, optimizer), "optim")
+            with unstepped(optimizer, fill=True):  # (a fresh optimizer's state, made by no step of it)
+                target, _ = split_tensors(get_optimizer_state_dict(plain, optimizer), "optim")
             saved_optim = {k for k in saved if k.startswith("optim/")}
+            if not saved_optim and fresh is not None and target:  # saved before the optimizer's first step
+                fresh.state.clear()  # (it stays fresh, as it was then)
+                target = {}
+            # a parameter frozen now has the state it had while it trained, if it ever did
+            frozen = tuple(f"optim/state/{n}/" for n, p in plain.named_parameters() if not p.requires_grad)
+            target = {k: v for k, v in target.items() if k in saved_optim or not k.startswith(frozen)}
             mismatched = sorted(k for k in set(target) & saved_optim if tuple(target[k].shape) != tuple(saved[k].size))
             missing = sorted(set(target) - saved_optim)
             extra = sorted(saved_optim - set(target))  # e.g. state of a parameter frozen since the save
@@ -245,7 +255,7 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
                 casts += dtype_casts({k: saved[k].properties.dtype for k in saved_optim},
                                      {k: target[k].dtype for k in saved_optim})
                 # DCP reads straight into the optimizer's own state tensors (for a fresh
-                # optimizer, the empty ones _empty_optimizer_state allocated): no second copy.
+                # optimizer, the empty ones fill_empty_state allocated): no second copy.
                 request.update({k: target[k] for k in saved_optim})
         skipped += check_dtypes(ckpt, casts, strict)
 
@@ -267,9 +277,11 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
         if rank_state is not None and not isinstance(rank_state, dict):
             raise CheckpointParseError(f"{path} is not a pimm trainer state: its {rank_key!r} item is not a dict")
         if optimizer is not None:
-            set_optimizer_state_dict(plain, optimizer, join_tensors(skeleton, request))
+            joined = join_tensors(skeleton, request)
+            with unstepped(optimizer, fill=False), frozen_state_loaded(plain, joined.get("state")):
+                set_optimizer_state_dict(plain, optimizer, joined)
     except BaseException:
-        if fresh is not None:  # uninitialized state buffers (_empty_optimizer_state) must not outlive a failed load
+        if fresh is not None:  # uninitialized state buffers (fill_empty_state) must not outlive a failed load
             fresh.state.clear()
         raise
     if ema is None and weights is not None:
@@ -304,65 +316,3 @@ def _unpack_checked(t: torch.Tensor, path: Path, key: str) -> Any:
         return unpack(t)
     except Exception as e:
         raise CheckpointParseError(f"{load_failure(path, e)} (item {key!r})") from None
-
-
-def _empty_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give a fresh optimizer uninitialized state tensors of the right shapes and dtypes for a load to fill.
-
-    DCP's ``get_optimizer_state_dict`` materializes a fresh optimizer's state by running a
-    zero-gradient ``step()``: the whole optimizer update over every parameter (~75 % of a
-    288 MiB load here). The same structure comes for free from a step of a copy of the
-    optimizer over ``meta`` tensors (shapes, strides and dtypes only), one per distinct
-    (param group, shape, strides, dtype): per-parameter state in ``torch.optim`` depends
-    on nothing else. The real tensors are then allocated empty, and the load overwrites
-    every one of them (or the caller clears the state). A ``DTensor`` parameter (FSDP2) is
-    stepped as its local shard, and each state tensor shaped like that shard becomes a
-    ``DTensor`` of the parameter's mesh, placements and global shape (what a real step
-    makes). Leaves the optimizer untouched, so DCP's own step runs, when it already has
-    state, when a parameter is neither a plain tensor nor a ``DTensor`` of one, when a
-    ``DTensor`` parameter's state is shaped otherwise, or when the copy cannot be built or
-    stepped on ``meta`` (an optimizer class with extra constructor arguments, one that
-    needs a closure, ``fused``).
-    """
-    if optimizer.state:
-        return
-    params: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its meta stand-in)
-    groups = []
-    try:
-        for g, group in enumerate(optimizer.param_groups):
-            metas: dict[tuple, torch.Tensor] = {}
-            for p in group["params"]:
-                local = p.to_local() if isinstance(p, DTensor) else p
-                if type(local) not in (torch.Tensor, nn.Parameter):
-                    return
-                key = (g, tuple(local.shape), tuple(local.stride()), local.dtype, p.requires_grad)
-                if key not in metas:  # empty_like keeps the layout (channels_last, transposed), as zeros_like does
-                    m = metas[key] = torch.empty_like(local, device="meta").requires_grad_(p.requires_grad)
-                    if p.requires_grad:
-                        m.grad = torch.empty_like(m)
-                params.append((p, metas[key]))
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(metas.values())})
-        shadow = type(optimizer)(groups)
-        shadow.step()
-    except Exception:
-        return
-    state: dict[torch.Tensor, dict[str, Any]] = {}
-    for p, m in params:
-        sharded = isinstance(p, DTensor)
-        device = p.to_local().device if sharded else p.device
-        state[p] = {}
-        for key, value in shadow.state.get(m, {}).items():
-            if isinstance(value, torch.Tensor):
-                if not value.is_meta:
-                    value = value.clone()
-                elif sharded and value.shape != m.shape:
-                    return  # not shaped like the shard: DCP's own step knows what it is
-                else:
-                    value = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
-                    if sharded:
-                        value = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
-                                                   shape=p.shape, stride=p.stride())
-            state[p][key] = value
-    for p, st in state.items():
-        if st:
-            optimizer.state[p].update(st)

@@ -40,6 +40,31 @@ def unpack(t: torch.Tensor) -> Any:
     return torch.load(io.BytesIO(t.cpu().numpy().tobytes()), weights_only=True, map_location="cpu")
 
 
+def load_problem(obj: Any) -> str | None:
+    """Why a resume could not read ``obj`` back (:func:`pack` then :func:`unpack`, as a save and
+    a resume do), in one line with the fix; None when it round-trips.
+
+    A value of a class (an enum, a user class) is what ``torch.load(weights_only=True)`` refuses
+    unless the class is registered with ``torch.serialization.add_safe_globals``.
+    """
+    import pickle
+    import re
+
+    try:
+        unpack(pack(obj))
+    except pickle.UnpicklingError as e:
+        m = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = m.group(1) if m else "a value"
+        short = what.rsplit(".", 1)[-1]
+        return (f"it holds {what}, which torch.load(weights_only=True) refuses; return plain values (numbers, "
+                f"strings, lists, dicts, tensors) from state_dict(), or call "
+                f"torch.serialization.add_safe_globals([{short}]) in the module that defines it")
+    except Exception as e:  # pickling failed (a lambda, a lock, an open file)
+        return (f"it cannot be serialised ({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                "return plain values (numbers, strings, lists, dicts, tensors) from state_dict()")
+    return None
+
+
 def split_tensors(tree: Any, prefix: str) -> tuple[dict[str, torch.Tensor], Any]:
     """Separate the tensors of a nested state from its structure.
 

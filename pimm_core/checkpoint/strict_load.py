@@ -14,10 +14,9 @@ from torch import nn
 
 from ..errors import CheckpointError, UsageError
 from .key_rules import apply_key_rules
-from .sources import resolve_weight_source
 from .state import is_parallel_wrapper, load_full_state_dict
 from .ties import follow_model_ties
-from .weights import StateDict, read_weight_sets, select_weight_set
+from .weights import StateDict, read_source, select_weight_set
 
 
 def check_unwrapped(model: nn.Module) -> None:
@@ -76,8 +75,8 @@ def load_weights(model: nn.Module, checkpoint: str | os.PathLike[str], *, weight
             differ from the model (the message names them and both shapes).
     """
     check_unwrapped(model)
-    path = resolve_weight_source(checkpoint)
-    sd = follow_model_ties(model, apply_key_rules(select_weight_set(read_weight_sets(path), weights, checkpoint)))
+    path, sets, _, _ = read_source(checkpoint)
+    sd = follow_model_ties(model, apply_key_rules(select_weight_set(sets, weights, checkpoint)))
     check_strict(model, sd, str(path))
     with torch.no_grad():  # (a sharded model: a collective, every rank loads)
         load_full_state_dict(model, sd, strict=True)

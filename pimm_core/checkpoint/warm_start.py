@@ -19,10 +19,9 @@ from torch import nn
 
 from ..errors import CheckpointError
 from .key_rules import DEFAULT_KEY_RULES, apply_key_rules, format_rules, suggest_key_rule, toml_literal
-from .sources import resolve_weight_source
 from .state import load_full_state_dict, unwrap
 from .ties import follow_model_ties
-from .weights import read_checkpoint, select_weight_set
+from .weights import read_source, select_weight_set
 
 log = logging.getLogger("pimm")
 
@@ -123,8 +122,7 @@ def warm_start(model: nn.Module, source: str | os.PathLike[str], *, weight_set: 
     """
     logger = logger or log
     used_rules = [tuple(r) for r in (DEFAULT_KEY_RULES if rules is None else rules)]
-    path = resolve_weight_source(source, run_dir=run_dir)
-    sets, info = read_checkpoint(path)
+    path, sets, info, _ = read_source(source, run_dir=run_dir)
     raw = select_weight_set(sets, weight_set, source)
     sd = apply_key_rules(raw, used_rules)  # type: ignore[arg-type]
     renamed = sum(1 for a, b in zip(raw, sd) if a != b)

@@ -43,7 +43,8 @@ import torch
 from ..errors import CheckpointError, CheckpointParseError, UsageError
 from .safe_read import load_torch_file
 from .sharded import read_checkpoint_weights
-from .sources import resolve_weight_source
+from .generation import read_whole
+from .sources import checkpoint_record, resolve_weight_source
 
 WEIGHT_SETS = ("raw", "ema")
 
@@ -83,6 +84,33 @@ def read_checkpoint(path: Path) -> tuple[dict[str, StateDict], dict[str, Any]]:
         dropped tied key to the key it aliases.
     """
     return _read(Path(path))
+
+
+def read_source(source: str | os.PathLike[str], *, run_dir: Path | None = None
+                ) -> tuple[Path, dict[str, StateDict], dict[str, Any], dict[str, Any]]:
+    """Resolve a weight source and read its weight sets and its manifest, from one generation.
+
+    Beside a live run (``last`` rotated by every save) the file and the manifest that
+    describes it are read from the same checkpoint: a read that a save overtook is done
+    again (:func:`~pimm_core.checkpoint.generation.read_whole`).
+
+    Args:
+        source, run_dir: as :func:`~pimm_core.checkpoint.sources.resolve_weight_source`.
+
+    Returns:
+        ``(path, sets, info, record)``: the file read, :func:`read_checkpoint`'s ``sets``
+        and ``info``, and :func:`~pimm_core.checkpoint.sources.checkpoint_record` (``{}``
+        when no manifest describes the file).
+
+    Raises:
+        GenerationChanged: saves replaced the checkpoint during every try (exit code 1).
+        as :func:`resolve_weight_source` and :func:`read_checkpoint`.
+    """
+    def read(path: Path) -> tuple[Path, dict[str, StateDict], dict[str, Any], dict[str, Any]]:
+        sets, info = _read(path)
+        return path, sets, info, checkpoint_record(path)
+
+    return read_whole(lambda: resolve_weight_source(source, run_dir=run_dir), read, what=os.fspath(source))
 
 
 def _read(path: Path) -> tuple[dict[str, StateDict], dict[str, Any]]:

@@ -114,32 +114,74 @@ def checkpoints_ls(
 def checkpoints_verify(
     target: Path = typer.Argument(..., help="A run directory, model/ directory, or one candidate."),
 ) -> None:
-    """Check sizes and sha256 of checkpoint files against their manifests (exit 1 on mismatch)."""
-    from ..checkpoint.manifest import verify_files
-    from ..checkpoint.selection import list_candidates
+    """Check sizes and sha256 of checkpoint files against their manifests (exit 1 on mismatch).
 
+    Beside a live run each candidate is checked against the manifest of the generation its
+    files belong to; one that saves kept replacing is reported as changed, never as corrupt.
+    """
+    from ..checkpoint.generation import wait_for_rotation
+    from ..checkpoint.selection import describe_entry, list_candidates
+
+    wait_for_rotation(target)  # `last` between a save's two renames
     if not target.exists():
         raise UsageError(f"{target} does not exist; pass a run directory or a checkpoint")
-    if (target / "manifest.json").exists() or target.is_file():
-        cands = [c for c in list_candidates(target.parent) if Path(c.path) == target]
+    one = (target / "manifest.json").exists() or target.is_file()
+    if one:
+        found = describe_entry(target)
+        cands = [found] if found is not None and found.kind != "tmp" else []
     else:
         cands = [c for c in list_candidates(_model_dir(target)) if c.kind != "tmp"]
     if not cands:
         raise UsageError(f"no checkpoint found at {target}")
     bad = 0
     for c in cands:
-        if c.manifest is None:
-            print(printable(f"{c.name}: cannot verify ({c.reason or 'no manifest'})"))
-            bad += 1
-            continue
-        root = Path(c.path) if Path(c.path).is_dir() else Path(c.path).parent
-        problems = verify_files(root, c.manifest.get("files", {}))
-        if not c.complete:
-            problems.insert(0, c.reason or "incomplete")
-        print(printable(f"{c.name}: {'ok' if not problems else 'FAILED: ' + '; '.join(problems)}"))
-        bad += bool(problems)
+        line, ok = _verify_one(c, named=one)
+        print(printable(line))  # names and reasons are user text: never terminal control
+        bad += not ok
     if bad:
         raise typer.Exit(1)
+
+
+def _verify_one(c, *, named: bool) -> tuple[str, bool]:
+    """``(line, ok)`` for one candidate, checked on one generation (a changed one is read again)."""
+    from ..checkpoint.generation import READ_TRIES, changed_message, wait_for_rotation
+    from ..checkpoint.selection import describe_entry, verify_stable
+
+    path = Path(c.path)
+    for _ in range(READ_TRIES):
+        if c.manifest is None and not _sidecar_arrived(c):
+            return f"{c.name}: cannot verify ({c.reason or 'no manifest'})", False
+        problems = None if c.manifest is None else verify_stable(c)
+        if problems is not None:
+            if not c.complete:
+                problems.insert(0, c.reason or "incomplete")
+            return f"{c.name}: {'ok' if not problems else 'FAILED: ' + '; '.join(problems)}", not problems
+        wait_for_rotation(path)
+        fresh = describe_entry(path)  # the generation a save put there
+        if fresh is None:
+            return f"{c.name}: removed by a save while it was checked (nothing left to verify)", not named
+        c = fresh
+    return f"{c.name}: {changed_message('it', READ_TRIES)}", False
+
+
+def _sidecar_arrived(c, recent_s: float = 2.0, wait_s: float = 1.0) -> bool:
+    """For a file without its sidecar manifest that was replaced in the last ``recent_s``
+    seconds (a save writes the sidecar just after the file): whether it changed within
+    ``wait_s`` (the sidecar arrived, or the file was replaced again)."""
+    import os
+    import time
+
+    from ..checkpoint.generation import identity
+
+    try:
+        if time.time() - os.stat(c.path).st_ctime > recent_s:
+            return False
+    except OSError:
+        return True  # gone: described again by the caller
+    deadline = time.monotonic() + wait_s
+    while identity(c.path) == c.generation and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return identity(c.path) != c.generation
 
 
 @app.command("diff", cls=Command)

@@ -25,7 +25,7 @@ def export_cmd(
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Run directory exp/<group>/<run>."),
     weights: Literal["raw", "ema"] = typer.Option("raw", "--weights", help="Weight set."),
     fmt: Literal["safetensors", "bin"] = typer.Option("safetensors", "--format", help="File format."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing non-empty OUT_DIR."),
+    force: bool = typer.Option(False, "--force", help="Replace OUT_DIR when it is a previous export."),
 ) -> None:
     """Export a checkpoint's weights (model.safetensors or model.bin, config.json, export.json)."""
     import json

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..checkpoint.selection import fallback_warnings, resolve_resume_path, select_resume
+from ..checkpoint.branch import describe_branch, later_checkpoints
+from ..checkpoint.resume_path import resolve_resume_path
+from ..checkpoint.selection import fallback_warnings, select_resume
 from ..config import Config
 from ..run import MODEL
 from .rundir import check_before_launch, finished, resolve_run_dir, resume_source
@@ -23,12 +25,13 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     import tomllib
 
     from ..topology import config_diff, plan_resume
+    from ..train.build import data_length
 
     run_dir = resolve_run_dir(cfg, config_path)
     check_before_launch(cfg, run_dir, warm_start=False, config_path=config_path)
     source = resume_source(cfg, run_dir, resume_from)
     print(f"run: {run_dir}")
-    model = _dry_model(cfg, config_path)
+    model, data = _dry_model(cfg, config_path)
     if source is None:
         if cfg.train.weight:
             print(f"fresh start (no resume requested); warm start from {cfg.train.weight}: model weights only")
@@ -47,11 +50,15 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     plan = plan_resume(cand.manifest or {}, world_size=world_size, strategy=cfg.train.strategy,
                        workers_per_rank=cfg.data.num_workers,
                        strict=cfg.resume_strict_state, grad_accum=cfg.train.grad_accum,
-                       batch_size=cfg.data.batch_size, legacy=cand.format == "legacy")
+                       batch_size=cfg.data.batch_size, legacy=cand.format == "legacy",
+                       data_length=data_length(data.train), data_fingerprint=data.fingerprint)
     t = plan.topology
     print(f"checkpoint: {cand.path} (step {cand.step}, epoch {cand.epoch}, iter {cand.iter})")
     for w in fallbacks:
         print(f"warning: {w}")
+    later = later_checkpoints(cand) if Path(cand.path).parent.resolve() == (run_dir / MODEL).resolve() else []
+    if later:
+        print(f"branch: {describe_branch(cand, later, run_dir / MODEL / 'abandoned-<time>')}")
     message = finished(cfg, cand.path, run_dir)
     if message is not None:
         print(message)
@@ -63,6 +70,9 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
           f"per-rank workers {t['saved_workers_per_rank']} -> {t['workers_per_rank']}, "
           f"per-rank micro-batch {t['saved_batch_size']} -> {t['batch_size']}, "
           f"grad_accum {t['saved_grad_accum']} -> {t['grad_accum']}")
+    if "data_length" in t:
+        print(f"data: train samples {t['saved_data_length'] if t['saved_data_length'] is not None else 'not recorded'}"
+              f" -> {t['data_length']}")
     print(f"restore: {', '.join(plan.restored)}")
     print(f"discard: {', '.join(plan.discarded) or 'nothing'}")
     rb = plan.replay_boundary
@@ -82,7 +92,7 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
 
 def _dry_model(cfg: Config, config_path: Path | None):
     """Build the data and the model as the trainer would, and pick ``train.blocks`` (a bad name,
-    target, size or block fails as at launch)."""
+    target, size or block fails as at launch); returns ``(model, datasets)``."""
     from ..train.build import build_data, build_model
     from ..train.parallel import check_blocks
 
@@ -92,7 +102,7 @@ def _dry_model(cfg: Config, config_path: Path | None):
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {cfg.model.target or cfg.model.name} ({params:,} parameters), data: "
           f"{cfg.data.target or cfg.data.name} ({_size(data.train)} train / {_size(data.val)} val samples)")
-    return model
+    return model, data
 
 
 def _size(ds) -> str:

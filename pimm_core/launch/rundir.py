@@ -11,7 +11,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..checkpoint.selection import explain, list_candidates, resolve_resume_path, select_resume
+from ..checkpoint.resume_path import resolve_resume_path
+from ..checkpoint.selection import explain, list_candidates, select_resume
 from ..config import Config
 from ..errors import CheckpointError, ConfigError, UsageError
 from ..run.entries import check_run_entries, ensure_dir

@@ -40,6 +40,21 @@ def build_data(cfg: Config, config_path: str | Path | None, given: Any = None) -
     return out
 
 
+def data_length(train: Any) -> int | None:
+    """The train split's ``len``, recorded with every checkpoint so that a resume applies a loader
+    cursor (a position in the sampler's order over that many samples) only to the data it was
+    saved for; None when it has none, and for a stream (its ``__len__`` is per rank, and its
+    position is its own state; its fingerprint, when it gives one, is compared)."""
+    from ..data import is_stream
+
+    if is_stream(train):
+        return None
+    try:
+        return int(len(train))
+    except TypeError:
+        return None
+
+
 def data_resume_policy(train: Any, is_main: bool) -> str:
     """How a mid-epoch resume continues the training split: ``"exact"`` (map-style, or a
     stream with ``state_dict``/``load_state_dict``) or ``"replay_from_boundary"`` (a stream

@@ -37,11 +37,12 @@ from typing import Any, Sized
 import torch
 from torch import nn
 
+from .. import dist
 from ..checkpoint.formats import make_format
 from ..checkpoint.protocol import SaveItem
-from ..checkpoint.publish import on_main, wait_for_purges
+from ..checkpoint.publish import on_main, retry_stale, wait_for_purges
 from ..checkpoint.selection import BEST, ITER_RE
-from ..checkpoint.state import full_state_dict, full_tensors, is_sharded, rng_state, unwrap
+from ..checkpoint.state import full_state_dict, full_tensors, is_sharded, load_problem, rng_state, unwrap
 from ..checkpoint.weights_file import weights_payload, write_weights_file
 from ..config import CheckpointConfig, Config
 from ..dist import DistInfo
@@ -56,7 +57,8 @@ log = logging.getLogger("pimm")
 
 #: The keys of a checkpoint's trainer state (``meta``), in the order checkpoints have always
 #: stored them (the packed bytes stay the same): the parts' state dicts and the topology.
-META_ORDER = ("trainer", "scheduler", "scaler", "world_size", "ema", "workers_per_rank", "batch_size", "grad_accum")
+META_ORDER = ("trainer", "scheduler", "scaler", "world_size", "ema", "workers_per_rank", "batch_size", "grad_accum",
+              "data_length", "data_fingerprint")
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,8 @@ class Checkpointer:
         loader: the training loader (its cursor is saved mid-epoch; ``len`` is micro-batches per epoch).
         state, scaler, ema: parts whose state dicts are saved (mutated in place, never replaced).
         data_fingerprint, code_version: recorded in every manifest.
+        data_length: the train split's ``len`` (None: it has none), recorded with the fingerprint in
+            every manifest and trainer state: a resume applies the loader cursor only to the same data.
         loader_state: save the loader's cursor mid-epoch; False for a stream without state
             (a resume then replays the epoch: ``has_loader_state`` false).
     """
@@ -134,16 +138,19 @@ class Checkpointer:
     def __init__(self, config: Config, info: DistInfo, stop: StopRequest, *, model: nn.Module,
                  optimizer: torch.optim.Optimizer, loader: Any, state: TrainState, scaler: torch.amp.GradScaler,
                  ema: EMA | None, data_fingerprint: str | None, code_version: str | None,
-                 loader_state: bool = True):
+                 loader_state: bool = True, data_length: int | None = None):
         c = config.checkpoint
         self.config, self.info, self.stop = config, info, stop
-        self.format = make_format(config.checkpoint_format, info, background=c.async_, keep_last=c.keep_last)
+        self.format = make_format(config.checkpoint_format, info, background=c.async_, keep_last=c.keep_last,
+                                  keep_full=c.keep_full)
         self.schedule = SaveSchedule.from_config(c)
         self.model, self.optimizer, self.loader = model, optimizer, loader
         self.state, self.scaler, self.ema = state, scaler, ema
         self.scheduler: Any = None
         self.grad_accum = config.train.grad_accum
         self.data_fingerprint, self.code_version = data_fingerprint, code_version
+        self.data_length = data_length
+        self.cursor_problem: str | None = None  # why the loader cursor cannot be saved (load_problem)
         self.loader_state = loader_state
         self.dir: Path | None = None
         self.failed = False  # a save failed under on_error = "stop": no more saves
@@ -165,7 +172,7 @@ class Checkpointer:
         parts = {"trainer": self.state, "scheduler": self.scheduler, "scaler": self.scaler, "ema": self.ema}
         values: dict[str, Any] = {name: part.state_dict() if part is not None else None for name, part in parts.items()}
         values.update(world_size=self.info.world_size, workers_per_rank=self.config.data.num_workers,
-                      **self._batching())
+                      data_length=self.data_length, data_fingerprint=self.data_fingerprint, **self._batching())
         return {key: values[key] for key in META_ORDER}
 
     def _batching(self) -> dict[str, int]:
@@ -180,7 +187,8 @@ class Checkpointer:
                 "world_size": self.info.world_size, "strategy": self.config.train.strategy,
                 "workers_per_rank": self.config.data.num_workers,
                 **self._batching(), "epoch_start_step": s.epoch_start_step, "metrics": s.last_eval,
-                "created": now_iso(), "torch_version": torch.__version__, "data_fingerprint": self.data_fingerprint}
+                "created": now_iso(), "torch_version": torch.__version__, "data_fingerprint": self.data_fingerprint,
+                "data_length": self.data_length}
 
     def ema_weights(self) -> dict[str, torch.Tensor] | None:
         """The EMA weight set of the model as it is now, or None without EMA."""
@@ -191,10 +199,13 @@ class Checkpointer:
         file, else ``torch.save`` of the plain state dict (see :meth:`Trainer.save_model`).
 
         Raises:
-            UsageError: ``weights="ema"`` without EMA.
+            UsageError: ``weights="ema"`` without EMA; ``path`` is a directory or lies in a
+                checkpoint or a run's ``model/`` directory.
         """
         from ..checkpoint.export import write_bin, write_safetensors
+        from ..checkpoint.outputs import check_output_file
 
+        check_output_file(path)  # every rank: a refused path raises everywhere, before the gather
         if weights == "ema" and self.ema is None:
             raise UsageError("this run keeps no EMA weights (ema.enabled = false); use weights='raw'")
         # (sharded: a gather every rank takes part in; rank 0 gets the full tensors)
@@ -221,9 +232,11 @@ class Checkpointer:
             CheckpointSaveError: on every rank, when the write failed.
         """
         s = self.state
-        cursor = mid_epoch and self.loader_state
-        rank_state = {"rng": rng_state(), "loader": self.loader.state_dict() if cursor else None}
-        manifest = self.manifest("last", cursor)
+        loader = self._loader_state() if mid_epoch and self.loader_state else None
+        rank_state = {"rng": rng_state(), "loader": loader}
+        manifest = self.manifest("last", loader is not None)
+        if mid_epoch and self.loader_state and loader is None:
+            manifest["loader_state_problem"] = self.cursor_problem
         if selection_metric is not None:
             manifest["selection_metric"] = selection_metric
         item = SaveItem(model=self.model, optimizer=self.optimizer, meta=self.meta(), rank_state=rank_state,
@@ -237,6 +250,23 @@ class Checkpointer:
             # (a background save logs "saved" from its writer thread once it is published)
             log.info("saved %s (step %d, epoch %d, iter %d)", path, s.global_step, s.epoch, s.iter)
         return path
+
+    def _loader_state(self) -> dict[str, Any] | None:
+        """The loader cursor to save, or None when a resume could not load it (a dataset state
+        holding an enum or a user class: :func:`~pimm_core.checkpoint.state.load_problem`, agreed
+        by every rank): the checkpoint is then saved without it, and rank 0 warns with the fix."""
+        state = self.loader.state_dict()
+        problem = load_problem(state)
+        if self.info.distributed:
+            problem = next((p for p in dist.all_gather_object(problem) if p), None)
+        if problem is None:
+            return state
+        if self.info.is_main and problem != self.cursor_problem:
+            log.warning("warning: the loader cursor cannot be saved so that a resume loads it (the train split's "
+                        "state_dict(): %s); checkpoints hold no loader cursor until it can, and a resume inside an "
+                        "epoch replays that epoch from its start", problem)
+        self.cursor_problem = problem
+        return None
 
     def _periodic(self, save: Save) -> None:
         """A scheduled save; on failure log loudly and, with ``checkpoint.on_error = "stop"``
@@ -252,6 +282,15 @@ class Checkpointer:
             return
         if save.snapshot:
             self._snapshot()
+
+    def _last_purge(self) -> None:
+        """Rank 0 at the run's end: wait for the background removals, try once more what could not be
+        removed, and warn naming what is still there (it never fails the run)."""
+        if not wait_for_purges():
+            return
+        for path in retry_stale(self.dir):
+            log.warning("warning: %s (a superseded checkpoint) could still not be removed; the next save of "
+                        "this run tries again, or remove it yourself", path)
 
     def _payload(self) -> dict[str, Any] | None:
         """What a weights-only file holds: made on every rank when the model is sharded (a
@@ -347,5 +386,5 @@ class Checkpointer:
             if save.snapshot:
                 self._snapshot()
             # the last save's superseded checkpoint is removed before the run reports its end
-            on_main(self.info, wait_for_purges, self.dir / "last.prev", self.dir)
+            on_main(self.info, self._last_purge, self.dir / "last.prev", self.dir)
         return failure

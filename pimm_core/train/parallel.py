@@ -53,7 +53,7 @@ def parallelize(model: nn.Module, cfg: Config, info: DistInfo, device: torch.dev
     if t.strategy == "ddp" and info.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return DDP(model)
+        return DDP(model, find_unused_parameters=t.find_unused_parameters)
     return model
 
 

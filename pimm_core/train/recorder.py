@@ -166,25 +166,33 @@ class Recorder:
         finally:
             self.progress.stop()
 
-    def on_step(self, epoch: int, loss: torch.Tensor, lr: float, samples: int) -> None:
-        """After an optimizer step of ``epoch``: every ``log_every_steps`` (and at step 1) a train
-        record, a progress line and a status heartbeat; the bar advances at every step.
+    def on_step(self, epoch: int, loss: torch.Tensor, lr: float, samples: int,
+                grad_norm: torch.Tensor | None = None) -> None:
+        """After an optimizer step of ``epoch``: every ``log_every_steps``, at step 1, and at the last
+        step of each epoch and of the run, a train record, a progress line and a status heartbeat
+        (so a plot and the "last" loss never lag the run's end); the bar advances at every step.
 
         Args:
             loss: the window's mean loss (0-d tensor; read only when recorded).
             lr: the LR the step used.
             samples: samples in the window on this rank.
+            grad_norm: the window's total L2 gradient norm before clipping (0-d tensor), recorded as
+                ``grad_norm``; None: not recorded.
         """
         s = self.state
         self._samples += samples
-        if s.global_step % self.log_every_steps == 0 or s.global_step == 1:
+        ends_epoch = s.global_step - s.epoch_start_step == self.steps_per_epoch
+        if s.global_step % self.log_every_steps == 0 or s.global_step == 1 or ends_epoch or s.global_step == self.total:
             now = time.perf_counter()
             then, samples_then = self._last_log
             rate = (self._samples - samples_then) * self.info.world_size / max(now - then, 1e-9)
             self._last_log = (now, self._samples)
             loss_value = loss.item()
-            self.record({"step": s.global_step, "epoch": epoch, "iter": s.iter, "split": "train",
-                         "loss": loss_value, "lr": lr, "samples_per_s": rate})
+            record = {"step": s.global_step, "epoch": epoch, "iter": s.iter, "split": "train",
+                      "loss": loss_value, "lr": lr, "samples_per_s": rate}
+            if grad_norm is not None:
+                record["grad_norm"] = grad_norm.item()
+            self.record(record)
             self.progress.log(s, loss_value, lr, rate)
             self.status("running")
         self.progress.advance(s.global_step)

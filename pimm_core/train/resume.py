@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import dist
+from ..checkpoint.branch import set_aside_later
 from ..checkpoint.formats import make_format
-from ..checkpoint.selection import is_model_dir, resolve_resume_path, select_verified, verify_candidate
+from ..checkpoint.resume_path import resolve_resume_path
+from ..checkpoint.selection import is_model_dir, select_verified, verify_candidate
 from ..checkpoint.state import set_rng_state, unwrap
 from ..errors import CheckpointError
 from ..config import TrainConfig
@@ -30,6 +32,7 @@ from ..run import CONFIG, METRICS, read_run_status
 from ..run.metrics import MAX_LINE, records_from_end
 from ..run.values import json_number
 from ..topology import config_diff, is_finished, plan_resume
+from .build import data_length
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
@@ -39,7 +42,8 @@ log = logging.getLogger("pimm")
 
 def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict[str, Any]:
     """Restore state from ``source`` following the resume policy; returns the provenance entry."""
-    cand, fallback = choose_intact(tr, Path(str(source)) if not str(source).startswith("hf://") else source)
+    cand, fallback = choose_intact(tr, Path(str(source)) if not str(source).startswith("hf://") else source,
+                                   checkpoint_dir)
     strict = tr.config.resume_strict_state
     loaded = make_format(cand.format, tr.info).load(Path(cand.path), model=tr.model, optimizer=tr.optimizer,
                                                     strict=strict, ema_target=tr.ema.shadow if tr.ema else None)
@@ -51,13 +55,15 @@ def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict
     if cand.format == "single":
         manifest["has_loader_state"] = bool(loaded.rank_state and loaded.rank_state.get("loader") is not None) \
             if meta["world_size"] == tr.info.world_size else saved["iter"] > 0
-    for key in ("batch_size", "grad_accum", "epoch_start_step"):  # absent from older checkpoints
+    # (absent from older checkpoints)
+    for key in ("batch_size", "grad_accum", "epoch_start_step", "data_length", "data_fingerprint"):
         if meta.get(key, saved.get(key)) is not None:
             manifest[key] = meta.get(key, saved.get(key))
     plan = plan_resume(manifest, world_size=tr.info.world_size, strategy=tr.config.train.strategy,
                        workers_per_rank=tr.config.data.num_workers,
                        strict=strict, grad_accum=tr._t.grad_accum, batch_size=tr.config.data.batch_size,
-                       legacy=cand.format == "legacy")
+                       legacy=cand.format == "legacy", data_length=data_length(tr.data.train),
+                       data_fingerprint=tr.data.fingerprint)
     warnings = fallback + list(plan.warnings) + provenance_diff(tr, manifest) + loaded.skipped
     tr.state.load_state_dict(saved, epoch_start_step=plan.step if plan.iter == 0 else 0)
     tr.best.load_state_dict(saved)
@@ -109,15 +115,17 @@ def nothing_left(tr: Trainer, t: TrainConfig) -> bool:
                        run_state=state)
 
 
-def choose_intact(tr: Trainer, source: Path | str):
+def choose_intact(tr: Trainer, source: Path | str, checkpoint_dir: Path | None = None):
     """Resolve the resume source and check its files against the manifest (rank 0 reads,
     every rank gets the verdict). A ``model/`` directory falls back past corrupt
-    candidates with a warning; an explicitly named corrupt candidate is refused.
+    candidates with a warning; an explicitly named corrupt candidate is refused. An explicit
+    earlier checkpoint of ``checkpoint_dir`` (``full_<step>``) branches the run: the later ones
+    are set aside (:func:`pimm_core.checkpoint.branch.set_aside_later`), with a warning.
 
     Raises:
         CheckpointError: nothing intact to resume from (names each problem).
     """
-    verdict: tuple[str | None, list[str], str | None] = (None, [], None)
+    verdict: tuple[str | None, list[str], Any, list[str]] = (None, [], None, [])
     if tr.info.is_main:
         try:
             if isinstance(source, Path) and is_model_dir(source):
@@ -126,34 +134,43 @@ def choose_intact(tr: Trainer, source: Path | str):
                     detail = "; ".join(warnings) or "no complete candidate"
                     raise CheckpointError(f"no intact checkpoint to resume in {source}: {detail}", exit_code=1)
                 warnings += set_aside_corrupt_last(source, chosen)
-                verdict = (chosen.path, warnings, None)
+                verdict = (chosen.path, warnings, None, [])
             else:
                 cand = resolve_resume_path(source)
                 problems = verify_candidate(cand)
                 if problems:
                     raise CheckpointError(f"checkpoint {cand.path} is corrupt ({'; '.join(problems)}); resume "
                                           "from another candidate (see pimm checkpoints ls)", exit_code=1)
-                verdict = (cand.path, [], None)
+                # an earlier point of this run's own line: the later checkpoints are set aside
+                try:
+                    notes = set_aside_later(cand) if checkpoint_dir is not None and \
+                        Path(cand.path).parent.resolve() == Path(checkpoint_dir).resolve() else []
+                except OSError as e:
+                    raise CheckpointError(f"cannot set aside the checkpoints after {cand.path}: {e}") from None
+                verdict = (cand.path, [], None, notes)
         except CheckpointError as e:
-            verdict = (None, [], e)  # PimmError pickles with its class and exit code
-    path, warnings, error = dist.broadcast_object(verdict)
+            verdict = (None, [], e, [])  # PimmError pickles with its class and exit code
+    path, warnings, error, notes = dist.broadcast_object(verdict)
     if error is not None:
         raise error
-    for w in warnings:
-        if tr.info.is_main:
+    if tr.info.is_main:
+        for w in warnings:
             log.error("ERROR: %s", w)
-    return resolve_resume_path(path), warnings
+        for n in notes:
+            log.warning("warning: %s", n)
+    return resolve_resume_path(path), warnings + notes
 
 
 def set_aside_corrupt_last(model_dir: Path, chosen) -> list[str]:
-    """Rank 0, resuming from ``last.prev`` because ``last`` failed verification: rename the corrupt
-    ``last`` to ``last.corrupt-<time>`` (kept for inspection; selection ignores it).
+    """Rank 0, resuming from another candidate (``last.prev``, a kept ``full_<step>``) because ``last``
+    failed verification: rename the corrupt ``last`` to ``last.corrupt-<time>`` (kept for
+    inspection; selection ignores it).
 
     Otherwise the next save's rotation would remove the intact ``last.prev`` to make room for
     the corrupt ``last``, and a crash in between would leave nothing to resume from.
     """
     last = model_dir / "last"
-    if chosen.name != "last.prev" or not last.is_dir():
+    if chosen.name == "last" or not last.is_dir():
         return []
     dest = model_dir / f"last.corrupt-{time.strftime('%Y%m%d-%H%M%S')}"
     os.rename(last, dest)

@@ -23,8 +23,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("pimm")
 
 
-def after_step(tr: Trainer, outcome: str, loss: torch.Tensor, samples: int, epoch: int) -> None:
-    """An optimizer step was taken (or skipped): schedule, record, callbacks, stop agreement."""
+def after_step(tr: Trainer, outcome: str, loss: torch.Tensor, samples: int, epoch: int,
+               grad_norm: torch.Tensor | None = None) -> None:
+    """An optimizer step was taken (or skipped): schedule, record (``grad_norm``: the window's
+    gradient norm before clipping), callbacks, stop agreement."""
     s = tr.state
     if outcome == SKIPPED and tr.info.is_main:
         log.warning("warning: non-finite loss or gradient at step %d: step skipped "
@@ -32,7 +34,7 @@ def after_step(tr: Trainer, outcome: str, loss: torch.Tensor, samples: int, epoc
     lr = tr.scheduler.get_last_lr()[0]
     tr.scheduler.step()
     s.global_step += 1
-    tr.recorder.on_step(epoch, loss, lr, samples)
+    tr.recorder.on_step(epoch, loss, lr, samples, grad_norm=grad_norm)
     for callback in tr.callbacks:
         callback(tr)  # e.g. lambda tr: tr.stop.request("budget") if ... else None
     limit = tr.time_limit.reason(tr.checkpointer.last_save_s)  # train.max_time, $SLURM_JOB_END_TIME

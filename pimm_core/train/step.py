@@ -19,7 +19,7 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..ema import EMA
-from ..errors import TrainingError
+from ..errors import ConfigError, TrainingError
 from ..checkpoint.state import unwrap
 from ..objectives import BUILTIN, Objective, batch_size
 from .evaluator import to_device
@@ -81,6 +81,7 @@ class WindowStep:
                  before_step: Callable[[], None] | None = None):
         self.model, self.optimizer, self.scaler, self.ema, self.train = model, optimizer, scaler, ema, train
         self.autocast, self.distributed, self.objective, self.before_step = autocast, distributed, objective, before_step
+        self.grad_norm: torch.Tensor | None = None
 
     def windows(self, batches: Iterable, state: TrainState, micro_batches: int,
                 device: torch.device) -> Iterator[tuple[str, torch.Tensor, int]]:
@@ -118,12 +119,29 @@ class WindowStep:
         """One micro-batch; returns its (detached) share of the window's mean loss."""
         with gradient_sync(self.model, last_in_window or not self.distributed):
             with self.autocast():
-                loss = self.objective(self.model, batch)[0] / window_len
+                loss = self._forward(batch) / window_len
             self.scaler.scale(loss).backward()
         return loss.detach()
 
+    def _forward(self, batch: Any) -> torch.Tensor:
+        """The objective's loss of ``batch``.
+
+        Raises:
+            ConfigError: DDP found a parameter that got no gradient in the previous step (a layer
+                frozen mid-run, a branch not taken) and ``train.find_unused_parameters`` is off.
+        """
+        try:
+            return self.objective(self.model, batch)[0]
+        except RuntimeError as e:
+            if "Expected to have finished reduction in the prior iteration" not in str(e):
+                raise
+            raise ConfigError("a parameter got no gradient in the previous step (a layer frozen mid-run, a branch "
+                              "not taken), which DDP refuses by default; set train.find_unused_parameters = true"
+                              ) from None
+
     def gradients_finite(self) -> bool:
-        """Unscale, clip (``train.grad_clip``) and say whether the window's gradients are finite.
+        """Unscale, clip (``train.grad_clip``) and say whether the window's gradients are finite;
+        :attr:`grad_norm` is the window's total L2 gradient norm before clipping (0-d tensor).
 
         The check is on the total gradient norm: after DDP's all-reduce every rank holds
         the same gradients, so every rank reaches the same verdict without a collective
@@ -132,16 +150,17 @@ class WindowStep:
         """
         t = self.train
         params = [p for p in self.model.parameters() if p.grad is not None]
+        self.scaler.unscale_(self.optimizer)  # (a no-op without loss scaling) the norm is of the true gradients
         if t.grad_clip:
-            self.scaler.unscale_(self.optimizer)
-            norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
-        elif t.on_nonfinite == "continue" or self.scaler.is_enabled():
-            return True
+            norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)  # the norm before clipping
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if hasattr(norm, "full_tensor"):  # FSDP: a DTensor over the shards; full_tensor() reduces it
             norm = norm.full_tensor()
-        return self.scaler.is_enabled() or bool(torch.isfinite(norm))
+        self.grad_norm = norm.detach()  # logged as grad_norm (read only when a record is written)
+        if t.on_nonfinite == "continue" or self.scaler.is_enabled():
+            return True
+        return bool(torch.isfinite(norm))
 
     def finish(self) -> str:
         """End the window: :data:`APPLIED`, :data:`SKIPPED` (non-finite, ``on_nonfinite = "skip"``)

@@ -22,10 +22,10 @@ from ..run.provenance import current_code_version, read_provenance, recorded_lau
 DIFF_ROWS = (("world_size", "world size"), ("strategy", "strategy"), ("batch_size", "per-rank micro-batch"),
              ("grad_accum", "accumulation window"), ("workers_per_rank", "per-rank workers"),
              ("code_version", "code version"), ("torch_version", "torch version"),
-             ("data_fingerprint", "data fingerprint"))
+             ("data_fingerprint", "data fingerprint"), ("data_length", "train samples"))
 
 #: What the planned side shows for a value only a launch knows (it loads the data to hash it).
-PLANNED_AT_LAUNCH = {"data_fingerprint": "computed at launch"}
+PLANNED_AT_LAUNCH = {"data_fingerprint": "computed at launch", "data_length": "computed at launch"}
 
 
 def planned_text(key: str, v: Any) -> str:
@@ -159,7 +159,7 @@ def resume_diff(run_dir: Path, *, world_size: int | None = None, workers: int | 
         CheckpointError: no complete checkpoint to resume from (exit code 1).
     """
     from ..config import load_config
-    from ..topology import config_diff, plan_resume
+    from ..topology import ROWS, config_diff, plan_resume
 
     run_dir = check_run_dir(run_dir)
     if world_size is None:
@@ -211,10 +211,11 @@ def resume_diff(run_dir: Path, *, world_size: int | None = None, workers: int | 
     planned = {"world_size": world_size, "strategy": cfg.train.strategy, "workers_per_rank": cfg.data.num_workers,
                "batch_size": cfg.data.batch_size, "grad_accum": cfg.train.grad_accum,
                "code_version": current_code_version(), "torch_version": _installed_torch_version(),
-               "data_fingerprint": None}
-    if recorded.get("data_fingerprint") is not None:
-        notes.append("the planned data fingerprint is computed when the launch loads the data; "
-                     "the resume warns if it differs from the recorded one")
+               "data_fingerprint": None, "data_length": None}
+    if recorded.get("data_fingerprint") is not None or recorded.get("data_length") is not None:
+        notes.append("the planned data length and fingerprint are computed when the launch loads the data; if "
+                     f"either differs from the recorded one, the policy is: {ROWS['data']} (--dry-run loads "
+                     "the data and says which row applies)")
     plan = None
     if cand.resumable:
         plan = plan_resume(manifest, world_size=world_size, strategy=cfg.train.strategy,

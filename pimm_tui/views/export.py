@@ -39,7 +39,7 @@ class ExportView(Vertical):
             yield Input("", id="exp-dest", compact=True)
         with Horizontal(classes="form-row"):
             yield Label("", classes="form-label")
-            yield Checkbox("replace a non-empty destination", id="exp-force", compact=True)
+            yield Checkbox("replace a previous export", id="exp-force", compact=True)
         with Horizontal(classes="form-row", id="exp-actions"):
             yield Label("", classes="form-label")
             yield Button("Export", id="exp-go", variant="primary", compact=True)

@@ -145,3 +145,33 @@ def eval_weights(run_dir: Path, weights: Path) -> float:
             correct += int((model(x).argmax(1) == y).sum())
             total += len(y)
     return correct / total
+
+
+@contextlib.contextmanager
+def undeletable(tree: Path):
+    """Make the tree ``tree`` impossible to remove for this process while inside, as a file kept busy or
+    immutable (an uploader on NFS) does: as root, ``chattr +i`` on ``tree/weights.pth`` (permission bits do
+    not stop root); otherwise ``tree/trainer.dcp`` without write permission. Skips the test where
+    neither can be done. Yields the path whose removal fails."""
+    import pytest
+
+    if os.geteuid() == 0:
+        target = tree / "weights.pth"
+        r = subprocess.run(["chattr", "+i", str(target)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot make a file immutable here (chattr: {r.stderr.strip()})")
+        undo = ["chattr", "-i", str(target)]
+    else:
+        target = tree / "trainer.dcp"
+        target.chmod(0o555)
+        undo = ["chmod", "755", str(target)]
+    try:
+        yield target
+    finally:
+        subprocess.run(undo, check=False)
+
+
+def release(path: Path) -> None:
+    """Undo :func:`undeletable` on a tree that was moved (whatever was made undeletable in it)."""
+    subprocess.run(["chattr", "-R", "-i", str(path)] if os.geteuid() == 0 else ["chmod", "-R", "u+w", str(path)],
+                   check=False, capture_output=True)

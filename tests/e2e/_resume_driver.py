@@ -14,6 +14,9 @@ As a script (one process, or every rank under ``python -m torch.distributed.run`
   is then dumped for comparison.
 - ``dump``: every rank writes ``<dump>.rank<r>.pt`` with its model state dict,
   optimizer state dict and :class:`TrainState` after ``train()`` returned.
+- ``freeze``: ``[module, step]``: a callback freezes that submodule of the model
+  (``requires_grad = False``) once the global step reaches ``step``, as a user freezing a layer
+  mid-run does; ``freeze_now`` also freezes it before training (a resume past that step).
 - ``full_dump``: rank 0 writes ``<full_dump>.pt``: the whole (gathered) model and optimizer
   state by parameter name, the EMA average and the :class:`TrainState`, for any strategy.
 
@@ -39,7 +42,8 @@ BASE = ("model.dropout=0.3", "train.log_every_steps=1")
 
 def run_job(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), *, stop_at: int | None = None,
             resume_from: str | Path | None = None, max_steps: int | None = None, checkpoint: bool = True,
-            dump: str | Path | None = None, full_dump: str | Path | None = None) -> Any:
+            dump: str | Path | None = None, full_dump: str | Path | None = None,
+            freeze: tuple[str, int] | list | None = None, freeze_now: bool = False) -> Any:
     """Build a Trainer for ``configs/digits.toml`` + BASE + ``overrides`` and train it; returns the trainer."""
     import torch
 
@@ -55,6 +59,16 @@ def run_job(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), *,
     trainer = Trainer(cfg, run_dir=run_dir)
     if stop_at is not None:
         trainer.callbacks.append(lambda tr: tr.stop.request("test") if tr.state.global_step == stop_at else None)
+    if freeze is not None:
+        layer = unwrap(trainer.model).get_submodule(freeze[0])
+
+        def frozen(tr) -> None:
+            if tr.state.global_step >= freeze[1]:
+                layer.requires_grad_(False)
+
+        trainer.callbacks.append(frozen)
+        if freeze_now:
+            layer.requires_grad_(False)
     t = replace(cfg.train, max_steps=max_steps) if max_steps is not None else None
     try:
         trainer.train(t, checkpoint_dir=run_dir / "model" if checkpoint else None,
@@ -93,7 +107,8 @@ def main(argv: list[str]) -> int:
         for job in jobs:
             run_job(job["run_dir"], job.get("overrides", []), stop_at=job.get("stop_at"),
                     resume_from=job.get("resume_from"), max_steps=job.get("max_steps"),
-                    checkpoint=job.get("checkpoint", True), dump=job.get("dump"), full_dump=job.get("full_dump"))
+                    checkpoint=job.get("checkpoint", True), dump=job.get("dump"), full_dump=job.get("full_dump"),
+                    freeze=job.get("freeze"), freeze_now=job.get("freeze_now", False))
     finally:
         dist.shutdown()
     return 0

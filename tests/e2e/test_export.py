@@ -186,9 +186,16 @@ def test_refuses_existing_out_dir_without_force(tmp_path: Path, capsys) -> None:
     assert e.value.exit_code == 2 and (out / "keep.txt").read_text() == "precious"
     assert main(["export", str(tmp_path / "w.pth"), str(out)]) == 2
     assert "error:" in capsys.readouterr().err
-    assert main(["export", str(tmp_path / "w.pth"), str(out), "--force"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["export.json", "model.safetensors"]
-    assert not (tmp_path / "out.old").exists() and not (tmp_path / "out.tmp").exists()
+    # --force replaces only a previous export: a directory holding the user's file is not one
+    assert main(["export", str(tmp_path / "w.pth"), str(out), "--force"]) == 2
+    assert "is not one: it holds files an export does not write (keep.txt)" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "precious"
+    previous = export(tmp_path / "w.pth", tmp_path / "previous")
+    (previous / "model.safetensors").write_bytes(b"stale")
+    assert main(["export", str(tmp_path / "w.pth"), str(previous), "--force"]) == 0
+    assert sorted(p.name for p in previous.iterdir()) == ["export.json", "model.safetensors"]
+    assert (previous / "model.safetensors").read_bytes() != b"stale"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "previous", "w.pth"]  # nothing set aside is left
     (tmp_path / "empty").mkdir()
     export(tmp_path / "w.pth", tmp_path / "empty")  # an empty directory is fine
 

@@ -21,7 +21,7 @@ import torch
 
 from _helpers import DIGITS, REPO, clean_env, describe, pimm_here
 from pimm_core.checkpoint.foreign import directory_layout, file_layout, sniff
-from pimm_core.checkpoint.selection import resolve_resume_path
+from pimm_core.checkpoint.resume_path import resolve_resume_path
 from pimm_core.checkpoint.sources import check_weight_source
 from pimm_core.checkpoint.warm_start import warm_start
 from pimm_core.config import load_config

@@ -165,7 +165,8 @@ def test_bitwise_continuation(runs, case, ws, nw, k):
     assert resume["policy"] == "same" and resume["exact"] is True and resume["replay_boundary"] is None
     assert resume["topology"] == {"saved_world_size": ws, "world_size": ws, "saved_strategy": "ddp", "strategy": "ddp",
                                   "saved_workers_per_rank": nw, "workers_per_rank": nw, "saved_batch_size": 32,
-                                  "batch_size": 32, "saved_grad_accum": 1, "grad_accum": 1}
+                                  "batch_size": 32, "saved_grad_accum": 1, "grad_accum": 1,
+                                  "saved_data_length": 1438, "data_length": 1438}  # digits: 1,438 train samples
     assert "per-rank RNG" in resume["restored"]
     if k % steps:
         assert "loader cursor" in resume["restored"]
@@ -241,7 +242,8 @@ def _check_reshard_entry(entry: dict, *, saved_ws: int, ws: int, step: int, epoc
     assert entry["checkpoint_step"] == step
     assert entry["topology"] == {"saved_world_size": saved_ws, "world_size": ws, "saved_strategy": "ddp", "strategy": "ddp",
                                  "saved_workers_per_rank": 0, "workers_per_rank": 0, "saved_batch_size": 32,
-                                 "batch_size": 32, "saved_grad_accum": 1, "grad_accum": 1}
+                                 "batch_size": 32, "saved_grad_accum": 1, "grad_accum": 1,
+                                 "saved_data_length": 1438, "data_length": 1438}  # digits: 1,438 train samples
     assert entry["replay_boundary"] == {"epoch": epoch, "step": boundary, "from_iter": it}
     assert (entry["step"], entry["epoch"], entry["iter"]) == (boundary, epoch, 0)
     assert "loader cursor" in entry["discarded"]

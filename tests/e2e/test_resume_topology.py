@@ -180,7 +180,8 @@ def test_worker_count_change_discards_cursor_and_restarts_epoch(base, tmp_path):
     assert entry["topology"] == {"saved_world_size": 1, "world_size": 1, "saved_strategy": "ddp", "strategy": "ddp",
                                  "saved_workers_per_rank": 0,
                                  "workers_per_rank": 2, "saved_batch_size": 32, "batch_size": 32,
-                                 "saved_grad_accum": 1, "grad_accum": 1}
+                                 "saved_grad_accum": 1, "grad_accum": 1,
+                                 "saved_data_length": 1438, "data_length": 1438}  # digits: 1,438 train samples
     assert "per-rank RNG" in entry["restored"]  # same ranks: RNG still applies
     assert any("per-rank workers changed 0 -> 2" in w for w in entry["warnings"])
     prov = read_json(tmp_path / "run" / "provenance.json")

@@ -70,7 +70,10 @@ def test_checkpoints_diff(run: Path) -> None:
     assert "replay boundary: none" in r.stdout
     fingerprint = next(line for line in r.stdout.splitlines() if line.startswith("data fingerprint"))
     assert fingerprint.endswith("(computed at launch)"), fingerprint
-    assert "the planned data fingerprint is computed when the launch loads the data" in r.stdout
+    assert "the planned data length and fingerprint are computed when the launch loads the data" in r.stdout
+    samples = next(line for line in r.stdout.splitlines() if line.startswith("train samples"))
+    assert samples.split()[2] == "1438" and samples.endswith("(computed at launch)"), samples
+    assert "the training data changed (its length or fingerprint): discard loader cursor" in r.stdout
 
     r = pimm("checkpoints", "diff", run, "--nproc-per-node", "2", "--json", "--", "data.num_workers=2")
     assert r.returncode == 0, describe(r)

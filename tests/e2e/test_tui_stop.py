@@ -14,6 +14,7 @@ from _helpers import DIGITS, REPO, clean_env
 from tui_support import loaded, make_app, screen_text, wait_for
 
 from pimm_core.checkpoint.selection import select_resume
+from pimm_core.shell import resume_command
 from pimm_tui.screens import ConfirmStop
 
 
@@ -47,6 +48,9 @@ async def test_stop_key_stops_a_live_run(tmp_path: Path) -> None:
             await pilot.press("s")
             await wait_for(pilot, lambda: isinstance(app.screen, ConfirmStop), what="the confirmation")
             assert "Stop digits/live" in screen_text(app)
+            # the same command `pimm launch` prints when the run stops
+            text = str(app.screen.query_one("#confirm-text").render())
+            assert text.endswith(f"resume later with: {resume_command(run_dir)}"), text
             await pilot.press("n")
             await wait_for(pilot, lambda: not isinstance(app.screen, ConfirmStop), what="the cancel")
             assert not (run_dir / "control" / "stop").exists()
@@ -73,3 +77,4 @@ async def test_stop_key_stops_a_live_run(tmp_path: Path) -> None:
     assert chosen is not None and chosen.name == "last" and chosen.complete
     assert chosen.step == status["step"]
     assert "stopped (operator)" in out
+    assert resume_command(run_dir) in out

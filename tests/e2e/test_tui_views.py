@@ -139,7 +139,7 @@ async def test_topology_view_follows_inputs(run: Path, tmp_path: Path) -> None:
     manifest.update(step=60, epoch=1, iter=15, has_loader_state=True)
     manifest_path.write_text(json.dumps(manifest))
     app = make_app(rd)
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=(SIZE[0], SIZE[1] + 1)) as pilot:  # (one more diff row: train samples)
         await loaded(pilot)
         await pilot.press("3")
         view = app.query_one(TopologyView)

@@ -137,7 +137,7 @@ def test_meta_is_the_parts_state_dicts_with_the_keys_checkpoints_have(tmp_path):
     c.state.global_step, c.state.stop_reason, c.state.finished = 7, "budget", True
     meta = c.meta()
     assert list(meta) == ["trainer", "scheduler", "scaler", "world_size", "ema", "workers_per_rank", "batch_size",
-                          "grad_accum"]
+                          "grad_accum", "data_length", "data_fingerprint"]
     assert list(meta["trainer"]) == ["global_step", "epoch", "iter", "best_metric", "best_epoch", "epoch_start_step",
                                      "last_eval", "eval_step", "stop_reason", "error", "finished"]
     assert (meta["trainer"]["global_step"], meta["trainer"]["stop_reason"], meta["trainer"]["finished"]) == (7, None, True)
@@ -145,6 +145,7 @@ def test_meta_is_the_parts_state_dicts_with_the_keys_checkpoints_have(tmp_path):
     assert meta["ema"] == {"updates": 0, "decay": 0.9, "warmup": True}
     assert (meta["world_size"], meta["workers_per_rank"], meta["batch_size"], meta["grad_accum"]) == (
         1, c.config.data.num_workers, c.config.data.batch_size, 2)
+    assert (meta["data_length"], meta["data_fingerprint"]) == (None, "fp")  # what the cursor was saved for
     assert meta_problem(meta) is None  # what a resume checks
     assert checkpointer(tmp_path).meta()["ema"] is None
 

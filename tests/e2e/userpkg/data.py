@@ -35,3 +35,26 @@ def digits_aug(train: int = 192, val: int = 61, seed: int = 0):
     y = torch.tensor(bunch.target, dtype=torch.int64)
     return (Digits(x[:train], y[:train], augment=True, seed=seed),
             Digits(x[train:train + val], y[train:train + val], augment=False))
+
+
+class Indexed(Dataset):
+    """Digits whose items are ``(x, y, index)``: ``userpkg.objective:seen_ce`` records the indices trained."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int):
+        return self.x[index], self.y[index], index
+
+
+def indexed(train: int = 100, val: int = 20):
+    """``(train, val)`` datasets of the first ``train`` digits and the ``val`` after them, with indices."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.tensor(bunch.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(bunch.target, dtype=torch.int64)
+    return Indexed(x[:train], y[:train]), Indexed(x[train:train + val], y[train:train + val])

@@ -34,3 +34,18 @@ def smoothed_ce(model, batch):
         _maybe_sigterm()
     loss = F.cross_entropy(logits, y, label_smoothing=0.1)
     return loss, {"loss": loss.detach(), "err": (logits.argmax(1) != y).float().mean()}
+
+
+def seen_ce(model, batch):
+    """Cross-entropy of ``(x, y, index)`` batches; with ``USERPKG_SEEN=path`` each training call appends
+    ``{"epoch_batch": [indices]}`` lines to ``<path>.rank<RANK>`` (the samples each rank trained, in order)."""
+    x, y, index = batch
+    logits = model(x)
+    if model.training:
+        seen = os.environ.get("USERPKG_SEEN")
+        if seen:
+            with open(f"{seen}.rank{os.environ.get('RANK', '0')}", "a") as f:
+                f.write(" ".join(str(int(i)) for i in index) + "\n")
+        _maybe_sigterm()
+    loss = F.cross_entropy(logits, y)
+    return loss, {"loss": loss.detach()}

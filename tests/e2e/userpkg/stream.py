@@ -4,6 +4,8 @@ own share (:func:`pimm_core.data.stream_shard`). ``DigitStream`` keeps no positi
 
 from __future__ import annotations
 
+import enum
+
 import torch
 from torch.utils.data import IterableDataset
 
@@ -51,4 +53,49 @@ def digits_stream(train: int = 192, val: int = 61, stateful: bool = True):
     x = torch.tensor(bunch.data, dtype=torch.float32) / 16.0
     y = torch.tensor(bunch.target, dtype=torch.int64)
     kind = StatefulDigitStream if stateful else DigitStream
+    return kind(x[:train], y[:train]), DigitStream(x[train:train + val], y[train:train + val])
+
+
+class Phase(enum.Enum):
+    """A value of a user class in a stream's state: what ``torch.load(weights_only=True)`` refuses."""
+
+    WARMUP = "warmup"
+    MAIN = "main"
+
+
+class SafePhase(enum.Enum):
+    """The same, registered with ``torch.serialization.add_safe_globals`` (below): a resume loads it."""
+
+    WARMUP = "warmup"
+    MAIN = "main"
+
+
+torch.serialization.add_safe_globals([SafePhase])
+
+
+class PhasedDigitStream(StatefulDigitStream):
+    """A stateful stream whose state holds an enum (``phase_cls``)."""
+
+    phase_cls: type[enum.Enum] = Phase
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "phase": self.phase_cls.MAIN if self.pos else self.phase_cls.WARMUP}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        assert isinstance(state["phase"], self.phase_cls)
+
+
+class SafePhasedDigitStream(PhasedDigitStream):
+    phase_cls = SafePhase
+
+
+def phased_stream(train: int = 192, val: int = 61, registered: bool = False):
+    """``(train, val)`` streams whose train state holds an enum (``registered``: one a resume may load)."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.tensor(bunch.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(bunch.target, dtype=torch.int64)
+    kind = SafePhasedDigitStream if registered else PhasedDigitStream
     return kind(x[:train], y[:train]), DigitStream(x[train:train + val], y[train:train + val])

@@ -1,0 +1,93 @@
+"""Outputs never destroy what pimm did not write: an export's temporary names, what ``--force`` may
+replace, and weights files written into a run's checkpoints.
+
+A real run (conftest's ``trained_run``, copied) is the source; each refusal is one ``error:``
+line with exit 2 and leaves every file of the run (and the user's files) as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from _helpers import pimm, pimm_here, snapshot
+from pimm_core.checkpoint.export import export, export_weights
+from pimm_core.checkpoint.selection import select_resume
+from pimm_core.errors import UsageError
+
+
+def _user_dir(path: Path, text: str) -> Path:
+    path.mkdir(parents=True)
+    (path / "notes.txt").write_text(text)
+    (path / "sub").mkdir()
+    (path / "sub" / "data.bin").write_bytes(b"\x00\x01" * 100)
+    return path
+
+
+def test_export_leaves_siblings_named_like_its_temporaries(trained_run, tmp_path: Path) -> None:
+    run = trained_run.copy_to(tmp_path)
+    ex = tmp_path / "ex"
+    for name in ("out.tmp", "out.old", ".out.tmp", "out.prev"):
+        _user_dir(ex / name, f"user's {name}")
+    before = snapshot(ex)
+    r = pimm_here("export", "--run-dir", run, "last", ex / "out")
+    assert r.returncode == 0, r.stderr
+    r = pimm_here("export", "--run-dir", run, "best", ex / "out", "--force")  # replacing its own export
+    assert r.returncode == 0, r.stderr
+    after = snapshot(ex)
+    assert {k: v for k, v in after.items() if not k.startswith("out/")} == before
+    assert sorted(p.name for p in (ex / "out").iterdir()) == ["config.json", "export.json", "model.safetensors"]
+    assert sorted(p.name for p in ex.iterdir()) == [".out.tmp", "out", "out.old", "out.prev", "out.tmp"]
+
+
+def test_force_never_replaces_a_run_a_checkpoint_or_what_holds_one(trained_run, tmp_path: Path) -> None:
+    run = trained_run.copy_to(tmp_path / "runs")
+    chosen, _ = select_resume(run / "model")
+    assert chosen is not None and chosen.name == "last"
+    before = snapshot(tmp_path)
+    for out, why in ((run / "model" / "last", "where a run keeps its checkpoints"),  # its own source
+                     (run / "model" / "last" / "trainer.dcp", "inside the checkpoint"),
+                     (run / "model", "it holds checkpoints"),
+                     (run, "it is a run directory"),
+                     (tmp_path / "runs", "it holds run directories")):
+        r = pimm_here("export", "--run-dir", run, "last", out, "--force", cwd=tmp_path)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (out, r.stderr)
+        assert why in lines[0], (out, lines[0])
+    assert snapshot(tmp_path) == before
+    again, _ = select_resume(run / "model")
+    assert again is not None and (again.name, again.step, again.generation) == (chosen.name, chosen.step,
+                                                                                 chosen.generation)
+
+
+def test_force_into_the_current_directory_is_one_line(trained_run, tmp_path: Path) -> None:
+    run = trained_run.copy_to(tmp_path / "runs")
+    here = _user_dir(tmp_path / "work", "mine")
+    before = snapshot(tmp_path)
+    # a real process: `.` is resolved against its own working directory
+    r = pimm("export", "--run-dir", run, "last", ".", "--force", cwd=here)
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    # an empty working directory, or one holding a previous export, is not replaced either (the shell is in it)
+    prev = export(run / "model" / "last", tmp_path / "prev")
+    r = pimm_here("export", "--run-dir", run, "last", ".", "--force", cwd=prev)
+    assert r.returncode == 2 and "current directory" in r.stderr, r.stderr
+    assert {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("prev/")} == before
+
+
+def test_exported_weights_files_never_overwrite_a_checkpoint(trained_run, tmp_path: Path) -> None:
+    run = trained_run.copy_to(tmp_path)
+    model = run / "model"
+    before = snapshot(run)
+    for target in (model / "last" / "weights.pth", model / "model_best.pth", model / "iter_new.safetensors",
+                   model / "last" / "extra.bin"):
+        with pytest.raises(UsageError) as e:
+            export_weights(model / "last", target)
+        assert e.value.exit_code == 2 and "checkpoint" in str(e.value)
+    with pytest.raises(UsageError, match="inside the checkpoint"):
+        export(model / "last", model / "last" / "exported")
+    assert snapshot(run) == before
+    export_weights(model / "last", tmp_path / "w.safetensors")  # anywhere else is fine
+    assert os.path.getsize(tmp_path / "w.safetensors") > 0
