@@ -11,7 +11,9 @@ from .config_tables import Where
 from .errors import ConfigError
 from .fsio import url_scheme
 from .run.layout import NAME_SUFFIX_MAX, name_problem
+from .stop import parse_signals
 from .targets import is_target
+from .time_limit import parse_duration
 
 if TYPE_CHECKING:
     from .config import Config
@@ -82,6 +84,7 @@ def validate(cfg: Config, where: Where, origins: dict[str, str]) -> None:
     _validate_names(cfg, where, origins)
     _validate_places(cfg, where, origins)
     _validate_plugins(cfg, where, origins)
+    _validate_time_and_signals(cfg, where, origins)
     if cfg.checkpoint.async_ and cfg.checkpoint_format != "standard":
         raise ConfigError(f"{where('checkpoint.async', origins.get('checkpoint.async', 'file'))}: checkpoint.async "
                           f"needs checkpoint_format = 'standard' (got {cfg.checkpoint_format!r})")
@@ -101,6 +104,20 @@ def validate(cfg: Config, where: Where, origins: dict[str, str]) -> None:
         raise ConfigError(f"{where('eval.weights', origins.get('eval.weights', 'file'))}: eval.weights = 'ema' "
                           "needs ema.enabled = true")
 
+
+
+def _validate_time_and_signals(cfg: Config, where: Where, origins: dict[str, str]) -> None:
+    for key, value, check in (("train.stop_signals", cfg.train.stop_signals, parse_signals),
+                              ("train.max_time", cfg.train.max_time, parse_duration)):
+        if value is None:
+            continue
+        try:
+            check(value)
+        except ValueError as e:
+            raise ConfigError(f"{where(key, origins.get(key, 'file'))}: {key}: {e}") from None
+    if not cfg.train.stop_signals:
+        raise ConfigError(f"{where('train.stop_signals', origins.get('train.stop_signals', 'file'))}: "
+                          "train.stop_signals is empty; name at least one, e.g. [\"SIGINT\", \"SIGTERM\"]")
 
 
 def _validate_names(cfg: Config, where: Where, origins: dict[str, str]) -> None:

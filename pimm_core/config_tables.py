@@ -106,7 +106,14 @@ def coerce(value: Any, hint: Any, dotted: str, where: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return coerce(value, inner[0], dotted, where)
+        if len(inner) == 1:
+            return coerce(value, inner[0], dotted, where)
+        for one in inner:  # several types (float | str): the first that takes the value
+            try:
+                return coerce(value, one, dotted, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}: {dotted} must be {type_name(hint)}, got {value!r}")
     ok = (
         (hint is bool and isinstance(value, bool))
         or (hint is int and isinstance(value, int) and not isinstance(value, bool))

@@ -7,7 +7,8 @@ is saved, the final evaluation is skipped, and ``train()`` returns with
 communication happen in the training loop.
 
 A training process catches the stop signals (:data:`STOP_SIGNALS`: SIGINT, SIGTERM and
-SIGHUP, the terminal closing) from its very start (:func:`stop_signals`, entered by
+SIGHUP, the terminal closing; ``train.stop_signals`` names others, e.g. the SIGUSR1 a scheduler
+sends before its time limit) from its very start (:func:`stop_signals`, entered by
 ``pimm launch``/``pimm resume`` before anything is imported or written), so a stop asked
 during start-up is kept and honoured: before the first step the run ends cleanly with
 the stop recorded and nothing saved; later, at the next step boundary.
@@ -31,8 +32,44 @@ from .run.entries import STOP_FILE, check_entry, ensure_dir, writable_error
 from .run.jsonfile import read_json
 from .run.layout import CONTROL
 
-#: The signals a training process turns into a clean stop.
+#: The signals a training process turns into a clean stop by default (``train.stop_signals``).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+#: The environment variable naming the stop signals of a rank started by ``pimm launch
+#: --nproc-per-node`` (comma-separated): its ranks catch them from their very start.
+SIGNALS_ENV = "PIMM_STOP_SIGNALS"
+
+_UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
+
+
+def parse_signals(names: list[str] | tuple[str, ...]) -> tuple[signal.Signals, ...]:
+    """The signals named by ``names`` ("SIGUSR1" or "USR1", any case), in order, without repeats.
+
+    Raises:
+        ValueError: a name that is not a signal, or SIGKILL/SIGSTOP (no process can catch
+            them); the message names it and the fix.
+    """
+    out: list[signal.Signals] = []
+    for name in names:
+        text = str(name).strip().upper()
+        text = text if text.startswith("SIG") else "SIG" + text
+        sig = getattr(signal.Signals, text, None) if text.isidentifier() else None
+        if sig is None:
+            raise ValueError(f"{name!r} is not a signal name; write e.g. \"SIGUSR1\"")
+        if sig in _UNCATCHABLE:
+            raise ValueError(f"{sig.name} cannot be caught by any process; use e.g. \"SIGUSR1\" or \"SIGTERM\"")
+        if sig not in out:
+            out.append(sig)
+    return tuple(out)
+
+
+def signals_from_env() -> tuple[signal.Signals, ...]:
+    """:data:`SIGNALS_ENV`'s signals (set by the launcher for its ranks), else :data:`STOP_SIGNALS`."""
+    text = os.environ.get(SIGNALS_ENV, "")
+    try:
+        return parse_signals([n for n in text.split(",") if n.strip()]) or STOP_SIGNALS
+    except ValueError:
+        return STOP_SIGNALS
 
 
 def stop_file(run_dir: Path) -> Path:
@@ -85,6 +122,7 @@ class StopRequest:
         self._lock = threading.Lock()
         self._reason: str | None = None
         self._cause: Exception | None = None
+        self._caught: tuple[dict, object] | None = None  # inside catch_signals: (previous handlers, handler)
 
     def request(self, reason: str = "requested", *, cause: Exception | None = None) -> None:
         """Ask the run to stop at the next accumulation-window boundary.
@@ -129,11 +167,38 @@ class StopRequest:
 
         for sig in signals:
             previous[sig] = signal.signal(sig, handler)
+        _ever_caught.update(signals)
+        self._caught = (previous, handler)
         try:
             yield self
         finally:
+            self._caught = None
             for sig, old in previous.items():
                 signal.signal(sig, old)
+
+    def catch_only(self, signals: tuple[signal.Signals, ...]) -> None:
+        """Inside :meth:`catch_signals` (main thread): catch exactly ``signals`` from now on (the
+        configured ``train.stop_signals``, known once the config is read); a signal no longer
+        named gets its previous handler back. Outside :meth:`catch_signals`: nothing."""
+        caught = self._caught
+        if caught is None:
+            return
+        previous, handler = caught
+        for sig in [s for s in previous if s not in signals]:
+            signal.signal(sig, previous.pop(sig))
+        for sig in signals:
+            if sig not in previous:
+                previous[sig] = signal.signal(sig, handler)
+        _ever_caught.update(signals)
+
+
+_ever_caught: set[signal.Signals] = set()
+
+
+def caught_signals() -> set[signal.Signals]:
+    """Every signal this process has turned into a stop request (:data:`STOP_SIGNALS` at least):
+    the console script ignores them while the interpreter exits."""
+    return {*STOP_SIGNALS, *_ever_caught}
 
 
 _active: StopRequest | None = None
@@ -141,7 +206,9 @@ _active: StopRequest | None = None
 
 @contextlib.contextmanager
 def stop_signals() -> Iterator[StopRequest]:
-    """The process's stop request, with :data:`STOP_SIGNALS` turned into it while inside.
+    """The process's stop request, with the stop signals turned into it while inside
+    (:data:`SIGNALS_ENV`'s when set, else :data:`STOP_SIGNALS`; :meth:`StopRequest.catch_only`
+    changes them once the config names its own).
 
     Re-entrant: inside an outer ``with stop_signals()`` it yields the same request (a
     signal caught by the outer one, during start-up, is kept for the trainer). Must be
@@ -152,7 +219,7 @@ def stop_signals() -> Iterator[StopRequest]:
         yield _active
         return
     stop = StopRequest()
-    with stop.catch_signals():
+    with stop.catch_signals(signals_from_env()):
         _active = stop
         try:
             yield stop

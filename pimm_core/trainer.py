@@ -52,6 +52,7 @@ from .objectives import Objective
 from .optim import build_optimizer, build_scheduler
 from .run import code_version
 from .stop import StopRequest
+from .time_limit import TimeLimit
 from .topology import finished_message
 from .train.best import BestTracker
 from .train.build import (build_data, build_model, build_objective, data_length, data_resume_policy,
@@ -255,6 +256,7 @@ class Trainer:
                 state does not fit the model (names the tensors).
         """
         t = self._t = train_config or self.config.train
+        self.time_limit = TimeLimit.from_config(t.max_time)  # this session's budget starts now
         if resume_from is None and t != self.config.train:
             # A fresh run trains with `t`: the optimizer (built in __init__ from the config) takes its
             # hyperparameters, and config.toml records it, so `pimm resume` continues with the same.

@@ -101,6 +101,16 @@ class Uploader:
             return list(self._missing) or [self._current or "the upload in progress"]
 
     # ---------------------------------------------------------------- thread
+    def finish(self, timeout: float) -> list[str]:
+        """:meth:`close`, then say (logged) what is not on the remote after ``timeout`` seconds, or that all is."""
+        missing = self.close(timeout)
+        if missing:
+            log.warning("warning: not on the remote %s after waiting %gs: %s (the local copies are intact)",
+                        self.url, timeout, "; ".join(missing))
+        else:
+            log.info("checkpoints uploaded to %s", self.url)
+        return missing
+
     def _run(self) -> None:
         while not self._closing.is_set():
             if not self._wake.wait(self.retry_after) and not self._missing:

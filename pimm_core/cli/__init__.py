@@ -114,12 +114,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
-    """Console-script entry: :func:`main`, then exit ignoring further SIGINT/SIGTERM, so a
-    repeated Ctrl-C after a clean stop cannot turn the exit (DataLoader worker shutdown)
-    into a traceback or a signal exit code."""
+    """Console-script entry: :func:`main`, then exit ignoring further stop signals (SIGINT/SIGTERM/
+    SIGHUP and ``train.stop_signals``), so a repeated Ctrl-C (or a scheduler's second SIGUSR1) after
+    a clean stop cannot turn the exit (DataLoader worker shutdown) into a traceback or a signal exit code."""
     import signal
 
+    from ..stop import caught_signals
+
     code = main()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for sig in caught_signals():
         signal.signal(sig, signal.SIG_IGN)
     sys.exit(code)

@@ -6,7 +6,7 @@ several agents that return skips torchrun's exit barrier, the point where every 
 agent waits for the others to finish: the agents of the other nodes, whose ranks stopped
 just as cleanly, then wait there for 300 s or fail with a lost store connection (a
 traceback and C++ warnings on their terminal). So a multi-node agent handles the two
-signals itself: it sends them on to its ranks (which agree on the stop step with every
+signals (and the other ``train.stop_signals`` but SIGHUP, e.g. a scheduler's SIGUSR1) itself: it sends them on to its ranks (which agree on the stop step with every
 other rank and save ``last``) and keeps running as torchrun's agent, so every agent ends
 as after a finished run. A rank that has not stopped after the shutdown timeout is killed,
 as torchrun would.
@@ -22,11 +22,17 @@ import threading
 from pathlib import Path
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_TORCHRUN_HANDLES = (signal.SIGHUP, signal.SIGQUIT)  # TORCHRUN_ARGS: torchrun's own handling
 
 
 class SignalForwarder:
-    """Inside ``with``: SIGINT/SIGTERM reach this agent's ranks instead of torchrun's handler
-    (give torchrun :attr:`TORCHRUN_ARGS`, so that it leaves the two signals alone).
+    """Inside ``with``: SIGINT/SIGTERM and the ``extra`` stop signals reach this agent's ranks
+    instead of torchrun's handler (give torchrun :attr:`TORCHRUN_ARGS`, so that it leaves them alone).
+
+    Args:
+        shutdown_timeout: seconds the ranks have to stop after the first signal; then SIGKILL.
+        extra: further signals the ranks stop on (``train.stop_signals``; SIGHUP and SIGQUIT
+            stay torchrun's).
 
     Attributes:
         received: the first stop signal forwarded, or None.
@@ -38,8 +44,9 @@ class SignalForwarder:
     #: torchrun installs its handler only for the signals named here (its default adds SIGTERM, SIGINT)
     TORCHRUN_ARGS = ["--signals-to-handle", "SIGHUP,SIGQUIT"]
 
-    def __init__(self, shutdown_timeout: float):
+    def __init__(self, shutdown_timeout: float, extra: tuple[signal.Signals, ...] = ()):
         self.shutdown_timeout = shutdown_timeout
+        self.signals = _STOP_SIGNALS + tuple(s for s in extra if s not in _STOP_SIGNALS + _TORCHRUN_HANDLES)
         self.received: signal.Signals | None = None
         self._previous: dict[int, object] = {}
         self._done = threading.Event()
@@ -49,7 +56,7 @@ class SignalForwarder:
         return Path("/proc/self/stat").exists()
 
     def __enter__(self) -> "SignalForwarder":
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in _STOP_SIGNALS}
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.signals}
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,9 +1,10 @@
 """Training in this process: one rank of the run (alone, or started by torchrun/srun),
-under the run lock, with SIGINT/SIGTERM/SIGHUP turned into a clean stop from the first
-moment (:func:`pimm_core.stop.stop_signals`); the summary line."""
+under the run lock, with SIGINT/SIGTERM/SIGHUP (``train.stop_signals``) turned into a clean
+stop from the first moment (:func:`pimm_core.stop.stop_signals`); the summary line."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -11,10 +12,11 @@ from ..config import Config
 from ..console_log import setup_logging
 from ..errors import CheckpointError, TrainingError
 from ..lock import follow_launcher, hold_run
-from ..run import MODEL
+from ..run import LAUNCH_ENV, MODEL
 from ..shell import resume_command
 from ..faults import point
-from ..stop import StopRequest, stop_signals
+from ..stop import StopRequest, parse_signals, stop_signals
+from .requeue import requeue_if_asked
 from .rundir import check_before_launch, claim, finished, resolve_run_dir, resume_source
 
 
@@ -25,6 +27,7 @@ def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = 
     ``leftovers_ok`` (``--train.auto-resume``): a model/ directory with nothing resumable
     in it does not stop a fresh start (rank 0 has moved it aside)."""
     with stop_signals() as stop:  # a stop asked from here on is kept for the trainer
+        stop.catch_only(parse_signals(cfg.train.stop_signals))  # the configured ones (validated with the config)
         return _train_here(cfg, config_path, resume_from, leftovers_ok, stop)
 
 
@@ -104,4 +107,6 @@ def _train_and_report(cfg: Config, config_path: Path | None, run_dir: Path, sour
         else:
             print(f"done: best {cfg.eval.metric} {best} (epoch {state.best_epoch}) | epochs {state.epoch} | "
                   f"steps {state.global_step} | {took} | run {run_dir}", flush=True)
+        if LAUNCH_ENV not in os.environ:  # train.requeue (ranks of `pimm launch --nproc-per-node`: the launcher's)
+            return requeue_if_asked(cfg, run_dir)
     return 0

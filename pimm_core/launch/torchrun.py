@@ -18,11 +18,12 @@ from ..errors import RANK_ERRORS_ENV, rank_errors
 from ..lock import LauncherLock
 from ..run import LAUNCH_ENV, STATUS, read_run_status
 from ..shell import PROGRAM_ENV, program, resume_command
-from ..stop import StopRequest, stop_signals
+from ..stop import SIGNALS_ENV, StopRequest, parse_signals, signals_from_env, stop_signals
 from ..targets import child_env
 from .forward import SignalForwarder
 from .options import LaunchOptions
 from .rendezvous import use_ordered_shutdown
+from .requeue import requeue_if_asked
 from .rundir import check_before_launch, claim, resolve_run_dir
 
 
@@ -46,6 +47,7 @@ def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOp
 
 def _spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOptions,
            worker_args: list[str] | None, leftovers_ok: bool, stop: StopRequest) -> int:
+    stop.catch_only(parse_signals(cfg.train.stop_signals))  # (validated with the config)
     run_dir = resolve_run_dir(cfg, config_path)
     check_before_launch(cfg, run_dir, leftovers_ok=leftovers_ok, config_path=config_path)
     single_node = opts.single_node()
@@ -60,7 +62,8 @@ def _spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchO
         raise
     if code != 0 or stop.requested:
         claimed.discard_if_unstarted()  # no rank started (stopped, or failed before the run): leave nothing behind
-    return code
+        return code
+    return requeue_if_asked(cfg, claimed.path)  # train.requeue: a Slurm job stopped by its signal starts again
 
 
 def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[str], worker_args: list[str] | None,
@@ -72,11 +75,15 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
         worker_args = ["launch", *head, "--run.name", run_dir.name, "--run.no-timestamp", *sep, *tail]
     from torch.distributed.run import get_args_parser, run
 
-    # several nodes: this agent passes stop signals on to its ranks (forward.py)
+    signals = parse_signals(cfg.train.stop_signals)
+    # several nodes: this agent passes stop signals on to its ranks (forward.py); one node:
+    # torchrun's agent does, for its own four and train.stop_signals (e.g. a scheduler's SIGUSR1)
     forwarder = None if single_node or not SignalForwarder.available() else \
-        SignalForwarder(opts.shutdown_timeout())
-    args = get_args_parser().parse_args([*opts.torchrun_args(), *(forwarder.TORCHRUN_ARGS if forwarder else []),
-                                         "--module", "pimm_core.cli", *worker_args])
+        SignalForwarder(opts.shutdown_timeout(), extra=signals)
+    handled = forwarder.TORCHRUN_ARGS if forwarder else \
+        ["--signals-to-handle", ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT",
+                                                        *(s.name for s in signals)]))]
+    args = get_args_parser().parse_args([*opts.torchrun_args(), *handled, "--module", "pimm_core.cli", *worker_args])
     if not single_node:
         use_ordered_shutdown(args)  # the agent hosting the c10d store leaves last (rendezvous.py)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
@@ -89,6 +96,7 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
         os.environ[RANK_ERRORS_ENV] = errors_dir  # the ranks inherit it (see errors.report)
         os.environ[LAUNCH_ENV] = json.dumps(opts.record())  # recorded in provenance for `pimm resume`
         os.environ[PROGRAM_ENV] = json.dumps(program())  # the ranks print commands as the user started pimm
+        os.environ[SIGNALS_ENV] = ",".join(s.name for s in signals)  # the ranks catch them from their start
         # torchrun sets OMP_NUM_THREADS=1 for the ranks when it is unset, with a four-line
         # warning on every launch; set the same value here (a user's own value is kept).
         omp_was_set = "OMP_NUM_THREADS" in os.environ
@@ -107,6 +115,7 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
             os.environ.pop(RANK_ERRORS_ENV, None)
             os.environ.pop(LAUNCH_ENV, None)
             os.environ.pop(PROGRAM_ENV, None)
+            os.environ.pop(SIGNALS_ENV, None)
             if not omp_was_set:
                 os.environ.pop("OMP_NUM_THREADS", None)
             if old_pythonpath is None:
@@ -175,8 +184,8 @@ def _failure_report(failures: dict, reports: dict[int, dict], run_dir: Path) -> 
 
 
 def _wait_for_children(timeout: float = 300.0) -> None:
-    """Ignore SIGINT/SIGTERM and reap this process's children (the local ranks) until none is left."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    """Ignore the stop signals and reap this process's children (the local ranks) until none is left."""
+    for sig in {signal.SIGINT, signal.SIGTERM, *signals_from_env()}:
         signal.signal(sig, signal.SIG_IGN)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

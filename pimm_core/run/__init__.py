@@ -24,13 +24,13 @@ from .layout import (CONFIG, CONTROL, LOG, METRICS, MODEL, PROVENANCE, RUN_MARKE
 from .log import LogTail, log_handler
 from .metrics import MetricsWriter, parse_record, read_metrics, supersede_after
 from .provenance import (LAUNCH_ENV, append_provenance, code_version, current_code_version, launch_record,
-                         read_provenance, recorded_launch, recorded_world_size)
+                         read_provenance, recorded_launch, recorded_world_size, scheduler_record)
 from .status import STATES, RunStatus, now_iso, read_run_status, write_status
 
 __all__ = [
     "CONFIG", "CONTROL", "LAUNCH_ENV", "LOG", "METRICS", "MODEL", "PROVENANCE", "RUN_MARKERS", "STATES", "STATUS", "SUPERSEDED",
     "LogTail", "MetricsWriter", "RunDirClaim", "RunStatus", "append_provenance", "check_run_dir", "claim_run_dir",
-    "code_version", "current_code_version", "find_run_dir", "free_run_dir", "is_run_dir", "launch_record",
+    "code_version", "current_code_version", "find_run_dir", "free_run_dir", "is_run_dir", "launch_record", "scheduler_record",
     "log_handler", "model_dir_of", "now_iso", "numbered", "parse_record", "read_json", "read_metrics",
     "read_provenance", "read_run_status", "recorded_launch", "recorded_world_size", "run_dir_for", "run_markers",
     "run_name", "supersede_after", "was_started", "write_json", "write_status",

@@ -138,6 +138,28 @@ def launch_record(world_size: int) -> dict[str, Any]:
     return {"launcher": "pimm", "nproc_per_node": 1}
 
 
+#: The Slurm variables a start's provenance entry records (``scheduler``), by key.
+SLURM_VARS = {"job_id": "SLURM_JOB_ID", "restart_count": "SLURM_RESTART_COUNT", "array_job_id": "SLURM_ARRAY_JOB_ID",
+              "array_task_id": "SLURM_ARRAY_TASK_ID", "end_time": "SLURM_JOB_END_TIME"}
+
+
+def scheduler_record() -> dict[str, Any] | None:
+    """The scheduler job this process runs in, from its environment: ``{"name": "slurm",
+    "job_id": "123", "restart_count": 1, ...}`` (``restart_count`` 0 for a first start, an
+    int; the others as Slurm writes them; unset ones left out), or None outside Slurm."""
+    if not os.environ.get("SLURM_JOB_ID"):
+        return None
+    out: dict[str, Any] = {"name": "slurm"}
+    for key, var in SLURM_VARS.items():
+        if os.environ.get(var):
+            out[key] = os.environ[var]
+    try:
+        out["restart_count"] = int(out.get("restart_count", 0))
+    except ValueError:
+        pass  # kept as Slurm wrote it
+    return out
+
+
 def read_provenance(run_dir: Path) -> dict[str, Any] | None:
     """The run's ``provenance.json`` object, or None when it is missing or not a provenance
     record (:func:`provenance_problem`)."""

@@ -29,6 +29,7 @@ A periodic save that fails, or a best/iter file that cannot be written, is logge
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sized
@@ -158,6 +159,7 @@ class Checkpointer:
         self.dir: Path | None = None
         self.failed = False  # a save failed under on_error = "stop": no more saves
         self.uploader: Any = None  # checkpoint.remote: rank 0's background Uploader
+        self.last_save_s: float | None = None  # seconds the last synchronous save took (train.max_time's rule)
 
     # ------------------------------------------------------------ contents
     def begin(self, checkpoint_dir: Path | None, *, scheduler: Any, grad_accum: int) -> None:
@@ -258,7 +260,10 @@ class Checkpointer:
         item = SaveItem(model=self.model, optimizer=self.optimizer, meta=self.meta(), rank_state=rank_state,
                         manifest=manifest, step=s.global_step, ema_weights=self.ema_weights, pointers=pointers,
                         gather_weights=self.config.checkpoint.gather_weights)
+        started = time.monotonic()
         path = self.format.save(checkpoint_dir, item, background=background)
+        if not (background and self.format.asynchronous):
+            self.last_save_s = time.monotonic() - started
         if self.info.is_main and not (background and self.format.asynchronous):
             # (a background save logs "saved" from its writer thread once it is published)
             log.info("saved %s (step %d, epoch %d, iter %d)", path, s.global_step, s.epoch, s.iter)
@@ -409,12 +414,6 @@ class Checkpointer:
 
     def _finish_upload(self) -> None:
         """Rank 0: wait (at most ``checkpoint.remote_timeout``) for the uploads; say what is not on the remote."""
-        if self.uploader is None:
-            return
-        c = self.config.checkpoint
-        missing, self.uploader = self.uploader.close(c.remote_timeout), None
-        if missing:
-            log.warning("warning: not on the remote %s after waiting %gs: %s (the local copies are intact)",
-                        c.remote, c.remote_timeout, "; ".join(missing))
-        else:
-            log.info("checkpoints uploaded to %s", c.remote)
+        if self.uploader is not None:
+            self.uploader.finish(self.config.checkpoint.remote_timeout)
+            self.uploader = None

@@ -34,7 +34,7 @@ from ..config import Config, write_config
 from ..console_log import attach_console
 from ..dist import DistInfo
 from ..run import (CONFIG, METRICS, PROVENANCE, MetricsWriter, append_provenance, launch_record, log_handler,
-                   now_iso, supersede_after, write_status)
+                   now_iso, scheduler_record, supersede_after, write_status)
 from ..run.entries import check_run_entries
 from .state import TrainState
 from .sinks import Sink, open_sinks
@@ -127,8 +127,10 @@ class Recorder:
                 "python": sys.version.split()[0]}
         self._sinks = open_sinks(config, self.run_dir, resumed_at=None if fresh else s.global_step,
                                  eval_done=s.eval_step == s.global_step, provenance=base)
+        job = scheduler_record()  # the Slurm job (and its restart count) of this start, if any
         append_provenance(self.run_dir, base, {"time": now_iso(), "world_size": world, "workers_per_rank": workers,
-                                               "launch": launch_record(world), **entry})
+                                               "launch": launch_record(world), **({"scheduler": job} if job else {}),
+                                               **entry})
 
     def unstart(self) -> None:
         """Take back what :meth:`start` wrote on a fresh start (``config.toml``, ``provenance.json``,

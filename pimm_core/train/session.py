@@ -37,6 +37,9 @@ def after_step(tr: Trainer, outcome: str, loss: torch.Tensor, samples: int, epoc
     s.global_step += 1
     tr.recorder.on_step(epoch, loss, lr, samples, grad_norm=grad_norm)
     tr.callbacks.fire("on_step_end", tr)  # e.g. lambda tr: tr.stop.request("budget") if ... else None
+    limit = tr.time_limit.reason(tr.checkpointer.last_save_s)  # train.max_time, $SLURM_JOB_END_TIME
+    if limit is not None:
+        tr.stop.request(limit)
     reason = tr.stop_agreement.agree()
     if reason is not None:
         cause = tr.stop_agreement.cause

@@ -70,8 +70,9 @@ class Session:
     """One ``pimm launch`` in its own process session, output to a file."""
 
     def __init__(self, root: Path, name: str, overrides: tuple[str, ...], *, nproc: int | None,
-                 resume: bool, tag: str, shell: str | None = None):
-        """``shell``: run this command line through ``bash -c`` instead (a command pimm printed)."""
+                 resume: bool, tag: str, shell: str | None = None, env: dict[str, str] | None = None):
+        """``shell``: run this command line through ``bash -c`` instead (a command pimm printed);
+        ``env``: variables added to the clean environment."""
         args = ["launch", "--train.config", str(DIGITS), "--run.root", str(root), "--run.name", name,
                 "--run.no-timestamp"]
         if nproc:
@@ -84,7 +85,7 @@ class Session:
         self._out = open(self.log_path, "w")
         self.started = time.monotonic()
         argv = ["bash", "-c", shell] if shell is not None else [sys.executable, "-m", "pimm_core.cli", *args]
-        self.proc = subprocess.Popen(argv, cwd=REPO, env=clean_env(),
+        self.proc = subprocess.Popen(argv, cwd=REPO, env={**clean_env(), **(env or {})},
                                      stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True)
 
     @property

@@ -48,6 +48,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "pimm_core.run": (1, "run"),
     "pimm_core.lock": (1, "run"),
     "pimm_core.stop": (1, "run"),
+    "pimm_core.time_limit": (1, "run"),
     "pimm_core.shell": (1, "run"),
     "pimm_core.console_log": (1, "run"),
     "pimm_core.config": (1, "run"),

@@ -1,0 +1,114 @@
+"""``pimm launch`` under a real Slurm (a one-node cluster on localhost, tests/e2e/_slurm.py).
+
+The batch script is the README's: ``sbatch --requeue --signal=B:USR1@N`` running
+``exec pimm launch --nproc-per-node 2 ... --train.auto-resume`` with SIGUSR1 among
+``train.stop_signals``. ``scancel --signal=USR1 --batch`` (what Slurm sends N seconds before
+the time limit) interrupts it once, while it trains: the two ranks stop cleanly, ``last`` is
+saved, and pimm (``train.requeue``) asks Slurm to requeue the job, which starts again under
+the same job id and resumes (the test lets it start at once: Slurm holds a requeued job
+back for a while, its BeginTime). The run ends finished, bitwise equal to an uninterrupted run,
+and ``provenance.json`` names the job and its restart count at each start.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _helpers import DIGITS, REPO, clean_env, read_json
+from _slurm import start_cluster
+from test_stop_runs import LEAD, TWO_RANKS, Session, _reference, assert_same_weights
+
+pytestmark = pytest.mark.slurm
+
+OVERRIDES = (*TWO_RANKS, 'train.stop_signals=["SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1"]', "train.requeue=true")
+TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = start_cluster(tmp_path_factory.mktemp("slurm"))
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted 2-rank run, outside Slurm, started at once so that it overlaps the job."""
+    sess = Session(tmp_path_factory.mktemp("slurm-ref"), "ref", OVERRIDES, nproc=2, resume=False, tag="ref")
+    yield sess
+    sess.kill()
+
+
+def pimm_command() -> list[str]:
+    script = Path(sys.executable).parent / "pimm"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "pimm_core.cli"]
+
+
+def job_state(cluster, job: str) -> dict[str, str]:
+    out = cluster.run("scontrol", "show", "job", "-o", job, check=False).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def wait_for(what: str, ready, cluster, out: Path, timeout: float = TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = ready()
+        if value:
+            return value
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}\n--- job output\n{out.read_text(errors='replace')[-4000:] if out.exists() else ''}"
+                f"\n{cluster.logs()}")
+
+
+def test_sigusr1_requeue_and_auto_resume_end_bitwise(cluster, reference, tmp_path):
+    root, name = tmp_path / "runs", "job"
+    run_dir = root / "digits" / name
+    out = tmp_path / "job.out"
+    launch = [*pimm_command(), "launch", "--nproc-per-node", "2", "--train.config", str(DIGITS), "--run.root",
+              str(root), "--run.name", name, "--run.no-timestamp", "--train.auto-resume",
+              "--", *OVERRIDES]
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\ncd {shlex.quote(str(REPO))}\nexec {shlex.join(launch)}\n")
+    submitted = cluster.run("sbatch", "--parsable", "--requeue", "--signal=B:USR1@30", "--time=10", "-c", "2",
+                            "-o", str(out), "--open-mode=append", str(script), base_env=clean_env())
+    job = submitted.stdout.strip().split(";")[0]
+
+    def status() -> dict:
+        try:
+            return json.loads((run_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    running = wait_for(f"step >= {LEAD} of the first start",
+                       lambda: (s := status()).get("state") == "running" and s.get("step", 0) >= LEAD and s,
+                       cluster, out)
+    cluster.run("scancel", "--signal=USR1", "--batch", job)
+    requeued = wait_for("the job to be requeued",  # (COMPLETING first, then PENDING)
+                        lambda: (j := job_state(cluster, job)).get("Restarts") == "1" and j.get("JobState") != "COMPLETING"
+                        and j, cluster, out)
+    if requeued.get("JobState") == "PENDING":  # Slurm holds a requeued job back (BeginTime): let it start now
+        cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+    final = wait_for("the job to complete after its requeue",
+                     lambda: (j := job_state(cluster, job)).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED",
+                                                                                 "TIMEOUT") and j,
+                     cluster, out)
+    text = out.read_text(errors="replace")
+    assert final["JobState"] == "COMPLETED" and final["ExitCode"] == "0:0", f"{final}\n{text[-4000:]}"
+    assert final["Restarts"] == "1", final  # requeued once, same job id
+    ref = _reference(reference)
+    assert read_json(run_dir / "status.json")["state"] == "finished", text[-4000:]
+    assert_same_weights(ref, run_dir)
+    starts = read_json(run_dir / "provenance.json")["starts"]
+    kinds = [e["kind"] for e in starts]
+    assert kinds == ["start", "stop", "resume"], starts
+    assert starts[1]["reason"] == "signal:SIGUSR1" and starts[1]["step"] >= running["step"], starts[1]
+    assert [(e["scheduler"]["job_id"], e["scheduler"]["restart_count"]) for e in (starts[0], starts[2])] == \
+        [(job, 0), (job, 1)], starts
+    assert f"requeued Slurm job {job}" in text, text[-4000:]
