@@ -139,6 +139,7 @@ def rotate_into_place(tmp: Path, final: Path, keep_full: int = 1) -> None:
     superseded = prev if prev.exists() and prev not in _stale else None
     if superseded is not None and keep_full > 1:
         superseded = _keep_generation(superseded, keep_full)
+    shown = superseded
     if superseded is not None:
         # Renamed away whole before anything in it is removed: a reader in another process sees
         # `final.prev` complete or absent, never half-deleted (pimm_core.checkpoint.generation).
@@ -149,7 +150,7 @@ def rotate_into_place(tmp: Path, final: Path, keep_full: int = 1) -> None:
             superseded = doomed
         except OSError:
             pass  # (it cannot be renamed either: the purge below fails and sets it aside, with the warning)
-    _purge_in_background(superseded, final)
+    _purge_in_background(superseded, final, shown)
 
 
 FULL_PREFIX = "full_"
@@ -201,10 +202,14 @@ def _remember(path: Path) -> None:
         _stale.add(path)
 
 
-def _set_aside(path: Path, final: Path, error: OSError) -> None:
-    """``path`` could not be removed: warn naming it, move it to ``<final>.stale-<k>`` (so the
-    name ``final.prev`` is free and no half-removed candidate sits under it) and remember it."""
+def _set_aside(path: Path, final: Path, error: OSError, shown: Path | None = None) -> None:
+    """``path`` could not be removed: warn naming it (under the name ``shown`` it had in the run,
+    for a tree renamed away before its removal), move it to ``<final>.stale-<k>`` (so the name
+    ``final.prev`` is free and no half-removed candidate sits under it) and remember it."""
     where = path
+    failed = error.filename or path
+    if shown is not None and str(failed).startswith(str(path)):
+        failed = str(shown) + str(failed)[len(str(path)):]
     try:
         dest = _stale_name(final)
         os.rename(path, dest)
@@ -214,13 +219,13 @@ def _set_aside(path: Path, final: Path, error: OSError) -> None:
     except OSError:
         kept = "left in place; "
     log.warning("warning: could not remove the superseded checkpoint %s (%s); %sremoval is retried at later "
-                "saves; new saves go on", error.filename or path, error.strerror or error, kept)
+                "saves; new saves go on", failed, error.strerror or error, kept)
     _remember(where)
 
 
-def _purge_in_background(path: Path | None, final: Path) -> None:
-    """Remove ``path`` (the superseded ``final.prev``; None: none) on the purge thread, then
-    retry the trees set aside before (:func:`retry_stale`)."""
+def _purge_in_background(path: Path | None, final: Path, shown: Path | None = None) -> None:
+    """Remove ``path`` (the superseded ``final.prev``, renamed away from ``shown``; None: none)
+    on the purge thread, then retry the trees set aside before (:func:`retry_stale`)."""
     global _purge_pool
 
     def purge() -> None:
@@ -230,7 +235,7 @@ def _purge_in_background(path: Path | None, final: Path) -> None:
                 fsync_dir(path.parent)
                 point("rotate.prev_removed", path)
             except OSError as e:
-                _set_aside(path, final, e)
+                _set_aside(path, final, e, shown)
         retry_stale(final.parent, final.name)
 
     with _purge_lock:
