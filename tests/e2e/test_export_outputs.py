@@ -38,7 +38,7 @@ def test_export_leaves_siblings_named_like_its_temporaries(trained_run, tmp_path
     assert r.returncode == 0, r.stderr
     after = snapshot(ex)
     assert {k: v for k, v in after.items() if not k.startswith("out/")} == before
-    assert sorted(p.name for p in (ex / "out").iterdir()) == ["config.json", "export.json", "model.safetensors"]
+    assert sorted(p.name for p in (ex / "out").iterdir()) == ["export.json", "model.safetensors", "pimm_config.json"]
     assert sorted(p.name for p in ex.iterdir()) == [".out.tmp", "out", "out.old", "out.prev", "out.tmp"]
 
 
