@@ -141,9 +141,12 @@ def test_legacy_mid_epoch_replays_from_epoch_boundary(runs):
     log = runs["leg-mid"].test_log  # the rank-0 log lines (what `pimm launch` prints)
     assert any(level == "WARNING" and "batches already completed in that epoch will replay" in msg
                for level, msg in log), log[:5]
-    # the replayed steps are trained again and the run still ends at the configured length
+    # the replayed steps are trained again and the run still ends at the configured length; each step
+    # is in metrics.jsonl once, the interrupted run's records after the boundary kept aside
     steps = [x["step"] for x in read_jsonl(run / "metrics.jsonl") if x["split"] == "train"]
-    assert steps == list(range(1, K_MID + 1)) + list(range(STEPS + 1, 2 * STEPS + 1))
+    assert steps == list(range(1, 2 * STEPS + 1))
+    aside = [x["step"] for x in read_jsonl(run / "metrics.superseded.jsonl") if x["split"] == "train"]
+    assert aside == list(range(STEPS + 1, K_MID + 1))
     state = runs["leg-mid"].state
     assert state.finished and state.global_step == 2 * STEPS
 
