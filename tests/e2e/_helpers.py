@@ -103,6 +103,13 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def resumed_records(path: Path, resumed_at: int) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl`` past global step ``resumed_at``: what a session resumed there
+    wrote (a resume moves the interrupted run's later records to ``metrics.superseded.jsonl``, so
+    the file holds each step once)."""
+    return [r for r in read_jsonl(path) if r["step"] > resumed_at]
+
+
 def read_json(path: Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import read_json, read_jsonl
+from _helpers import read_json, read_jsonl, resumed_records
 from _resume_driver import run_job
 from conftest import STOPPED_AT, STOPPED_OVERRIDES
 
@@ -35,10 +35,9 @@ def base(tmp_path_factory) -> Path:
 
 def _resume(base: Path, dest: Path, overrides: list[str], **kw) -> tuple[dict, list[dict], object]:
     shutil.copytree(base, dest)
-    split = len(read_jsonl(dest / "metrics.jsonl"))
     trainer = run_job(dest, overrides, resume_from=dest / "model" / "last", **kw)
     entry = [s for s in read_json(dest / "provenance.json")["starts"] if s["kind"] == "resume"][-1]
-    after = [r for r in read_jsonl(dest / "metrics.jsonl")[split:] if r["split"] == "train"]
+    after = [r for r in resumed_records(dest / "metrics.jsonl", entry["step"]) if r["split"] == "train"]
     return entry, after, trainer
 
 

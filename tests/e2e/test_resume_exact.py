@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import REPO, clean_env, read_json, read_jsonl
+from _helpers import REPO, clean_env, read_json, read_jsonl, resumed_records
 from _resume_driver import run_job
 
 STEPS1, STEPS2 = 45, 23  # optimizer steps per epoch at world size 1 / 2 (1,437 samples, batch 32)
@@ -271,9 +271,8 @@ def test_world_size_2_to_1_restarts_the_saved_epoch(runs, tmp_path):
     """Training after the reshard starts at the replay boundary: epoch 1, iter 0 -> first step is boundary + 1."""
     run = tmp_path / "ws2to1"
     shutil.copytree(runs["root"] / "ws2to1", run)
-    split = _lines(run / "metrics.jsonl")
     run_job(run, _ov(0), resume_from=run / "model" / "last", stop_at=STEPS2 + 2)
-    after = [r for r in read_jsonl(run / "metrics.jsonl")[split:] if r["split"] == "train"]
+    after = [r for r in resumed_records(run / "metrics.jsonl", STEPS2) if r["split"] == "train"]
     assert [(r["step"], r["epoch"], r["iter"]) for r in after] == [(STEPS2 + 1, 1, 1), (STEPS2 + 2, 1, 2)]
     manifest = read_json(run / "model" / "last" / "manifest.json")
     assert (manifest["step"], manifest["epoch"], manifest["iter"], manifest["world_size"]) == (STEPS2 + 2, 1, 2, 1)
@@ -300,7 +299,7 @@ def test_world_size_2_to_1_lr_is_continuous_and_ends_at_min_lr(runs, tmp_path):
     shutil.copytree(runs["root"] / "ws2to1", run)
     saved = read_jsonl(run / "metrics.jsonl")
     trainer = run_job(run, _ov(0), resume_from=run / "model" / "last")
-    after = [r for r in read_jsonl(run / "metrics.jsonl")[len(saved):] if r["split"] == "train"]
+    after = [r for r in resumed_records(run / "metrics.jsonl", STEPS2) if r["split"] == "train"]
     end = STEPS2 + STEPS1  # epoch 1 restarts at step 23 and runs 45 steps at world size 1
     assert [r["step"] for r in after] == list(range(STEPS2 + 1, end + 1))
     # the first resumed step gets the LR the 2-rank run used at that step (no jump)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import read_json, read_jsonl
+from _helpers import read_json, read_jsonl, resumed_records
 from _resume_driver import run_job
 from conftest import STOPPED_AT, STOPPED_OVERRIDES
 from pimm_core.checkpoint.manifest import write_manifest
@@ -148,10 +148,9 @@ def _resume_two_steps(base: Path, dest: Path, overrides: list[str], boundary: in
     shutil.copytree(base, dest)
     if edit is not None:
         edit(dest)
-    split = len(read_jsonl(dest / "metrics.jsonl"))
     run_job(dest, [*OV, *overrides], resume_from=dest / "model" / "last", stop_at=boundary + 2)
     entry = [s for s in read_json(dest / "provenance.json")["starts"] if s["kind"] == "resume"][-1]
-    after = [(r["step"], r["epoch"], r["iter"]) for r in read_jsonl(dest / "metrics.jsonl")[split:]
+    after = [(r["step"], r["epoch"], r["iter"]) for r in resumed_records(dest / "metrics.jsonl", entry["step"])
              if r["split"] == "train"]
     return entry, after
 
