@@ -108,12 +108,15 @@ def coerce(value: Any, hint: Any, dotted: str, where: str) -> Any:
         inner = [a for a in args if a is not type(None)]
         if len(inner) == 1:
             return coerce(value, inner[0], dotted, where)
+        first: ConfigError | None = None
         for one in inner:  # several types (float | str): the first that takes the value
             try:
                 return coerce(value, one, dotted, where)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{where}: {dotted} must be {type_name(hint)}, got {value!r}")
+            except ConfigError as e:
+                # a value of one of the types that is refused for what it is (a NaN float) says why
+                if first is None and isinstance(value, one) and not isinstance(value, bool):
+                    first = e
+        raise first or ConfigError(f"{where}: {dotted} must be {type_name(hint)}, got {value!r}")
     ok = (
         (hint is bool and isinstance(value, bool))
         or (hint is int and isinstance(value, int) and not isinstance(value, bool))
