@@ -29,8 +29,10 @@ def _ls_json(root: Path, *args: str) -> dict:
 def _background(root: Path, name: str) -> subprocess.Popen:
     args = ["launch", "--train.config", str(DIGITS), "--run.root", str(root), "--run.name", name, "--run.no-timestamp",
             "--", "train.epochs=500", "train.log_every_steps=1"]
+    # output to a file: a pipe nobody reads fills up and blocks the run's progress lines
+    log = open(root / f"{name}.out", "wb")
     return subprocess.Popen([sys.executable, "-m", "pimm_core.cli", *args], cwd=REPO, env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _wait_for(predicate, what: str, timeout: float = 240) -> None:
