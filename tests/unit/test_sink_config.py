@@ -1,4 +1,4 @@
-"""``[log.mlflow]`` and ``[[callbacks]]`` tables: present means used, and a run's
+"""``[log.mlflow]``, ``[log.wandb]`` and ``[[callbacks]]`` tables: present means used, and a run's
 saved ``config.toml`` keeps them (a resume reads it), even with every key at its default."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from pimm_core.train.sinks import run_params
 
 
 def test_sink_tables_are_off_unless_present_and_survive_the_saved_config(tmp_path):
-    assert load_config(None).log.mlflow is None
+    assert load_config(None).log.mlflow is None and load_config(None).log.wandb is None
     path = tmp_path / "c.toml"
-    path.write_text('[log.mlflow]\n\n[[callbacks]]\ntarget = "m:F"\n[callbacks.args]\nn = 1\n')
+    path.write_text('[log.mlflow]\n\n[log.wandb]\n\n[[callbacks]]\ntarget = "m:F"\n[callbacks.args]\nn = 1\n')
     cfg = load_config(path)
-    assert cfg.log.mlflow is not None and cfg.log.mlflow.experiment == "" and cfg.callbacks[0].args == {"n": 1}
+    assert cfg.log.mlflow is not None and cfg.log.mlflow.experiment == "" and cfg.log.wandb.mode == "" and cfg.callbacks[0].args == {"n": 1}
     write_config(cfg, tmp_path / "saved.toml")
     again = config_from_dict(tomllib.loads((tmp_path / "saved.toml").read_text()))
     assert again.log == cfg.log and again.callbacks == cfg.callbacks
