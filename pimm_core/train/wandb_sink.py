@@ -87,9 +87,10 @@ class WandbSink:
         if run_id:
             try:
                 self.floor = max(logged_steps(root, run_id), default=-1)
-            except (OSError, subprocess.TimeoutExpired) as e:  # (steps may then be sent twice: say so)
-                log.warning("warning: cannot read which steps the W&B run %s holds (%s); steps may be logged "
-                            "twice", run_id, e)
+            except (OSError, subprocess.TimeoutExpired) as e:  # assume W&B holds what was logged up to the
+                self.floor = resumed_at or 0  # resumed position (nothing is sent twice but what came after it)
+                log.warning("warning: cannot read which steps the W&B run %s holds (%s); the steps after step %d "
+                            "the interrupted run logged may be in it twice", run_id, e, self.floor)
         else:
             run_id = uuid.uuid4().hex[:12]  # (W&B: letters and digits, unique in the project)
             write_json(self.id_file, {"run_id": run_id})
