@@ -105,7 +105,8 @@ def test_steps_the_wandb_run_holds_past_the_resumed_position_are_not_logged_agai
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "wandb.json").write_text('{"run_id": "held8"}\n')
-    first = wandb.init(id="held8", project="p", dir=str(run_dir), mode="offline")
+    first = wandb.init(id="held8", project="p", dir=str(run_dir), mode="offline",
+                       settings=wandb.Settings(console="off"))  # (pytest's own output stays unwrapped)
     for s in range(1, 9):
         first.log({"train/loss": 100.0 + s}, step=s)
     first.finish()
@@ -119,6 +120,7 @@ def test_steps_the_wandb_run_holds_past_the_resumed_position_are_not_logged_agai
     for s in range(6, 15):
         sink.write({"step": s, "split": "train", "loss": float(s)})
     sink.close("finished")
+    wandb.teardown()  # (W&B's service process of this test process)
     history = _history(_sessions(run_dir, "held8"), dict(os.environ))
     assert [(s, row["train/loss"]) for s, row in history] == [(s, 100.0 + s) for s in range(1, 9)] + \
         [(s, float(s)) for s in range(9, 15)]
