@@ -35,3 +35,16 @@ def test_run_params_are_the_config_and_the_provenance_as_text():
     params = run_params(load_config(None, ["train.lr=0.5"]), {"world_size": 2, "code_version": None})
     assert params["train.lr"] == "0.5" and params["provenance.world_size"] == "2"
     assert "provenance.code_version" not in params
+
+
+def test_no_sink_package_is_imported_unless_its_sink_is_configured(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom pathlib import Path\nfrom pimm_core.config import load_config\n"
+            "from pimm_core.train.sinks import open_sinks\nimport pimm_core.trainer\n"
+            f"assert open_sinks(load_config(None), Path({str(tmp_path)!r}), resumed_at=None, eval_done=True,"
+            " provenance={}) == []\n"
+            "print(sorted(m for m in ('wandb', 'mlflow', 'tensorboard') if m in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
