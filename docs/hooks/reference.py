@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import html
 import re
 import types
 import typing
@@ -28,8 +29,13 @@ MARKER = re.compile(r"^<!-- pimm:([a-z-]+) -->$", re.M)
 
 
 def _cell(text: Any) -> str:
-    """``text`` for one Markdown table cell (pipes escaped, one line)."""
+    """``text`` (Markdown) for one table cell: one line, pipes escaped."""
     return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _plain(text: Any) -> str:
+    """Plain ``text`` (a help line, not Markdown) for one table cell: ``<step>`` and ``*`` shown as written."""
+    return _cell(html.escape(str(text), quote=False).replace("*", "\\*").replace("`", "\\`"))
 
 
 # ---- config keys -------------------------------------------------------------------------------
@@ -156,10 +162,10 @@ def cli_rows() -> list[tuple[str, str, str, list[tuple[str, str]]]]:
 def cli_md() -> str:
     out = []
     for name, help_text, usage, params in cli_rows():
-        out += [f"### `{name}`", "", _cell(help_text), "", f"    {usage}", ""]
+        out += [f"### `{name}`", "", _plain(help_text), "", f"    {usage}", ""]
         if params:
             out += ["| flag or argument | meaning |", "|---|---|"]
-            out += [f"| `{_cell(flag)}` | {_cell(text)} |" for flag, text in params]
+            out += [f"| `{_cell(flag)}` | {_plain(text)} |" for flag, text in params]
             out.append("")
     return "\n".join(out)
 
@@ -230,7 +236,7 @@ def resume_policy_md() -> str:
     out = ["| # | condition (checked in this order) | behaviour | loader cursor | per-rank RNG | bitwise exact |",
            "|---|---|---|---|---|---|"]
     for i, (_, condition, behaviour, cursor, rng, exact) in enumerate(policy_rows(), 1):
-        out.append(f"| {i} | {_cell(condition)} | {_cell(behaviour)} | {cursor} | {rng} | {exact} |")
+        out.append(f"| {i} | {_plain(condition)} | {_plain(behaviour)} | {cursor} | {rng} | {exact} |")
     return "\n".join(out)
 
 
@@ -245,7 +251,7 @@ def console_rows() -> list[tuple[str, str, str]]:
 
 def console_keys_md() -> str:
     out = ["| key | footer label | action |", "|---|---|---|"]
-    out += [f"| `{_cell(key)}` | {_cell(label)} | `{_cell(action)}` |" for key, label, action in console_rows()]
+    out += [f"| `{_cell(key)}` | {_plain(label)} | `{_cell(action)}` |" for key, label, action in console_rows()]
     return "\n".join(out)
 
 
