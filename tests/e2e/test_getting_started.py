@@ -22,11 +22,17 @@ import pytest
 from _helpers import REPO, clean_env
 
 PAGE = REPO / "docs" / "getting-started.md"
+CUSTOM = REPO / "docs" / "custom-model.md"
 
 
 def blocks(text: str, lang: str) -> list[str]:
-    """The bodies of the page's fenced blocks of language ``lang``, in order."""
+    """The bodies of the page's fenced blocks of language ``lang`` (without a title), in order."""
     return re.findall(rf"^```{lang}\n(.*?)^```", text, re.S | re.M)
+
+
+def titled(text: str) -> dict[str, str]:
+    """``{title: body}`` of the page's fenced blocks with a ``title="..."`` (a file to write)."""
+    return dict(re.findall(r'^```\w+ title="([^"]+)"\n(.*?)^```', text, re.S | re.M))
 
 
 def commands(text: str) -> list[str]:
@@ -82,3 +88,22 @@ def test_getting_started_runs_as_written(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert int(r.stdout.split()[-1]) > 0
+
+
+def test_the_custom_model_example_runs_as_written(tmp_path: Path) -> None:
+    """docs/custom-model.md's complete example: its two files written as shown, its command run."""
+    if shutil.which("uv") is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("uv is not on PATH: the page's commands start with `uv run`")
+        pytest.skip("uv is not on PATH: the page's commands start with `uv run`")
+    text = CUSTOM.read_text(encoding="utf-8")
+    files = titled(text)
+    assert set(files) == {"mytask.py", "mytask.toml"}, files
+    for name, body in files.items():
+        (tmp_path / name).write_text(body, encoding="utf-8")
+    (cmd,) = commands(text)
+    env = {**clean_env(), "UV_PROJECT": str(REPO), "UV_NO_SYNC": "1", "NO_COLOR": "1"}
+    r = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"`{cmd}` exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert re.search(r"^done: best val/mae \d\.\d+ \(epoch \d\) \| epochs 5 \|", r.stdout + r.stderr, re.M)
+    assert (tmp_path / "exp" / "mytask" / "first" / "model" / "last" / ".complete").is_file()
