@@ -48,6 +48,8 @@ def _type(hint: Any) -> str:
         inner = [a for a in args if a is not type(None)]
         return " or ".join(_type(a) for a in inner) + (" (optional)" if len(inner) < len(args) else "")
     if origin is list:
+        if args and dataclasses.is_dataclass(args[0]):
+            return "array of tables"
         return f"list of {_type(args[0])}" if args else "list"
     if origin is dict:
         return "table"
