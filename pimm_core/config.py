@@ -172,7 +172,7 @@ class SchedulerConfig:
 class MlflowConfig:
     """``[log.mlflow]``: also send the metrics to an MLflow tracking server (pimm_core.train.mlflow_sink)."""
 
-    tracking_uri: str = ""  # "": MLFLOW_TRACKING_URI, else MLflow's default (./mlruns)
+    tracking_uri: str = ""  # "": MLFLOW_TRACKING_URI, else MLflow's own default (mlflow.db or ./mlruns in the working directory, by MLflow version)
     experiment: str = ""  # "": the run's group
 
 
