@@ -103,7 +103,7 @@ KEY_HELP: dict[str, str] = {
     # [log]
     "log.tensorboard": "also write the metrics as TensorBoard events under `<run_dir>/tensorboard/`",
     "log.mlflow": "present (`[log.mlflow]`): also send the metrics to MLflow",
-    "log.mlflow.tracking_uri": "MLflow tracking URI; empty: `MLFLOW_TRACKING_URI`, else `./mlruns`",
+    "log.mlflow.tracking_uri": "MLflow tracking URI; empty: `MLFLOW_TRACKING_URI`, else MLflow's own default (`mlflow.db` or `./mlruns`, by version)",
     "log.mlflow.experiment": "MLflow experiment; empty: the run's group",
     # [[callbacks]]
     "callbacks": "`[[callbacks]]` tables: objects called at the trainer's moments, in order",
