@@ -90,7 +90,7 @@ class TrainConfig:
     # sends before its time limit, e.g. "SIGUSR1" for `sbatch --signal=B:USR1@60`
     stop_signals: list[str] = field(default_factory=lambda: ["SIGINT", "SIGTERM", "SIGHUP"])
     # wall-clock budget of one session: seconds, or "HH:MM:SS" / "D-HH:MM:SS" like Slurm's --time; the
-    # run stops cleanly with `last` saved before it (and before $SLURM_JOB_END_TIME); see README, Clusters
+    # run stops cleanly with `last` saved before it (and before $SLURM_JOB_END_TIME); see docs/clusters-guide.md
     max_time: float | str | None = None
     # inside a Slurm job: after a clean stop by a signal or the time limit, `scontrol requeue` the job
     # (it starts again under the same id; with --train.auto-resume it continues exactly)
