@@ -91,7 +91,7 @@ class TrainConfig:
     # sends before its time limit, e.g. "SIGUSR1" for `sbatch --signal=B:USR1@60`
     stop_signals: list[str] = field(default_factory=lambda: ["SIGINT", "SIGTERM", "SIGHUP"])
     # wall-clock budget of one session: seconds, or "HH:MM:SS" / "D-HH:MM:SS" like Slurm's --time; the
-    # run stops cleanly with `last` saved before it (and before $SLURM_JOB_END_TIME); see README, Clusters
+    # run stops cleanly with `last` saved before it (and before $SLURM_JOB_END_TIME); see docs/clusters-guide.md
     max_time: float | str | None = None
     # inside a Slurm job: after a clean stop by a signal or the time limit, `scontrol requeue` the job
     # (it starts again under the same id; with --train.auto-resume it continues exactly)
@@ -173,7 +173,7 @@ class SchedulerConfig:
 class MlflowConfig:
     """``[log.mlflow]``: also send the metrics to an MLflow tracking server (pimm_core.train.mlflow_sink)."""
 
-    tracking_uri: str = ""  # "": MLFLOW_TRACKING_URI, else MLflow's default (./mlruns)
+    tracking_uri: str = ""  # "": MLFLOW_TRACKING_URI, else MLflow's own default (mlflow.db or ./mlruns in the working directory, by MLflow version)
     experiment: str = ""  # "": the run's group
 
 
