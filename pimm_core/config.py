@@ -24,7 +24,8 @@ Bringing your own code (see :mod:`pimm_core.targets` for where it is imported fr
   with ``args``; overrides ``train.optimizer``. ``[scheduler]``: ``name`` (a kind of
   :data:`SCHEDULER_KINDS`, after ``train.warmup_steps`` of linear warmup) or ``target``,
   with ``args``; overrides ``train.scheduler``. See :mod:`pimm_core.optim`.
-- ``log.tensorboard``: also write the metrics for TensorBoard.
+- ``log.tensorboard``: also write the metrics for TensorBoard; ``[log.mlflow]``, ``[log.wandb]``:
+  also send them to MLflow, to Weights & Biases.
 """
 
 from __future__ import annotations
@@ -177,9 +178,19 @@ class MlflowConfig:
 
 
 @dataclass
+class WandbConfig:
+    """``[log.wandb]``: also send the metrics to a Weights & Biases run (pimm_core.train.wandb_sink)."""
+
+    project: str = ""  # "": the run's group
+    entity: str = ""  # "": WANDB_ENTITY, else your W&B default entity
+    mode: Literal["", "online", "offline", "disabled"] = ""  # "": WANDB_MODE, else W&B's default (online)
+
+
+@dataclass
 class LogConfig:
     tensorboard: bool = False  # also write metrics as TensorBoard events (metrics.jsonl stays the source)
     mlflow: MlflowConfig | None = None  # [log.mlflow] present: also an MLflow sink
+    wandb: WandbConfig | None = None  # [log.wandb] present: also a W&B sink (files under WANDB_DIR, else the run dir)
 
 
 @dataclass

@@ -105,6 +105,10 @@ KEY_HELP: dict[str, str] = {
     "log.mlflow": "present (`[log.mlflow]`): also send the metrics to MLflow",
     "log.mlflow.tracking_uri": "MLflow tracking URI; empty: `MLFLOW_TRACKING_URI`, else MLflow's own default (`mlflow.db` or `./mlruns`, by version)",
     "log.mlflow.experiment": "MLflow experiment; empty: the run's group",
+    "log.wandb": "present (`[log.wandb]`): also send the metrics to Weights & Biases (files under `WANDB_DIR`, else `<run_dir>/wandb/`)",
+    "log.wandb.project": "W&B project; empty: the run's group",
+    "log.wandb.entity": "W&B entity (user or team); empty: `WANDB_ENTITY`, else your W&B default",
+    "log.wandb.mode": "online, offline or disabled; empty: `WANDB_MODE`, else W&B's default (online)",
     # [[callbacks]]
     "callbacks": "`[[callbacks]]` tables: objects called at the trainer's moments, in order",
     "callbacks.target": "`package.module:Factory` building the callback",
