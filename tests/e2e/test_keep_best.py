@@ -55,4 +55,8 @@ def test_checkpoints_ls_lists_the_kept_files(run):
         assert (listed[name]["kind"], listed[name]["complete"], listed[name]["resumable"]) == ("best", True, False)
         assert listed[name]["step"] == int(name[5:-4])
     text = pimm("checkpoints", "ls", str(run), timeout=120)
-    assert text.returncode == 0 and all(name in text.stdout for name in kept), describe(text)
+    assert text.returncode == 0, describe(text)
+    for name in kept:  # each row says the value it was ranked by
+        value = read_json(run / "model" / f"{name}.json")["selection_metric"]["value"]
+        (row,) = [line for line in text.stdout.splitlines() if f" {name} " in line]
+        assert f"val/acc {value:.4g}" in row, text.stdout
