@@ -62,11 +62,16 @@ def on_evaluated(ck: Checkpointer, epoch: int, selection: dict[str, Any], *, imp
     admitted = ck.info.is_main and keeper.admits(ck.dir, ck.state.global_step, selection["value"])
     if is_sharded(ck.model) and ck.info.distributed:
         admitted = dist.broadcast_object(admitted)  # rank 0 decides; the gather needs every rank
-    if not admitted:
+    if admitted:
+        payload = payload or ck._payload()
+    if not ck.info.is_main:
         return
-    payload = payload or ck._payload()
-    if ck.info.is_main and ck._write_weights(ck.dir / best_name(ck.state.global_step),
-                                             best_manifest(ck, epoch, selection), payload):
-        for name in keeper.rotate(ck.dir):
-            log.info("removed %s (no longer among the %d best by %s)", ck.dir / name, keeper.keep, keeper.metric)
+    if admitted and not ck._write_weights(ck.dir / best_name(ck.state.global_step),
+                                          best_manifest(ck, epoch, selection), payload):
+        return  # nothing new: nothing is removed for it
+    # (also without a new file: a resume with a smaller keep_best removes the surplus now)
+    removed = keeper.rotate(ck.dir)
+    for name in removed:
+        log.info("removed %s (no longer among the %d best by %s)", ck.dir / name, keeper.keep, keeper.metric)
+    if admitted or removed:
         ck._upload()

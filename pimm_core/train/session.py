@@ -69,6 +69,11 @@ def evaluate_and_record(tr: Trainer, epoch: int) -> None:
     Raises:
         ConfigError: ``eval.metric`` is not among the objective's metrics.
     """
+    with tr.recorder.clock.paused():  # evaluation and the best files are not training time (samples/s)
+        _evaluate_and_record(tr, epoch)
+
+
+def _evaluate_and_record(tr: Trainer, epoch: int) -> None:
     s, e = tr.state, tr.config.eval
     metrics = tr.evaluate()
     s.last_eval, s.eval_step = metrics, s.global_step
