@@ -237,7 +237,7 @@ class CheckpointsView(Vertical):
             out.append(f"resume would load: {self._chosen or 'nothing (no complete resumable candidate)'}")
             c = self.highlighted()
             if c is None and self._lost is not None:
-                out.append(f"\nno checkpoint selected: {self._lost} was removed (rotation); "
+                out.append(f"\nno checkpoint selected: {self._lost} was removed; "
                            "select one with ↑/↓", style="yellow")
             if c is not None:
                 out.append(f"\n{c.name}: ", style="bold")
