@@ -206,6 +206,7 @@ class CheckpointConfig:
     every_steps: int = 0  # 0: no step-based saves
     every_epochs: int = 1  # 0: no epoch-end saves (the end of training still saves)
     keep_iter: int = 3  # how many iter_<step>.pth snapshots to keep; 0 keeps none
+    keep_best: int = 1  # 1: model_best.pth only; k >= 2: also the k best evaluations as best_<step>.pth
     keep_last: int = 3  # single format: how many step_<step>.pth files to keep (pointer targets always kept)
     keep_full: int = 1  # standard format: how many full checkpoints to keep: last and the newest k-1 superseded
     # ones as full_<step>/ (each can resume: --train.resume-from model/full_<step>)

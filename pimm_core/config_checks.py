@@ -59,6 +59,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "checkpoint.every_steps": (0, None),
     "checkpoint.every_epochs": (0, None),
     "checkpoint.keep_iter": (0, None),
+    "checkpoint.keep_best": (1, None),
     "checkpoint.keep_last": (1, None),
     "checkpoint.keep_full": (1, None),
     "eval.every_epochs": (0, None),

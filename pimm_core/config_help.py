@@ -70,6 +70,7 @@ KEY_HELP: dict[str, str] = {
     "checkpoint.keep_iter": "how many `iter_<step>.pth` snapshots to keep (0 keeps none)",
     "checkpoint.keep_last": "single format: how many `step_<step>.pth` files to keep (pointer targets always kept)",
     "checkpoint.keep_full": "standard format: full checkpoints kept: `last` and the newest k-1 superseded ones as `full_<step>/`",
+    "checkpoint.keep_best": "how many of the best evaluations to keep as `best_<step>.pth` (1: only `model_best.pth`)",
     "checkpoint.on_error": "a failed periodic save stops the run (exit 1) or only logs the error",
     "checkpoint.async": "write periodic standard saves in the background (the step is blocked only for the copy)",
     "checkpoint.gather_weights": "FSDP: also gather the full weights into `weights.pth` on rank 0 (false: they stay sharded)",

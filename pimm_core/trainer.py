@@ -333,7 +333,8 @@ class Trainer:
                 if stop_at_epoch_end:
                     break
                 if epoch_done:
-                    self.checkpointer.on_epoch_end(epoch, run_ends=run_ends)
+                    with self.recorder.clock.paused():  # saving is not training time (samples/s)
+                        self.checkpointer.on_epoch_end(epoch, run_ends=run_ends)
             if s.stop_reason is None:
                 if not evaluated_at_end and self.config.eval.every_epochs and s.eval_step != s.global_step:
                     evaluate_and_record(self, s.epoch - 1 if s.iter == 0 else s.epoch)
@@ -368,7 +369,8 @@ class Trainer:
             if s.stop_reason is not None:
                 return s.iter >= n_micro  # True: at the epoch end, its evaluation runs first
             run_ends = self._at_max_steps(t)
-            self.checkpointer.on_step(run_ends=run_ends)
+            with self.recorder.clock.paused():  # saving is not training time (samples/s)
+                self.checkpointer.on_step(run_ends=run_ends)
             if run_ends:
                 break
         else:

@@ -133,7 +133,38 @@ def _thin(xs: tuple[float, ...], ys: tuple[float, ...], n: int) -> tuple[list[fl
 
 
 class StepAxis(NumericAxisFormatter if PlotWidget is not None else object):  # type: ignore[misc]
-    """The x axis in global steps: whole steps only, compact labels (``12k``)."""
+    """The x axis in global steps: whole steps only, compact labels (``12k``).
+
+    With ``plot`` (the textual-plot widget it labels) every label is whole: a tick whose
+    centred label would run past the plot's right edge (``3000`` near the end of a run at
+    step 3010 drawn as ``300``) is dropped, and the axis's last step is labelled at the edge
+    instead (right-aligned, as textual-plot draws the tick at the maximum) when it fits."""
+
+    def __init__(self, plot: Any = None):
+        self.plot = plot
+
+    def _span(self, tick: float, label: str, at_end: bool) -> tuple[int, int]:
+        """First and last column of ``label`` as textual-plot writes it under ``tick``: centred
+        (an even length one column right), right-aligned at the axis maximum."""
+        x = self.plot.get_pixel_from_coordinate(tick, 0.0)[0] + self.plot.margin_left
+        if at_end:
+            return x - len(label) + 1, x
+        div, mod = divmod(len(label), 2)
+        start = x - div + (1 if mod == 0 else 0)
+        return start, start + len(label) - 1
+
+    def get_ticks_and_labels(self, min_: float, max_: float, max_ticks: int = 8) -> tuple[list[float], list[str]]:
+        ticks, labels = super().get_ticks_and_labels(min_, max_, max_ticks)
+        if self.plot is None or not self.plot.size.width:
+            return ticks, labels
+        right = self.plot.size.width - 1
+        kept = [(t, lab) for t, lab in zip(ticks, labels) if t == max_ or self._span(t, lab, False)[1] <= right]
+        if max_ not in ticks and abs(max_ - round(max_)) < 1e-6 and max_ > min_:
+            end = fmt_step(max_)
+            start = self._span(max_, end, True)[0]
+            if not kept or self._span(kept[-1][0], kept[-1][1], kept[-1][0] == max_)[1] < start - 1:
+                kept.append((max_, end))
+        return [t for t, _ in kept], [lab for _, lab in kept]
 
     def get_ticks(self, min_: float, max_: float, max_ticks: int = 8) -> list[float]:
         if max_ - min_ < 5:
@@ -305,7 +336,7 @@ class MetricPlot(Widget):
         self.marker_at = mark
         if not xs_l and mark is None:
             return
-        plot.set_x_formatter(StepAxis())
+        plot.set_x_formatter(StepAxis(plot))
         plot.set_y_formatter(LogAxis() if log else NumericAxisFormatter())
         draw_y = [math.log10(y) for y in ys_l] if log else ys_l
         if len(xs_l) == 1:

@@ -7,7 +7,7 @@ Torch-free (``pimm checkpoints ls`` lists remote candidates). The remote mirrors
   layout (``weights.pth``, ``trainer.dcp/``, ``manifest.json``); complete only once its
   ``.complete`` is there, written after every file was uploaded and its sha256 checked
   against the manifest, and after ``manifest.json`` itself;
-- ``model_best.pth``, ``iter_<step>.pth``: weights files, complete once their sidecar
+- ``model_best.pth``, ``iter_<step>.pth``, ``best_<step>.pth``: weights files, complete once their sidecar
   ``<name>.json`` (written last) is there and matches the file's size.
 
 A kill during an upload leaves a ``step_<N>/`` without ``.complete``: :func:`remote_candidates`

@@ -6,7 +6,8 @@ critical path: :meth:`Uploader.request` (after each save) wakes it; it uploads w
 published locally and not yet complete remotely, files of one checkpoint ``concurrency`` at
 a time, each retried with exponential backoff, its sha256 read back and compared with the
 manifest, the marker (``.complete``, a weights file's sidecar) last; then it removes from
-the remote what the local retention removed (older ``step_<N>/``, rotated ``iter_<step>.pth``).
+the remote what the local retention removed (older ``step_<N>/``, rotated ``iter_<step>.pth`` and
+``best_<step>.pth``).
 
 A failure (unreachable store, credentials, full bucket) is a warning; the thread retries on
 the next request or after a backoff while training goes on. :meth:`Uploader.close` waits
@@ -29,7 +30,7 @@ from typing import Any, Callable
 from ..faults import point, register
 from .manifest import COMPLETE, MANIFEST
 from .remote_store import STEP_RE, open_store, sha256_remote
-from .selection import BEST, ITER_RE
+from .selection import BEST, BEST_K_RE, ITER_RE
 
 log = logging.getLogger("pimm")
 
@@ -162,7 +163,8 @@ class Uploader:
                 if not self._upload_unit(fs, last, f"{prefix}/step_{step}", described, files, [MANIFEST, COMPLETE]):
                     self._wake.set()  # replaced while uploading: the newer one goes next
                     step = None  # and no older remote step is pruned before it is complete
-        local_weights = {p.name for p in self.model_dir.glob("*.pth") if p.name == BEST or ITER_RE.match(p.name)}
+        local_weights = {p.name for p in self.model_dir.glob("*.pth")
+                         if p.name == BEST or ITER_RE.match(p.name) or BEST_K_RE.match(p.name)}
         for name in sorted(local_weights):
             try:
                 described = (self.model_dir / f"{name}.json").read_bytes()
@@ -232,5 +234,5 @@ class Uploader:
             if m and step is not None and int(m.group(1)) != step:
                 self._retry(entry, lambda e=entry: fs.rm(e, recursive=True))
             base = name[:-5] if name.endswith(".pth.json") else name
-            if ITER_RE.match(base) and base not in local_weights:
+            if (ITER_RE.match(base) or BEST_K_RE.match(base)) and base not in local_weights:
                 self._retry(entry, lambda e=entry: fs.rm_file(e))

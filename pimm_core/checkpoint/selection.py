@@ -38,6 +38,7 @@ DCP_METADATA = ".metadata"
 LEGACY_LAST = "model_last.pth"
 BEST = "model_best.pth"
 ITER_RE = re.compile(r"^iter_(\d+)\.pth$")
+BEST_K_RE = re.compile(r"^best_(\d+)\.pth$")  # checkpoint.keep_best: one of the k best evaluations, at that step
 SINGLE_RE = re.compile(r"^step_(\d+)\.pth$")
 FULL_RE = re.compile(r"^full_(\d+)$")  # standard format, checkpoint.keep_full: a superseded last, kept
 POINTERS = ("last", "best", "final")
@@ -50,7 +51,8 @@ class Candidate:
 
     Attributes:
         name: entry name in the model directory (``last``, ``iter_40.pth``, ...).
-        kind: ``last`` | ``last.prev`` | ``full`` | ``legacy`` | ``best`` | ``iter`` | ``single`` | ``tmp``.
+        kind: ``last`` | ``last.prev`` | ``full`` | ``legacy`` | ``best`` (``model_best.pth``, the ``best``
+            pointer, a ``best_<step>.pth`` of ``checkpoint.keep_best``) | ``iter`` | ``single`` | ``tmp``.
         format: ``standard`` | ``legacy`` | ``weights`` (weights-only file) | ``unknown``.
         resumable: holds trainer state, so ``--train.resume`` may pick it.
         complete: every required part is present (not a checksum check; see verify).
@@ -226,10 +228,11 @@ def _describe(entry: Path) -> Candidate | None:
         return _weights_file(entry, "legacy", resumable=True, fmt="legacy")
     if name == BEST and entry.is_file():
         return _weights_file(entry, "best", resumable=False, fmt="weights")
-    if (m := ITER_RE.match(name)) and entry.is_file():
-        c = _weights_file(entry, "iter", resumable=False, fmt="weights")
-        c.step = c.step if c.step is not None else int(m.group(1))
-        return c
+    for kind, pattern in (("iter", ITER_RE), ("best", BEST_K_RE)):
+        if (m := pattern.match(name)) and entry.is_file():
+            c = _weights_file(entry, kind, resumable=False, fmt="weights")
+            c.step = c.step if c.step is not None else int(m.group(1))
+            return c
     return None
 
 
@@ -252,7 +255,7 @@ def list_candidates(model_dir: Path) -> list[Candidate]:
     for name in sorted(names):
         c = describe_entry(model_dir / name)
         if c is not None:
-            (iters if c.kind in ("single", "iter", "full") else out).append(c)
+            (iters if c.kind in ("single", "iter", "full") or BEST_K_RE.match(c.name) else out).append(c)
     order = {n: i for i, n in enumerate(RESUME_ORDER)}
     out.sort(key=lambda c: (order.get(c.name, len(order)), c.name))
     return out + sorted(iters, key=lambda c: c.step or 0)

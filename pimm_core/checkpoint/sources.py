@@ -49,8 +49,9 @@ from .hub import is_remote, resolve_hf
 from .manifest import COMPLETE, MANIFEST, read_manifest
 from .selection import BEST, LEGACY_LAST, POINTERS, TRAINER_DCP, WEIGHTS, select_resume, weights_in_dcp
 
-#: ``iter_<step>`` as a keyword of a run (``.pth`` optional), unlike selection's file-name pattern.
-ITER_NAME_RE = re.compile(r"^iter_(\d+)(?:\.pth)?$")
+#: ``iter_<step>`` or ``best_<step>`` as a keyword of a run (``.pth`` optional), unlike selection's
+#: file-name patterns.
+ITER_NAME_RE = re.compile(r"^(iter|best)_(\d+)(?:\.pth)?$")
 
 
 def resolve_weight_source(path: str | os.PathLike[str], *, run_dir: Path | None = None) -> Path:
@@ -187,7 +188,8 @@ def resolve_run_checkpoint(run_dir: Path, name: str) -> Path:
     - ``best``: ``model/model_best.pth``, else the ``model/best`` pointer.
     - ``final``: the ``model/final`` pointer; for standard runs, ``model/last`` when
       ``status.json`` says the run finished.
-    - ``iter_<step>``: ``model/iter_<step>.pth``.
+    - ``iter_<step>``: ``model/iter_<step>.pth``; ``best_<step>``: ``model/best_<step>.pth``
+      (``checkpoint.keep_best``).
 
     Raises:
         UsageError: ``run_dir`` does not exist.
@@ -230,10 +232,10 @@ def resolve_run_checkpoint(run_dir: Path, name: str) -> Path:
             f"(status.json state: {state or 'unknown'}); use `last`")
     m = ITER_NAME_RE.match(name)
     if m:
-        p = model / f"iter_{m.group(1)}.pth"
+        p = model / f"{m.group(1)}_{m.group(2)}.pth"
         if p.exists():
             return p
-        have = sorted(x.name for x in model.glob("iter_*.pth")) if model.is_dir() else []
+        have = sorted(x.name for x in model.glob(f"{m.group(1)}_*.pth")) if model.is_dir() else []
         raise WeightNotFoundError(
             f"No weight found: {name}: {p} does not exist (snapshots here: {', '.join(have) or 'none'})")
     return Path(name)

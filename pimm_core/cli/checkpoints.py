@@ -92,6 +92,9 @@ def checkpoints_ls(
     for c in cands:
         mark = "*" if chosen is not None and c.path == chosen.path else ""
         status = "complete" if c.complete else f"incomplete: {c.reason}"
+        sel = (c.manifest or {}).get("selection_metric")
+        if c.complete and c.kind == "best" and isinstance(sel, dict) and isinstance(sel.get("value"), (int, float)):
+            status += f"; {sel.get('name')} {sel['value']:.4g}"  # the value model_best / keep_best ranked it by
         if c.verify_problems:
             status = f"corrupt: {'; '.join(c.verify_problems)}"
         # names and reasons are user text (a leftover can be named anything): never markup or control

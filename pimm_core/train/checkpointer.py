@@ -19,7 +19,9 @@ The schedule (``checkpoint.every_steps``, ``every_epochs``, ``keep_iter``):
   ``last.prev`` before the run reports its end;
 - after each successful save at a multiple of ``every_steps`` (the final one too, when the
   run finished) with ``keep_iter``: a weights-only ``iter_<step>.pth`` snapshot, the oldest
-  beyond ``keep_iter`` removed.
+  beyond ``keep_iter`` removed;
+- after each evaluation: ``model_best.pth`` when it improved the selection metric, and with
+  ``keep_best`` its ``best_<step>.pth`` when it ranks among the k best (:mod:`.best_files`).
 
 A periodic save that fails, or a best/iter file that cannot be written, is logged; with
 ``checkpoint.on_error = "stop"`` it stops the run: a stop request whose ``cause`` is the
@@ -41,7 +43,7 @@ from .. import dist
 from ..checkpoint.formats import make_format
 from ..checkpoint.protocol import SaveItem
 from ..checkpoint.publish import on_main, retry_stale, wait_for_purges
-from ..checkpoint.selection import BEST, ITER_RE
+from ..checkpoint.selection import ITER_RE
 from ..checkpoint.state import full_state_dict, full_tensors, is_sharded, load_problem, rng_state, unwrap
 from ..checkpoint.weights_file import weights_payload, write_weights_file
 from ..config import CheckpointConfig, Config
@@ -51,6 +53,8 @@ from ..errors import CheckpointSaveError, UsageError
 from ..fsio import remove_stale_temporaries
 from ..run import now_iso
 from ..stop import StopRequest
+from . import best_files
+from .best_k import BestKeeper
 from .state import TrainState
 
 log = logging.getLogger("pimm")
@@ -146,6 +150,7 @@ class Checkpointer:
         self.format = make_format(config.checkpoint_format, info, background=c.async_, keep_last=c.keep_last,
                                   keep_full=c.keep_full)
         self.schedule = SaveSchedule.from_config(c)
+        self.keeper = BestKeeper(c.keep_best, config.eval.metric, config.eval.mode)
         self.model, self.optimizer, self.loader = model, optimizer, loader
         self.state, self.scaler, self.ema = state, scaler, ema
         self.scheduler: Any = None
@@ -362,26 +367,15 @@ class Checkpointer:
         if save is not None:
             self._periodic(save)
 
-    def on_best(self, epoch: int, selection: dict[str, Any]) -> None:
-        """The evaluation of ``epoch`` improved the selection metric (``selection``: its name,
-        value, mode, split, epoch, weights). Standard and legacy: rank 0 writes
-        ``model_best.pth``; single: ``best`` must name a complete checkpoint at this position
-        (a save every rank takes part in)."""
-        if self.dir is None:
-            return
-        s, n_micro = self.state, self.micro_batches
-        if self.format.name == "single":
-            self.save(self.dir, mid_epoch=0 < s.iter < n_micro, pointers=("best",), selection_metric=selection)
-        else:
-            payload = self._payload()
-            if not self.info.is_main:
-                return
-            # a weights-only file says which epoch produced it (the one just evaluated), not where a
-            # resume would continue: epoch 24 with its 45 micro-batches, as its metrics.jsonl records say
-            trained = s.iter if s.epoch == epoch else n_micro
-            self._write_weights(self.dir / BEST, {**self.manifest("best"), "epoch": epoch, "iter": trained,
-                                                  "selection_metric": selection}, payload)
-            self._upload()
+    def on_evaluated(self, epoch: int, selection: dict[str, Any], *, improved: bool) -> None:
+        """The evaluation of ``epoch`` gave ``selection`` (its name, value, mode, split, epoch, weights);
+        ``improved``: it is the new best. Writes ``model_best.pth`` (or moves ``best``) and, with
+        ``checkpoint.keep_best >= 2``, the kept ``best_<step>.pth`` (:mod:`.best_files`)."""
+        best_files.on_evaluated(self, epoch, selection, improved=improved)
+
+    def on_best(self, epoch: int, selection: dict[str, Any]) -> dict[str, Any] | None:
+        """The evaluation of ``epoch`` improved the selection metric (:func:`.best_files.on_best`)."""
+        return best_files.on_best(self, epoch, selection)
 
     def on_end(self) -> CheckpointSaveError | None:
         """The session ends (finished or stopped): wait for the save in flight, then the final save.

@@ -24,7 +24,6 @@ import logging
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -37,6 +36,7 @@ from ..run import (CONFIG, METRICS, PROVENANCE, MetricsWriter, append_provenance
                    now_iso, scheduler_record, supersede_after, write_status)
 from ..run.entries import check_run_entries
 from .state import TrainState
+from .rate import StepClock
 from .sinks import Sink, open_sinks
 
 log = logging.getLogger("pimm")
@@ -67,9 +67,8 @@ class Recorder:
         self._last_state: str | None = None  # the last status.json state, for the sinks' close
         self._log_handler: logging.Handler | None = None
         self._detach_console: Callable[[], None] = lambda: None
-        self._samples = 0
         self._failing: set[str] = set()  # the records whose last write failed
-        self._last_log = (time.perf_counter(), 0)  # (time, samples) of the last train record
+        self.clock = StepClock()  # samples/s and steps/s of training time (:mod:`.rate`)
 
     # ------------------------------------------------------------- log file
     def open_log(self) -> None:
@@ -181,7 +180,7 @@ class Recorder:
         """The progress display for the length of the loop (the samples/s clock starts here)."""
         self.progress = ProgressDisplay(self.info.is_main, total=self.total)
         self.progress.start(self.state.global_step)
-        self._last_log = (time.perf_counter(), self._samples)
+        self.clock.start()
         try:
             yield
         finally:
@@ -201,16 +200,13 @@ class Recorder:
                 ``grad_norm``; None: not recorded.
         """
         s = self.state
-        self._samples += samples
+        self.clock.add(samples * self.info.world_size)
         ends_epoch = s.global_step - s.epoch_start_step == self.steps_per_epoch
         if s.global_step % self.log_every_steps == 0 or s.global_step == 1 or ends_epoch or s.global_step == self.total:
-            now = time.perf_counter()
-            then, samples_then = self._last_log
-            rate = (self._samples - samples_then) * self.info.world_size / max(now - then, 1e-9)
-            self._last_log = (now, self._samples)
+            rate, steps_rate = self.clock.take()
             loss_value = loss.item()
             record = {"step": s.global_step, "epoch": epoch, "iter": s.iter, "split": "train",
-                      "loss": loss_value, "lr": lr, "samples_per_s": rate}
+                      "loss": loss_value, "lr": lr, "samples_per_s": rate, "steps_per_s": steps_rate}
             if grad_norm is not None:
                 record["grad_norm"] = grad_norm.item()
             self.record(record)

@@ -64,11 +64,16 @@ def stop_before_start(tr: Trainer) -> bool:
 
 def evaluate_and_record(tr: Trainer, epoch: int) -> None:
     """Evaluate after ``epoch``; the selection metric steps a reduce-on-plateau schedule and
-    may make a new best (``model_best``); the metrics are recorded.
+    may make a new best (``model_best``) or one of the ``checkpoint.keep_best`` kept; the metrics are recorded.
 
     Raises:
         ConfigError: ``eval.metric`` is not among the objective's metrics.
     """
+    with tr.recorder.clock.paused():  # evaluation and the best files are not training time (samples/s)
+        _evaluate_and_record(tr, epoch)
+
+
+def _evaluate_and_record(tr: Trainer, epoch: int) -> None:
     s, e = tr.state, tr.config.eval
     metrics = tr.evaluate()
     s.last_eval, s.eval_step = metrics, s.global_step
@@ -77,10 +82,11 @@ def evaluate_and_record(tr: Trainer, epoch: int) -> None:
                           f"it reports {sorted(metrics)}")
     value = metrics[e.metric]
     observe_metric(tr.scheduler, value)  # reduce-on-plateau steps on the selection metric
-    if tr.best.update(value, epoch):
+    improved = tr.best.update(value, epoch)
+    if improved:
         s.best_metric, s.best_epoch = tr.best.best, tr.best.epoch
-        tr.checkpointer.on_best(epoch, {"name": e.metric, "value": value, "mode": e.mode, "split": "val",
-                                        "epoch": epoch, "weights": e.weights})
+    tr.checkpointer.on_evaluated(epoch, {"name": e.metric, "value": value, "mode": e.mode, "split": "val",
+                                         "epoch": epoch, "weights": e.weights}, improved=improved)
     tr.recorder.on_eval(epoch, metrics, e.metric)
     tr.callbacks.fire("on_eval_end", tr, metrics)
 

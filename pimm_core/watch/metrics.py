@@ -282,11 +282,19 @@ class MetricsTail:
 
     # ------------------------------------------------------------ summaries
     def rate(self) -> tuple[float | None, float | None]:
-        """``(steps_per_s, samples_per_s)`` from the newest training records of the current session."""
+        """``(steps_per_s, samples_per_s)`` of the newest training record: both of training time
+        (:mod:`pimm_core.train.rate`: evaluation and saving left out); a record without
+        ``steps_per_s`` (a run of an earlier pimm) gets it from the wall-clock :meth:`wall_steps_per_s`."""
+        last = self.last_train or {}
+        steps = finite_number(last.get("steps_per_s"))
+        return (steps if steps is not None else self.wall_steps_per_s()), finite_number(last.get("samples_per_s"))
+
+    def wall_steps_per_s(self) -> float | None:
+        """Steps per wall-clock second over the newest training records of the current session
+        (evaluation and saving included: what an ETA needs)."""
         recs = [r for r in self.recent if finite_number(r.get("time")) is not None and finite_number(r.get("step")) is not None]
-        sps = finite_number(self.last_train.get("samples_per_s")) if self.last_train else None
         if len(recs) < 2:
-            return None, sps
+            return None
         # Walk back while steps and times increase (a resume or a long pause breaks the window).
         j = len(recs) - 1
         while j > 0 and recs[j - 1]["step"] < recs[j]["step"] and 0 < recs[j]["time"] - recs[j - 1]["time"] < 600:
@@ -295,7 +303,7 @@ class MetricsTail:
                 break
         a, b = recs[j], recs[-1]
         dt, ds = b["time"] - a["time"], b["step"] - a["step"]
-        return (ds / dt if dt > 0 and ds > 0 else None), sps
+        return ds / dt if dt > 0 and ds > 0 else None
 
     def log_interval(self) -> float | None:
         """Median seconds between the newest training records (how often the heartbeat comes)."""

@@ -188,9 +188,10 @@ class RunReader:
         if epochs is None and config:
             epochs = json_int((config.get("train") or {}).get("epochs"))
         steps_per_s, samples_per_s = m.rate()
+        wall = m.wall_steps_per_s()  # the ETA counts evaluation and saving too
         eta = None
-        if status.live and steps_per_s and total is not None and step is not None:
-            eta = max(0.0, (total - step) / steps_per_s)
+        if status.live and wall and total is not None and step is not None:
+            eta = max(0.0, (total - step) / wall)
         ev = (config or {}).get("eval") or {}
         metric = ev.get("metric") if isinstance(ev.get("metric"), str) else "val/acc"
         mode = ev.get("mode") if ev.get("mode") in ("max", "min") else "max"

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.text import Text
-from textual import on, work
+from textual import events, on, work
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import DataTable, Static
@@ -32,8 +32,51 @@ def _problem_kind(problem: str) -> str:
     return "see below"
 
 
+class CheckpointTable(DataTable):
+    """The Checkpoints table: its cursor is the operator's selection. With the selection cleared
+    (``show_cursor`` off: the selected checkpoint was removed) no row is highlighted; the first
+    navigation key or a click shows the cursor again, on the first row (down, home), the last
+    (up, end) or the row clicked, never on a row the operator did not choose."""
+
+    def _reveal(self, row: int | None) -> bool:
+        """Show a hidden cursor at ``row`` (None: where it is); True when it was hidden."""
+        if self.show_cursor:
+            return False
+        if row is not None and self.row_count:
+            self.move_cursor(row=row, animate=False)
+        self.show_cursor = True  # posts RowHighlighted: the view takes it as the new selection
+        return True
+
+    def action_cursor_down(self) -> None:
+        if not self._reveal(0):
+            super().action_cursor_down()
+
+    def action_cursor_up(self) -> None:
+        if not self._reveal(self.row_count - 1):
+            super().action_cursor_up()
+
+    def action_scroll_top(self) -> None:
+        self._reveal(0)
+        super().action_scroll_top()
+
+    def action_scroll_bottom(self) -> None:
+        self._reveal(self.row_count - 1)
+        super().action_scroll_bottom()
+
+    async def _on_click(self, event: events.Click) -> None:
+        meta = event.style.meta
+        if not self.show_cursor and meta.get("row", -1) >= 0:
+            self._reveal(meta["row"])
+        await super()._on_click(event)
+
+
 class CheckpointsView(Vertical):
     """Every candidate in model/, which one resume picks; verify / export / topology actions.
+
+    The highlighted row is the operator's selection (what ``v``, ``e`` and ``t`` act on), kept by
+    name across refreshes: when rotation removes the selected checkpoint, the selection is
+    cleared visibly (no row highlighted, the detail line says so) rather than moved to another
+    row, and the actions ask for a selection first.
 
     A verify result belongs to the checkpoint generation that was hashed
     (:func:`~pimm_core.watch.candidates.candidate_identity`: name, manifest created time, step), not
@@ -44,7 +87,7 @@ class CheckpointsView(Vertical):
     # Its keys (v, e, t) are the console's, shown while this tab is active.
 
     def compose(self) -> ComposeResult:
-        yield DataTable(id="ckpt-table", cursor_type="row", zebra_stripes=True)
+        yield CheckpointTable(id="ckpt-table", cursor_type="row", zebra_stripes=True)
         yield Static("", id="ckpt-detail")
 
     def on_mount(self) -> None:
@@ -59,6 +102,9 @@ class CheckpointsView(Vertical):
         self.results: dict[tuple[Any, ...], VerifyResult] = {}  # identity -> the result of that generation
         self._drawn_at = 0.0
         self.detail_text = ""
+        self.selected: str | None = None  # the operator's selection (a row name), kept across refreshes
+        self._selection_made = False  # a first selection was set (resume's choice, by default)
+        self._lost: str | None = None  # the selected checkpoint that rotation removed (selection cleared)
 
     @property
     def wide(self) -> bool:
@@ -133,7 +179,9 @@ class CheckpointsView(Vertical):
     def _draw(self, metric: str | None = None) -> None:
         metric = metric or self._metric or "val/acc"
         table = self.query_one(DataTable)
-        current = self.highlighted()
+        current = self.highlighted()  # a key just moved the cursor: that row is the selection
+        if current is not None:
+            self.selected = current.name
         table.clear()
         for c in self._cands.values():
             mark = Text("▶", style="bold green") if c.name == self._chosen else Text("")
@@ -151,15 +199,21 @@ class CheckpointsView(Vertical):
                       fmt_age(candidate_age(c)), self._status_cell(c)]
             table.add_row(*(clean_text(cell) for cell in cells), key=c.name)  # a file name is never markup
         names = list(self._cands)
-        if current is not None and current.name in names:
-            table.move_cursor(row=names.index(current.name), animate=False)
-        elif self._chosen in names:
-            table.move_cursor(row=names.index(self._chosen), animate=False)
+        if self.selected is None and not self._selection_made and names:
+            # the first view of the run: resume's choice is selected (else the first row)
+            self.selected = self._chosen if self._chosen in names else names[0]
+            self._selection_made = True
+        if self.selected is not None and self.selected in names:
+            table.move_cursor(row=names.index(self.selected), animate=False)
+        elif self.selected is not None:  # removed (rotation): clear the selection, never move it to another row
+            self._lost, self.selected = self.selected, None
+            table.show_cursor = False
         self._detail()
 
     def highlighted(self) -> Candidate | None:
+        """The selected checkpoint (the highlighted row), or None: no rows, or the selection cleared."""
         table = self.query_one(DataTable)
-        if not self._cands or table.row_count == 0:
+        if not self._cands or table.row_count == 0 or not table.show_cursor:
             return None
         try:
             key = table.coordinate_to_cell_key(table.cursor_coordinate).row_key
@@ -169,6 +223,9 @@ class CheckpointsView(Vertical):
 
     @on(DataTable.RowHighlighted)
     def _on_highlight(self) -> None:
+        c = self.highlighted()  # the row the cursor is on now (a redraw has put it back on the selection)
+        if c is not None:
+            self.selected, self._lost = c.name, None
         self._detail()
 
     def _detail(self) -> None:
@@ -179,6 +236,9 @@ class CheckpointsView(Vertical):
             out.append("▶ ", style="bold green")
             out.append(f"resume would load: {self._chosen or 'nothing (no complete resumable candidate)'}")
             c = self.highlighted()
+            if c is None and self._lost is not None:
+                out.append(f"\nno checkpoint selected: {self._lost} was removed; "
+                           "select one with ↑/↓", style="yellow")
             if c is not None:
                 out.append(f"\n{c.name}: ", style="bold")
                 where = [c.format]
@@ -219,7 +279,7 @@ class CheckpointsView(Vertical):
     def action_verify(self) -> None:
         c = self.highlighted()
         if c is None:
-            self.notify("no checkpoint highlighted", severity="warning")
+            self.notify("select a checkpoint first (↑/↓)", severity="warning")
             return
         ident = self._ids.get(c.name) or candidate_identity(c)
         if ident in self._running:
@@ -260,13 +320,13 @@ class CheckpointsView(Vertical):
     def action_export(self) -> None:
         c = self.highlighted()
         if c is None:
-            self.notify("no checkpoint highlighted", severity="warning")
+            self.notify("select a checkpoint first (↑/↓)", severity="warning")
             return
         self.post_message(OpenView("export", c.name))
 
     def action_topology(self) -> None:
         c = self.highlighted()
         if c is None:
-            self.notify("no checkpoint highlighted", severity="warning")
+            self.notify("select a checkpoint first (↑/↓)", severity="warning")
             return
         self.post_message(OpenView("topology", c.name))

@@ -64,7 +64,8 @@ def _in_process(*args, **kwargs):
 def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fsdp")
     first = [
-        {"run_dir": str(root / "full"), "overrides": FSDP, "full_dump": str(root / "dump-full")},
+        {"run_dir": str(root / "full"), "overrides": [*FSDP, "checkpoint.keep_best=2"],
+         "full_dump": str(root / "dump-full")},
         {"run_dir": str(root / "cut"), "overrides": FSDP, "stop_at": STOP, "full_dump": str(root / "dump-cut")},
         {"run_dir": str(root / "ddp-cut"), "overrides": DDP, "stop_at": STOP, "full_dump": str(root / "dump-ddp-cut")},
         {"run_dir": str(root / "ddp-full"), "overrides": DDP},
@@ -209,6 +210,20 @@ def test_export_and_warm_start_from_fsdp_runs(runs, tmp_path):
     report = read_json(next(tmp_path.glob("*/warm")) / "provenance.json")["starts"][-1]["warm_start"]
     assert report["loaded_params"] == report["model_params"] > 0 and report["missing"] == report["mismatched"] == 0, \
         report
+
+
+def test_fsdp_keeps_the_best_evaluations_with_gathered_weights(runs, tmp_path):
+    """checkpoint.keep_best = 2 at 2 ranks, sharded: both evaluations kept (the gather every rank
+    joins); the one at the last step holds the run's final weights."""
+    from safetensors.torch import load_file
+
+    model = runs / "full" / "model"
+    evals = [r["step"] for r in read_jsonl(runs / "full" / "metrics.jsonl") if r["split"] == "val"]
+    assert sorted(p.name for p in model.glob("best_*.pth")) == sorted(f"best_{s}.pth" for s in evals), evals
+    last = max(evals)
+    done = pimm("export", f"best_{last}", str(tmp_path / "best"), "--run-dir", str(runs / "full"))
+    assert done.returncode == 0, describe(done)
+    assert _differ(load_file(tmp_path / "best" / "model.safetensors"), _dump(runs, "full")["model"]) == []
 
 
 def test_compiled_run_resumes_exactly(tmp_path):

@@ -16,8 +16,8 @@ from _helpers import DIGITS, REPO, launch, read_json
 from _s3 import BUCKET, start_s3
 
 # 2 epochs of digits (45 steps each): saves at the end of epoch 1 (step 45) and the final one (step 90),
-# iter_<step>.pth snapshots every 20 steps keeping the newest 2
-RUN = ("train.epochs=2", "checkpoint.every_steps=20", "checkpoint.keep_iter=2")
+# iter_<step>.pth snapshots every 20 steps keeping the newest 2, the 2 best evaluations as best_<step>.pth
+RUN = ("train.epochs=2", "checkpoint.every_steps=20", "checkpoint.keep_iter=2", "checkpoint.keep_best=2")
 
 
 @pytest.fixture
@@ -61,6 +61,9 @@ def test_uploaded_with_layout_retention_and_resumed_after_model_dir_is_wiped(tmp
     assert [n for n in names if n.startswith("iter_")] == local_iters == [
         "iter_60.pth", "iter_60.pth.json", "iter_80.pth", "iter_80.pth.json"]
     assert "model_best.pth" in names and "model_best.pth.json" in names
+    local_best = sorted(p.name for p in model.glob("best_*.pth*"))  # checkpoint.keep_best: mirrored as iter files
+    assert [n for n in names if n.startswith("best_")] == local_best == [
+        "best_45.pth", "best_45.pth.json", "best_90.pth", "best_90.pth.json"]
     # the layout and the bytes of each file, as the manifest records them
     prefix = f"{BUCKET}/{run_model(s3)}/step_90"
     assert s3.fs.exists(f"{prefix}/.complete") and s3.fs.exists(f"{prefix}/trainer.dcp/.complete")
@@ -89,6 +92,9 @@ def test_uploaded_with_layout_retention_and_resumed_after_model_dir_is_wiped(tmp
     assert resumes and resumes[-1]["step"] == 90 and resumes[-1]["exact"], resumes
     assert read_json(model / "last" / "manifest.json")["step"] == 135
     assert [n for n in s3.ls(run_model(s3)) if n.startswith("step_")] == ["step_135"]
+    # the remote mirrors model/ as it is: the kept best files of the wiped model/ are gone (as its iter files)
+    local_best = sorted(p.name for p in model.glob("best_*.pth*"))
+    assert "best_135.pth" in local_best and [n for n in s3.ls(run_model(s3)) if n.startswith("best_")] == local_best
 
 
 def test_kill_during_an_upload_leaves_no_candidate_that_selection_accepts(tmp_path, s3):
