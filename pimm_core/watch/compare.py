@@ -85,7 +85,7 @@ def samples_per_step(config: dict[str, Any], world_size: int | None) -> int | No
     return batch * accum * max(1, world_size or 1)
 
 
-def read_series(run_dir: Path, *, max_points: int = 1000, tail_bytes: int = 1 << 20,
+def read_series(run_dir: Path, *, max_points: int = 1000, tail_bytes: int = 256 << 10,
                 sample_lines: int = 2000) -> RunSeries:
     """Every metric of ``run_dir`` as a bounded series, its config, and samples per step.
 
