@@ -143,7 +143,8 @@ class RunsScreen(Screen[None]):
 
     # ------------------------------------------------------------- reading
     def poll(self) -> None:
-        if not self._polling:
+        """Read the root again in a worker (reads are coalesced; none while another screen covers this one)."""
+        if not self._polling and self.is_current:
             self._polling = True
             self._read()
 
@@ -163,6 +164,9 @@ class RunsScreen(Screen[None]):
             self.marked = [p for p in self.marked if p in self.rows]  # a deleted run is unmarked
         self.polls += 1
         self._redraw()
+
+    def on_screen_resume(self) -> None:
+        self.poll()  # back from a run, the compare view or the stop question: fresh rows now
 
     # ------------------------------------------------------------- drawing
     @property
