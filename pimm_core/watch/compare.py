@@ -86,7 +86,7 @@ def samples_per_step(config: dict[str, Any], world_size: int | None) -> int | No
 
 
 def read_series(run_dir: Path, *, max_points: int = 1000, tail_bytes: int = 256 << 10,
-                sample_lines: int = 2000) -> RunSeries:
+                sample_lines: int = 1000) -> RunSeries:
     """Every metric of ``run_dir`` as a bounded series, its config, and samples per step.
 
     Reads at most ``tail_bytes`` of ``metrics.jsonl`` line by line (its end), ``sample_lines``

@@ -118,8 +118,9 @@ def summarize(run_dir: Path, root: Path, *, now: float | None = None) -> RunRow:
     """The :class:`RunRow` of ``run_dir`` (never raises for missing or damaged files)."""
     now = time.time() if now is None else now
     run_dir = Path(run_dir)
+    # Only the tail: the last loss and the logging interval (no scan of the rest for evaluations).
     tail = MetricsTail(run_dir / METRICS, full_read_bytes=TAIL_BYTES, tail_bytes=TAIL_BYTES, sample_lines=0,
-                       max_points=2, chunk=TAIL_BYTES)
+                       max_points=2, chunk=TAIL_BYTES, scan_head=False)
     try:
         tail.poll()
     except OSError:
