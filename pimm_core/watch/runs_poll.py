@@ -4,8 +4,8 @@ of each run under a root, skipping the runs whose files did not change.
 A finished, stopped or failed run whose ``status.json``, ``metrics.jsonl`` and ``model/``
 are unchanged keeps its row (only its age moves on), so a root of hundreds of finished runs
 costs a few ``stat`` calls per poll; a run in a live state (``live``, ``starting``,
-``stopping``, ``stale``) is summarized on every poll because whether it is stale depends on
-the clock, not on its files.
+``stopping``) is summarized on every poll because whether it turned stale depends on the
+clock, not on its files.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from pathlib import Path
 from ..run.layout import METRICS, MODEL
 from .runs import RunRow, find_runs, summarize
 
-#: States whose row is read again on every poll (their verdict moves with the clock).
-_MOVING = frozenset({"live", "starting", "stopping", "stale", "unknown"})
+#: States whose row is read again on every poll: a live state turns stale with the clock alone
+#: (a stale, finished or unreadable run changes only when its files do).
+_MOVING = frozenset({"live", "starting", "stopping"})
 
 
 def _stamp(run_dir: Path) -> tuple[tuple[int, int] | None, ...]:

@@ -123,6 +123,7 @@ class RunsScreen(Screen[None]):
         self.polls = 0
         self.error: str | None = None
         self._poller = RunsPoller(self.root)
+        self._drawn: dict[str, list[Text]] = {}  # the cells in the table, by path
         self._polling = False
 
     def compose(self) -> ComposeResult:
@@ -184,13 +185,19 @@ class RunsScreen(Screen[None]):
         keep = self.highlighted()
         shown = [r for r in self.rows.values() if matches(r, self.query_text)]
         if [r.path for r in shown] == [r.path for r in self.shown] and table.row_count == len(shown):
-            for row in shown:  # the same runs: update the cells in place (the cursor stays)
-                for col, value in zip(["mark", *(c.lower() for c in COLUMNS)], cells(row, row.path in self.marked)):
-                    table.update_cell(row.path, col, value, update_width=True)
+            for row in shown:  # the same runs: update the cells that changed, in place (the cursor stays)
+                new = cells(row, row.path in self.marked)
+                old = self._drawn.get(row.path, [])
+                for i, (col, value) in enumerate(zip(["mark", *(c.lower() for c in COLUMNS)], new)):
+                    if i >= len(old) or old[i] != value:
+                        table.update_cell(row.path, col, value, update_width=True)
+                self._drawn[row.path] = new
         else:
             table.clear()
+            self._drawn = {}
             for row in shown:
-                table.add_row(*cells(row, row.path in self.marked), key=row.path)
+                self._drawn[row.path] = cells(row, row.path in self.marked)
+                table.add_row(*self._drawn[row.path], key=row.path)
             paths = [r.path for r in shown]
             if keep is not None and keep.path in paths:  # the operator's run stays highlighted
                 table.move_cursor(row=paths.index(keep.path), animate=False)
@@ -251,7 +258,10 @@ class RunsScreen(Screen[None]):
             self.marked.remove(row.path)
         else:
             self.marked.append(row.path)
-        self.query_one(DataTable).update_cell(row.path, "mark", cells(row, row.path in self.marked)[0])
+        mark = cells(row, row.path in self.marked)[0]
+        self.query_one(DataTable).update_cell(row.path, "mark", mark)
+        if row.path in self._drawn:
+            self._drawn[row.path][0] = mark
         self._head()
 
     def action_compare(self) -> None:
