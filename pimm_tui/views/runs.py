@@ -198,6 +198,10 @@ class RunsScreen(Screen[None]):
             for row in shown:
                 self._drawn[row.path] = cells(row, row.path in self.marked)
                 table.add_row(*self._drawn[row.path], key=row.path)
+            if shown:  # DataTable keeps rows drawn before it measured them: redraw once measured
+                first = shown[0].path
+                table.call_after_refresh(lambda: first in self._drawn and table.is_valid_row_index(0) and
+                                         table.update_cell(first, "mark", self._drawn[first][0]))
             paths = [r.path for r in shown]
             if keep is not None and keep.path in paths:  # the operator's run stays highlighted
                 table.move_cursor(row=paths.index(keep.path), animate=False)
