@@ -70,7 +70,7 @@ class CompareScreen(Screen[None]):
     CompareScreen.-wide #cmp-diff-box { width: 44; height: 1fr; border-top: none; border-left: solid $primary-darken-2; }
     """
     BINDINGS = [
-        Binding("escape,q", "back", "Runs"),
+        Binding("escape", "back", "Runs"),
         Binding("n", "metric(1)", "Next metric"),
         Binding("p", "metric(-1)", "Prev metric"),
         Binding("x", "toggle_x", "Step/samples"),

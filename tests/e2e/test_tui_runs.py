@@ -176,3 +176,26 @@ async def test_stop_a_live_run_from_the_table(tmp_path: Path, size: tuple[int, i
             proc.kill()
             proc.wait()
     assert _status(run_dir)["stop_reason"] == "operator"
+
+
+@pytest.mark.asyncio
+async def test_names_and_config_values_are_shown_as_text(tmp_path: Path) -> None:
+    """A run name or config value holding markup or terminal escapes is shown escaped, never obeyed."""
+    from tui_support import fake_run, train_record
+
+    hostile = "x[red]\x1b]0;pwned\x07"
+    fake_run(tmp_path, "plain", records=[train_record(s, 1.0 / s) for s in range(1, 5)])
+    odd = fake_run(tmp_path, hostile, records=[train_record(s, 2.0 / s) for s in range(1, 5)])
+    (odd / "config.toml").write_text('[eval]\nmetric = "val/acc"\nmode = "max"\n[model]\nname = "[bold]\\u001b[2J"\n')
+    app = _app(tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        runs = await _table(pilot, 2)
+        await wait_for(pilot, lambda: "x[red]\\x1b]0;pwned\\x07" in screen_text(app), what="the escaped name")
+        assert "\x1b" not in screen_text(app)
+        await pilot.press("m", "down", "m", "c")
+        await wait_for(pilot, lambda: isinstance(app.screen, CompareScreen) and app.screen.runs is not None, 30,
+                       "the compare view")
+        assert len(runs.marked) == 2
+        await wait_for(pilot, lambda: "model.name: (unset) → '[bold]\\x1b[2J'" in screen_text(app),
+                       what="the escaped config value")
+        assert "\x1b" not in screen_text(app)
