@@ -50,7 +50,8 @@ class RunsRouting:
     def show_runs(self: Any) -> None:
         """Show the runs table (installed on first use: its highlight and marks are kept)."""
         if not self.is_screen_installed(RUNS):
-            self.install_screen(RunsScreen(self.root, refresh_s=max(self.refresh_s, 1.0)), RUNS)
+            # the table reads every run: half as often as the one-run views read theirs
+            self.install_screen(RunsScreen(self.root, refresh_s=self.refresh_s * 2), RUNS)
         if not self.runs_showing():
             self.push_screen(RUNS)
 
