@@ -293,7 +293,7 @@ class PimmConsole(RunsRouting, App[None]):
             try:
                 fd, name = tempfile.mkstemp(prefix="pimm-tui-crash-", suffix=".log")
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(f"pimm tui {self.run_dir}\n")
+                    f.write(f"pimm tui {self.run_dir or self.root}\n")
                     f.write("".join(traceback.format_exception(error)))
                 self.crash_log = Path(name)
             except OSError:
