@@ -2,12 +2,14 @@
 
 The marked runs' ``metrics.jsonl`` are read in a worker thread by
 :func:`~pimm_core.watch.compare.read_series` (bounded: a tail plus an evenly spaced sample of
-a large file, at most ``max_points`` per metric); only the marked runs are read. ``n``/``p``
-choose the metric, ``x`` switches the x axis between the global step and samples seen.
+a large file, at most ``max_points`` per metric); only the marked runs are read, when the view
+opens and on ``r``. ``n``/``p`` choose the metric, ``x`` switches the x axis between the global
+step and samples seen, ``l`` the y axis between linear and log.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,12 +21,13 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Static
+from textual_plot.axis_formatter import NumericAxisFormatter
 
 from pimm_core.text import clean_text, printable
 from pimm_core.watch.compare import RunSeries, config_diff, read_series
 
 from ..fmt import error_line
-from ..widgets import _Plot, StepAxis, _thin
+from ..widgets import LogAxis, StepAxis, _Plot, _thin
 
 #: Line colours of the runs, in marking order (cycled beyond six runs).
 COLORS = ("cyan", "magenta", "yellow", "green", "red", "blue")
@@ -71,9 +74,11 @@ class CompareScreen(Screen[None]):
     """
     BINDINGS = [
         Binding("escape", "back", "Runs"),
-        Binding("n", "metric(1)", "Next metric"),
-        Binding("p", "metric(-1)", "Prev metric"),
+        Binding("n", "metric(1)", "Metric"),
+        Binding("p", "metric(-1)", "Previous metric", show=False),  # the title says n/p
         Binding("x", "toggle_x", "Step/samples"),
+        Binding("l", "toggle_log", "Log/lin"),
+        Binding("r", "reload", "Re-read"),
     ]
 
     def __init__(self, run_dirs: list[Path], names: list[str], *, max_points: int = 1000):
@@ -84,6 +89,8 @@ class CompareScreen(Screen[None]):
         self.runs: list[RunSeries] | None = None
         self.metric = "loss"
         self.x_samples = False
+        self.log_y = False
+        self.log_shown = False  # the y axis drawn is logarithmic (asked, and every value positive)
         self.plotted: dict[str, int] = {}
         self.diff_text = ""
         self.error: str | None = None
@@ -157,9 +164,14 @@ class CompareScreen(Screen[None]):
             return
         order = metric_order(self.runs)
         axis = "samples seen" if self.x_samples else "global step"
+        shown = [run.series.get(self.metric, ([], []))[1] for run in self.runs]
+        log = self.log_y and any(shown) and all(y > 0 for ys in shown for y in ys)
+        self.log_shown = log
         title.append(printable(self.metric), style="bold")
         title.append(f" vs {axis}", style="bold")
         title.append(f"  ({order.index(self.metric) + 1}/{len(order)}: n/p)" if self.metric in order else "", style="dim")
+        if log:
+            title.append("  log", style="dim")
         legend = Text()
         width = max(8, plot.size.width)
         lo = hi = x0 = x1 = None
@@ -181,6 +193,8 @@ class CompareScreen(Screen[None]):
             if not xs:
                 continue
             xs, ys = _thin(tuple(xs), tuple(ys), width * 2)
+            if log:
+                ys = [math.log10(y) for y in ys]
             self.plotted[name] = len(xs)
             if len(xs) == 1:
                 plot.scatter(xs, ys, marker_style=color)
@@ -195,7 +209,10 @@ class CompareScreen(Screen[None]):
         if lo is None or x0 is None or hi is None or x1 is None:
             return
         plot.set_x_formatter(StepAxis())
+        plot.set_y_formatter(LogAxis() if log else NumericAxisFormatter())
         pad = (hi - lo) * 0.05 or abs(hi) * 0.05 or 1.0
+        if log:
+            pad = max(pad, 0.05)
         plot.set_ylimits(lo - pad, hi + pad)
         plot.set_xlimits(x0, x1 if x1 > x0 else x0 + 1)
 
@@ -214,3 +231,11 @@ class CompareScreen(Screen[None]):
     def action_toggle_x(self) -> None:
         self.x_samples = not self.x_samples
         self._draw_plot()
+
+    def action_toggle_log(self) -> None:
+        self.log_y = not self.log_y
+        self._draw_plot()
+
+    def action_reload(self) -> None:
+        """Read the marked runs again (a live run has logged more since the view opened)."""
+        self._read()

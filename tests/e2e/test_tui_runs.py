@@ -124,7 +124,12 @@ async def test_compare_two_finished_runs(root: Path, size: tuple[int, int]) -> N
                        what="the plot's title, legend and the config difference drawn")
         # The config difference of the second run, against the first marked one.
         assert "train.lr: 0.002 → 0.0005" in cmp.diff_text, cmp.diff_text
-        # Another metric (the evaluation's accuracy), then samples seen on x.
+        # A log y axis (every loss is positive), then another metric (the evaluation's accuracy),
+        # then samples seen on x.
+        await pilot.press("l")
+        assert cmp.log_shown and set(cmp.plotted) == {"digits/base", "digits/lowlr"}
+        await wait_for(pilot, lambda: "loss vs global step" in screen_text(app) and "log" in screen_text(app),
+                       what="the log axis drawn")
         while cmp.metric != "val/acc":
             await pilot.press("n")
         assert set(cmp.plotted) == {"digits/base", "digits/lowlr"}
