@@ -20,20 +20,30 @@ def tui(run_dir: Path = typer.Argument(..., help="A run directory (exp/<group>/<
     Given a root or a group, it opens on a live table of its runs (as `pimm runs ls` lists them):
     Enter opens a run, Escape comes back, s stops a live run, m marks, c compares marked runs.
     """
+    _run(run_dir, root=opens_runs_table(run_dir))
+
+
+def opens_runs_table(path: Path) -> bool:
+    """True when ``pimm tui PATH`` opens the runs table: ``path`` has no ``status.json`` nor
+    ``config.toml`` and holds run directories one or two levels below; False for a run directory.
+
+    Raises:
+        UsageError: ``path`` does not exist, is a file, or is neither a run directory nor holds runs.
+    """
     from ..run.layout import check_run_dir, was_started
 
-    if run_dir.is_dir() and not was_started(run_dir):  # no status.json nor config.toml: a root of runs?
+    if path.is_dir() and not was_started(path):
         from ..watch.runs import find_runs
 
-        runs = find_runs(run_dir)
-        if runs and runs != [run_dir]:
-            return _run(run_dir, root=True)
+        runs = find_runs(path)
+        if runs and runs != [path]:
+            return True
         if not runs:
-            raise UsageError(f"{run_dir} is neither a run directory nor a directory of runs (no config.toml, "
+            raise UsageError(f"{path} is neither a run directory nor a directory of runs (no config.toml, "
                              "status.json, metrics.jsonl or model/ in it or in the two levels below); pass "
                              "exp/<group>/<run>, a group such as exp/digits or a root such as exp")
-    check_run_dir(run_dir)
-    _run(run_dir, root=False)
+    check_run_dir(path)
+    return False
 
 
 def _run(path: Path, *, root: bool) -> None:

@@ -89,3 +89,18 @@ def test_config_diff_and_samples_per_step() -> None:
     assert samples_per_step({"data": {"batch_size": 32}}, None) == 32
     assert samples_per_step({"data": {"batch_size": 32}, "train": {"grad_accum": 4}}, 2) == 256
     assert samples_per_step({"train": {"grad_accum": 4}}, 2) is None
+
+
+def test_pimm_tui_decides_from_the_path(tmp_path: Path) -> None:
+    import pytest
+
+    from pimm_core.cli.console import opens_runs_table
+    from pimm_core.errors import UsageError
+
+    run = _run(tmp_path, "r")
+    assert opens_runs_table(run) is False  # status.json / config.toml: one run
+    assert opens_runs_table(tmp_path) is True and opens_runs_table(tmp_path / "g") is True  # a root, a group
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    for bad in (tmp_path / "empty", tmp_path / "missing", run / "status.json"):
+        with pytest.raises(UsageError):
+            opens_runs_table(bad)
