@@ -15,7 +15,10 @@ Each measurement runs in a fresh interpreter (imports included, peak RSS its own
   metrics read, bounded, and plotted); after the app, the reader alone: its first poll
   (``cold_poll_s``) and a steady one (``poll_s``: unchanged finished runs are only
   ``stat``-ed, live ones read again: ``summarized_per_poll``);
-- ``ratio``: view / baseline for the time to first paint and the peak RSS.
+- ``one_run_console``: ``pimm tui RUN`` on one of those runs (first paint: its Live view drawn),
+  the console's fixed cost (Textual) without the table;
+- ``ratio``: view / baseline for the time to first paint and the peak RSS (and view / one-run
+  console: what the 200 runs add to the console's own start).
 
 Usage: ``uv run python benchmarks/runs_view.py [--runs 200] [--lines 100000] [--repeats 3] [--keep DIR]``
 """
@@ -50,6 +53,26 @@ with contextlib.redirect_stdout(out):
 n = len(json.loads(out.getvalue())["runs"])
 print(json.dumps({"first_paint_s": time.perf_counter() - t0, "rows": n,
                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+_ONE_RUN = """
+import time; t0 = time.perf_counter()
+import asyncio, json, resource, sys
+from pathlib import Path
+from pimm_tui import build_app
+
+async def main(run):
+    app = build_app(Path(run))
+    app.animation_level = "none"
+    async with app.run_test(size=(80, 24)) as pilot:
+        while app.snapshot is None:
+            await pilot.pause(0.01)
+        await pilot.pause(0)
+        out = {"first_paint_s": time.perf_counter() - t0, "rows": 1}
+    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(out))
+
+asyncio.run(main(sys.argv[1]))
 """
 
 _VIEW = """
@@ -158,8 +181,10 @@ def main() -> int:
         child(_BASELINE, str(root))  # warm-up (page cache, .pyc), discarded
         base: list[dict] = []
         view: list[dict] = []
+        one: list[dict] = []
         for _ in range(args.repeats):
             base.append(child(_BASELINE, str(root)))
+            one.append(child(_ONE_RUN, str(root / "bench" / "r001")))
             view.append(child(_VIEW, str(root), str(args.runs)))
         assert all(b["rows"] == args.runs for b in base) and all(v["rows"] == args.runs for v in view)
 
@@ -169,13 +194,16 @@ def main() -> int:
         b = {k: med(base, k) for k in ("first_paint_s", "peak_rss_mib")}
         v = {k: med(view, k) for k in ("first_paint_s", "peak_rss_mib", "cold_poll_s", "poll_s", "key_s",
                                                      "compare_s")}
+        o = {k: med(one, k) for k in ("first_paint_s", "peak_rss_mib")}
         v["summarized_per_poll"] = view[-1]["summarized_per_poll"]
         v["compare_points"] = view[-1]["compare_points"]
         result = {
             "runs": args.runs, "lines_per_run": args.lines, "metrics_bytes_per_run": size, "repeats": args.repeats,
-            "baseline_runs_ls_json": b, "view": v,
+            "baseline_runs_ls_json": b, "one_run_console": o, "view": v,
             "ratio": {"first_paint": round(v["first_paint_s"] / b["first_paint_s"], 2),
-                      "peak_rss": round(v["peak_rss_mib"] / b["peak_rss_mib"], 2)},
+                      "peak_rss": round(v["peak_rss_mib"] / b["peak_rss_mib"], 2),
+                      "first_paint_vs_one_run_console": round(v["first_paint_s"] / o["first_paint_s"], 2),
+                      "peak_rss_vs_one_run_console": round(v["peak_rss_mib"] / o["peak_rss_mib"], 2)},
             "machine": {"cores": os.cpu_count(), "python": sys.version.split()[0],
                         "load_average_start": load_start, "load_average_end": [round(x, 2) for x in os.getloadavg()]},
         }
