@@ -24,7 +24,8 @@ Bringing your own code (see :mod:`pimm_core.targets` for where it is imported fr
   with ``args``; overrides ``train.optimizer``. ``[scheduler]``: ``name`` (a kind of
   :data:`SCHEDULER_KINDS`, after ``train.warmup_steps`` of linear warmup) or ``target``,
   with ``args``; overrides ``train.scheduler``. See :mod:`pimm_core.optim`.
-- ``log.tensorboard``: also write the metrics for TensorBoard.
+- ``log.tensorboard``: also write the metrics for TensorBoard; ``[log.mlflow]``, ``[log.wandb]``:
+  also send them to MLflow, to Weights & Biases.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class TrainConfig:
     # sends before its time limit, e.g. "SIGUSR1" for `sbatch --signal=B:USR1@60`
     stop_signals: list[str] = field(default_factory=lambda: ["SIGINT", "SIGTERM", "SIGHUP"])
     # wall-clock budget of one session: seconds, or "HH:MM:SS" / "D-HH:MM:SS" like Slurm's --time; the
-    # run stops cleanly with `last` saved before it (and before $SLURM_JOB_END_TIME); see README, Clusters
+    # run stops cleanly with `last` saved before it (and before $SLURM_JOB_END_TIME); see docs/clusters-guide.md
     max_time: float | str | None = None
     # inside a Slurm job: after a clean stop by a signal or the time limit, `scontrol requeue` the job
     # (it starts again under the same id; with --train.auto-resume it continues exactly)
@@ -172,14 +173,24 @@ class SchedulerConfig:
 class MlflowConfig:
     """``[log.mlflow]``: also send the metrics to an MLflow tracking server (pimm_core.train.mlflow_sink)."""
 
-    tracking_uri: str = ""  # "": MLFLOW_TRACKING_URI, else MLflow's default (./mlruns)
+    tracking_uri: str = ""  # "": MLFLOW_TRACKING_URI, else MLflow's own default (mlflow.db or ./mlruns in the working directory, by MLflow version)
     experiment: str = ""  # "": the run's group
+
+
+@dataclass
+class WandbConfig:
+    """``[log.wandb]``: also send the metrics to a Weights & Biases run (pimm_core.train.wandb_sink)."""
+
+    project: str = ""  # "": the run's group
+    entity: str = ""  # "": WANDB_ENTITY, else your W&B default entity
+    mode: Literal["", "online", "offline", "disabled"] = ""  # "": WANDB_MODE, else W&B's default (online)
 
 
 @dataclass
 class LogConfig:
     tensorboard: bool = False  # also write metrics as TensorBoard events (metrics.jsonl stays the source)
     mlflow: MlflowConfig | None = None  # [log.mlflow] present: also an MLflow sink
+    wandb: WandbConfig | None = None  # [log.wandb] present: also a W&B sink (files under WANDB_DIR, else the run dir)
 
 
 @dataclass

@@ -49,7 +49,8 @@ def _tables(cfg: Any, default: Any, path: str) -> list[str]:
         v = getattr(cfg, f.name)
         if dataclasses.is_dataclass(v):
             sub = f"{path}.{toml_key(f.name)}" if path else toml_key(f.name)
-            parts += _tables(v, getattr(default, f.name), sub)
+            d = getattr(default, f.name)  # None: an optional table ([log.wandb]) the default leaves out
+            parts += _tables(v, type(v)() if d is None else d, sub)
     return parts
 
 

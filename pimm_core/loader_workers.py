@@ -112,7 +112,7 @@ def check_importable(what: str, obj: object, method: str) -> None:
             f"data: the {what} ({owner.__qualname__}) is defined in an interactive session (a notebook or the "
             f"prompt), which DataLoader workers started by data.multiprocessing_context = {method!r} cannot "
             "import; define it in a module (a .py file), set data.num_workers = 0, or data.multiprocessing_context "
-            "= 'fork' (which can hang; see the README)")
+            "= 'fork' (which can hang; see docs/data-workers.md)")
 
 
 def is_pickling_error(error: BaseException) -> bool:
@@ -129,4 +129,4 @@ def unpicklable(what: str, method: str, error: BaseException) -> ConfigError:
         f"data: the {what} cannot be sent to DataLoader workers started by data.multiprocessing_context = "
         f"{method!r} ({type(error).__name__}: {error}); make it picklable (module-level classes and functions, "
         "no lambdas or open files), set data.num_workers = 0, or data.multiprocessing_context = 'fork' "
-        "(which can hang; see the README)")
+        "(which can hang; see docs/data-workers.md)")

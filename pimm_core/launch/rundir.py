@@ -116,7 +116,7 @@ def check_config(cfg: Config, config_path: Path | None = None) -> None:
     check_targets(cfg, config_path)
     from ..train.sinks import check_available
 
-    check_available(cfg)  # the packages of log.tensorboard and [log.mlflow]
+    check_available(cfg)  # the packages of log.tensorboard, [log.mlflow] and [log.wandb]
     cuda = torch.cuda.is_available()
     if cfg.train.device == "cuda" and not cuda:
         raise ConfigError("train.device = 'cuda' but CUDA is not available here; use 'auto' or 'cpu'")

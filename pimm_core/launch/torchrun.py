@@ -53,7 +53,7 @@ def _spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchO
     single_node = opts.single_node()
     # Several nodes share the run directory: every node's agent checks and, if it is missing,
     # creates it (the first mkdir wins, the others use it); nothing is written in it until
-    # the ranks start, and then only rank 0 writes the run files (see README, Multi-node).
+    # the ranks start, and then only rank 0 writes the run files (see docs/clusters-guide.md, "Several nodes").
     claimed = claim(cfg, run_dir, single_node=single_node)
     try:
         code = _spawn_claimed(cfg, claimed.path, opts, argv, worker_args, single_node, config_path, stop)

@@ -2,8 +2,9 @@
 
 pimm appends to ``train.log`` and ``metrics.jsonl``, replaces ``status.json``,
 ``provenance.json``, ``config.toml`` and ``lock.json``, takes ``.lock`` and ``.ranks.lock``,
-writes and removes ``control/stop``, moves leftovers to ``abandoned/`` and writes TensorBoard
-events to ``tensorboard/``. Any of them can
+writes and removes ``control/stop``, moves leftovers to ``abandoned/``, writes TensorBoard
+events to ``tensorboard/`` and the ids of the MLflow and W&B runs to ``mlflow.json`` and
+``wandb.json`` (W&B's own files go to ``wandb/``). Any of them can
 be something pimm did not put there: a symbolic link to a file outside the run (pimm's lines
 would land in it, or a lock would truncate it), a link loop, a directory where a file goes or a
 file where a directory goes. :func:`check_run_entries` refuses all of these, before anything is
@@ -32,12 +33,16 @@ STOP_FILE = "stop"
 TENSORBOARD_DIR = "tensorboard"
 #: The id of the tracked run the MLflow sink continues on resume (``[log.mlflow]``).
 MLFLOW_ID = "mlflow.json"
+#: The id of the W&B run the W&B sink continues on resume (``[log.wandb]``).
+WANDB_ID = "wandb.json"
+#: W&B's own files (``[log.wandb]`` without ``WANDB_DIR``), written by the ``wandb`` package.
+WANDB_FILES = "wandb"
 
 #: Entries of a run directory pimm writes, and what each must be when present.
 RUN_ENTRIES: tuple[tuple[str, str], ...] = (
     (LOG, "file"), (METRICS, "file"), (SUPERSEDED, "file"), (STATUS, "file"), (PROVENANCE, "file"), (CONFIG, "file"), (HOLDER, "file"),
     (LOCK, "file"), (RANKS, "file"), (CONTROL, "dir"), (f"{CONTROL}/{STOP_FILE}", "file"), (ABANDONED, "dir"),
-    (TENSORBOARD_DIR, "dir"), (MLFLOW_ID, "file"),
+    (TENSORBOARD_DIR, "dir"), (MLFLOW_ID, "file"), (WANDB_ID, "file"), (WANDB_FILES, "dir"),
 )
 
 

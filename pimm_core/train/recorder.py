@@ -63,7 +63,7 @@ class Recorder:
         self.pids = [os.getpid()]  # every rank's pid, set by the trainer once gathered
         self.progress: ProgressDisplay | None = None
         self._metrics: MetricsWriter | None = None
-        self._sinks: list[Sink] = []  # TensorBoard, MLflow (train/sinks.py)
+        self._sinks: list[Sink] = []  # TensorBoard, MLflow, W&B (train/sinks.py)
         self._last_state: str | None = None  # the last status.json state, for the sinks' close
         self._log_handler: logging.Handler | None = None
         self._detach_console: Callable[[], None] = lambda: None

@@ -1,6 +1,7 @@
-"""The metrics sinks beside ``metrics.jsonl`` (rank 0): TensorBoard, MLflow.
+"""The metrics sinks beside ``metrics.jsonl`` (rank 0): TensorBoard, MLflow, Weights & Biases.
 
-Each is used only when the config asks for it (``log.tensorboard``, ``[log.mlflow]``) and its package is imported only then. :func:`check_available` runs before
+Each is used only when the config asks for it (``log.tensorboard``, ``[log.mlflow]``,
+``[log.wandb]``) and its package is imported only then. :func:`check_available` runs before
 any rank starts (and in ``--dry-run``): a missing package is one line. A sink gets every
 record ``metrics.jsonl`` gets, and ``close(state)`` with how the session ended (the last
 ``status.json`` state; None: a resume that had nothing left to train wrote none); after a
@@ -27,7 +28,8 @@ def _wanted(config: Config) -> list[tuple[str, str]]:
     """``(config key, package)`` of each sink the config asks for."""
     log = config.log
     return [(key, package) for key, package, on in (("log.tensorboard = true", "tensorboard", log.tensorboard),
-                                                    ("[log.mlflow]", "mlflow", log.mlflow is not None)) if on]
+                                                    ("[log.mlflow]", "mlflow", log.mlflow is not None),
+                                                    ("[log.wandb]", "wandb", log.wandb is not None)) if on]
 
 
 def check_available(config: Config) -> None:
@@ -66,4 +68,9 @@ def open_sinks(config: Config, run_dir: Path, *, resumed_at: int | None, eval_do
 
         sinks.append(MlflowSink(config, run_dir, resumed=resumed_at is not None,
                                 params=run_params(config, provenance)))
+    if config.log.wandb is not None:
+        from .wandb_sink import WandbSink
+
+        sinks.append(WandbSink(config, run_dir, resumed_at=resumed_at,
+                               run_config={**config.to_dict(), "provenance": provenance}))
     return sinks

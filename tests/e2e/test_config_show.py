@@ -45,3 +45,17 @@ def test_config_show_refusals_are_one_line():
     assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, describe(r)
     r = pimm("config", "show")
     assert r.returncode == 2 and "needs --train.config" in r.stderr, describe(r)
+
+
+def test_config_show_lists_the_keys_of_a_sink_table_the_config_turns_on(tmp_path):
+    from pimm_core.config import load_config
+
+    r = pimm_here("config", "show", "--train.config", DIGITS, "--", 'log.wandb.mode="offline"',
+                  'log.mlflow.experiment="e"')
+    assert r.returncode == 0, describe(r)
+    text = r.stdout
+    assert '[log.wandb]\nproject = ""\nentity = ""\nmode = "offline"  # changed; default: ""' in text
+    assert '[log.mlflow]\ntracking_uri = ""\nexperiment = "e"  # changed; default: ""' in text
+    out = tmp_path / "shown.toml"
+    out.write_text(text)
+    assert load_config(out) == load_config(DIGITS, ['log.wandb.mode="offline"', 'log.mlflow.experiment="e"'])
