@@ -204,3 +204,27 @@ async def test_names_and_config_values_are_shown_as_text(tmp_path: Path) -> None
         await wait_for(pilot, lambda: "model.name: (unset) → '[bold]\\x1b[2J'" in screen_text(app),
                        what="the escaped config value")
         assert "\x1b" not in screen_text(app)
+
+
+@pytest.mark.asyncio
+async def test_escape_in_a_field_leaves_the_field_first(tmp_path: Path) -> None:
+    """In a run opened from the table, Escape while typing in a field leaves the field (as in
+    `pimm tui RUN`); the next Escape goes back to the table."""
+    from textual.widgets import Input
+
+    from tui_support import fake_run, train_record
+
+    fake_run(tmp_path, "one", records=[train_record(s, 1.0 / s) for s in range(1, 5)])
+    app = _app(tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _table(pilot, 1)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.snapshot is not None, 30, "the run opened")
+        await pilot.press("4")
+        app.query_one("#exp-dest", Input).focus()
+        await pilot.pause(0.1)
+        await pilot.press("escape")
+        await pilot.pause(0.1)
+        assert not isinstance(app.focused, Input) and not isinstance(app.screen, RunsScreen)
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: isinstance(app.screen, RunsScreen), what="the runs table")
