@@ -1,4 +1,4 @@
-"""pimm's operator console (Textual): ``pimm tui exp/<group>/<run>``.
+"""pimm's operator console (Textual): ``pimm tui exp/<group>/<run>``, or ``pimm tui exp`` for every run.
 
 Reads the run only through :mod:`pimm_core`'s torch-free readers
 (:mod:`pimm_core.watch`, selection, topology) and acts only through pimm_core
@@ -7,6 +7,6 @@ Reads the run only through :mod:`pimm_core`'s torch-free readers
 
 from __future__ import annotations
 
-from .app import PimmConsole, build_app
+from .app import PimmConsole, build_app, build_runs_app
 
-__all__ = ["PimmConsole", "build_app"]
+__all__ = ["PimmConsole", "build_app", "build_runs_app"]

@@ -1,4 +1,5 @@
-"""The console application: one run directory, polled by a worker thread once a second.
+"""The console application: one run directory, polled by a worker thread once a second
+(``pimm tui ROOT``: first a table of the runs under a root, see :mod:`.runs_routing`).
 
 The views (:mod:`pimm_tui.views`) do not import this module: they get snapshots through
 ``show()`` and ask for tab changes and re-reads with messages (:mod:`pimm_tui.views.common`).
@@ -24,6 +25,7 @@ from pimm_core.stop import write_stop_file
 from pimm_core.text import printable
 
 from .fmt import error_line
+from .runs_routing import RunsRouting
 from .screens import ConfirmStop, stop_unavailable
 from .views.checkpoints import CheckpointsView
 from .views.common import OpenView, RefreshRun
@@ -43,11 +45,12 @@ class Polled(Message):
     error: str | None
 
 
-class PimmConsole(App[None]):
+class PimmConsole(RunsRouting, App[None]):
     """``pimm tui RUN``: watch a run, stop it, browse checkpoints, diff topology, export.
 
     Attributes:
-        run_dir: the run directory shown.
+        run_dir: the run directory shown (None while ``pimm tui ROOT`` has opened none).
+        root: the root whose runs are listed (``pimm tui ROOT``), or None.
         snapshot: the newest :class:`~pimm_core.watch.snapshot.RunSnapshot` (None before the first read).
         polls: how many reads were applied (tests wait on it).
         states_seen: the run's displayed states, in order, without repeats.
@@ -74,15 +77,18 @@ class PimmConsole(App[None]):
         Binding("escape", "focus_tabs", "Leave field"),
     ]
 
-    def __init__(self, run_dir: Path, *, refresh_s: float = 1.0):
+    def __init__(self, run_dir: Path | None, *, refresh_s: float = 1.0, root: Path | None = None):
         super().__init__()
-        self.run_dir = Path(run_dir)
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.root = None if root is None else Path(root)
+        if self.root is not None:  # Escape on a run's views goes back to the runs table
+            self._bindings.key_to_bindings["escape"] = [Binding("escape", "back", "Runs")]
         self.refresh_s = refresh_s
         self.snapshot: RunSnapshot | None = None
         self.polls = 0
         self.states_seen: list[str] = []
         self.poll_error: str | None = None
-        self._reader = RunReader(self.run_dir)
+        self._reader = None if self.run_dir is None else RunReader(self.run_dir)
         self._polling = False
         self._force_next = False
         self._stop_label: str | None = None
@@ -105,14 +111,18 @@ class PimmConsole(App[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.sub_title = printable(self.run_dir)
+        self.sub_title = printable(self.run_dir or self.root)
         self._update_stop_binding()
         self.set_interval(self.refresh_s, self.poll)
+        if self.root is not None:
+            self.show_runs()
         self.poll()
 
     # --------------------------------------------------------------- polling
     def poll(self, force: bool = False) -> None:
         """Start a background read unless one is running (reads are coalesced)."""
+        if self._reader is None or self.runs_showing():  # no run open, or the runs table covers it
+            return
         if self._polling:
             self._force_next = self._force_next or force
             return
@@ -129,6 +139,9 @@ class PimmConsole(App[None]):
 
     def on_polled(self, message: Polled) -> None:
         self._polling = False
+        if message.snap is not None and message.snap.run_dir != self.run_dir:  # read before another run was opened
+            self.poll(force=True)
+            return
         self.poll_error = message.error
         snap = message.snap or self.snapshot
         if message.snap is not None:
@@ -169,6 +182,8 @@ class PimmConsole(App[None]):
             self.refresh_bindings()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action != "quit" and self.runs_showing():  # the runs screens have their own keys
+            return False
         if action == "stop":
             return True if self.can_stop() else None  # None: shown, but disabled
         if action == "focus_tabs":  # shown only while typing in a field (the other keys type there)
@@ -278,7 +293,7 @@ class PimmConsole(App[None]):
             try:
                 fd, name = tempfile.mkstemp(prefix="pimm-tui-crash-", suffix=".log")
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(f"pimm tui {self.run_dir}\n")
+                    f.write(f"pimm tui {self.run_dir or self.root}\n")
                     f.write("".join(traceback.format_exception(error)))
                 self.crash_log = Path(name)
             except OSError:
@@ -305,3 +320,9 @@ def build_app(run_dir: str | Path, *, refresh_s: float = 1.0) -> PimmConsole:
     shown as a problem line.
     """
     return PimmConsole(Path(run_dir), refresh_s=refresh_s)
+
+
+def build_runs_app(root: str | Path, *, refresh_s: float = 1.0) -> PimmConsole:
+    """The console on the runs under ``root`` (a run root or a group): the runs table first,
+    Enter opens a run in the one-run views, Escape comes back (not started)."""
+    return PimmConsole(None, refresh_s=refresh_s, root=Path(root))

@@ -47,7 +47,9 @@ class MetricsTail:
     :meth:`poll` reads only the bytes appended since the last call. The first poll of a
     file larger than ``full_read_bytes`` reads its last ``tail_bytes`` fully and samples
     ``sample_lines`` evenly spaced lines before that (the plot's early history), and
-    byte-scans the earlier part for evaluation (``"val"``) records.
+    byte-scans the earlier part for evaluation (``"val"``) records (``scan_head=False``: not
+    scanned, for a reader that needs only the tail, like ``pimm runs ls``: then what it reads
+    is bounded by ``tail_bytes`` plus ``sample_lines`` short reads, whatever the file's size).
 
     Attributes:
         loss, lr: decimated ``(step, value)`` series of training records.
@@ -62,13 +64,14 @@ class MetricsTail:
     """
 
     def __init__(self, path: Path, *, full_read_bytes: int = 8 << 20, tail_bytes: int = 2 << 20,
-                 sample_lines: int = 2000, max_points: int = 2000, chunk: int = 8 << 20):
+                 sample_lines: int = 2000, max_points: int = 2000, chunk: int = 8 << 20, scan_head: bool = True):
         self.path = Path(path)
         self.full_read_bytes = full_read_bytes
         self.tail_bytes = tail_bytes
         self.sample_lines = sample_lines
         self.max_points = max_points
         self.chunk = chunk
+        self.scan_head = scan_head
         self._reset()
 
     def _reset(self) -> None:
@@ -183,7 +186,7 @@ class MetricsTail:
         # one chunk at a time; a line longer than MAX_LINE is dropped up to its newline.
         f.seek(start)
         pos, carry, skip = start, b"", False
-        while pos < head_end:
+        while pos < head_end and self.scan_head:
             n = min(self.chunk, head_end - pos)
             data = carry + f.read(n)  # (no second copy of the chunk: lines are found in place)
             pos += n

@@ -5,7 +5,7 @@ levels deep at most (``<root>/<group>/<run>``), never following links out of it.
 :func:`summarize` reads what a row shows from small files only, so a root of hundreds of
 runs lists in a fraction of a second: ``status.json`` (state, step, epoch, host, world
 size, heartbeat) judged live or stale by the console's rule (:func:`~.status.read_status`
-with :func:`~.status.stale_after_for` of the logging interval seen in the last 64 KiB of
+with :func:`~.status.stale_after_for` of the logging interval seen in the last 16 KiB of
 ``metrics.jsonl``), the last training loss from that same tail, the best selection metric
 from ``model/model_best.pth.json`` (written when the metric improves), and what a resume
 would load from the checkpoints' manifests (completeness only: ``pimm checkpoints
@@ -28,8 +28,9 @@ from ..run.values import finite_number, json_int
 from .metrics import MetricsTail
 from .status import read_status, stale_after_for
 
-#: Bytes of ``metrics.jsonl`` read from its end per run (the last loss and the logging interval).
-TAIL_BYTES = 64 << 10
+#: Bytes of ``metrics.jsonl`` read from its end per run (the last loss and the logging interval: about a
+#: hundred records of a typical run; the JSON parse of this tail is most of what a row costs).
+TAIL_BYTES = 16 << 10
 #: The display states, in the order ``--sort state`` uses.
 STATES = ("live", "stopping", "starting", "stale", "stopped", "failed", "finished", "unknown")
 
@@ -118,8 +119,9 @@ def summarize(run_dir: Path, root: Path, *, now: float | None = None) -> RunRow:
     """The :class:`RunRow` of ``run_dir`` (never raises for missing or damaged files)."""
     now = time.time() if now is None else now
     run_dir = Path(run_dir)
+    # Only the tail: the last loss and the logging interval (no scan of the rest for evaluations).
     tail = MetricsTail(run_dir / METRICS, full_read_bytes=TAIL_BYTES, tail_bytes=TAIL_BYTES, sample_lines=0,
-                       max_points=2, chunk=TAIL_BYTES)
+                       max_points=2, chunk=TAIL_BYTES, scan_head=False)
     try:
         tail.poll()
     except OSError:

@@ -15,7 +15,7 @@ from tui_support import copy_run, tui_run
 
 #: Every module of the watch layer (the console's and `checkpoints diff`'s readers).
 WATCH = ", ".join(f"pimm_core.watch.{m}" for m in ("status", "metrics", "series", "snapshot", "candidates",
-                                                   "resume_diff", "fmt"))
+                                                   "resume_diff", "fmt", "runs", "runs_poll", "compare"))
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:

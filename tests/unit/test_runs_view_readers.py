@@ -1,0 +1,106 @@
+"""The runs view's readers (torch-free): the cached runs table, the compare view's bounded series
+and config differences."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from pimm_core.watch.compare import MAX_METRICS, config_diff, read_series, samples_per_step
+from pimm_core.watch.runs_poll import RunsPoller
+
+
+def _run(root: Path, name: str, state: str = "finished", *, records=(), config: str = "", **status) -> Path:
+    rd = root / "g" / name
+    rd.mkdir(parents=True, exist_ok=True)
+    (rd / "config.toml").write_text(config or '[train]\nlr = 0.1\n[data]\nbatch_size = 8\n')
+    st = {"state": state, "host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time(), **status}
+    (rd / "status.json").write_text(json.dumps(st))
+    with open(rd / "metrics.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return rd
+
+
+def _train(step: int, **kw) -> dict:
+    return {"step": step, "split": "train", "loss": 1.0 / step, "lr": 0.1, "time": 1000.0 + step, **kw}
+
+
+def test_poller_reads_again_only_what_changed(tmp_path: Path) -> None:
+    done = _run(tmp_path, "done", records=[_train(1), _train(2)], step=2)
+    _run(tmp_path, "live", "running", records=[_train(1)], step=1)
+    poller = RunsPoller(tmp_path)
+    rows = {r.name: r for r in poller.poll()}
+    assert rows["g/done"].state == "finished" and rows["g/live"].state == "live" and poller.summarized == 2
+    # Unchanged: the finished run keeps its row (older), the live one is read again (its verdict moves).
+    again = {r.name: r for r in poller.poll(now=time.time() + 5)}
+    assert poller.summarized == 1
+    assert again["g/done"].loss == rows["g/done"].loss and again["g/done"].age_s >= rows["g/done"].age_s + 4
+    # A finished run whose files change is read again; a new run appears; a removed one goes.
+    with open(done / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(_train(4)) + "\n")
+    _run(tmp_path, "new", records=[_train(1)])
+    (tmp_path / "g" / "live" / "status.json").unlink()
+    (tmp_path / "g" / "live" / "config.toml").unlink()
+    (tmp_path / "g" / "live" / "metrics.jsonl").unlink()
+    rows = {r.name: r for r in poller.poll()}
+    assert set(rows) == {"g/done", "g/new"} and rows["g/done"].loss == 0.25
+
+
+def test_read_series_keeps_every_metric_bounded(tmp_path: Path) -> None:
+    recs = []
+    for s in range(1, 20_001):
+        recs.append(_train(s, grad_norm=0.5))
+        if s % 1000 == 0:
+            recs.append({"step": s, "split": "val", "loss": 2.0 / s, "acc": s / 20_000, "time": 0.0})
+    rd = _run(tmp_path, "big", records=recs, config='[train]\ngrad_accum = 2\n[data]\nbatch_size = 8\n', world_size=3)
+    rs = read_series(rd, max_points=100, tail_bytes=64 << 10, sample_lines=500)
+    assert {"loss", "lr", "grad_norm", "val/loss", "val/acc"} <= set(rs.series)
+    xs, ys = rs.series["loss"]
+    assert len(xs) <= 101 and xs[0] < 1000 and xs[-1] == 20_000  # early history sampled, newest kept
+    assert rs.series["val/acc"][0] == [float(s) for s in range(1000, 20_001, 1000)]  # every evaluation found
+    assert rs.samples_per_step == 8 * 2 * 3
+    assert rs.config["train.grad_accum"] == 2 and rs.problem is None
+
+
+def test_read_series_bounds_the_metric_names(tmp_path: Path) -> None:
+    rd = _run(tmp_path, "wide", records=[_train(1, **{f"m{i}": float(i) for i in range(200)})])
+    assert len(read_series(rd).series) == MAX_METRICS
+
+
+def test_read_series_of_a_damaged_run(tmp_path: Path) -> None:
+    rd = tmp_path / "g" / "bad"
+    rd.mkdir(parents=True)
+    (rd / "config.toml").write_text("[train\n")
+    (rd / "metrics.jsonl").write_text('not json\n{"step": 1, "loss": NaN}\n')
+    rs = read_series(rd)
+    assert rs.series == {} and rs.config == {} and "config.toml is unreadable" in (rs.problem or "")
+    assert rs.samples_per_step is None
+
+
+def test_config_diff_and_samples_per_step() -> None:
+    a = {"run.name": "a", "train.lr": 0.1, "train.epochs": 2, "model.depth": 3}
+    b = {"run.name": "b", "train.lr": 0.01, "train.epochs": 2, "data.batch_size": 16}
+    assert config_diff(a, b) == [("data.batch_size", None, 16), ("model.depth", 3, None), ("train.lr", 0.1, 0.01)]
+    assert config_diff(a, dict(a)) == []
+    assert samples_per_step({"data": {"batch_size": 32}}, None) == 32
+    assert samples_per_step({"data": {"batch_size": 32}, "train": {"grad_accum": 4}}, 2) == 256
+    assert samples_per_step({"train": {"grad_accum": 4}}, 2) is None
+
+
+def test_pimm_tui_decides_from_the_path(tmp_path: Path) -> None:
+    import pytest
+
+    from pimm_core.cli.console import opens_runs_table
+    from pimm_core.errors import UsageError
+
+    run = _run(tmp_path, "r")
+    assert opens_runs_table(run) is False  # status.json / config.toml: one run
+    assert opens_runs_table(tmp_path) is True and opens_runs_table(tmp_path / "g") is True  # a root, a group
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    for bad in (tmp_path / "empty", tmp_path / "missing", run / "status.json"):
+        with pytest.raises(UsageError):
+            opens_runs_table(bad)
