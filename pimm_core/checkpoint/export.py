@@ -275,7 +275,7 @@ def export_weights(checkpoint: str | os.PathLike[str], path: str | os.PathLike[s
     - ``.bin``, ``.pth``, ``.pt``: ``torch.save`` of the state dict;
     - anything else: an export directory, as :func:`export`
       writes it (``model.safetensors``, ``config.json`` when found, ``export.json``);
-      an existing non-empty directory is refused.
+      an existing non-empty directory is refused; a remote prefix (``s3://...``) too.
 
     The file is written atomically (temporary name, fsync, rename).
 
@@ -284,6 +284,12 @@ def export_weights(checkpoint: str | os.PathLike[str], path: str | os.PathLike[s
             previous export), or lies in a checkpoint or a run's ``model/`` directory.
         WeightNotFoundError, IncompleteCheckpointError, CheckpointError: as :func:`load_weights`.
     """
+    if is_store_url(path):  # a remote prefix: an export directory, uploaded with export.json last
+        if Path(str(path)).suffix in (".safetensors", ".bin", ".pth", ".pt"):
+            raise UsageError(f"{path}: a single weights file is written locally only; export to a remote prefix "
+                             "(an export directory) instead")
+        export(checkpoint, path, weights=weights)
+        return
     out = Path(path)
     if out.suffix in (".safetensors", ".bin", ".pth", ".pt"):
         check_output_file(out)

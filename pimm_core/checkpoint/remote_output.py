@@ -21,12 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RemoteStoreError, UsageError
+from ..faults import point, register
 from .manifest import sha256_file
 from .outputs import EXPORT_JSON, is_export_listing
 from .remote_source import open_url, store_errors
 from .remote_store import STEP_RE, sha256_remote
 from .remote_upload import with_retries
 from .selection import TRAINER_DCP
+
+register("remote.export_files")
 
 
 def check_remote_output(url: str, *, force: bool, options: dict[str, Any] | None = None) -> tuple[Any, str]:
@@ -102,5 +105,6 @@ def upload_export(local: Path, fs: Any, path: str, url: str) -> list[str]:
         for name in old:
             if name not in files:
                 fs.rm_file(f"{path}/{name}")
+        point("remote.export_files", path)  # every file is there, export.json is not yet
         put(EXPORT_JSON)  # the marker: the export is complete from here on
     return [*body, EXPORT_JSON]

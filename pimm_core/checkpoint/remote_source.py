@@ -330,8 +330,8 @@ def check_remote_source(url: str, options: dict[str, Any] | None = None) -> Remo
     from .foreign import not_a_checkpoint, sniff
 
     fs, plan = plan_remote(url, options)
-    first = next(iter(plan.files))
-    if first.startswith(f"{TRAINER_DCP}/"):
+    first = next((f for f in plan.files if not f.endswith(".json")), None)  # not an index or a config
+    if first is None or first.startswith(f"{TRAINER_DCP}/"):
         return plan  # sharded: DCP's metadata is read at load
     with store_errors(url):
         head = fs.cat_file(f"{plan.base}/{first}", start=0, end=4096)
@@ -345,15 +345,34 @@ def check_remote_source(url: str, options: dict[str, Any] | None = None) -> Remo
     return plan
 
 
+#: Copies already downloaded in this process (by the first rank of a node, for all its ranks:
+#: :func:`~pimm_core.train.remote_weight.node_copy`), used by :func:`local_copy` instead of a download.
+_SHARED: dict[str, tuple[Path, RemotePlan]] = {}
+
+
+@contextlib.contextmanager
+def shared_copy(url: str, copy: Path, plan: RemotePlan) -> Iterator[None]:
+    """While inside, :func:`local_copy` of ``url`` yields ``(copy, plan)`` (downloaded and checked
+    by someone else, who also removes it) instead of downloading again."""
+    _SHARED[url] = (copy, plan)
+    try:
+        yield
+    finally:
+        _SHARED.pop(url, None)
+
+
 @contextlib.contextmanager
 def local_copy(url: str, options: dict[str, Any] | None = None) -> Iterator[tuple[Path, RemotePlan]]:
     """Download the remote weight source ``url`` into a fresh temporary directory
     (``$TMPDIR/pimm-remote-*``), checked; yields ``(local copy, plan)``; the directory is removed
-    on exit, whatever happened.
+    on exit, whatever happened. (Inside :func:`shared_copy` of ``url``: that copy, no download.)
 
     Raises:
         as :func:`plan_remote` and :func:`download`.
     """
+    if url in _SHARED:
+        yield _SHARED[url]
+        return
     fs, plan = plan_remote(url, options)
     into = Path(tempfile.mkdtemp(prefix="pimm-remote-"))
     try:
