@@ -94,6 +94,13 @@ class HubUnreachableError(CheckpointError):
     exit_code = 1
 
 
+class RemoteStoreError(CheckpointError):
+    """A remote store (``s3://``... through fsspec) cannot be reached or read: network, credentials,
+    a missing filesystem package, a download that does not match its record (exit code 1)."""
+
+    exit_code = 1
+
+
 class TrainingError(PimmError):
     """Training itself went wrong (e.g. the weights stopped being finite); exit code 1."""
 

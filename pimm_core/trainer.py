@@ -272,7 +272,8 @@ class Trainer:
             entry: dict[str, Any] = {"kind": "start", "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
             c = self.config
             if resume_from is None and c.train.weight and not c.train.resume:  # a resume never warm-starts
-                self.warm_start_report = warm_start_model(c.train, unwrap(self.model), self.ema, self.info.is_main)
+                self.warm_start_report = warm_start_model(c.train, unwrap(self.model), self.ema, self.info.is_main,
+                                                          c.checkpoint, self.info.rank)
                 entry["warm_start"] = self.warm_start_report.to_json()
             self.checkpointer.begin(checkpoint_dir, scheduler=self.scheduler, grad_accum=t.grad_accum)
             if resume_from is not None:

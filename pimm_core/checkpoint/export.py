@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -50,6 +51,8 @@ from .hub import is_remote
 from .key_rules import DEFAULT_KEY_RULES, apply_key_rules
 from .manifest import sha256_file
 from .outputs import CONFIG_JSON, EXPORT_JSON, check_output_dir, check_output_file, new_temp_dir, replace_dir
+from .remote_output import check_remote_output, upload_export
+from .remote_source import is_store_url
 from ..run.layout import find_run_dir
 from ..run.provenance import read_provenance
 from .generation import read_whole
@@ -68,13 +71,18 @@ EXPORT_VERSION = 1
 
 def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, weights: str = "raw",
            fmt: str = "safetensors", run_dir: Path | None = None, force: bool = False,
-           max_shard_size: int | str = MAX_SHARD_SIZE) -> Path:
+           max_shard_size: int | str = MAX_SHARD_SIZE) -> Path | str:
     """Export one weight set of a checkpoint into ``out_dir``.
+
+    ``source`` and ``out_dir`` may be remote URLs (``s3://...``). A remote source is downloaded
+    into a temporary directory and checked (:mod:`.remote_source`); a remote ``out_dir`` gets
+    the export written locally first, then uploaded with ``export.json`` last, the export's
+    completion marker (:mod:`.remote_output`: an object store has no rename).
 
     Args:
         source: any weight source of :func:`~pimm_core.checkpoint.sources.resolve_weight_source`;
             with ``run_dir`` also ``last``, ``best``, ``final`` or ``iter_<step>``.
-        out_dir: the directory to create (missing parents are created).
+        out_dir: the directory to create (missing parents are created), or a remote prefix.
         weights: ``raw`` or ``ema``.
         fmt: ``safetensors`` (``model.safetensors``) or ``bin`` (``pytorch_model.bin``).
         run_dir: the run the checkpoint belongs to; its ``config.toml`` becomes
@@ -86,7 +94,7 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
             (bytes, or text such as ``"5GB"``); larger weights are sharded with an index.
 
     Returns:
-        ``out_dir``.
+        ``out_dir`` (a ``Path``, or the URL as given).
 
     Raises:
         UsageError: bad ``weights`` or ``fmt``; ``out_dir`` is refused by
@@ -96,13 +104,20 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
         WeightNotFoundError, IncompleteCheckpointError: ``source`` does not resolve.
         CheckpointError: unreadable or unsafe checkpoint; no such weight set; bad config.toml.
         OSError: a write failed (``out_dir`` is untouched).
+        RemoteStoreError: a remote store cannot be read or written (a remote ``out_dir`` is then
+            left without ``export.json``: incomplete, refused by readers).
     """
     if fmt not in FORMATS:
         raise UsageError(f"format {fmt!r} is not supported; use one of {sorted(FORMATS)}")
     if weights not in WEIGHT_SETS:
         raise UsageError(f"weights {weights!r} is not a weight set; use one of {list(WEIGHT_SETS)}")
-    out_dir = Path(out_dir)
-    target = check_output_dir(out_dir, force=force)
+    remote_out = is_store_url(out_dir)
+    if remote_out:  # checked before anything is read or downloaded
+        store, remote_path = check_remote_output(os.fspath(out_dir), force=force)
+        out_dir = os.fspath(out_dir)
+    else:
+        out_dir = Path(out_dir)
+        target = check_output_dir(out_dir, force=force)
 
     resolved, sets, info, record = read_source(source, run_dir=run_dir)
     sd = apply_key_rules(select_weight_set(sets, weights, source), DEFAULT_KEY_RULES)
@@ -110,11 +125,12 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
         record = {}
     step = record.get("step", info.get("step"))
 
-    rd = Path(run_dir) if run_dir is not None else (None if is_remote(source) else _run_dir_near(resolved))
+    elsewhere = is_remote(source) or is_store_url(source)  # no run directory near the file read
+    rd = Path(run_dir) if run_dir is not None else (None if elsewhere else _run_dir_near(resolved))
     cfg = read_run_config(rd) if rd is not None else None
     library = _library_record(rd) if rd is not None else None
 
-    tmp = new_temp_dir(target, "export")
+    tmp = Path(tempfile.mkdtemp(prefix="pimm-export-")) if remote_out else new_temp_dir(target, "export")
     try:
         aliases = find_aliases(sd)
         if library is not None:
@@ -138,7 +154,7 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
 
         record_out = {
             "export_version": EXPORT_VERSION,
-            "source": os.fspath(source) if is_remote(source) else str(resolved),
+            "source": os.fspath(source) if is_remote(source) else info.get("remote_file") or str(resolved),
             "source_arg": os.fspath(source),
             "source_layout": info.get("layout"),
             "step": step,
@@ -161,8 +177,12 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
             "torch_version": torch.__version__,
         }
         atomic_write_bytes(tmp / EXPORT_JSON, (json.dumps(record_out, indent=2) + "\n").encode())
-        fsync_tree(tmp)
-        replace_dir(tmp, target)
+        if remote_out:
+            upload_export(tmp, store, remote_path, os.fspath(out_dir))
+            remove_tree(tmp)
+        else:
+            fsync_tree(tmp)
+            replace_dir(tmp, target)
     except BaseException:
         remove_tree(tmp)
         raise
@@ -255,7 +275,7 @@ def export_weights(checkpoint: str | os.PathLike[str], path: str | os.PathLike[s
     - ``.bin``, ``.pth``, ``.pt``: ``torch.save`` of the state dict;
     - anything else: an export directory, as :func:`export`
       writes it (``model.safetensors``, ``config.json`` when found, ``export.json``);
-      an existing non-empty directory is refused.
+      an existing non-empty directory is refused; a remote prefix (``s3://...``) too.
 
     The file is written atomically (temporary name, fsync, rename).
 
@@ -264,6 +284,12 @@ def export_weights(checkpoint: str | os.PathLike[str], path: str | os.PathLike[s
             previous export), or lies in a checkpoint or a run's ``model/`` directory.
         WeightNotFoundError, IncompleteCheckpointError, CheckpointError: as :func:`load_weights`.
     """
+    if is_store_url(path):  # a remote prefix: an export directory, uploaded with export.json last
+        if Path(str(path)).suffix in (".safetensors", ".bin", ".pth", ".pt"):
+            raise UsageError(f"{path}: a single weights file is written locally only; export to a remote prefix "
+                             "(an export directory) instead")
+        export(checkpoint, path, weights=weights)
+        return
     out = Path(path)
     if out.suffix in (".safetensors", ".bin", ".pth", ".pt"):
         check_output_file(out)

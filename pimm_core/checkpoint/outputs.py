@@ -59,6 +59,12 @@ def is_previous_export(d: Path) -> bool:
         record = json.loads((d / EXPORT_JSON).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
+    return is_export_listing(names, record)
+
+
+def is_export_listing(names: set[str], record: object) -> bool:
+    """True when a directory holding exactly ``names`` with ``record`` (its parsed ``export.json``)
+    is a previous export (:func:`is_previous_export`; a remote one's listing too)."""
     if not (isinstance(record, dict) and "export_version" in record):
         return False
     files = record.get("files") if isinstance(record.get("files"), dict) else {}

@@ -241,18 +241,28 @@ def resolve_run_checkpoint(run_dir: Path, name: str) -> Path:
     return Path(name)
 
 
-def check_weight_source(source: str | os.PathLike[str], *, run_dir: Path | None = None) -> Path:
+def check_weight_source(source: str | os.PathLike[str], *, run_dir: Path | None = None,
+                        storage_options: dict[str, Any] | None = None) -> Path | str:
     """Resolve a warm-start source (downloading ``hf://``) and refuse a file that is not a
     PyTorch checkpoint, before anything is created (torch-free; ``pimm launch`` calls it
     before the run directory exists).
 
+    A remote source (``s3://``...) is looked up and its first bytes read, nothing downloaded
+    (:func:`~pimm_core.checkpoint.remote_source.check_remote_source`).
+
     Returns:
-        The file a warm start will read.
+        The file a warm start will read (for a remote source: its URL).
 
     Raises:
-        as :func:`resolve_weight_source`; CheckpointParseError: the file is not a PyTorch
-        checkpoint (text, random bytes...; exit code 2).
+        as :func:`resolve_weight_source` (and, for a remote source, as
+        :func:`~pimm_core.checkpoint.remote_source.plan_remote`); CheckpointParseError: the
+        file is not a PyTorch checkpoint (text, random bytes...; exit code 2).
     """
+    from .remote_source import check_remote_source, is_store_url
+
+    if is_store_url(source):
+        plan = check_remote_source(os.fspath(source), storage_options)
+        return plan.url
     path = resolve_weight_source(source, run_dir=run_dir)
     if path.is_dir():  # a sharded checkpoint's trainer.dcp/: read through DCP's metadata, checked there
         return path

@@ -65,7 +65,7 @@ def load_weights(model: nn.Module, checkpoint: str | os.PathLike[str], *, weight
         model: an unwrapped, uncompiled module whose architecture matches the checkpoint.
         checkpoint: any weight source :func:`resolve_weight_source` accepts: a run's
             ``model/last`` directory, ``model_best.pth``, a ``best`` pointer, an export
-            directory, ``hf://org/repo``...
+            directory, ``hf://org/repo``, a remote ``s3://...`` (:mod:`.remote_source`)...
         weights: ``raw`` or ``ema`` (the parameter set at that checkpoint position).
 
     Raises:
@@ -75,8 +75,8 @@ def load_weights(model: nn.Module, checkpoint: str | os.PathLike[str], *, weight
             differ from the model (the message names them and both shapes).
     """
     check_unwrapped(model)
-    path, sets, _, _ = read_source(checkpoint)
+    path, sets, info, _ = read_source(checkpoint)
     sd = follow_model_ties(model, apply_key_rules(select_weight_set(sets, weights, checkpoint)))
-    check_strict(model, sd, str(path))
+    check_strict(model, sd, info.get("remote_file") or str(path))
     with torch.no_grad():  # (a sharded model: a collective, every rank loads)
         load_full_state_dict(model, sd, strict=True)

@@ -94,7 +94,7 @@ class WarmStartReport:
 
 def warm_start(model: nn.Module, source: str | os.PathLike[str], *, weight_set: str = "raw",
                rules: list[tuple[str, str]] | None = None, logger: logging.Logger | None = None,
-               run_dir: Path | None = None) -> WarmStartReport:
+               run_dir: Path | None = None, storage_options: dict[str, Any] | None = None) -> WarmStartReport:
     """Load the matching weights of ``source`` into ``model`` (non-strict) and report.
 
     A key is loaded when, after the key rules, the checkpoint has a tensor with the
@@ -106,23 +106,27 @@ def warm_start(model: nn.Module, source: str | os.PathLike[str], *, weight_set: 
     Args:
         model: the model to fill; DDP / ``torch.compile`` wrappers are looked through; a
             sharded (FSDP2) model gets its shards (every rank must call this then).
-        source: any weight source :func:`resolve_weight_source` accepts (incl. ``hf://``).
+        source: any weight source :func:`resolve_weight_source` accepts (incl. ``hf://``), or a
+            remote URL (``s3://...``: downloaded into a temporary directory, checked against its
+            manifest or sidecar, removed after reading; see :mod:`.remote_source`).
         weight_set: ``raw`` or ``ema``.
         rules: key rewrite rules (see :func:`apply_key_rules`); None: :data:`DEFAULT_KEY_RULES`.
         logger: where the report goes (default: the ``pimm`` logger).
         run_dir: resolves ``last``/``best``/``final``/``iter_<step>`` against a run.
+        storage_options: the remote filesystem's options (a remote ``source`` only).
 
     Returns:
         The :class:`WarmStartReport`.
 
     Raises:
         WeightNotFoundError, IncompleteCheckpointError: ``source`` does not resolve.
+        RemoteStoreError: a remote store cannot be read, or a download does not match its record.
         CheckpointError: unreadable or unsafe file; no such weight set; zero model
             parameters matched (``no parameters matched ...``, exit code 2).
     """
     logger = logger or log
     used_rules = [tuple(r) for r in (DEFAULT_KEY_RULES if rules is None else rules)]
-    path, sets, info, _ = read_source(source, run_dir=run_dir)
+    path, sets, info, _ = read_source(source, run_dir=run_dir, storage_options=storage_options)
     raw = select_weight_set(sets, weight_set, source)
     sd = apply_key_rules(raw, used_rules)  # type: ignore[arg-type]
     renamed = sum(1 for a, b in zip(raw, sd) if a != b)
@@ -133,7 +137,8 @@ def warm_start(model: nn.Module, source: str | os.PathLike[str], *, weight_set: 
     param_names = {n for n, _ in target.named_parameters(remove_duplicate=False)}
     loaded = sorted(k for k in own.keys() & sd.keys() if tuple(own[k].shape) == tuple(sd[k].shape))
     report = WarmStartReport(
-        source=os.fspath(source), resolved=str(path), weight_set=weight_set, rules=used_rules, renamed=renamed,
+        source=os.fspath(source), resolved=info.get("remote_file") or str(path), weight_set=weight_set,
+        rules=used_rules, renamed=renamed,
         loaded=loaded, missing=sorted(own.keys() - sd.keys()), unexpected=sorted(sd.keys() - own.keys()),
         mismatched=sorted((k, tuple(sd[k].shape), tuple(own[k].shape)) for k in own.keys() & sd.keys()
                           if tuple(own[k].shape) != tuple(sd[k].shape)),

@@ -86,7 +86,8 @@ def read_checkpoint(path: Path) -> tuple[dict[str, StateDict], dict[str, Any]]:
     return _read(Path(path))
 
 
-def read_source(source: str | os.PathLike[str], *, run_dir: Path | None = None
+def read_source(source: str | os.PathLike[str], *, run_dir: Path | None = None,
+                storage_options: dict[str, Any] | None = None
                 ) -> tuple[Path, dict[str, StateDict], dict[str, Any], dict[str, Any]]:
     """Resolve a weight source and read its weight sets and its manifest, from one generation.
 
@@ -102,10 +103,22 @@ def read_source(source: str | os.PathLike[str], *, run_dir: Path | None = None
         and ``info``, and :func:`~pimm_core.checkpoint.sources.checkpoint_record` (``{}``
         when no manifest describes the file).
 
+    A remote source (``s3://``..., :mod:`.remote_source`) is downloaded into a temporary
+    directory of pimm's own, checked against its manifest or sidecar, read, and removed;
+    ``info["remote_file"]`` is then the URL of the file read (``path`` no longer exists).
+
     Raises:
         GenerationChanged: saves replaced the checkpoint during every try (exit code 1).
-        as :func:`resolve_weight_source` and :func:`read_checkpoint`.
+        as :func:`resolve_weight_source` and :func:`read_checkpoint`;
+        as :func:`~pimm_core.checkpoint.remote_source.local_copy` for a remote source.
     """
+    from .remote_source import is_store_url, local_copy
+
+    if is_store_url(source):
+        with local_copy(os.fspath(source), storage_options) as (copy, plan):
+            path, sets, info, record = read_source(copy)
+            return path, sets, {**info, "remote_file": plan.url_for(copy, path)}, record
+
     def read(path: Path) -> tuple[Path, dict[str, StateDict], dict[str, Any], dict[str, Any]]:
         sets, info = _read(path)
         return path, sets, info, checkpoint_record(path)

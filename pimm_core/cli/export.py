@@ -20,8 +20,10 @@ app = typer.Typer()
 def export_cmd(
     checkpoint: str = typer.Argument(
         ..., metavar="CHECKPOINT",
-        help="Checkpoint of --run-dir (last, best, final, iter_<step>), or a path / hf://org/repo."),
-    out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="Directory to create (must not exist or be empty)."),
+        help="Checkpoint of --run-dir (last, best, final, iter_<step>), or a path / hf://org/repo / s3://..."),
+    out_dir: str = typer.Argument(..., metavar="OUT_DIR",
+                                  help="Directory to create (must not exist or be empty), or a remote prefix "
+                                       "(s3://bucket/out: export.json is written last, the export's marker)."),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Run directory exp/<group>/<run>."),
     weights: Literal["raw", "ema"] = typer.Option("raw", "--weights", help="Weight set."),
     fmt: Literal["safetensors", "bin"] = typer.Option("safetensors", "--format", help="File format."),
@@ -32,6 +34,7 @@ def export_cmd(
     import json
 
     from ..checkpoint.export import EXPORT_JSON, export
+    from ..checkpoint.remote_source import is_store_url, open_url, store_errors
 
     from ..run.entries import writable_error
 
@@ -40,9 +43,14 @@ def export_cmd(
     except OSError as e:  # a destination pimm cannot write: one line naming its directory
         if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise
-        raise writable_error(Path(e.filename).parent if e.filename else out_dir.parent, e,
+        raise writable_error(Path(e.filename).parent if e.filename else Path(out_dir).parent, e,
                              hint="choose another OUT_DIR") from None
-    rec = json.loads((out / EXPORT_JSON).read_text(encoding="utf-8"))
+    if is_store_url(out):
+        fs, path = open_url(str(out))
+        with store_errors(str(out)):
+            rec = json.loads(fs.cat_file(f"{path}/{EXPORT_JSON}"))
+    else:
+        rec = json.loads((Path(out) / EXPORT_JSON).read_text(encoding="utf-8"))
     step = f"step {rec['step']}, " if rec.get("step") is not None else ""
     files = [*(rec.get("files") or [rec["file"]]), *([rec["config"]] if rec.get("config") else []), EXPORT_JSON]
     if rec.get("library"):

@@ -18,7 +18,7 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     restored/discarded, topology, replay) and exit, having checked what the launch checks.
 
     Nothing is written (no run directory, no lock, no download: an ``hf://`` warm start
-    not in the local cache is looked up on the Hub only). The model is built, a warm start
+    not in the local cache is looked up on the Hub only, a remote ``s3://...`` one on its store). The model is built, a warm start
     is loaded into it and a resume candidate's weights are matched against it, so a
     config or source the launch would refuse fails here the same way.
     """
@@ -119,17 +119,25 @@ def _size(ds) -> str:
 def _dry_warm_start(cfg: Config, model) -> list[str]:
     """Warm-start ``model`` from ``train.weight`` as the trainer would; the report's lines.
 
-    An ``hf://`` file that is not in the local cache is only looked up (name, size).
+    An ``hf://`` file that is not in the local cache, and a remote ``s3://...`` source, are only
+    looked up (what is read, sizes, the record it is checked against, its complete marker).
 
     Raises:
         as :func:`pimm_core.checkpoint.warm_start.warm_start` (a missing source, one that is not
         a checkpoint, no matching parameters...).
     """
     from ..checkpoint.hub import is_remote, plan_hf
+    from ..checkpoint.remote_source import check_remote_source, is_store_url, options_for
     from ..checkpoint.warm_start import warm_start
 
     t = cfg.train
     source: str | Path = t.weight
+    if is_store_url(t.weight):  # looked up, nothing downloaded: the launch downloads and checks it
+        plan = check_remote_source(t.weight, options_for(t.weight, cfg.checkpoint.remote,
+                                                         cfg.checkpoint.remote_options))
+        return [f"  reads {plan.describe()}",
+                "  downloaded at launch into a temporary directory (removed after loading) and checked; "
+                "its keys are matched against the model then"]
     if is_remote(t.weight):
         hub = plan_hf(t.weight)
         if hub.local is None:

@@ -80,7 +80,10 @@ def check_before_launch(cfg: Config, run_dir: Path, *, leftovers_ok: bool = Fals
     if warm_start and cfg.train.weight:
         from ..checkpoint.sources import check_weight_source
 
-        check_weight_source(cfg.train.weight)
+        from ..checkpoint.remote_source import options_for
+
+        check_weight_source(cfg.train.weight, storage_options=options_for(
+            cfg.train.weight, cfg.checkpoint.remote, cfg.checkpoint.remote_options))
     # Even a leftover of an interrupted save belongs to an earlier run of this name: never
     # start over on top of it (the new run would delete it) without the user's say-so.
     found = list_candidates(run_dir / MODEL)

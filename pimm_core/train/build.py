@@ -11,6 +11,7 @@ a wrong target or argument is a :class:`~pimm_core.errors.ConfigError` naming th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any, Callable
@@ -113,9 +114,11 @@ def build_objective(cfg: Config, config_path: str | Path | None,
     return get_objective(given if given is not None else cfg.objective, config_path)
 
 
-def warm_start_model(t: TrainConfig, model: nn.Module, ema: Any, is_main: bool):
+def warm_start_model(t: TrainConfig, model: nn.Module, ema: Any, is_main: bool, remote: Any = None,
+                     rank: int = 0):
     """Load ``t.weight`` into the new (unwrapped) ``model``: weights only, the report logged on
-    rank 0; the EMA (if any) restarts from the loaded weights.
+    rank 0; the EMA (if any) restarts from the loaded weights. ``remote``: the run's
+    ``checkpoint`` config, whose ``remote_options`` serve a ``train.weight`` URL on the same store.
 
     Returns:
         The :class:`~pimm_core.checkpoint.warm_start` report.
@@ -123,13 +126,18 @@ def warm_start_model(t: TrainConfig, model: nn.Module, ema: Any, is_main: bool):
     Raises:
         CheckpointError: as :func:`pimm_core.checkpoint.warm_start.warm_start` (zero match...).
     """
+    from ..checkpoint.remote_source import is_store_url, options_for
     from ..checkpoint.warm_start import warm_start
+    from .remote_weight import node_copy
 
     rules = [tuple(r) for r in t.key_rules] if t.key_rules is not None else None
     quiet = logging.getLogger("pimm.quiet")
     quiet.propagate = False
-    report = warm_start(model, t.weight, weight_set=t.weight_set, rules=rules,
-                        logger=logging.getLogger("pimm") if is_main else quiet)
+    options = options_for(t.weight, remote.remote, remote.remote_options) if remote is not None else None
+    shared = node_copy(t.weight, options, rank) if is_store_url(t.weight) else contextlib.nullcontext()
+    with shared:  # a remote source: one download per node, for all of its ranks
+        report = warm_start(model, t.weight, weight_set=t.weight_set, rules=rules, storage_options=options,
+                            logger=logging.getLogger("pimm") if is_main else quiet)
     if ema is not None:
         ema.restart(model)
     return report
