@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -60,15 +61,32 @@ def pick_device(requested: str, info: DistInfo) -> torch.device:
     return torch.device("cpu")
 
 
-def init(device: torch.device, info: DistInfo, *, always: bool = False) -> None:
+#: How long a collective waits for its peers (``dist.timeout``), for the groups pimm creates.
+_timeout = timedelta(minutes=30)
+
+
+def init(device: torch.device, info: DistInfo, *, always: bool = False, timeout_min: float | None = None) -> None:
     """Create the default process group when there is more than one rank, or with ``always``
-    (FSDP shards over a device mesh even at one rank) a one-rank group on an in-memory store."""
+    (FSDP shards over a device mesh even at one rank) a one-rank group on an in-memory store.
+
+    Args:
+        timeout_min: ``dist.timeout``, minutes a collective (and the store) waits for the other ranks
+            before it raises (gloo) or aborts (NCCL's watchdog); None: 30.
+    """
+    global _timeout
     if dist.is_initialized() or not (info.distributed or always):
         return
+    if timeout_min is not None:
+        _timeout = timedelta(minutes=timeout_min)
     backend = "nccl" if device.type == "cuda" else "gloo"
     store = None if info.distributed or "MASTER_ADDR" in os.environ else dist.HashStore()
     dist.init_process_group(backend=backend, rank=info.rank, world_size=info.world_size, store=store,
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=device if device.type == "cuda" else None, timeout=_timeout)
+
+
+def timeout() -> timedelta:
+    """The collectives' timeout of this process (``dist.timeout``), for a group created besides the default."""
+    return _timeout
 
 
 def shutdown() -> None:

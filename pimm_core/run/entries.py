@@ -2,7 +2,7 @@
 
 pimm appends to ``train.log`` and ``metrics.jsonl``, replaces ``status.json``,
 ``provenance.json``, ``config.toml`` and ``lock.json``, takes ``.lock`` and ``.ranks.lock``,
-writes and removes ``control/stop``, moves leftovers to ``abandoned/`` and writes TensorBoard
+writes and removes ``control/stop``, keeps each rank's heartbeat in ``ranks/``, moves leftovers to ``abandoned/`` and writes TensorBoard
 events to ``tensorboard/``. Any of them can
 be something pimm did not put there: a symbolic link to a file outside the run (pimm's lines
 would land in it, or a lock would truncate it), a link loop, a directory where a file goes or a
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ..errors import UsageError
+from .ranks import RANKS_DIR
 from .layout import CONFIG, CONTROL, LOG, METRICS, PROVENANCE, STATUS, SUPERSEDED
 
 LOCK = ".lock"
@@ -37,7 +38,7 @@ MLFLOW_ID = "mlflow.json"
 RUN_ENTRIES: tuple[tuple[str, str], ...] = (
     (LOG, "file"), (METRICS, "file"), (SUPERSEDED, "file"), (STATUS, "file"), (PROVENANCE, "file"), (CONFIG, "file"), (HOLDER, "file"),
     (LOCK, "file"), (RANKS, "file"), (CONTROL, "dir"), (f"{CONTROL}/{STOP_FILE}", "file"), (ABANDONED, "dir"),
-    (TENSORBOARD_DIR, "dir"), (MLFLOW_ID, "file"),
+    (TENSORBOARD_DIR, "dir"), (MLFLOW_ID, "file"), (RANKS_DIR, "dir"),
 )
 
 
