@@ -4,7 +4,9 @@ every micro-step (torch-free).
 :func:`beat` (phase) and :func:`beat_step` only set fields in memory (a few attribute writes,
 no I/O, no lock); a daemon thread of the :class:`Heartbeat` writes the file when something
 changed, at most once per ``every_s`` (1 s), and at once when the rank enters a collective or
-a save after a quiet second, the moments a hang is most likely to start. The thread keeps
+a save after a quiet second, the moments a hang is most likely to start; and every ``refresh_s``
+(5 s) when nothing changed, so a fresh ``updated`` with an old ``progress`` says "alive, not
+moving" (a hang), an old ``updated`` "the process is gone or frozen". The thread keeps
 writing while the training thread is blocked in a collective or a user callback, so the file
 shows where a rank stopped even when it never returns. A failed write (a full disk) is
 skipped: the heartbeat is a diagnostic, never the reason a run fails.
@@ -38,11 +40,13 @@ class Heartbeat:
 
     Args:
         every_s: the least time between two writes of the file (seconds).
+        refresh_s: the most time between two writes (seconds).
     """
 
-    def __init__(self, run_dir: Path, rank: int, world_size: int, *, every_s: float = 1.0):
+    def __init__(self, run_dir: Path, rank: int, world_size: int, *, every_s: float = 1.0,
+                 refresh_s: float = 5.0):
         self.path = rank_file(run_dir, rank)
-        self.rank, self.world_size, self.every_s = rank, world_size, every_s
+        self.rank, self.world_size, self.every_s, self.refresh_s = rank, world_size, every_s, refresh_s
         self.pid, self.host = os.getpid(), socket.gethostname()
         now = time.time()
         self.step: int | None = None
@@ -104,7 +108,7 @@ class Heartbeat:
             wait = self.every_s - (time.monotonic() - self._last_write)
             if wait > 0 and self._closed.wait(wait):  # (a prompt phase right after a tick: next second)
                 return
-            if self._version != self._written:
+            if self._version != self._written or time.monotonic() - self._last_write >= self.refresh_s:
                 self._write()
 
     def _write(self) -> None:

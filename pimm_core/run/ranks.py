@@ -9,8 +9,8 @@ atomically by :class:`~pimm_core.run.heartbeat.Heartbeat` at most about once a s
 
 ``phase`` is what the rank is doing (:data:`PHASES`), ``since`` when it entered it and
 ``progress`` (UNIX seconds) when it last moved on: a new phase or a new step. ``updated`` is when
-the file was written; a live rank rewrites it only when something changed, so a rank stuck in
-one phase keeps an old ``progress``.
+the file was written: when something changed, and every few seconds anyway, so a rank stuck in
+one phase keeps an old ``progress`` under a fresh ``updated`` (:func:`ranks_alive`).
 
 A hang shows as ranks waiting in a ``collective`` for a peer that stays in another phase:
 :func:`lagging_ranks` names that peer, the same rule for the console's Live view and the error
@@ -115,19 +115,34 @@ def read_rank_beats(run_dir: Path, world_size: int | None = None) -> list[RankBe
     return sorted(out, key=lambda b: b.rank)
 
 
+#: A rank file not rewritten for this long (seconds) is of a process that is gone or frozen.
+ALIVE_S = 30.0
+
+
+def ranks_alive(beats: list[RankBeat], now: float) -> bool:
+    """Some rank that has not ended rewrote its file within :data:`ALIVE_S`: the ranks' processes
+    are alive, even when ``status.json`` (written at logged steps) has gone quiet in a hang."""
+    return any(b.phase != "end" and b.updated is not None and now - b.updated < ALIVE_S for b in beats)
+
+
 def lagging_ranks(beats: list[RankBeat], now: float, *, min_s: float = LAG_MIN_S,
                   exclude: int | None = None) -> list[RankBeat]:
-    """The ranks the others wait for: no progress for at least ``min_s`` seconds while not waiting
-    in a collective themselves (ranks blocked in a collective made no progress either, but they
-    wait for someone). When every stalled rank is in a collective, the one that has waited longest
-    if its process is gone. ``exclude``: a rank that is asking (it knows it is waiting).
+    """The ranks the others wait for: no progress for at least ``min_s`` seconds, not in a
+    collective themselves, while a peer waits in one (or has moved on ``min_s`` more recently).
+    Ranks blocked in a collective made no progress either, but they wait for someone; ranks all
+    busy in a long step wait for nobody. When every stalled rank is in a collective, a rank whose
+    process is gone. ``exclude``: the rank asking, itself waiting in a collective.
 
     Returns:
         The lagging ranks' records, longest without progress first; [] when every rank moves.
     """
     live = [b for b in beats if b.phase != "end" and b.rank != exclude]
-    stalled = [b for b in live if (b.idle_s(now) or 0.0) >= min_s]
-    stuck = [b for b in stalled if b.phase != "collective"] or [b for b in stalled if b.gone()]
+    idle = {b.rank: b.idle_s(now) or 0.0 for b in live}
+    stalled = [b for b in live if idle[b.rank] >= min_s]
+    waited_on = exclude is not None or any(b.phase == "collective" for b in live)
+    freshest = min(idle.values(), default=0.0)
+    stuck = [b for b in stalled if b.phase != "collective" and (waited_on or idle[b.rank] - freshest >= min_s)]
+    stuck = stuck or [b for b in stalled if b.gone()]
     return sorted(stuck, key=lambda b: b.progress or 0.0)
 
 
