@@ -61,7 +61,7 @@ from .train.build import (build_data, build_model, build_objective, data_length,
 from .train.callbacks import Callbacks
 from .train.checkpointer import Checkpointer
 from .train.evaluator import Evaluator
-from .train.hang import CollectiveTimeoutError, is_collective_timeout, timeout_error
+from .train.hang import name_the_hang
 from .train.parallel import is_fsdp, parallelize
 from .train.recorder import Recorder
 from .train.resume import nothing_left, resume
@@ -271,8 +271,7 @@ class Trainer:
                                        steps_per_epoch=self.steps_per_epoch, log_every_steps=t.log_every_steps)
         rec.open_log()  # first: the warm-start report and resume lines belong in train.log
         try:
-            # every rank's ranks/<rank>.json: its step and phase, so a hang names the rank (run/heartbeat.py)
-            with heartbeat(self.run_dir, self.info.rank, self.info.world_size):
+            with heartbeat(self.run_dir, self.info.rank, self.info.world_size):  # ranks/<rank>.json: step, phase
                 entry: dict[str, Any] = {"kind": "start", "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
                 c = self.config
                 if resume_from is None and c.train.weight and not c.train.resume:  # a resume never warm-starts
@@ -301,14 +300,11 @@ class Trainer:
                     self._loop(t)
                     check_finite(self.model, self.state.global_step)
                 except BaseException as e:
-                    if is_collective_timeout(e):  # dist.timeout: name the rank it waited for (train/hang.py)
-                        e = timeout_error(e, self.run_dir, self.info, self.config.dist.timeout, self.state.global_step)
+                    e = name_the_hang(e, self.run_dir, self.info, self.config.dist.timeout, self.state.global_step)
                     rec.status("failed", error=f"{e.__class__.__name__}: {e}")
-                    if isinstance(e, CollectiveTimeoutError):
-                        raise e from None
                     if isinstance(e, ConfigError) and resume_from is None and self.state.global_step == 0:
                         rec.unstart()  # a config fault found at the first step: the launch leaves no run behind
-                    raise
+                    raise e
                 end_session(self)
                 return self.state
         finally:

@@ -36,15 +36,18 @@ def is_collective_timeout(e: BaseException) -> bool:
     return False
 
 
-def timeout_error(e: BaseException, run_dir: Path | None, info: DistInfo, timeout_min: float,
-                  step: int) -> CollectiveTimeoutError:
-    """The one-line error of collective timeout ``e`` in this rank: which rank it waited for and in
-    what phase (from the heartbeats under ``run_dir``), and how to go on.
+def name_the_hang(e: BaseException, run_dir: Path | None, info: DistInfo, timeout_min: float,
+                  step: int) -> BaseException:
+    """For a collective's timeout ``e`` in this rank, the one-line error that says which rank it waited
+    for and in what phase (from the heartbeats under ``run_dir``), and how to go on (a
+    :class:`CollectiveTimeoutError`, shown without ``e``'s traceback); any other error: ``e``.
 
     Args:
         timeout_min: ``dist.timeout`` (minutes).
         step: this rank's global step.
     """
+    if not is_collective_timeout(e):
+        return e
     now = time.time()
     timeout_s = timeout_min * 60
     beats = read_rank_beats(run_dir, info.world_size) if run_dir is not None else []
@@ -54,6 +57,8 @@ def timeout_error(e: BaseException, run_dir: Path | None, info: DistInfo, timeou
     else:
         who = f"a collective failed after waiting for another rank ({first_line(e)[:200]})"
     resume = f"resume with: {resume_command(run_dir)}" if run_dir is not None else "resume from the last checkpoint"
-    return CollectiveTimeoutError(
+    named = CollectiveTimeoutError(
         f"{who}; rank {info.rank} waited for it past dist.timeout ({timeout_min:g} min) at step {step} and the run "
         f"stopped; checkpoints already published are intact; {resume} (a rank that is only slow: raise dist.timeout)")
+    named.__suppress_context__ = True  # (raised in e's handler: its gloo traceback would bury the line)
+    return named
