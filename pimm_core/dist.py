@@ -11,7 +11,9 @@ Backend: NCCL when the device is CUDA, gloo otherwise.
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -90,8 +92,34 @@ def timeout() -> timedelta:
 
 
 def shutdown() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroy the process groups, and let their threads end now, while the interpreter is whole.
+
+    Under FSDP ``destroy_process_group()`` alone left the group alive: the DeviceMesh outlives the
+    model (DTensor's sharding caches keep it) and holds the group in its registry, so gloo's threads
+    (``gloo_tcp_loop``, ``pt_gloo_runloop``) ran on into the interpreter's exit, and a finished 2-rank
+    FSDP run now and then ended with ``terminate called without an active exception`` (SIGABRT,
+    exit 1) after printing ``done:``. Dropping the meshes' references once the groups are destroyed
+    lets the group's destructor join its threads here. The caller drops its trainer first.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gc.collect()  # the trainer's reference cycles (model, optimizer, parts) go first
+    dist.destroy_process_group()
+    _release_meshes()
+    gc.collect()
+
+
+def _release_meshes() -> None:
+    """Clear the group registry of every DeviceMesh still alive (their groups are destroyed)."""
+    if "torch.distributed.device_mesh" not in sys.modules:
+        return  # no mesh was ever made (DDP, one process)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            registry = getattr(obj, "_pg_registry", None)  # (torch 2.9+: group name -> ProcessGroup)
+            if isinstance(registry, dict):
+                registry.clear()
 
 
 def barrier() -> None:
