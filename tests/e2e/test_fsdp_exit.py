@@ -53,7 +53,7 @@ def test_a_finished_fsdp_rank_has_no_process_group_thread_left_at_exit(tmp_path:
     assert r.returncode == 0 and "done:" in r.stdout, describe(r)
     for rank in (0, 1):
         threads = json.loads((probe / f"rank{rank}.json").read_text())
-        assert "python" in threads or threads, threads  # (the probe ran)
+        assert threads, "the probe did not run"
         left = [t for t in threads if "gloo" in t]
         assert left == [], f"rank {rank} exits with the process group's threads still running: {threads}"
 
