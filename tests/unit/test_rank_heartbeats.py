@@ -120,3 +120,22 @@ def test_a_collective_timeout_names_the_stuck_rank_and_its_phase(tmp_path: Path)
     assert "pimm resume" in text and "\n" not in text
     other = ValueError("not a timeout")
     assert name_the_hang(other, tmp_path, DistInfo(0, 2, 0), 1.0, 12) is other
+
+
+def test_the_launcher_names_the_stuck_rank_when_the_ranks_were_aborted(tmp_path: Path):
+    """NCCL's watchdog aborts the waiting ranks itself (SIGABRT): no rank writes the error line, so the
+    launcher's report adds what the heartbeats say."""
+    import signal
+    from types import SimpleNamespace
+
+    from pimm_core.launch.torchrun import _failure_report
+
+    now = time.time()
+    for r, phase in ((0, "collective"), (1, "data")):
+        rank_file(tmp_path, r).parent.mkdir(exist_ok=True)
+        rank_file(tmp_path, r).write_text(json.dumps(RankBeat(rank=r, phase=phase, step=9, progress=now - 600,
+                                                              updated=now - 1).to_json()))
+    failures = {0: SimpleNamespace(exitcode=-signal.SIGABRT), 1: SimpleNamespace(exitcode=-signal.SIGTERM)}
+    code, line = _failure_report(failures, {}, tmp_path)
+    assert code == 1 and line.startswith("error: rank 0 was killed by SIGABRT; rank 1 made no progress for 600 s "
+                                         "(phase data, step 9); the run stopped"), line
