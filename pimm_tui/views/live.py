@@ -32,8 +32,8 @@ def ranks_text(snap: RunSnapshot) -> Text:
     rank's phase, step and seconds since its last progress; the ranks the others wait for in bold
     red (``ranks/<rank>.json``, :func:`pimm_core.run.ranks.lagging_ranks`)."""
     t = Text()
-    if not snap.ranks:
-        return t
+    if len(snap.ranks) < 2:
+        return t  # (one rank: nobody waits for anybody)
     t.append("ranks ", style="bold")
     lagging = set(snap.lagging)
     shown = [b for b in snap.ranks if b.rank < RANKS_SHOWN or b.rank in lagging]
@@ -118,7 +118,10 @@ class LiveView(Vertical):
         else:
             t.append("\nno evaluation yet", style="dim")
         self.query_one("#stats", Static).update(clean_text(t))  # metric names are user text
-        self.query_one("#ranks", Static).update(clean_text(ranks_text(snap)))
+        ranks = self.query_one("#ranks", Static)
+        line = ranks_text(snap)
+        ranks.display = bool(line)  # (a one-rank run has no ranks line)
+        ranks.update(clean_text(line))
 
         if snap.metrics_version != self._metrics_version:
             self._metrics_version = snap.metrics_version
