@@ -130,8 +130,11 @@ def lagging_ranks(beats: list[RankBeat], now: float, *, min_s: float = LAG_MIN_S
     """The ranks the others wait for: no progress for at least ``min_s`` seconds, not in a
     collective themselves, while a peer waits in one (or has moved on ``min_s`` more recently).
     Ranks blocked in a collective made no progress either, but they wait for someone; ranks all
-    busy in a long step wait for nobody. When every stalled rank is in a collective, a rank whose
-    process is gone. ``exclude``: the rank asking, itself waiting in a collective.
+    busy in a long step wait for nobody. A step's own collectives (DDP's gradient all-reduce,
+    FSDP's all-gathers) run inside ``forward/backward``: ranks stalled there wait for a peer
+    stalled in another phase (``data``, ``callback``, ``save``, ``evaluation``). When every stalled
+    rank is in a collective, a rank whose process is gone. ``exclude``: the rank asking, itself
+    waiting in a collective.
 
     Returns:
         The lagging ranks' records, longest without progress first; [] when every rank moves.
@@ -141,7 +144,11 @@ def lagging_ranks(beats: list[RankBeat], now: float, *, min_s: float = LAG_MIN_S
     stalled = [b for b in live if idle[b.rank] >= min_s]
     waited_on = exclude is not None or any(b.phase == "collective" for b in live)
     freshest = min(idle.values(), default=0.0)
-    stuck = [b for b in stalled if b.phase != "collective" and (waited_on or idle[b.rank] - freshest >= min_s)]
+    elsewhere = [b for b in stalled if b.phase not in ("collective", "forward/backward")]
+    if elsewhere and (waited_on or any(b.phase == "forward/backward" for b in live)):
+        stuck = elsewhere
+    else:
+        stuck = [b for b in stalled if b.phase != "collective" and (waited_on or idle[b.rank] - freshest >= min_s)]
     stuck = stuck or [b for b in stalled if b.gone()]
     return sorted(stuck, key=lambda b: b.progress or 0.0)
 

@@ -86,6 +86,12 @@ def _b(rank: int, phase: str, idle: float, now: float = 1000.0, **kw) -> RankBea
     ([_b(0, "collective", 40), _b(1, "callback", 41), _b(2, "collective", 39)], [1]),
     # everyone moves
     ([_b(0, "collective", 0.5), _b(1, "data", 0.2)], []),
+    # DDP/FSDP: rank 0 waits in the step's own collective (forward/backward) for rank 1, stuck fetching data
+    ([_b(0, "forward/backward", 40), _b(1, "data", 40.5)], [1]),
+    # the same with a third rank at the stop agreement: still only the one in another phase
+    ([_b(0, "forward/backward", 40), _b(1, "callback", 41), _b(2, "collective", 39)], [1]),
+    # a rank stuck in its forward (model code) while another waits at the stop agreement
+    ([_b(0, "collective", 40), _b(1, "forward/backward", 41)], [1]),
     # a long step on every rank, nobody waits: not a hang
     ([_b(0, "forward/backward", 60), _b(1, "forward/backward", 61)], []),
     # one rank fetching data for a minute while the other has just moved on
