@@ -235,6 +235,14 @@ class FsdpConfig:
 
 
 @dataclass
+class DistConfig:
+    """``[dist]``: the process group of a multi-rank run (``torch.distributed``)."""
+
+    timeout: float = 30.0  # minutes a rank waits in a collective (all-reduce, barrier, save) for its peers before
+    # the run fails, naming the rank it waited for and that rank's phase (ranks/<rank>.json); see docs/hangs.md
+
+
+@dataclass
 class EvalConfig:
     every_epochs: int = 1
     batch_size: int | None = None  # per rank; unset: max(data.batch_size, 256)
@@ -264,6 +272,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     log: LogConfig = field(default_factory=LogConfig)

@@ -64,6 +64,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "checkpoint.keep_full": (1, None),
     "eval.every_epochs": (0, None),
     "checkpoint.remote_timeout": (0, None),
+    "dist.timeout": (0.01, None),  # minutes (0.6 s): a collective needs some time even when all is well
     "ema.decay": (0, 1),
 }
 

@@ -92,6 +92,7 @@ KEY_HELP: dict[str, str] = {
     "fsdp.param_dtype": "compute dtype of the gathered parameters; unset: their own",
     "fsdp.reduce_dtype": "dtype of the gradient reduce-scatter; unset: the parameters'",
     "fsdp.cpu_offload": "keep the shards, gradients and optimizer state in CPU memory between uses",
+    "dist.timeout": "minutes a rank waits in a collective for its peers before the run fails, naming the rank it waited for and its phase",
     # [optimizer]
     "optimizer.name": "a `torch.optim` class (case-insensitive, e.g. \"AdamW\"); overrides `train.optimizer`",
     "optimizer.target": "`package.module:factory` called as `factory(param_groups, lr=..., **args)`",

@@ -11,8 +11,11 @@ Backend: NCCL when the device is CUDA, gloo otherwise.
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -60,20 +63,63 @@ def pick_device(requested: str, info: DistInfo) -> torch.device:
     return torch.device("cpu")
 
 
-def init(device: torch.device, info: DistInfo, *, always: bool = False) -> None:
+#: How long a collective waits for its peers (``dist.timeout``), for the groups pimm creates.
+_timeout = timedelta(minutes=30)
+
+
+def init(device: torch.device, info: DistInfo, *, always: bool = False, timeout_min: float | None = None) -> None:
     """Create the default process group when there is more than one rank, or with ``always``
-    (FSDP shards over a device mesh even at one rank) a one-rank group on an in-memory store."""
+    (FSDP shards over a device mesh even at one rank) a one-rank group on an in-memory store.
+
+    Args:
+        timeout_min: ``dist.timeout``, minutes a collective (and the store) waits for the other ranks
+            before it raises (gloo) or aborts (NCCL's watchdog); None: 30.
+    """
+    global _timeout
     if dist.is_initialized() or not (info.distributed or always):
         return
+    if timeout_min is not None:
+        _timeout = timedelta(minutes=timeout_min)
     backend = "nccl" if device.type == "cuda" else "gloo"
     store = None if info.distributed or "MASTER_ADDR" in os.environ else dist.HashStore()
     dist.init_process_group(backend=backend, rank=info.rank, world_size=info.world_size, store=store,
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=device if device.type == "cuda" else None, timeout=_timeout)
+
+
+def timeout() -> timedelta:
+    """The collectives' timeout of this process (``dist.timeout``), for a group created besides the default."""
+    return _timeout
 
 
 def shutdown() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroy the process groups, and let their threads end now, while the interpreter is whole.
+
+    Under FSDP ``destroy_process_group()`` alone left the group alive: the DeviceMesh outlives the
+    model (DTensor's sharding caches keep it) and holds the group in its registry, so gloo's threads
+    (``gloo_tcp_loop``, ``pt_gloo_runloop``) ran on into the interpreter's exit, and a finished 2-rank
+    FSDP run now and then ended with ``terminate called without an active exception`` (SIGABRT,
+    exit 1) after printing ``done:``. Dropping the meshes' references once the groups are destroyed
+    lets the group's destructor join its threads here. The caller drops its trainer first.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gc.collect()  # the trainer's reference cycles (model, optimizer, parts) go first
+    dist.destroy_process_group()
+    _release_meshes()
+    gc.collect()
+
+
+def _release_meshes() -> None:
+    """Clear the group registry of every DeviceMesh still alive (their groups are destroyed)."""
+    if "torch.distributed.device_mesh" not in sys.modules:
+        return  # no mesh was ever made (DDP, one process)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            registry = getattr(obj, "_pg_registry", None)  # (torch 2.9+: group name -> ProcessGroup)
+            if isinstance(registry, dict):
+                registry.clear()
 
 
 def barrier() -> None:

@@ -51,6 +51,7 @@ from .errors import ConfigError
 from .objectives import Objective
 from .optim import build_optimizer, build_scheduler
 from .run import code_version
+from .run.heartbeat import heartbeat
 from .stop import StopRequest
 from .time_limit import TimeLimit
 from .topology import finished_message
@@ -60,6 +61,7 @@ from .train.build import (build_data, build_model, build_objective, data_length,
 from .train.callbacks import Callbacks
 from .train.checkpointer import Checkpointer
 from .train.evaluator import Evaluator
+from .train.hang import name_the_hang
 from .train.parallel import is_fsdp, parallelize
 from .train.recorder import Recorder
 from .train.resume import nothing_left, resume
@@ -77,6 +79,12 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
+
+
+def untimed(trainer: "Trainer", save: Any, *args: Any, **kwargs: Any) -> None:
+    """Run a scheduled save with the rate clock paused: saving is not training time (samples/s)."""
+    with trainer.recorder.clock.paused():
+        save(*args, **kwargs)
 
 
 class Trainer:
@@ -127,7 +135,7 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.info = dist.env_world()
         self.device = dist.pick_device(config.train.device, self.info)
-        dist.init(self.device, self.info, always=config.train.strategy == "fsdp")
+        dist.init(self.device, self.info, always=config.train.strategy == "fsdp", timeout_min=config.dist.timeout)
         if config.train.amp == "fp16" and self.device.type != "cuda":
             raise ConfigError("train.amp = 'fp16' needs CUDA; use 'bf16' or 'none' on CPU")
 
@@ -269,41 +277,43 @@ class Trainer:
                                        steps_per_epoch=self.steps_per_epoch, log_every_steps=t.log_every_steps)
         rec.open_log()  # first: the warm-start report and resume lines belong in train.log
         try:
-            entry: dict[str, Any] = {"kind": "start", "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
-            c = self.config
-            if resume_from is None and c.train.weight and not c.train.resume:  # a resume never warm-starts
-                self.warm_start_report = warm_start_model(c.train, unwrap(self.model), self.ema, self.info.is_main,
-                                                          c.checkpoint, self.info.rank)
-                entry["warm_start"] = self.warm_start_report.to_json()
-            self.checkpointer.begin(checkpoint_dir, scheduler=self.scheduler, grad_accum=t.grad_accum)
-            if resume_from is not None:
-                entry = resume(self, resume_from, checkpoint_dir)
-                if nothing_left(self, t):
-                    # nothing to train: no metrics, no checkpoint, no status change; provenance says so
-                    self.state.finished = True
-                    if self.info.is_main:
-                        log.info("%s", finished_message(self.state.global_step, self.state.epoch, t))
-                    start_files(self, {**entry, "finished": True}, fresh=False)
+            with heartbeat(self.run_dir, self.info.rank, self.info.world_size):  # ranks/<rank>.json: step, phase
+                entry: dict[str, Any] = {"kind": "start", "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
+                c = self.config
+                if resume_from is None and c.train.weight and not c.train.resume:  # a resume never warm-starts
+                    self.warm_start_report = warm_start_model(c.train, unwrap(self.model), self.ema, self.info.is_main,
+                                                              c.checkpoint, self.info.rank)
+                    entry["warm_start"] = self.warm_start_report.to_json()
+                self.checkpointer.begin(checkpoint_dir, scheduler=self.scheduler, grad_accum=t.grad_accum)
+                if resume_from is not None:
+                    entry = resume(self, resume_from, checkpoint_dir)
+                    if nothing_left(self, t):
+                        # nothing to train: no metrics, no checkpoint, no status change; provenance says so
+                        self.state.finished = True
+                        if self.info.is_main:
+                            log.info("%s", finished_message(self.state.global_step, self.state.epoch, t))
+                        start_files(self, {**entry, "finished": True}, fresh=False)
+                        return self.state
+                rec.total = self.end_step(t)  # the run's horizon, whatever the schedule knows of it
+                start_files(self, entry, fresh=resume_from is None)
+                self.stop_agreement.discard_stale()
+                rec.pids = dist.all_gather_object(os.getpid())  # every rank's pid, for operators and tests
+                self.stop_agreement.file_used = False
+                rec.status("running")
+                if stop_before_start(self):
+                    end_session(self)
                     return self.state
-            rec.total = self.end_step(t)  # the run's horizon, whatever the schedule knows of it
-            start_files(self, entry, fresh=resume_from is None)
-            self.stop_agreement.discard_stale()
-            rec.pids = dist.all_gather_object(os.getpid())  # every rank's pid, for operators and tests
-            self.stop_agreement.file_used = False
-            rec.status("running")
-            if stop_before_start(self):
+                try:
+                    self._loop(t)
+                    check_finite(self.model, self.state.global_step)
+                except BaseException as e:
+                    e = name_the_hang(e, self.run_dir, self.info, self.config.dist.timeout, self.state.global_step)
+                    rec.status("failed", error=f"{e.__class__.__name__}: {e}")
+                    if isinstance(e, ConfigError) and resume_from is None and self.state.global_step == 0:
+                        rec.unstart()  # a config fault found at the first step: the launch leaves no run behind
+                    raise e
                 end_session(self)
                 return self.state
-            try:
-                self._loop(t)
-                check_finite(self.model, self.state.global_step)
-            except BaseException as e:
-                rec.status("failed", error=f"{e.__class__.__name__}: {e}")
-                if isinstance(e, ConfigError) and resume_from is None and self.state.global_step == 0:
-                    rec.unstart()  # a config fault found at the first step: the launch leaves no run behind
-                raise
-            end_session(self)
-            return self.state
         finally:
             rec.close()
 
@@ -334,8 +344,7 @@ class Trainer:
                 if stop_at_epoch_end:
                     break
                 if epoch_done:
-                    with self.recorder.clock.paused():  # saving is not training time (samples/s)
-                        self.checkpointer.on_epoch_end(epoch, run_ends=run_ends)
+                    untimed(self, self.checkpointer.on_epoch_end, epoch, run_ends=run_ends)
             if s.stop_reason is None:
                 if not evaluated_at_end and self.config.eval.every_epochs and s.eval_step != s.global_step:
                     evaluate_and_record(self, s.epoch - 1 if s.iter == 0 else s.epoch)
@@ -370,8 +379,7 @@ class Trainer:
             if s.stop_reason is not None:
                 return s.iter >= n_micro  # True: at the epoch end, its evaluation runs first
             run_ends = self._at_max_steps(t)
-            with self.recorder.clock.paused():  # saving is not training time (samples/s)
-                self.checkpointer.on_step(run_ends=run_ends)
+            untimed(self, self.checkpointer.on_step, run_ends=run_ends)
             if run_ends:
                 break
         else:

@@ -98,7 +98,7 @@ class AsyncStandardFormat:
     def __init__(self, inner: StandardFormat):
         self.inner = inner
         self.info = info = inner.info
-        self.pg = torch.distributed.new_group(backend="gloo") if info.distributed else None
+        self.pg = torch.distributed.new_group(backend="gloo", timeout=dist.timeout()) if info.distributed else None
         self._future = None
         self._thread = None
         self._error: str | None = None

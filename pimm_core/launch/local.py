@@ -83,10 +83,13 @@ def _train_and_report(cfg: Config, config_path: Path | None, run_dir: Path, sour
     from ..trainer import Trainer
 
     with lock:
+        trainer = None
         try:
             trainer = Trainer(cfg, run_dir=run_dir, stop=stop, config_path=config_path)
             state = trainer.train(checkpoint_dir=run_dir / MODEL, resume_from=source)
+            stopped_before_start = trainer.stopped_before_start
         finally:
+            del trainer
             dist.shutdown()
     if info.is_main:
         best = f"{state.best_metric:.4f}" if state.best_metric is not None else "n/a"
@@ -97,7 +100,7 @@ def _train_and_report(cfg: Config, config_path: Path | None, run_dir: Path, sour
                                 f"Resume with a lower LR: {resume_command(run_dir)} -- train.lr={cfg.train.lr / 10:g}")
         if state.save_error is not None:  # stop_reason is its message
             raise CheckpointError(f"{state.stop_reason}; training stopped at step {state.global_step} | run {run_dir}")
-        if state.stop_reason is not None and trainer.stopped_before_start:
+        if state.stop_reason is not None and stopped_before_start:
             print(f"stopped ({state.stop_reason}) before the first step: nothing was trained or saved | {took} | "
                   f"run {run_dir}", flush=True)
         elif state.stop_reason is not None:

@@ -17,6 +17,7 @@ from ..config import Config
 from ..errors import RANK_ERRORS_ENV, rank_errors
 from ..lock import LauncherLock
 from ..run import LAUNCH_ENV, STATUS, read_run_status
+from ..run.ranks import describe_lag, lagging_ranks, read_rank_beats
 from ..shell import PROGRAM_ENV, program, resume_command
 from ..stop import SIGNALS_ENV, StopRequest, parse_signals, signals_from_env, stop_signals
 from ..targets import child_env
@@ -179,7 +180,10 @@ def _failure_report(failures: dict, reports: dict[int, dict], run_dir: Path) -> 
         how = f"was killed by {signal.Signals(-exitcode).name}"
     else:
         how = f"failed with exit code {exitcode} (its output is above)"
-    return 1, (f"error: rank {rank} {how}; the run stopped; see {run_dir / 'train.log'} and resume with: "
+    # a collective timeout that aborted the ranks (NCCL's watchdog): the heartbeats name who they waited for
+    now = time.time()
+    stuck = "".join(f"; {describe_lag(b, now)}" for b in lagging_ranks(read_rank_beats(run_dir), now))
+    return 1, (f"error: rank {rank} {how}{stuck}; the run stopped; see {run_dir / 'train.log'} and resume with: "
                f"{resume_command(run_dir)}")
 
 

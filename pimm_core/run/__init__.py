@@ -8,11 +8,14 @@ One module per file kind, each with its writer and its reader side by side:
 - :mod:`.metrics`: ``metrics.jsonl`` (:class:`MetricsWriter`, :func:`read_metrics`).
 - :mod:`.log`: ``train.log`` (:func:`log_handler`, :class:`LogTail`).
 - :mod:`.provenance`: ``provenance.json`` and the recorded launch.
+- :mod:`.ranks`, :mod:`.heartbeat`: ``ranks/<rank>.json``, each rank's heartbeat (step, phase, last
+  progress), its reader and the rule naming the rank the others wait for; its throttled writer.
 - :mod:`.jsonfile`, :mod:`.values`: reading JSON objects and the numbers in them.
 - :mod:`.entries`: the entries pimm writes are its own (never links, the right kind), opened
   without following links; a directory it cannot write is one line.
 
-Everything here is torch-free so readers (CLI, console) stay fast. Only rank 0 writes.
+Everything here is torch-free so readers (CLI, console) stay fast. Only rank 0 writes, except
+each rank's own heartbeat file.
 The names below are re-exported so ``from pimm_core.run import STATUS, write_status``
 works without knowing which module holds them.
 """

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .entries import HOLDER, LOCK, RANKS, writable_error
 from .layout import CONFIG, CONTROL, LOG, MODEL, STATUS
+from .ranks import RANKS_DIR
 
 
 def numbered(run_dir: Path, n: int) -> Path:
@@ -50,7 +51,8 @@ class RunDirClaim:
         "Never started" means no ``config.toml`` was written (the trainer writes it once
         the model, the warm start and the resume source are in place) and the directory
         holds only what a launch creates before that: the lock files, ``train.log``, an
-        empty ``model/`` or ``control/``. Anything else is left where it is.
+        empty ``model/`` or ``control/``, the ranks' heartbeat files (``ranks/``). Anything
+        else is left where it is.
         """
         if not self.created or not self.path.is_dir() or (self.path / CONFIG).exists():
             return False
@@ -59,6 +61,10 @@ class RunDirClaim:
                 continue
             if entry.name in (MODEL, CONTROL) and entry.is_dir() and not entry.is_symlink() and not any(entry.iterdir()):
                 continue
+            if entry.name == RANKS_DIR and entry.is_dir() and not entry.is_symlink() and all(
+                    f.is_file() and not f.is_symlink() and f.name.lstrip(".").split(".")[0].isdigit()
+                    for f in entry.iterdir()):
+                continue  # only heartbeats (and their temporaries) of ranks that started
             return False
         shutil.rmtree(self.path, ignore_errors=True)
         for d in reversed(self.made[:-1]):

@@ -2,9 +2,9 @@
 
 pimm appends to ``train.log`` and ``metrics.jsonl``, replaces ``status.json``,
 ``provenance.json``, ``config.toml`` and ``lock.json``, takes ``.lock`` and ``.ranks.lock``,
-writes and removes ``control/stop``, moves leftovers to ``abandoned/``, writes TensorBoard
-events to ``tensorboard/`` and the ids of the MLflow and W&B runs to ``mlflow.json`` and
-``wandb.json`` (W&B's own files go to ``wandb/``). Any of them can
+writes and removes ``control/stop``, keeps each rank's heartbeat in ``ranks/``, moves leftovers
+to ``abandoned/``, writes TensorBoard events to ``tensorboard/`` and the ids of the MLflow and
+W&B runs to ``mlflow.json`` and ``wandb.json`` (W&B's own files go to ``wandb/``). Any of them can
 be something pimm did not put there: a symbolic link to a file outside the run (pimm's lines
 would land in it, or a lock would truncate it), a link loop, a directory where a file goes or a
 file where a directory goes. :func:`check_run_entries` refuses all of these, before anything is
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ..errors import UsageError
+from .ranks import RANKS_DIR
 from .layout import CONFIG, CONTROL, LOG, METRICS, PROVENANCE, STATUS, SUPERSEDED
 
 LOCK = ".lock"
@@ -42,7 +43,7 @@ WANDB_FILES = "wandb"
 RUN_ENTRIES: tuple[tuple[str, str], ...] = (
     (LOG, "file"), (METRICS, "file"), (SUPERSEDED, "file"), (STATUS, "file"), (PROVENANCE, "file"), (CONFIG, "file"), (HOLDER, "file"),
     (LOCK, "file"), (RANKS, "file"), (CONTROL, "dir"), (f"{CONTROL}/{STOP_FILE}", "file"), (ABANDONED, "dir"),
-    (TENSORBOARD_DIR, "dir"), (MLFLOW_ID, "file"), (WANDB_ID, "file"), (WANDB_FILES, "dir"),
+    (TENSORBOARD_DIR, "dir"), (MLFLOW_ID, "file"), (WANDB_ID, "file"), (WANDB_FILES, "dir"), (RANKS_DIR, "dir"),
 )
 
 

@@ -7,6 +7,7 @@ Layout (``exp/<group>/<name>/``)::
     metrics.jsonl     append-only, one JSON object per logged step / evaluation
     status.json       atomically replaced heartbeat (state, step, epoch, pids, stop_reason)
     train.log         the rank-0 log
+    ranks/<rank>.json each rank's heartbeat: step, phase, time of its last progress (run/ranks.py)
     control/          requests to the trainer (control/stop)
     model/            checkpoints
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from ..config import Config
+from ..run.heartbeat import beat
 from ..targets import TargetSpec, call, load
 
 if TYPE_CHECKING:
@@ -74,6 +75,8 @@ class Callbacks(list):
         """Call ``moment`` (one of :data:`MOMENTS`) on every callback that defines it."""
         for cb in self:
             hook = getattr(cb, moment, None)
+            if hook is not None or (moment == "on_step_end" and callable(cb)):
+                beat("callback", f"{moment} of {getattr(cb, '__qualname__', None) or type(cb).__name__}")  # user code: where a rank may hang
             if hook is not None:
                 hook(trainer, *args)
             elif moment == "on_step_end" and callable(cb) and not _has_any_moment(cb):

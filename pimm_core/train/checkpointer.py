@@ -52,6 +52,7 @@ from ..ema import EMA
 from ..errors import CheckpointSaveError, UsageError
 from ..fsio import remove_stale_temporaries
 from ..run import now_iso
+from ..run.heartbeat import beat
 from ..stop import StopRequest
 from . import best_files
 from .best_k import BestKeeper
@@ -255,6 +256,7 @@ class Checkpointer:
             CheckpointSaveError: on every rank, when the write failed.
         """
         s = self.state
+        beat("save", "last" if pointers == ("last",) else "+".join(pointers))
         loader = self._loader_state() if mid_epoch and self.loader_state else None
         rank_state = {"rng": rng_state(), "loader": loader}
         manifest = self.manifest("last", loader is not None)
@@ -389,6 +391,7 @@ class Checkpointer:
         s = self.state
         failure = None
         if self.format.asynchronous and not self.failed:
+            beat("save", "waiting for the save in flight")
             try:
                 self.format.wait()  # a stop or the end waits for the save in flight
             except CheckpointSaveError as e:

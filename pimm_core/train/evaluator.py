@@ -18,6 +18,7 @@ from torch import nn
 from .. import dist
 from ..checkpoint.state import unwrap
 from ..ema import EMA
+from ..run.heartbeat import beat
 from .parallel import is_fsdp, reshard
 from ..objectives import BUILTIN, MetricTotals, Objective
 
@@ -70,6 +71,7 @@ class Evaluator:
             ``{"val/<name>": mean}``, e.g. classification's ``{"val/acc": fraction in [0, 1],
             "val/loss": nats per sample}``.
         """
+        beat("evaluation")
         model = unwrap(model)
         was_training = model.training
         model.eval()

@@ -15,6 +15,7 @@ import torch
 
 from ..errors import CheckpointSaveError, ConfigError
 from ..optim import observe_metric
+from ..run.heartbeat import beat_step
 from ..targets import search_path
 from .step import SKIPPED
 
@@ -35,6 +36,7 @@ def after_step(tr: Trainer, outcome: str, loss: torch.Tensor, samples: int, epoc
     lr = tr.scheduler.get_last_lr()[0]
     tr.scheduler.step()
     s.global_step += 1
+    beat_step(s.global_step)
     tr.recorder.on_step(epoch, loss, lr, samples, grad_norm=grad_norm)
     tr.callbacks.fire("on_step_end", tr)  # e.g. lambda tr: tr.stop.request("budget") if ... else None
     limit = tr.time_limit.reason(tr.checkpointer.last_save_s)  # train.max_time, $SLURM_JOB_END_TIME

@@ -22,6 +22,7 @@ from ..ema import EMA
 from ..errors import ConfigError, TrainingError
 from ..checkpoint.state import unwrap
 from ..objectives import BUILTIN, Objective, batch_size
+from ..run.heartbeat import beat
 from .evaluator import to_device
 from .parallel import is_fsdp
 from .state import TrainState
@@ -40,6 +41,20 @@ def check_finite(model: nn.Module, step: int) -> None:
             raise TrainingError(f"the weights are not finite after step {step} ({name} holds "
                                 "NaN or Inf); the run failed: resume from an earlier checkpoint with a lower "
                                 "train.lr, or start over")
+
+
+def _beating(batches: Iterable) -> Iterator[Any]:
+    """``batches``, with this rank's heartbeat phase ``data`` while the next one is fetched and
+    ``forward/backward`` while it is used (:mod:`pimm_core.run.heartbeat`: no I/O here)."""
+    it = iter(batches)
+    while True:
+        beat("data")
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        beat("forward/backward")
+        yield batch
 
 
 def autocast_context(amp: str, device_type: str) -> contextlib.AbstractContextManager:
@@ -102,7 +117,7 @@ class WindowStep:
         accum = self.train.grad_accum
         window_loss = torch.zeros((), device=device)
         window_start, samples = state.iter, 0  # windows run from where this epoch continues
-        for batch in batches:
+        for batch in _beating(batches):
             batch = to_device(batch, device)
             window_len = min(accum, micro_batches - window_start)
             last_in_window = state.iter + 1 == window_start + window_len

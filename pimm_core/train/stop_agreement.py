@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .. import dist
+from ..run.heartbeat import beat
 from ..stop import StopRequest, read_stop_file, stop_file
 
 log = logging.getLogger("pimm")
@@ -72,6 +73,7 @@ class StopAgreement:
             self.cause = self.stop.cause
             return self.stop.reason
         flag = torch.tensor([0 if self.stop.reason is None else 1], device=self.device)
+        beat("collective", "stop agreement")  # (bounded by dist.timeout, like every collective)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         if not flag.item():
             return None

@@ -18,11 +18,12 @@ from ..config import read_saved_config
 from ..run.layout import CONFIG, LOG, METRICS, MODEL, PROVENANCE, run_markers
 from ..run.log import LogTail
 from ..run.provenance import read_provenance
+from ..run.ranks import RankBeat, describe_lag, lagging_ranks, ranks_alive, read_rank_beats
 from ..run.values import json_int
 from .candidates import candidate_identity
 from .metrics import MetricsTail
 from .series import NonFinite
-from .status import StatusView, read_status, stale_after_for
+from .status import LIVE_STATES, StatusView, read_status, stale_after_for
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,10 @@ class RunSnapshot:
     nonfinite: tuple[NonFinite, ...] = ()
     #: :func:`candidate_identity` of each of ``candidates`` (same order)
     candidate_ids: tuple[tuple[Any, ...], ...] = ()
+    #: every rank's heartbeat (``ranks/<rank>.json``), rank order
+    ranks: tuple[RankBeat, ...] = ()
+    #: the ranks the others wait for (:func:`~pimm_core.run.ranks.lagging_ranks`), only while the run is live
+    lagging: tuple[int, ...] = ()
 
     def nonfinite_of(self, key: str) -> NonFinite | None:
         """The :class:`NonFinite` record of metric ``key`` (``loss``, ``lr``, ``val/loss``), or None."""
@@ -87,6 +92,7 @@ class RunReader:
         self._model_key: Any = None
         self._config: tuple[Any, dict[str, Any] | None, str | None] = (None, None, None)
         self._prov: tuple[Any, dict[str, Any] | None] = (None, None)
+        self._ranks: tuple[float, tuple[RankBeat, ...]] = (float("-inf"), ())
 
     def _mtime_key(self, path: Path) -> Any:
         try:
@@ -133,6 +139,12 @@ class RunReader:
         self._ids = ids
         return self._cands
 
+    def _read_ranks(self, now: float, world_size: int | None) -> tuple[RankBeat, ...]:
+        """The ranks' heartbeats, read at most once a second (they are written about as often)."""
+        if now - self._ranks[0] >= 1.0 or now < self._ranks[0]:
+            self._ranks = (now, tuple(read_rank_beats(self.run_dir, world_size)))
+        return self._ranks[1]
+
     def poll(self, *, now: float | None = None, force_checkpoints: bool = False) -> RunSnapshot:
         """Read what changed and return a snapshot (never raises for damaged files)."""
         now = time.time() if now is None else now
@@ -167,6 +179,11 @@ class RunReader:
             problems.append(f"metrics.jsonl ends with an unfinished line ({m.pending} bytes, ignored)")
         if status.state == "failed" and status.record.error:
             problems.append(f"run failed: {status.record.error}")
+        ranks = self._read_ranks(now, status.record.world_size)
+        # (a hang silences status.json; the ranks' own files still say their processes live)
+        watching = status.live or (status.state in LIVE_STATES and ranks_alive(list(ranks), now))
+        lagging = lagging_ranks(list(ranks), now) if watching and len(ranks) > 1 else []
+        problems.extend(describe_lag(b, now) for b in lagging)
         nonfinite = tuple(dataclasses.replace(n) for n in m.nonfinite.values())
         if nonfinite:
             problems.append("; ".join(n.note() for n in nonfinite))
@@ -206,6 +223,6 @@ class RunReader:
             metrics_version=m.version, metrics_records=m.records, metrics_sampled=m.sampled,
             log_lines=tuple(self.log.lines), log_version=self.log.version,
             candidates=cands, chosen=chosen, candidates_key=ckey, config=config, provenance=prov,
-            nonfinite=nonfinite, candidate_ids=self._ids,
+            nonfinite=nonfinite, candidate_ids=self._ids, ranks=ranks, lagging=tuple(b.rank for b in lagging),
         )
 

@@ -23,6 +23,37 @@ _LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d (\d\d:\d\d:\d\d)(?:,\d+)? (?:INFO )?
 #: Keys of an evaluation record in metrics.jsonl that are not metrics (``loss`` is shown first).
 EVAL_BOOKKEEPING = frozenset({"step", "epoch", "iter", "split", "time", "loss"})
 
+#: Ranks listed by name in the ranks line (the lagging ones always are).
+RANKS_SHOWN = 8
+
+
+def ranks_text(snap: RunSnapshot) -> Text:
+    """``ranks  0 collective (stop agreement) step 5 2s  1 STUCK callback (...) step 5 41s``: each
+    rank's phase, step and seconds since its last progress; the ranks the others wait for in bold
+    red (``ranks/<rank>.json``, :func:`pimm_core.run.ranks.lagging_ranks`)."""
+    t = Text()
+    if len(snap.ranks) < 2:
+        return t  # (one rank: nobody waits for anybody)
+    t.append("ranks ", style="bold")
+    lagging = set(snap.lagging)
+    shown = [b for b in snap.ranks if b.rank < RANKS_SHOWN or b.rank in lagging]
+    for b in shown:
+        idle = b.idle_s(snap.time)
+        stuck = b.rank in lagging
+        t.append(f" {b.rank}", style="bold")
+        if stuck:
+            t.append(" STUCK", style="bold red")
+        t.append(f" {b.doing}" + (f" step {b.step}" if b.step is not None else ""), style="bold red" if stuck else "")
+        if idle is not None and b.phase != "end":
+            t.append(f" {human_duration(idle)}", style="bold red" if stuck else "dim")
+        t.append(" ·")
+    if len(snap.ranks) > len(shown):
+        t.append(f" and {len(snap.ranks) - len(shown)} more")
+    else:
+        t.right_crop(2)
+    return t
+
+
 class LiveView(Vertical):
     """Progress, ETA, throughput, loss and LR plots, evaluation, recent log lines."""
 
@@ -31,6 +62,7 @@ class LiveView(Vertical):
             yield ProgressBar(total=None, show_eta=False, id="progress")
             yield Static("", id="progress-text")
         yield Static("", id="stats")
+        yield Static("", id="ranks")
         with Horizontal(id="plots"):
             yield MetricPlot("loss (train) vs global step", "cyan", log_y=True, id="loss-plot")
             yield MetricPlot("learning rate vs global step", "magenta", id="lr-plot")
@@ -86,6 +118,10 @@ class LiveView(Vertical):
         else:
             t.append("\nno evaluation yet", style="dim")
         self.query_one("#stats", Static).update(clean_text(t))  # metric names are user text
+        ranks = self.query_one("#ranks", Static)
+        line = ranks_text(snap)
+        ranks.display = bool(line)  # (a one-rank run has no ranks line)
+        ranks.update(clean_text(line))
 
         if snap.metrics_version != self._metrics_version:
             self._metrics_version = snap.metrics_version

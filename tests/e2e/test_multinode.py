@@ -302,9 +302,9 @@ def test_both_agents_stop_together_with_last_saved(chain, label, reason):
 def test_two_agents_train_one_run(chain):
     st = chain.stages["sigterm-node1"]
     # one run directory, whose run files rank 0 alone writes; rank 0 holds .lock (there is no
-    # one-node launcher holding it, so no .ranks.lock either)
-    assert st.run_files == [".lock", "config.toml", "metrics.jsonl", "model", "provenance.json", "status.json",
-                            "train.log"]
+    # one-node launcher holding it, so no .ranks.lock either); ranks/ holds each rank's own heartbeat
+    assert st.run_files == [".lock", "config.toml", "metrics.jsonl", "model", "provenance.json", "ranks",
+                            "status.json", "train.log"]
     prov = st.provenance
     assert prov["world_size"] == 2
     start = prov["starts"][0]

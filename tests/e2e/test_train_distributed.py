@@ -49,7 +49,12 @@ def test_two_ranks_summary_and_checkpoint(ddp_run):
 def test_only_rank0_writes_run_files(ddp_run):
     _, run = ddp_run
     assert sorted(p.name for p in run.iterdir()) == sorted(
-        [".lock", ".ranks.lock", "config.toml", "provenance.json", "metrics.jsonl", "status.json", "train.log", "model"])
+        [".lock", ".ranks.lock", "config.toml", "provenance.json", "metrics.jsonl", "status.json", "train.log", "model",
+         "ranks"])
+    # every rank writes its own heartbeat only (docs/hangs.md), ended with the run
+    beats = {p.name: read_json(p) for p in (run / "ranks").iterdir()}
+    assert sorted(beats) == ["0.json", "1.json"], beats
+    assert all(b["phase"] == "end" and b["step"] == 5 * STEPS_PER_EPOCH for b in beats.values()), beats
     records = read_jsonl(run / "metrics.jsonl")
     train_steps = [r["step"] for r in records if r["split"] == "train"]
     assert train_steps and len(train_steps) == len(set(train_steps))  # each record once: one writer

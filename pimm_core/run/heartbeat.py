@@ -1,0 +1,172 @@
+"""The writer of a rank's heartbeat file (``ranks/<rank>.json``, :mod:`.ranks`), cheap enough for
+every micro-step (torch-free).
+
+:func:`beat` (phase) and :func:`beat_step` only set fields in memory (a few attribute writes,
+no I/O, no lock); a daemon thread of the :class:`Heartbeat` writes the file when something
+changed, at most once per ``every_s`` (1 s), and at once when the rank enters a collective or
+a save after a quiet second, the moments a hang is most likely to start; and every ``refresh_s``
+(5 s) when nothing changed, so a fresh ``updated`` with an old ``progress`` says "alive, not
+moving" (a hang), an old ``updated`` "the process is gone or frozen". The thread keeps
+writing while the training thread is blocked in a collective or a user callback, so the file
+shows where a rank stopped even when it never returns. A failed write (a full disk) is
+skipped: the heartbeat is a diagnostic, never the reason a run fails.
+
+One heartbeat per process (a rank is a process): :func:`heartbeat` installs it for the length
+of a ``train()`` call and writes phase ``end`` when it closes; outside one, :func:`beat` does
+nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+from .jsonfile import write_json
+from ..errors import UsageError
+from .entries import ensure_dir
+from .ranks import RANKS_DIR, RankBeat, rank_file
+
+#: Phases written at once after a quiet second, instead of at the next tick.
+_PROMPT = ("collective", "save")
+
+
+class Heartbeat:
+    """Rank ``rank``'s heartbeat in ``run_dir/ranks/<rank>.json``.
+
+    Args:
+        every_s: the least time between two writes of the file (seconds).
+        refresh_s: the most time between two writes (seconds).
+    """
+
+    def __init__(self, run_dir: Path, rank: int, world_size: int, *, every_s: float = 1.0,
+                 refresh_s: float = 5.0):
+        self.path = rank_file(run_dir, rank)
+        self.rank, self.world_size, self.every_s, self.refresh_s = rank, world_size, every_s, refresh_s
+        self.pid, self.host = os.getpid(), socket.gethostname()
+        now = time.time()
+        self.step: int | None = None
+        self.phase, self.detail = "start", None
+        self.since = self.progress = now
+        self._version, self._written = 1, 0  # a change counter, and the version last written
+        self._last_write = float("-inf")
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()  # one writer at a time (the thread, or close())
+        self._thread: threading.Thread | None = None
+
+    # -------------------------------------------------------- training thread
+    def enter(self, phase: str, detail: str | None = None) -> None:
+        """The rank now does ``phase`` (one of :data:`~.ranks.PHASES`)."""
+        if phase == self.phase and detail == self.detail:
+            return
+        now = time.time()
+        self.phase, self.detail, self.since, self.progress = phase, detail, now, now
+        self._version += 1
+        if phase in _PROMPT and time.monotonic() - self._last_write >= self.every_s:
+            self._wake.set()
+
+    def at_step(self, step: int) -> None:
+        """The rank finished optimizer step ``step`` (the global step)."""
+        self.step, self.progress = step, time.time()
+        self._version += 1
+
+    # ----------------------------------------------------------------- writer
+    def start(self) -> Heartbeat:
+        ensure_dir(self.path.parent)
+        self._write()
+        self._thread = threading.Thread(target=self._run, name=f"pimm-heartbeat-{self.rank}", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, phase: str = "end") -> None:
+        """Write ``phase`` (``end``) and stop the thread (joined: nothing of it outlives the run)."""
+        self._closed.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.phase, self.detail, self.since = phase, None, time.time()
+        self._version += 1
+        self._write()
+
+    def record(self) -> RankBeat:
+        return RankBeat(rank=self.rank, world_size=self.world_size, pid=self.pid, host=self.host, step=self.step,
+                        phase=self.phase, detail=self.detail, since=self.since, progress=self.progress,
+                        updated=time.time())
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            self._wake.wait(self.every_s)
+            self._wake.clear()
+            if self._closed.is_set():
+                return
+            wait = self.every_s - (time.monotonic() - self._last_write)
+            if wait > 0 and self._closed.wait(wait):  # (a prompt phase right after a tick: next second)
+                return
+            if self._version != self._written or time.monotonic() - self._last_write >= self.refresh_s:
+                self._write()
+
+    def _write(self) -> None:
+        with self._lock:
+            version = self._version
+            try:
+                write_json(self.path, self.record().to_json(), durable=False)
+            except OSError:
+                return  # a diagnostic: the next change tries again
+            self._written, self._last_write = version, time.monotonic()
+
+
+_current: Heartbeat | None = None
+
+
+def beat(phase: str, detail: str | None = None) -> None:
+    """This rank now does ``phase`` (no-op outside :func:`heartbeat`)."""
+    if _current is not None:
+        _current.enter(phase, detail)
+
+
+def beat_step(step: int) -> None:
+    """This rank finished optimizer step ``step`` (no-op outside :func:`heartbeat`)."""
+    if _current is not None:
+        _current.at_step(step)
+
+
+@contextlib.contextmanager
+def heartbeat(run_dir: Path | None, rank: int, world_size: int) -> Iterator[Heartbeat | None]:
+    """This process's heartbeat in ``run_dir/ranks/`` while inside (None and nothing written without a
+    run directory, or inside another one). Rank 0 removes the files of ranks at or above
+    ``world_size`` (an earlier session with more ranks)."""
+    global _current
+    if run_dir is None or _current is not None:
+        yield None
+        return
+    if rank == 0:
+        _remove_extra(Path(run_dir) / RANKS_DIR, world_size)
+    try:
+        hb = Heartbeat(Path(run_dir), rank, world_size).start()
+    except (OSError, UsageError):
+        yield None  # a run directory that cannot be written: the Recorder says so
+        return
+    _current = hb
+    try:
+        yield hb
+    finally:
+        _current = None
+        hb.close()
+
+
+def _remove_extra(folder: Path, world_size: int) -> None:
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        stem = name.removesuffix(".json")
+        if stem.isdigit() and name.endswith(".json") and int(stem) >= world_size:
+            with contextlib.suppress(OSError):
+                (folder / name).unlink()

@@ -1,0 +1,162 @@
+"""``ranks/<rank>.json``: each rank's heartbeat, its reader, and who of the ranks is stuck (torch-free).
+
+Every rank of a run (not only rank 0) keeps one small JSON object in ``<run>/ranks/``, replaced
+atomically by :class:`~pimm_core.run.heartbeat.Heartbeat` at most about once a second::
+
+    {"rank": 1, "world_size": 2, "pid": 4242, "host": "node3", "step": 17,
+     "phase": "callback", "detail": "on_step_end",
+     "since": 1764650000.1, "progress": 1764650000.1, "updated": 1764650001.2}
+
+``phase`` is what the rank is doing (:data:`PHASES`), ``since`` when it entered it and
+``progress`` (UNIX seconds) when it last moved on: a new phase or a new step. ``updated`` is when
+the file was written: when something changed, and every few seconds anyway, so a rank stuck in
+one phase keeps an old ``progress`` under a fresh ``updated`` (:func:`ranks_alive`).
+
+A hang shows as ranks waiting in a ``collective`` for a peer that stays in another phase:
+:func:`lagging_ranks` names that peer, the same rule for the console's Live view and the error
+line of a run that ``dist.timeout`` ended.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .jsonfile import read_json
+from .values import finite_number, json_int
+
+#: The directory of the ranks' heartbeat files in a run directory.
+RANKS_DIR = "ranks"
+
+#: What a rank can be doing. ``callback``: a user ``[[callbacks]]`` moment; ``end``: the rank's
+#: ``train()`` returned or failed (the file stays, with the last step).
+PHASES = ("start", "data", "forward/backward", "collective", "callback", "save", "evaluation", "end")
+
+#: A rank with no progress for at least this long (seconds) can be named as lagging.
+LAG_MIN_S = 10.0
+
+
+def rank_file(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / RANKS_DIR / f"{rank}.json"
+
+
+@dataclass(frozen=True)
+class RankBeat:
+    """One ``ranks/<rank>.json`` record (times in UNIX seconds; None where the file lacks them)."""
+
+    rank: int
+    world_size: int | None = None
+    pid: int | None = None
+    host: str | None = None
+    step: int | None = None
+    phase: str | None = None
+    detail: str | None = None
+    since: float | None = None
+    progress: float | None = None
+    updated: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RankBeat | None:
+        rank = json_int(data.get("rank"))
+        if rank is None or rank < 0:
+            return None
+        text = lambda k: data.get(k) if isinstance(data.get(k), str) else None  # noqa: E731
+        return cls(rank=rank, world_size=json_int(data.get("world_size")), pid=json_int(data.get("pid")),
+                   host=text("host"), step=json_int(data.get("step")), phase=text("phase"), detail=text("detail"),
+                   since=finite_number(data.get("since")), progress=finite_number(data.get("progress")),
+                   updated=finite_number(data.get("updated")))
+
+    @property
+    def doing(self) -> str:
+        """The phase with its detail, e.g. ``callback (on_step_end)``."""
+        phase = self.phase or "unknown phase"
+        return f"{phase} ({self.detail})" if self.detail else phase
+
+    def idle_s(self, now: float) -> float | None:
+        """Seconds since this rank last made progress (None: not recorded)."""
+        return None if self.progress is None else max(0.0, now - self.progress)
+
+    def gone(self) -> bool:
+        """Its process no longer exists (only known on this host)."""
+        if self.pid is None or self.host != socket.gethostname():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+
+
+def read_rank_beats(run_dir: Path, world_size: int | None = None) -> list[RankBeat]:
+    """The ranks' heartbeat records in rank order (never raises: a missing, torn or foreign file is
+    left out). ``world_size``: only ranks below it (files an earlier, larger session left)."""
+    folder = Path(run_dir) / RANKS_DIR
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        stem, dot, ext = name.partition(".")
+        if not (stem.isdigit() and dot and ext == "json"):
+            continue
+        data = read_json(folder / name)
+        beat = RankBeat.from_json(data) if data is not None else None
+        if beat is not None and beat.rank == int(stem) and (world_size is None or beat.rank < world_size):
+            out.append(beat)
+    return sorted(out, key=lambda b: b.rank)
+
+
+#: A rank file not rewritten for this long (seconds) is of a process that is gone or frozen.
+ALIVE_S = 30.0
+
+
+def ranks_alive(beats: list[RankBeat], now: float) -> bool:
+    """Some rank that has not ended rewrote its file within :data:`ALIVE_S`: the ranks' processes
+    are alive, even when ``status.json`` (written at logged steps) has gone quiet in a hang."""
+    return any(b.phase != "end" and b.updated is not None and now - b.updated < ALIVE_S for b in beats)
+
+
+def lagging_ranks(beats: list[RankBeat], now: float, *, min_s: float = LAG_MIN_S,
+                  exclude: int | None = None) -> list[RankBeat]:
+    """The ranks the others wait for: no progress for at least ``min_s`` seconds, not in a
+    collective themselves, while a peer waits in one (or has moved on ``min_s`` more recently).
+    Ranks blocked in a collective made no progress either, but they wait for someone; ranks all
+    busy in a long step wait for nobody. A step's own collectives (DDP's gradient all-reduce,
+    FSDP's all-gathers) run inside ``forward/backward``: ranks stalled there wait for a peer
+    stalled in another phase (``data``, ``callback``, ``save``, ``evaluation``). When every stalled
+    rank is in a collective, a rank whose process is gone. ``exclude``: the rank asking, itself
+    waiting in a collective.
+
+    Returns:
+        The lagging ranks' records, longest without progress first; [] when every rank moves.
+    """
+    live = [b for b in beats if b.phase != "end" and b.rank != exclude]
+    idle = {b.rank: b.idle_s(now) or 0.0 for b in live}
+    stalled = [b for b in live if idle[b.rank] >= min_s]
+    waited_on = exclude is not None or any(b.phase == "collective" for b in live)
+    freshest = min(idle.values(), default=0.0)
+    elsewhere = [b for b in stalled if b.phase not in ("collective", "forward/backward")]
+    if elsewhere and (waited_on or any(b.phase == "forward/backward" for b in live)):
+        stuck = elsewhere
+    else:
+        stuck = [b for b in stalled if b.phase != "collective" and (waited_on or idle[b.rank] - freshest >= min_s)]
+    stuck = stuck or [b for b in stalled if b.gone()]
+    return sorted(stuck, key=lambda b: b.progress or 0.0)
+
+
+def describe_lag(beat: RankBeat, now: float) -> str:
+    """``rank 1 made no progress for 42 s (phase callback (on_step_end), step 17)``."""
+    idle = beat.idle_s(now)
+    for_s = f" for {idle:.0f} s" if idle is not None else ""
+    step = f", step {beat.step}" if beat.step is not None else ""
+    gone = "; its process is gone" if beat.gone() else ""
+    return f"rank {beat.rank} made no progress{for_s} (phase {beat.doing}{step}){gone}"

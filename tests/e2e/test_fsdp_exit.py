@@ -1,0 +1,66 @@
+"""A finished run always exits 0. 2-rank FSDP launches used to print ``done:`` and then, now and
+then, die in rank 1 with ``terminate called without an active exception`` (SIGABRT, exit 1): the
+gloo process group outlived ``destroy_process_group()`` (FSDP's DeviceMesh, kept by DTensor's
+caches, held it), so its threads ran on into the interpreter's exit. Each rank now reaches its
+exit with no process-group thread left; checked directly in the ranks (a ``sitecustomize`` that
+lists the process's threads at exit), and by launching several runs to completion (slow)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from _helpers import clean_env, describe, launch
+
+# Records, in each rank, the native threads alive when the interpreter starts to exit (atexit).
+_PROBE = '''
+import atexit, json, os
+
+def _threads_at_exit():
+    if "RANK" not in os.environ:
+        return
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    with open(os.path.join(os.path.dirname(__file__), f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump(names, f)
+
+atexit.register(_threads_at_exit)
+'''
+
+FSDP = ("train.strategy=fsdp", 'train.blocks=["Linear"]', "ema.enabled=true", "train.epochs=1", "train.max_steps=6",
+        "checkpoint.every_steps=2", "checkpoint.async=true", "eval.every_epochs=1")
+
+
+def _launch_fsdp(root: Path, name: str, probe: Path | None = None):
+    env = clean_env()
+    if probe is not None:
+        env["PYTHONPATH"] = str(probe) + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return launch(root, name, *FSDP, nproc=2, env=env, timeout=300)
+
+
+def test_a_finished_fsdp_rank_has_no_process_group_thread_left_at_exit(tmp_path: Path):
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(_PROBE)
+    r = _launch_fsdp(tmp_path / "exp", "exit", probe)
+    assert r.returncode == 0 and "done:" in r.stdout, describe(r)
+    for rank in (0, 1):
+        threads = json.loads((probe / f"rank{rank}.json").read_text())
+        assert threads, "the probe did not run"
+        left = [t for t in threads if "gloo" in t]
+        assert left == [], f"rank {rank} exits with the process group's threads still running: {threads}"
+
+
+@pytest.mark.slow  # six 2-rank launches: 2-5 min on a loaded 2-core machine; the test above checks the cause
+def test_several_finished_fsdp_runs_each_exit_0(tmp_path: Path):
+    for i in range(6):
+        r = _launch_fsdp(tmp_path / "exp", f"run{i}")
+        assert r.returncode == 0 and "done:" in r.stdout, f"launch {i}: {describe(r)}"
+        assert "terminate called" not in r.stderr, f"launch {i}: {describe(r)}"

@@ -1,0 +1,67 @@
+"""Ranks that hang: at 2 ranks (real torchrun, gloo) a user callback sleeps in rank 1 past
+``dist.timeout``. The run fails instead of waiting forever: one ``error:`` line naming rank 1 and
+its phase, a non-zero exit, ``status.json`` failed, ``last`` intact, and ``--train.auto-resume``
+completes the run. Every rank's heartbeat file says where it was."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from _helpers import DIGITS, describe, pimm, read_json
+from test_user_code import USERPKG, _launch
+
+_STALL = """
+[[callbacks]]
+target = "userpkg.stall:StallRank"
+[callbacks.args]
+rank = 1
+at_step = {at_step}
+seconds = {seconds}
+flag = "{flag}"
+"""
+
+TIMEOUT_MIN = 0.5  # 30 s: far above a healthy collective on a loaded machine, short enough for a test
+AT_STEP = 5
+COMMON = ("train.epochs=1", "train.max_steps=8", "checkpoint.every_steps=2", "eval.every_epochs=0",
+          f"dist.timeout={TIMEOUT_MIN}")
+
+
+def test_a_rank_stuck_in_a_callback_fails_the_run_naming_it_and_auto_resume_completes(tmp_path: Path):
+    (tmp_path / "userpkg").symlink_to(USERPKG)  # beside the config: found through its directory
+    flag = tmp_path / "stall-while-this-exists"
+    flag.write_text("")
+    config = tmp_path / "stall.toml"
+    # rank 1 sleeps 10 s past the others' timeout, then finds them gone and exits too
+    config.write_text(DIGITS.read_text() + _STALL.format(at_step=AT_STEP, seconds=TIMEOUT_MIN * 60 + 10, flag=flag))
+    root, run = tmp_path / "exp", tmp_path / "exp" / "digits" / "hang"
+
+    first = _launch(config, root, "hang", nproc=2, overrides=COMMON)
+    assert first.returncode == 1, describe(first)
+    assert list(tmp_path.glob("stalled-*")), "the callback never stalled rank 1"
+    errors = [ln for ln in first.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, describe(first)
+    line = errors[0]
+    assert "rank 1 made no progress" in line and "phase callback (on_step_end of StallRank)" in line, line
+    assert f"step {AT_STEP}" in line and "dist.timeout (0.5 min)" in line and "pimm resume" in line, line
+    assert "Traceback" not in first.stderr, describe(first)
+
+    status = read_json(run / "status.json")
+    assert status["state"] == "failed" and "rank 1 made no progress" in status["error"], status
+    beats = {int(p.stem): json.loads(p.read_text()) for p in (run / "ranks").glob("*.json")}
+    assert set(beats) == {0, 1}, beats
+    # both ended (rank 1 once it woke and found rank 0 gone), at the step rank 1 stalled in
+    assert [(b["phase"], b["step"]) for b in beats.values()] == [("end", AT_STEP)] * 2, beats
+
+    # the last checkpoint (step 4) is whole, and the run goes on from it once rank 1 no longer stalls
+    assert read_json(run / "model" / "last" / "manifest.json")["step"] == AT_STEP - 1
+    verify = pimm("checkpoints", "verify", run / "model" / "last")
+    assert verify.returncode == 0, describe(verify)
+    flag.unlink()
+    second = _launch(config, root, "hang", "--train.auto-resume", nproc=2, overrides=COMMON)
+    assert second.returncode == 0, describe(second)
+    assert "done:" in second.stdout, describe(second)
+    assert read_json(run / "status.json")["state"] == "finished"
+    assert read_json(run / "model" / "last" / "manifest.json")["step"] == 8
+    starts = [e for e in read_json(run / "provenance.json")["starts"] if e.get("kind") != "stop"]
+    assert starts[-1]["kind"] == "resume" and starts[-1]["checkpoint_step"] == AT_STEP - 1, starts[-1]
