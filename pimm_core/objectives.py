@@ -87,6 +87,10 @@ class Loss(NamedTuple):
     value: torch.Tensor
     count: torch.Tensor | int | float | None = None
 
+    def mean(self) -> torch.Tensor:
+        """The loss per item (0-d tensor): ``value / count``, or ``value`` when it is a mean."""
+        return self.value if self.count is None else self.value / self.count
+
 
 def batch_size(batch: Any) -> int:
     """The first dimension of the first tensor in ``batch`` (depth-first through tuples,
