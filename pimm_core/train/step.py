@@ -82,6 +82,8 @@ class WindowStep:
                  distributed: bool, objective: Objective = BUILTIN["classification"],
                  before_step: Callable[[], None] | None = None):
         self.model, self.optimizer, self.scaler, self.ema, self.train = model, optimizer, scaler, ema, train
+        if not isinstance(objective, Objective):  # a bare step function: checked and normalised like one
+            objective = Objective(getattr(objective, "__name__", "objective"), objective)
         self.autocast, self.distributed, self.objective, self.before_step = autocast, distributed, objective, before_step
         self.grad_norm: torch.Tensor | None = None
         self.average = WindowAverage(torch.device("cpu"), distributed)  # windows() puts it on the step's device
