@@ -75,17 +75,21 @@ class WindowStep:
             classification by default); only the loss is used here.
         before_step: called just before the optimizer step (e.g. an async save's staging
             must finish copying the weights first).
+        before_forward: called with the micro-batch's position in its window before its forward
+            (the global order seeds the model's randomness there).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                  ema: EMA | None, train: TrainConfig, *, autocast: Callable[[], contextlib.AbstractContextManager],
                  distributed: bool, objective: Objective = BUILTIN["classification"],
-                 before_step: Callable[[], None] | None = None):
+                 before_step: Callable[[], None] | None = None,
+                 before_forward: Callable[[int], None] | None = None):
         self.model, self.optimizer, self.scaler, self.ema, self.train = model, optimizer, scaler, ema, train
         if not isinstance(objective, Objective):  # a bare step function: checked and normalised like one
             objective = Objective(getattr(objective, "__name__", "objective"), objective)
         self.autocast, self.distributed, self.objective, self.before_step = autocast, distributed, objective, before_step
         self.grad_norm: torch.Tensor | None = None
+        self.before_forward = before_forward
         self.average = WindowAverage(torch.device("cpu"), distributed)  # windows() puts it on the step's device
 
     def windows(self, batches: Iterable, state: TrainState, micro_batches: int,
@@ -112,6 +116,8 @@ class WindowStep:
             batch = to_device(batch, device)
             window_len = min(accum, micro_batches - window_start)
             last_in_window = state.iter + 1 == window_start + window_len
+            if self.before_forward is not None:
+                self.before_forward(state.iter - window_start)
             self.backward(batch, window_len=window_len, last_in_window=last_in_window)
             state.iter += 1
             samples += batch_size(batch)
