@@ -58,7 +58,8 @@ def plan_rows(plan: dict[str, Any] | None) -> list[tuple[str, str, str]]:
                      f"the {rb['from_iter']} batches already run in that epoch train again", "warn"))
     else:
         why = ("exact continuation" if p["exact"] else "loader cursor restored; not bitwise: the strategy changed"
-               if p.get("restore_cursor") else "nothing to replay")
+               if p.get("restore_cursor") else "global data order: the samples consumed are kept"
+               if p.get("row") == "global_order" else "nothing to replay")
         rows.append(("replay boundary", f"none ({why}) "
                      f"at step {p['step']}, epoch {p['epoch']}, iter {p['iter']}", "ok"))
     rows += [("warning", w, "warn") for w in p.get("warnings", [])]

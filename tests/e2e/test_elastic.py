@@ -3,7 +3,8 @@ a run stopped mid-epoch at 2 ranks and resumed at 1, and one stopped at 1 and re
 continue the uninterrupted 2-rank run — every sample of every epoch trained exactly once across
 the stop (the objective records the indices), the same LR at every step, final weights and EMA
 within 1e-5 (relative) — with dropout on, EMA, the per-sample window average, DDP (gloo, torchrun).
-The resume names its policy row (``global_order``) in provenance.json and ``--dry-run``."""
+The resume names its policy row (``global_order``) in provenance.json and ``pimm checkpoints diff``
+names it before the resume."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import REPO, clean_env, read_json, read_jsonl
+from pimm_core.topology import ROWS
+
+from _helpers import REPO, clean_env, pimm, read_json, read_jsonl
 from _resume_driver import run_job
 
 DRIVER = Path(__file__).with_name("_resume_driver.py")
@@ -56,6 +59,8 @@ def runs(tmp_path_factory) -> Path:
     # 2 -> 1: stopped by a callback after step 5 at 2 ranks, resumed here at 1
     _torchrun([{"run_dir": str(root / "two_one"), "overrides": OVERRIDES, "stop_at": STOP}], root / "a.json",
               env={"USERPKG_SEEN": str(root / "two_one.seen")})
+    diff = pimm("checkpoints", "diff", str(root / "two_one"), "--nproc-per-node", "1")  # what the resume will do
+    (root / "two_one.diff").write_text(diff.stdout + diff.stderr)
     _here(root / "two_one.seen", root / "two_one", OVERRIDES, resume_from=root / "two_one" / "model" / "last",
           full_dump=root / "two_one")
     # 1 -> 2
@@ -97,3 +102,9 @@ def test_a_world_size_change_trains_every_sample_once_and_stays_on_the_trajector
     resume, = [e for e in read_json(runs / name / "provenance.json")["starts"] if e.get("kind") == "resume"]
     assert resume["policy"] == "global_order" and resume["replay_boundary"] is None
     assert resume["step"] == STOP and resume["topology"]["data_order"] == "global"
+
+
+def test_checkpoints_diff_names_the_global_order_row_before_the_resume(runs):
+    text = (runs / "two_one.diff").read_text()
+    assert f"policy: {ROWS['global_order']}" in text, text
+    assert "replay boundary: none" in text and "at step 5, epoch 0, iter 20" in text, text
