@@ -114,9 +114,16 @@ class WindowAverage:
         safe_n = torch.clamp(n, min=1.0)
         # DDP and FSDP averaged the ranks' gradients: the sum over ranks is W times that
         factor = torch.where(n > 0, _world_size() / (self.scale * safe_n), torch.zeros_like(n))
-        grads = [p.grad for p in params if p.grad is not None]
-        for g in grads:  # (a loop, not _foreach_mul_: FSDP's gradients are DTensors)
-            g.mul_(factor.to(device=g.device, dtype=g.dtype) if g.device != factor.device or
-                   g.dtype != factor.dtype else factor)
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for p in params:
+            if p.grad is not None:
+                groups.setdefault((p.grad.device, p.grad.dtype, hasattr(p.grad, "full_tensor")), []).append(p.grad)
+        for (device, dtype, sharded), grads in groups.items():
+            f = factor.to(device=device, dtype=dtype)
+            if sharded:  # FSDP's DTensors: one multiply each (each applies to the local shard)
+                for g in grads:
+                    g.mul_(f)
+            else:
+                torch._foreach_mul_(grads, f)
         self.start()
         return (total / safe_n).float()
