@@ -2,7 +2,8 @@
 a run stopped mid-epoch at 2 ranks and resumed at 1, and one stopped at 1 and resumed at 2,
 continue the uninterrupted 2-rank run — every sample of every epoch trained exactly once across
 the stop (the objective records the indices), the same LR at every step, final weights and EMA
-within 1e-5 (relative) — with dropout on, EMA, the per-sample window average, DDP (gloo, torchrun).
+within 1e-5 (relative) — with dropout on, EMA, the per-sample window average, DDP (gloo, torchrun);
+and an FSDP run stopped at 2 ranks and resumed at 1 against the same DDP run.
 The resume names its policy row (``global_order``) in provenance.json and ``pimm checkpoints diff``
 names it before the resume."""
 
@@ -43,11 +44,14 @@ def _torchrun(jobs: list[dict], jobs_file: Path, env: dict | None = None) -> Non
 
 def _here(seen: Path, *args, **kwargs) -> None:
     """A one-rank job in this process, recording the samples it trains to ``seen``."""
+    from pimm_core import dist
+
     os.environ["USERPKG_SEEN"] = str(seen)
     try:
         run_job(*args, **kwargs)
     finally:
         del os.environ["USERPKG_SEEN"]
+        dist.shutdown()  # (FSDP makes a one-rank process group: leave none behind)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +72,12 @@ def runs(tmp_path_factory) -> Path:
     _torchrun([{"run_dir": str(root / "one_two"), "overrides": OVERRIDES,
                 "resume_from": str(root / "one_two" / "model" / "last"), "full_dump": str(root / "one_two")}],
               root / "b.json", env={"USERPKG_SEEN": str(root / "one_two.seen")})
+    # 2 -> 1 under FSDP (gradients reduce-scattered, state resharded through DCP), against the same DDP run
+    fsdp = [*OVERRIDES, "train.strategy=fsdp", 'train.blocks=["Linear"]']
+    _torchrun([{"run_dir": str(root / "fsdp_two_one"), "overrides": fsdp, "stop_at": STOP}], root / "c.json",
+              env={"USERPKG_SEEN": str(root / "fsdp_two_one.seen")})
+    _here(root / "fsdp_two_one.seen", root / "fsdp_two_one", fsdp,
+          resume_from=root / "fsdp_two_one" / "model" / "last", full_dump=root / "fsdp_two_one")
     return root
 
 
@@ -82,7 +92,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
 
 
-@pytest.mark.parametrize("name", ["two_one", "one_two"])
+@pytest.mark.parametrize("name", ["two_one", "one_two", "fsdp_two_one"])
 def test_a_world_size_change_trains_every_sample_once_and_stays_on_the_trajectory(runs, name):
     counts = Counter(_seen(runs, name))
     assert set(counts) == set(range(TRAIN)) and set(counts.values()) == {2}  # 2 epochs, each sample once a epoch
