@@ -315,6 +315,8 @@ def config_diff(saved: dict[str, Any], now: dict[str, Any],
     except (ConfigError, TypeError):
         pass  # a config the current schema rejects: compare it as written
     a, b = flatten(saved), flatten(now)
+    if b.get("data.order") == "global":  # the window is derived from the world size (the topology shows it)
+        ignore = (*ignore, "train.grad_accum")
     lines = []
     for key in sorted(set(a) | set(b)):
         if any(key == p or (p.endswith(".") and key.startswith(p)) for p in ignore):
