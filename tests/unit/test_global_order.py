@@ -93,3 +93,14 @@ def test_a_default_order_checkpoint_keeps_its_rows():
     m = {k: v for k, v in _manifest().items() if k not in ("data_order", "global_batch")}
     p = plan_resume(m, world_size=1, strategy="ddp", workers_per_rank=0, strict=True, grad_accum=2, batch_size=8)
     assert p.row == "world_size" and p.replay_boundary is not None
+
+
+def test_the_derived_window_is_not_a_config_change():
+    from pimm_core.config import config_from_dict
+    from pimm_core.topology import config_diff
+
+    def cfg(order: str, accum: int) -> dict:
+        return config_from_dict({"data": {"order": order}, "train": {"global_batch": 32, "grad_accum": accum}}).to_dict()
+
+    assert config_diff(cfg("global", 4), cfg("global", 2)) == []
+    assert config_diff(cfg("rank", 4), cfg("rank", 2)) == ["train.grad_accum: 4 -> 2"]
