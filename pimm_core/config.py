@@ -62,6 +62,9 @@ class TrainConfig:
     seed: int = 0
     lr: float = 1e-3
     grad_accum: int = 1
+    # samples per optimizer step under data.order = "global" (then grad_accum is derived:
+    # global_batch / (data.batch_size * ranks)); unused by the default order
+    global_batch: int | None = None
     max_steps: int | None = None  # optional cap on global steps: an endpoint, not a pause
     optimizer: Literal["adamw", "sgd"] = "adamw"
     weight_decay: float = 0.01
@@ -112,6 +115,10 @@ class DataConfig:
     shuffle: bool = True  # a new permutation of the train split each epoch (seed + epoch); false: in order
     # drop the samples that do not fill the epoch evenly: none repeated to pad the ranks' shards, no short last batch
     drop_last: bool = False
+    # "rank": each rank's shard of a DistributedSampler (the default); "global": one order and
+    # batching whatever the number of ranks, so a resume on another world size continues the same
+    # run (needs train.global_batch; docs/elastic.md)
+    order: Literal["rank", "global"] = "rank"
     # how DataLoader workers start (PyTorch's argument): "forkserver" from a clean process; "spawn";
     # "fork" copies the rank with its threads and can hang (pimm_core.loader_workers)
     multiprocessing_context: Literal["forkserver", "spawn", "fork"] = "forkserver"

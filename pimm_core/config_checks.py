@@ -42,6 +42,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "data.split_seed": (0, 2**32 - 1),
     "train.lr": (0, None),
     "train.grad_accum": (1, None),
+    "train.global_batch": (1, None),
     "train.max_steps": (1, None),
     "train.weight_decay": (0, None),
     "train.momentum": (0, 1),

@@ -238,8 +238,8 @@ def stream_shard() -> tuple[int, int]:
 
 
 def train_loader(ds: Any, cfg: DataConfig, info: DistInfo, seed: int,
-                 collate_fn: Callable[[list[Any]], Any] | None = None
-                 ) -> tuple[StatefulDataLoader, DistributedSampler | None]:
+                 collate_fn: Callable[[list[Any]], Any] | None = None, global_batch: int | None = None
+                 ) -> tuple[StatefulDataLoader, Any]:
     """Epoch-addressed training loader for this rank over a map-style ``ds``: a
     ``DistributedSampler`` shuffled by ``seed + epoch`` (``data.shuffle``), and with
     ``data.drop_last`` the sampler drops the tail that does not divide among the ranks
@@ -247,9 +247,24 @@ def train_loader(ds: Any, cfg: DataConfig, info: DistInfo, seed: int,
     (``collate_fn`` None: PyTorch's default); over an iterable ``ds`` no sampler (None; the
     stream shards itself, see the module docstring; ``drop_last`` still drops a short batch).
 
+    With ``data.order = "global"`` the batches come from a
+    :class:`~pimm_core.global_order.GlobalOrderSampler` over ``global_batch`` samples per step
+    (returned as the sampler).
+
     Raises:
-        ConfigError: an iterable ``ds`` without ``__len__``.
+        ConfigError: an iterable ``ds`` without ``__len__``; the global order over a stream
+            or without ``global_batch``, or a ``global_batch`` the ranks cannot share.
     """
+    if cfg.order == "global":
+        if is_stream(ds) or not global_batch:
+            raise ConfigError('data.order = "global" needs ' + (
+                "a map-style train split (a stream shards itself by rank); use data.order = \"rank\""
+                if is_stream(ds) else "train.global_batch (samples per optimizer step, e.g. train.global_batch=64)"))
+        from .global_order import GlobalOrderSampler
+
+        sampler = GlobalOrderSampler(len(ds), cfg.batch_size, global_batch, info.rank, info.world_size, seed,
+                                     cfg.shuffle)
+        return _loader(ds, cfg, info, seed, collate_fn, batch_sampler=sampler), sampler
     if is_stream(ds):
         try:
             len(ds)
@@ -259,6 +274,13 @@ def train_loader(ds: Any, cfg: DataConfig, info: DistInfo, seed: int,
     sampler = None if is_stream(ds) else \
         DistributedSampler(ds, num_replicas=info.world_size, rank=info.rank, shuffle=cfg.shuffle, seed=seed,
                            drop_last=cfg.drop_last)
+    return _loader(ds, cfg, info, seed, collate_fn, sampler=sampler, batch_size=cfg.batch_size,
+                   drop_last=cfg.drop_last), sampler
+
+
+def _loader(ds: Any, cfg: DataConfig, info: DistInfo, seed: int, collate_fn: Callable | None,
+            **batching: Any) -> StatefulDataLoader:
+    """The training loader over ``ds`` with ``batching`` (a sampler and batch size, or a batch sampler)."""
     # Workers start from a clean process (pimm_core.loader_workers), once per epoch: a
     # dataset's set_epoch reaches them, as it would not reach persistent workers.
     workers = {}
@@ -268,14 +290,13 @@ def train_loader(ds: Any, cfg: DataConfig, info: DistInfo, seed: int,
         workers = {"multiprocessing_context": worker_context(cfg.multiprocessing_context), "timeout": cfg.timeout}
     # The loader's own generator: creating an iterator must not draw from the global
     # torch RNG, or a resumed run (which creates one mid-epoch) would shift the dropout stream.
-    loader = TrainLoader(ds, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
-                         drop_last=cfg.drop_last, persistent_workers=False, collate_fn=collate_fn,
+    loader = TrainLoader(ds, **batching, num_workers=cfg.num_workers, persistent_workers=False, collate_fn=collate_fn,
                          worker_init_fn=functools.partial(init_worker, os.getpid()),
                          generator=torch.Generator().manual_seed(seed + info.rank), **workers)
     loader.rank, loader.start_method = info.rank, cfg.multiprocessing_context
     if cfg.num_workers:
         _with_workers.add(loader)
-    return loader, sampler
+    return loader
 
 
 class TrainLoader(StatefulDataLoader):

@@ -2,7 +2,16 @@
 
 An objective is called as ``objective(model, batch) -> (loss, metrics)``:
 
-- ``loss``: a scalar tensor, the mean over the batch; the trainer backpropagates it.
+- ``loss``: what the trainer backpropagates, in one of two forms:
+
+  - a pair ``(sum, count)``: the loss summed over ``count`` items (samples, tokens that
+    are not padding), a 0-d tensor and an int or 0-d tensor. An accumulation window's
+    gradient is then the sum over every micro-batch of every rank divided by the window's
+    total count (:mod:`pimm_core.train.window_average`): one optimizer step equals the
+    step on the whole window as one batch, however it is cut into micro-batches and ranks.
+    The built-ins return this form.
+  - a scalar tensor, the batch's mean: a window averages its micro-batches' means (each
+    weighs the same, whatever its size), as pimm always did.
 - ``metrics``: ``{name: value}``. A value is either a pair ``(sum, count)`` (e.g. the
   summed loss and the number of tokens), which reduces exactly, or a plain number / 0-d
   tensor taken as the batch's mean and weighted by the batch size (the first dimension of
@@ -18,15 +27,19 @@ objective's :meth:`Objective.finalize` then adds metrics derived from the means
 Built-ins (the names of :data:`pimm_core.config.OBJECTIVES`):
 
 - ``classification``: batches ``(inputs, targets, ...)``, logits ``(B, C)`` (or
-  ``(B, C, d1, ...)`` with targets ``(B, d1, ...)``), int64 class targets; cross-entropy;
+  ``(B, C, d1, ...)`` with targets ``(B, d1, ...)``), int64 class targets (``-100``:
+  ignored); cross-entropy summed over the targets that are not ignored, with their count;
   metrics ``loss`` (nats per target) and ``acc`` (fraction).
 - ``regression``: batches ``(inputs, targets, ...)``; outputs of the targets' shape (or
-  the same number of elements, e.g. ``(B, 1)`` for ``(B,)``); mean squared error;
-  metrics ``loss`` (MSE per element) and ``mae``.
+  the same number of elements, e.g. ``(B, 1)`` for ``(B,)``); squared error summed over
+  the target elements, with their count; metrics ``loss`` (MSE per element) and ``mae``.
 - ``language_modeling``: batches of int64 tokens ``(B, T)`` (or a tuple whose first item
-  is), the model mapping ``(B, T-1)`` tokens to logits ``(B, T-1, V)``; next-token
-  cross-entropy over all ``B * (T-1)`` positions; metrics ``loss`` (nats per token) and
-  ``perplexity`` (``exp(loss)``).
+  is, or a mapping with ``"input_ids"`` and optionally ``"attention_mask"`` (0: padding)
+  and/or ``"labels"`` (``-100``: ignored), as Hugging Face tokenizers and collators make
+  them); the model maps ``(B, T-1)`` tokens to logits ``(B, T-1, V)``; next-token
+  cross-entropy summed over the target tokens that are neither padding nor ignored, with
+  their count; metrics ``loss`` (nats per counted token) and ``perplexity``
+  (``exp(loss)``).
 
 The built-ins read the model's output as a tensor, or take its logits from a
 ``ModelOutput``/object with a ``logits`` attribute (Hugging Face ``transformers``) or a
@@ -34,7 +47,9 @@ mapping with a ``"logits"`` key (:func:`logits_of`); any other output is a
 :class:`ObjectiveOutputError` naming what the model returned.
 
 A user objective is a target ``"package.module:function"`` with that signature; it may
-also name an :class:`Objective` instance to add derived metrics.
+also name an :class:`Objective` instance to add derived metrics. The built-in step
+functions (:func:`classification`, ...) can be called from one: they return the
+``(sum, count)`` form.
 """
 
 from __future__ import annotations
@@ -42,7 +57,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +69,27 @@ from .targets import TargetSpec, check_args, resolve
 
 #: A metric as the trainer accumulates it: ``(sum, count)``.
 Pair = tuple[torch.Tensor, torch.Tensor | float]
+
+#: Targets with this value are ignored (``F.cross_entropy``'s default, Hugging Face's labels).
+IGNORE_INDEX = -100
+
+
+class Loss(NamedTuple):
+    """A micro-batch's loss as :meth:`Objective.__call__` returns it.
+
+    Attributes:
+        value: a 0-d tensor (with its graph): the sum over ``count`` items, or the batch's
+            mean when ``count`` is None.
+        count: the number of items summed (an int or a 0-d tensor, e.g. the tokens that
+            are not padding); None: ``value`` is a mean.
+    """
+
+    value: torch.Tensor
+    count: torch.Tensor | int | float | None = None
+
+    def mean(self) -> torch.Tensor:
+        """The loss per item (0-d tensor): ``value / count``, or ``value`` when it is a mean."""
+        return self.value if self.count is None else self.value / self.count
 
 
 def batch_size(batch: Any) -> int:
@@ -86,20 +122,18 @@ class Objective:
     def _bad(self, what: str) -> ConfigError:
         return ConfigError(f'objective = "{self.name}": {what}')
 
-    def __call__(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Pair]]:
-        """Run the step; returns the loss and every metric as a detached ``(sum, count)`` pair.
+    def __call__(self, model: nn.Module, batch: Any) -> tuple[Loss, dict[str, Pair]]:
+        """Run the step; returns its :class:`Loss` and every metric as a detached ``(sum, count)`` pair.
 
         Raises:
-            ConfigError: the step returned something other than ``(loss, {metric: value})``,
-                or a metric value that is neither a pair nor a scalar.
+            ConfigError: the step returned something other than ``(loss, {metric: value})``
+                with a loss that is a scalar tensor or a ``(sum, count)`` pair, or a metric
+                value that is neither a pair nor a scalar.
         """
         out = self.step(model, batch)
-        if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], torch.Tensor)
-                and isinstance(out[1], Mapping)):
-            raise self._bad(f"must return (loss tensor, {{metric: value}}), got {type(out).__name__}")
-        loss, metrics = out
-        if loss.dim() != 0:
-            raise self._bad(f"the loss must be a scalar (the batch mean), got shape {tuple(loss.shape)}")
+        if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], Mapping)):
+            raise self._bad(f"must return (loss, {{metric: value}}), got {type(out).__name__}")
+        loss, metrics = self._loss(out[0]), out[1]
         n = None
         pairs: dict[str, Pair] = {}
         for name, value in metrics.items():
@@ -114,6 +148,30 @@ class Objective:
             s = s.detach().double().reshape(()) if isinstance(s, torch.Tensor) else torch.tensor(float(s), dtype=torch.float64)
             pairs[name] = (s if is_pair else s * c, c.detach() if isinstance(c, torch.Tensor) else c)
         return loss, pairs
+
+    def _loss(self, loss: Any) -> Loss:
+        """The step's loss as a :class:`Loss`: a scalar tensor (a mean) or a ``(sum, count)`` pair."""
+        if isinstance(loss, torch.Tensor):
+            if loss.dim() != 0:
+                raise self._bad(f"the loss must be a scalar (the batch mean) or a (sum, count) pair, "
+                                f"got shape {tuple(loss.shape)}")
+            return Loss(loss)
+        if not (isinstance(loss, (tuple, list)) and len(loss) == 2 and isinstance(loss[0], torch.Tensor)):
+            what = type(loss).__name__
+            if isinstance(loss, (tuple, list)):
+                what += f" of ({', '.join(type(v).__name__ for v in loss)})"
+            raise self._bad(f"the loss must be a scalar tensor (the batch mean) or a (sum tensor, count) pair, "
+                            f"got a {what}")
+        total, count = loss
+        if total.dim() != 0:
+            raise self._bad(f"the loss sum must be a scalar, got shape {tuple(total.shape)}")
+        if isinstance(count, torch.Tensor):
+            if count.numel() != 1:
+                raise self._bad(f"the loss count must be a number, got shape {tuple(count.shape)}")
+            count = count.detach().reshape(())
+        elif isinstance(count, bool) or not isinstance(count, (int, float)):
+            raise self._bad(f"the loss count must be an int or a 0-d tensor, got {type(count).__name__}")
+        return Loss(total, count)
 
     def finalize(self, means: Mapping[str, float]) -> dict[str, float]:
         """The reduced means plus the derived metrics."""
@@ -159,11 +217,14 @@ def classification(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str
     """Cross-entropy of ``model(inputs)`` logits against int64 class targets (see module docstring)."""
     x, y = _inputs_targets("classification", batch)
     logits = logits_of("classification", model(x))
-    loss = F.cross_entropy(logits, y)  # the mean, exactly as pimm's digits training computes it
-    with torch.no_grad():  # the summed loss, as pimm's evaluation always added it (bit for bit)
-        total = F.cross_entropy(logits.float(), y, reduction="sum")
-    n = y.numel()
-    return loss, {"loss": (total, n), "acc": ((logits.argmax(1) == y).sum(), n)}
+    loss = F.cross_entropy(logits, y, reduction="sum", ignore_index=IGNORE_INDEX)
+    counted = y != IGNORE_INDEX
+    n = counted.sum()
+    with torch.no_grad():  # the summed loss in float32 whatever the autocast dtype, as evaluation always added it
+        total = loss.detach() if logits.dtype == torch.float32 else \
+            F.cross_entropy(logits.float(), y, reduction="sum", ignore_index=IGNORE_INDEX)
+        correct = ((logits.argmax(1) == y) & counted).sum()
+    return (loss, n), {"loss": (total, n), "acc": (correct, n)}
 
 
 def regression(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Pair]]:
@@ -176,23 +237,42 @@ def regression(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Pa
                               f"targets {tuple(y.shape)}")
         pred = pred.reshape(y.shape)
     err = pred.float() - y.float()
-    loss = err.pow(2).mean()
+    loss = err.pow(2).sum()
     n = y.numel()
-    return loss, {"loss": (loss.detach().double() * n, n), "mae": (err.detach().abs().sum(), n)}
+    return (loss, n), {"loss": (loss.detach(), n), "mae": (err.detach().abs().sum(), n)}
 
 
 def language_modeling(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Pair]]:
     """Next-token cross-entropy over int64 token batches ``(B, T)`` (see module docstring)."""
-    tokens = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+    tokens, targets = _tokens_targets(batch)
+    logits = logits_of("language_modeling", model(tokens[:, :-1]))
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+    n = (targets != IGNORE_INDEX).sum()
+    return (loss, n), {"loss": (loss.detach(), n)}
+
+
+def _tokens_targets(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A language-modeling batch's tokens ``(B, T)`` and next-token targets ``(B, T-1)``, padding
+    (``attention_mask`` 0) and ``labels`` of -100 set to :data:`IGNORE_INDEX`."""
+    mask = labels = None
+    if isinstance(batch, Mapping):
+        tokens, mask, labels = batch.get("input_ids"), batch.get("attention_mask"), batch.get("labels")
+    else:
+        tokens = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
     if not (isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and not tokens.is_floating_point()
             and tokens.shape[1] >= 2):
         what = f"shape {tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-        raise ConfigError(f'objective = "language_modeling": needs integer token batches (B, T) with T >= 2; got {what}')
-    logits = logits_of("language_modeling", model(tokens[:, :-1]))
-    targets = tokens[:, 1:]
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-    n = targets.numel()
-    return loss, {"loss": (loss.detach().double() * n, n)}
+        raise ConfigError(f'objective = "language_modeling": needs integer token batches (B, T) with T >= 2 '
+                          f'(or a mapping with "input_ids"); got {what}')
+    for name, t in (("attention_mask", mask), ("labels", labels)):
+        if t is not None and not (isinstance(t, torch.Tensor) and t.shape == tokens.shape):
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ConfigError(f'objective = "language_modeling": "{name}" must have the tokens\' shape '
+                              f"{tuple(tokens.shape)}; got {shape}")
+    targets = (labels if labels is not None else tokens)[:, 1:]
+    if mask is not None:
+        targets = targets.masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
+    return tokens, targets
 
 
 def _perplexity(means: dict[str, float]) -> dict[str, float]:

@@ -16,6 +16,14 @@ The resume policy, one row per condition (checked in this order)::
     same world size, strategy, batching,   restore cursor; continue from the saved iteration
     workers
 
+Under the global data order (``data.order = "global"``, saved and planned, with the same
+``train.global_batch`` and micro-batch size, the same data, strict state) the batching does not
+depend on the ranks (:mod:`pimm_core.global_order`), so a change of world size, window, workers
+or strategy is the ``global_order`` row, checked right after ``non_strict``: keep the cursor
+(the samples consumed, from the counters), derive the window, continue from the saved
+iteration; nothing replays; the same trajectory up to the order of floating-point additions.
+A change of the order itself (or of ``train.global_batch``) is the ``order`` row.
+
 A strategy change (``train.strategy``; a manifest without ``strategy`` counts as ``ddp``)
 discards nothing by itself: the sample order (``DistributedSampler`` over rank and world
 size) and each rank's RNG streams do not depend on how ranks share the model, so at the
@@ -49,8 +57,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .global_order import window_of
+
 ROWS = {
     "same": "same world size, strategy, per-rank micro-batch, accumulation window and per-rank workers: restore cursor; continue from the saved iteration",
+    "global_order": "global data order, world size (or window, workers, strategy) changes: keep the cursor (samples consumed), derive the window, continue from the saved iteration; nothing replayed; the same trajectory up to the order of floating-point additions",
+    "order": "data order (data.order or train.global_batch) changes: discard loader cursor, restart the saved epoch",
     "strategy": "strategy changes at the same world size (ddp <-> fsdp): reshard model, optimizer and EMA state exactly (DCP); keep loader cursor and per-rank RNG; continue from the saved iteration",
     "world_size": "world size changes: reshard compatible state, discard loader cursor, restart the saved epoch",
     "batch_size": "per-rank micro-batch size changes: discard loader cursor, restart the saved epoch",
@@ -121,7 +133,8 @@ def replay_step(manifest: dict[str, Any], grad_accum: int) -> int:
 
 def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, workers_per_rank: int, strict: bool,
                 grad_accum: int = 1, batch_size: int | None = None, legacy: bool = False,
-                data_length: int | None = None, data_fingerprint: str | None = None) -> ResumePlan:
+                data_length: int | None = None, data_fingerprint: str | None = None,
+                order: str = "rank", global_batch: int | None = None) -> ResumePlan:
     """Apply the resume policy to a checkpoint's manifest.
 
     Args:
@@ -139,7 +152,16 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
         data_length, data_fingerprint: the planned train split's length and fingerprint (None:
             not known, not compared), against the manifest's ``data_length`` and
             ``data_fingerprint``.
+        order, global_batch: the planned ``data.order`` and ``train.global_batch``, against the
+            manifest's ``data_order`` (absent: ``"rank"``) and ``global_batch``; under the global
+            order ``grad_accum`` is derived here for ``world_size``.
+
+    Raises:
+        ConfigError: the global order with a ``global_batch`` that ``world_size`` ranks cannot share.
     """
+    saved_order = (str(manifest.get("data_order") or "rank"), manifest.get("global_batch"))
+    if order == "global":
+        grad_accum = window_of(int(global_batch or 0), int(batch_size or manifest.get("batch_size") or 1), world_size)
     step, epoch, it = int(manifest.get("step", 0)), int(manifest.get("epoch", 0)), int(manifest.get("iter", 0))
     saved_ws = int(manifest.get("world_size", world_size))
     saved_strategy = str(manifest.get("strategy") or "ddp")
@@ -155,10 +177,20 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
     if manifest.get("data_length") is not None or data_length is not None:
         topo.update(saved_data_length=manifest.get("data_length"), data_length=data_length)
     changed_batching = [k for k in BATCHING_KEYS if planned[k] is not None and saved[k] != planned[k]]
+    order_changed = saved_order != (order, global_batch if order == "global" else saved_order[1])
+    if saved_order[0] == "global" or order == "global":
+        topo.update(saved_data_order=saved_order[0], data_order=order, saved_global_batch=saved_order[1],
+                    global_batch=global_batch)
+    elastic = order == "global" and not order_changed and "batch_size" not in changed_batching and not data_changes
     if legacy:
         row = "legacy"
     elif not strict:
         row = "non_strict"
+    elif elastic:
+        row = "same" if not (saved_ws != world_size or changed_batching or saved_workers != workers_per_rank
+                             or strategy_changed) else "global_order"
+    elif order_changed:
+        row = "order"
     elif saved_ws != world_size:
         row = "world_size"
     elif changed_batching:
@@ -177,6 +209,7 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
     restore_cursor = row in ("same", "strategy") and it > 0
     # A legacy file carries rank 0's RNG only: usable when rank 0 is the whole run, before and after.
     restore_rng = row in ("same", "strategy", "workers", "data", "no_loader_state", *BATCHING_KEYS) \
+        or (row == "order" and saved_ws == world_size) \
         or (row == "non_strict" and saved_ws == world_size) or (row == "legacy" and saved_ws == world_size == 1)
     restored = ["model weights", "optimizer", "scheduler", "AMP scaler", "epoch/step counters", "best-metric state",
                 "EMA (when the run keeps one)"]
@@ -194,20 +227,28 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
         restored.append("per-rank RNG")
     else:
         discarded.append("per-rank RNG (ranks differ)" if saved_ws != world_size else "per-rank RNG")
-    if restore_cursor:
+    if row == "global_order":  # the cursor is the epoch's samples consumed: steps done * global_batch
+        restored.append("loader cursor (samples consumed; the window derived for the new ranks)")
+    elif restore_cursor:
         restored.append("loader cursor")
     elif it > 0:
         discarded.append("loader cursor")
     replay = None
     warnings = []
     new_step, new_iter = step, it
-    if it > 0 and not restore_cursor:
+    if row == "global_order":
+        new_iter = it // int(saved["grad_accum"]) * grad_accum  # (saves happen at window ends)
+    elif it > 0 and not restore_cursor:
         new_step, new_iter = replay_step(manifest, grad_accum), 0
         replay = {"epoch": epoch, "step": new_step, "from_iter": it}
         per_rank = " per rank" if saved_ws > 1 else ""
         warnings.append(f"loader cursor skipped ({ROWS[row].split(':')[0]}): restarting epoch {epoch} at step "
                         f"{new_step}; the {it} batches{per_rank} already completed in that epoch will replay")
-    if saved_ws != world_size:
+    if saved_ws != world_size and row == "global_order":
+        warnings.append(f"world size changed {saved_ws} -> {world_size} under the global data order: the same "
+                        f"samples, batching and randomness; window {saved['grad_accum']} -> {grad_accum} micro-batches "
+                        "per rank (the same trajectory up to the order of floating-point additions)")
+    elif saved_ws != world_size:
         warnings.append(f"world size changed {saved_ws} -> {world_size}: sample order and per-rank RNG differ "
                         "from the interrupted run (recovery, not bitwise continuation)")
     if strategy_changed:
@@ -221,7 +262,10 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
         warnings.append(f"the training data changed since the save ({'; '.join(data_changes)}): the loader cursor "
                         "was saved for the old data and is never applied to the new"
                         + (f"; epoch {epoch} restarts from its start over the new data" if it > 0 else ""))
-    for k in changed_batching:
+    if row == "order":
+        warnings.append(f"data order changed {saved_order[0]} (global batch {saved_order[1]}) -> {order} "
+                        f"(global batch {global_batch}): the cursor means nothing to the new order")
+    for k in changed_batching if row != "global_order" else ():
         label = "per-rank micro-batch size" if k == "batch_size" else "accumulation window (train.grad_accum)"
         warnings.append(f"{label} changed {saved[k]} -> {planned[k]}: optimizer steps from here on average over "
                         "different micro-batches than the interrupted run")
@@ -271,6 +315,8 @@ def config_diff(saved: dict[str, Any], now: dict[str, Any],
     except (ConfigError, TypeError):
         pass  # a config the current schema rejects: compare it as written
     a, b = flatten(saved), flatten(now)
+    if b.get("data.order") == "global":  # the window is derived from the world size (the topology shows it)
+        ignore = (*ignore, "train.grad_accum")
     lines = []
     for key in sorted(set(a) | set(b)):
         if any(key == p or (p.endswith(".") and key.startswith(p)) for p in ignore):

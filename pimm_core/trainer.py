@@ -45,9 +45,9 @@ from .checkpoint.library_model import library_record
 from .checkpoint.state import unwrap
 from .config import Config, TrainConfig
 from .data import eval_loader, train_loader
-from .data_rng import set_epoch
 from .ema import EMA
 from .errors import ConfigError
+from .global_order import micro_batch_seeder, ordered
 from .objectives import Objective
 from .optim import build_optimizer, build_scheduler
 from .run import code_version
@@ -66,8 +66,8 @@ from .train.parallel import is_fsdp, parallelize
 from .train.recorder import Recorder
 from .train.resume import nothing_left, resume
 from .train.state import TrainState, end_step
-from .train.session import (after_step, end_session, evaluate_and_record, start_files, stop_before_start,
-                            stop_nonfinite)
+from .train.session import (after_step, end_session, evaluate_and_record, start_epoch, start_files,
+                            stop_before_start, stop_nonfinite)
 from .train.step import STOP, WindowStep, autocast_context, check_finite
 from .train.stop_agreement import StopAgreement
 
@@ -129,11 +129,15 @@ class Trainer:
     def __init__(self, config: Config, run_dir: Path | None = None, *, stop: StopRequest | None = None,
                  config_path: str | Path | None = None, model: nn.Module | None = None, datasets: Any = None,
                  objective: Objective | Callable | str | None = None):
-        self.config, self.config_path = config, config_path
+        self.config_path = config_path
         self.stop = stop or StopRequest()
         self.stopped_before_start = False  # train() ended at once: a stop was asked during start-up
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.info = dist.env_world()
+        # data.order = "global": the window is derived from train.global_batch and the world size
+        if config.data.order == "global":
+            config = dataclasses.replace(config, train=ordered(config.train, config.data, self.info.world_size))
+        self.config = config
         self.device = dist.pick_device(config.train.device, self.info)
         dist.init(self.device, self.info, always=config.train.strategy == "fsdp", timeout_min=config.dist.timeout)
         if config.train.amp == "fp16" and self.device.type != "cuda":
@@ -151,7 +155,8 @@ class Trainer:
         seed_everything(config.train.seed + self.info.rank)  # rank-distinct dropout streams
 
         d = self.data
-        self.loader, self.sampler = train_loader(d.train, config.data, self.info, config.train.seed, d.collate_fn)
+        self.loader, self.sampler = train_loader(d.train, config.data, self.info, config.train.seed, d.collate_fn,
+                                                 config.train.global_batch)
         self.val_loader = eval_loader(d.val, config.data, self.info, d.collate_fn, config.eval.batch_size)
         self.data_resume = data_resume_policy(d.train, self.info.is_main)  # "exact" or "replay_from_boundary"
         self.optimizer = build_optimizer(config, unwrap(self.model), config_path)
@@ -263,7 +268,7 @@ class Trainer:
                 incomplete ("Incomplete checkpoint directory"), is a Hub artifact, or its
                 state does not fit the model (names the tensors).
         """
-        t = self._t = train_config or self.config.train
+        t = self._t = ordered(train_config or self.config.train, self.config.data, self.info.world_size)
         self.time_limit = TimeLimit.from_config(t.max_time)  # this session's budget starts now
         if resume_from is None and t != self.config.train:
             # A fresh run trains with `t`: the optimizer (built in __init__ from the config) takes its
@@ -324,7 +329,9 @@ class Trainer:
         autocast = functools.partial(autocast_context, self.config.train.amp, self.device.type)
         step = WindowStep(self.model, self.optimizer, self.scaler, self.ema, t, autocast=autocast,
                           distributed=self.info.distributed or is_fsdp(self.model), objective=self.objective,
-                          before_step=fmt.wait_staged if fmt.asynchronous else None)
+                          before_step=fmt.wait_staged if fmt.asynchronous else None,
+                          before_forward=micro_batch_seeder(self.config.train.seed, self.state, self.info)
+                          if self.config.data.order == "global" else None)
         self.model.train()
         evaluated_at_end = False
         with self.recorder.training():
@@ -361,14 +368,7 @@ class Trainer:
         """
         s, n_micro = self.state, self.micro_batches_per_epoch
         epoch = s.epoch
-        if self.sampler is not None:  # (None: a stream, which shards itself)
-            self.sampler.set_epoch(epoch)
-        set_epoch(self.data.train, epoch)  # per-sample augmentation RNGs (pimm_core.data_rng)
-        if self._pending_loader_state is not None:
-            self.loader.load_state_dict(self._pending_loader_state)
-            self._pending_loader_state = None
-        if s.iter == 0:
-            s.epoch_start_step = s.global_step
+        start_epoch(self)
         # a stream yielding more than its __len__ promises is cut at the epoch's end
         batches = self.loader if self.sampler is not None else itertools.islice(self.loader, n_micro - s.iter)
         for outcome, loss, samples in step.windows(batches, s, n_micro, self.device):

@@ -188,8 +188,16 @@ _TRIGGERS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "data": ({"data_length": 90}, {}),
     "no_loader_state": ({"has_loader_state": False}, {}),
     "strategy": ({"strategy": "fsdp"}, {}),
+    "global_order": ({"data_order": "global", "global_batch": 128, "world_size": 4}, {"order": "global", "global_batch": 128}),
+    "order": ({}, {"order": "global", "global_batch": 128}),
     "same": ({}, {}),
 }
+
+
+# Rows whose condition excludes some later rows' changes: the global order's row needs the same
+# micro-batch size and data, so with another batch size its condition fails and the next row that
+# applies (the world size) is picked.
+CONDITIONAL = frozenset({"global_order"})
 
 
 def _plan(*rows: str) -> Any:
@@ -215,7 +223,10 @@ def policy_order() -> tuple[str, ...]:
         raise KeyError(f"no trigger for resume-policy rows {sorted(missing)}: add one to _TRIGGERS in {__file__}")
 
     def before(a: str, b: str) -> int:
-        return -1 if _plan(a, b).row == a else 1
+        picked = _plan(a, b).row
+        if picked not in (a, b):  # a conditional row whose condition b's change breaks: it is checked first
+            return -1 if a in CONDITIONAL else 1
+        return -1 if picked == a else 1
 
     return tuple(sorted(ROWS, key=functools.cmp_to_key(before)))
 
@@ -229,8 +240,12 @@ def policy_rows() -> list[tuple[str, str, str, str, str, str]]:
         plan = _plan(row)
         assert plan.row == row, f"trigger of {row!r} gives {plan.row!r}"
         condition, _, behaviour = ROWS[row].partition(": ")
-        out.append((row, condition, behaviour, "restored" if plan.restore_cursor else "discarded",
-                    "restored" if plan.restore_rng else "discarded", "yes" if plan.exact else "no"))
+        cursor = "restored" if plan.restore_cursor else "discarded"
+        rng = "restored" if plan.restore_rng else "discarded"
+        if any(r.startswith("loader cursor (samples consumed") for r in plan.restored):
+            # the global order: the position is the samples consumed, the randomness rank-free streams
+            cursor, rng = "kept as samples consumed", "drawn per (step, micro-batch), not per rank"
+        out.append((row, condition, behaviour, cursor, rng, "yes" if plan.exact else "no"))
     return out
 
 

@@ -51,7 +51,8 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
                        workers_per_rank=cfg.data.num_workers,
                        strict=cfg.resume_strict_state, grad_accum=cfg.train.grad_accum,
                        batch_size=cfg.data.batch_size, legacy=cand.format == "legacy",
-                       data_length=data_length(data.train), data_fingerprint=data.fingerprint)
+                       data_length=data_length(data.train), data_fingerprint=data.fingerprint,
+                       order=cfg.data.order, global_batch=cfg.train.global_batch)
     t = plan.topology
     print(f"checkpoint: {cand.path} (step {cand.step}, epoch {cand.epoch}, iter {cand.iter})")
     for w in fallbacks:

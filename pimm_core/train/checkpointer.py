@@ -199,9 +199,11 @@ class Checkpointer:
                       data_length=self.data_length, data_fingerprint=self.data_fingerprint, **self._batching())
         return {key: values[key] for key in META_ORDER}
 
-    def _batching(self) -> dict[str, int]:
-        """Per-rank micro-batch size and accumulation window (recorded with every checkpoint)."""
-        return {"batch_size": self.config.data.batch_size, "grad_accum": self.grad_accum}
+    def _batching(self) -> dict[str, Any]:
+        """Per-rank micro-batch size and accumulation window (recorded with every checkpoint), and
+        the data order with its global batch (in the manifest only)."""
+        return {"batch_size": self.config.data.batch_size, "grad_accum": self.grad_accum,
+                "data_order": self.config.data.order, "global_batch": self.config.train.global_batch}
 
     def manifest(self, kind: str, has_loader_state: bool = False) -> dict[str, Any]:
         """The manifest fields of a checkpoint of ``kind`` at the current position."""

@@ -56,14 +56,16 @@ def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict
         manifest["has_loader_state"] = bool(loaded.rank_state and loaded.rank_state.get("loader") is not None) \
             if meta["world_size"] == tr.info.world_size else saved["iter"] > 0
     # (absent from older checkpoints)
-    for key in ("batch_size", "grad_accum", "epoch_start_step", "data_length", "data_fingerprint"):
+    for key in ("batch_size", "grad_accum", "epoch_start_step", "data_length", "data_fingerprint", "data_order",
+                "global_batch"):
         if meta.get(key, saved.get(key)) is not None:
             manifest[key] = meta.get(key, saved.get(key))
     plan = plan_resume(manifest, world_size=tr.info.world_size, strategy=tr.config.train.strategy,
                        workers_per_rank=tr.config.data.num_workers,
                        strict=strict, grad_accum=tr._t.grad_accum, batch_size=tr.config.data.batch_size,
                        legacy=cand.format == "legacy", data_length=data_length(tr.data.train),
-                       data_fingerprint=tr.data.fingerprint)
+                       data_fingerprint=tr.data.fingerprint, order=tr.config.data.order,
+                       global_batch=tr.config.train.global_batch)
     warnings = fallback + list(plan.warnings) + provenance_diff(tr, manifest) + loaded.skipped
     tr.state.load_state_dict(saved, epoch_start_step=plan.step if plan.iter == 0 else 0)
     tr.best.load_state_dict(saved)
@@ -84,8 +86,10 @@ def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict
             set_rng_state(rank_state["rng"])
         else:
             warnings.append(f"rank {tr.info.rank} has no saved RNG state; its RNG starts from the seed")
-    if plan.restore_cursor:
-        tr._pending_loader_state = rank_state["loader"]
+    if plan.row == "global_order":  # the samples consumed, in micro-batches of the new window
+        tr.state.iter = plan.iter
+    elif plan.restore_cursor:
+        tr._pending_loader_state = rank_state.get("loader")
     elif plan.replay_boundary is not None:
         tr.state.global_step = tr.state.epoch_start_step = plan.step
         tr.state.iter = 0

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..data_rng import set_epoch
 from ..errors import CheckpointSaveError, ConfigError
 from ..optim import observe_metric
 from ..run.heartbeat import beat_step
@@ -48,6 +49,25 @@ def after_step(tr: Trainer, outcome: str, loss: torch.Tensor, samples: int, epoc
         s.stop_reason, s.save_error = reason, cause if isinstance(cause, CheckpointSaveError) else None
         tr.recorder.status("stopping")  # the console shows it until `last` is saved
         tr.callbacks.fire("on_stop_requested", tr, reason)
+
+
+def start_epoch(tr: Trainer) -> None:
+    """Point the loader at the current epoch and position: the sampler's and the dataset's epoch
+    (per-sample augmentation RNGs, :mod:`pimm_core.data_rng`), then a restored loader cursor, or,
+    under ``data.order = "global"``, the samples consumed as the counters say (at any world size);
+    an epoch's first batch records the step it began at."""
+    s = tr.state
+    if tr.sampler is not None:  # (None: a stream, which shards itself)
+        tr.sampler.set_epoch(s.epoch)
+    set_epoch(tr.data.train, s.epoch)
+    if tr.config.data.order == "global":
+        tr.sampler.set_start(s.iter)
+        tr._pending_loader_state = None
+    if tr._pending_loader_state is not None:
+        tr.loader.load_state_dict(tr._pending_loader_state)
+        tr._pending_loader_state = None
+    if s.iter == 0:
+        s.epoch_start_step = s.global_step
 
 
 def stop_before_start(tr: Trainer) -> bool:

@@ -1,12 +1,13 @@
 """The train step: accumulation windows of micro-batches and the optimizer step that ends one.
 
 For each micro-batch, :meth:`WindowStep.backward` runs forward (under autocast) and
-backward with the loss divided by the window's length, so the accumulated gradient is
-the mean over the micro-batches the window actually holds; under DDP the gradient
-all-reduce (FSDP: reduce-scatter) happens only on the window's last micro-batch. At the
-window's end :meth:`WindowStep.finish` unscales and clips (``train.grad_clip``, the
-global L2 norm), applies the ``train.on_nonfinite`` policy, steps the optimizer through
-the AMP GradScaler, clears the gradients and updates the EMA.
+backward; under DDP the gradient all-reduce (FSDP: reduce-scatter) happens only on the
+window's last micro-batch. The window's gradient is the per-sample average over every
+micro-batch of every rank when the objective returns ``(sum, count)``, else the mean of
+the micro-batch means (:mod:`~pimm_core.train.window_average`). At the window's end
+:meth:`WindowStep.finish` divides by the window's count, unscales and clips
+(``train.grad_clip``, the global L2 norm), applies the ``train.on_nonfinite`` policy,
+steps the optimizer through the AMP GradScaler, clears the gradients and updates the EMA.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from ..config import TrainConfig
 from ..ema import EMA
 from ..errors import ConfigError, TrainingError
 from ..checkpoint.state import unwrap
-from ..objectives import BUILTIN, Objective, batch_size
+from ..objectives import BUILTIN, Loss, Objective, batch_size
 from ..run.heartbeat import beat
 from .evaluator import to_device
 from .parallel import is_fsdp
 from .state import TrainState
+from .window_average import WindowAverage
 
 APPLIED, SKIPPED, STOP = "applied", "skipped", "stop"
 
@@ -88,15 +90,22 @@ class WindowStep:
             classification by default); only the loss is used here.
         before_step: called just before the optimizer step (e.g. an async save's staging
             must finish copying the weights first).
+        before_forward: called with the micro-batch's position in its window before its forward
+            (the global order seeds the model's randomness there).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                  ema: EMA | None, train: TrainConfig, *, autocast: Callable[[], contextlib.AbstractContextManager],
                  distributed: bool, objective: Objective = BUILTIN["classification"],
-                 before_step: Callable[[], None] | None = None):
+                 before_step: Callable[[], None] | None = None,
+                 before_forward: Callable[[int], None] | None = None):
         self.model, self.optimizer, self.scaler, self.ema, self.train = model, optimizer, scaler, ema, train
+        if not isinstance(objective, Objective):  # a bare step function: checked and normalised like one
+            objective = Objective(getattr(objective, "__name__", "objective"), objective)
         self.autocast, self.distributed, self.objective, self.before_step = autocast, distributed, objective, before_step
         self.grad_norm: torch.Tensor | None = None
+        self.before_forward = before_forward
+        self.average = WindowAverage(torch.device("cpu"), distributed)  # windows() puts it on the step's device
 
     def windows(self, batches: Iterable, state: TrainState, micro_batches: int,
                 device: torch.device) -> Iterator[tuple[str, torch.Tensor, int]]:
@@ -111,34 +120,37 @@ class WindowStep:
             micro_batches: micro-batches in the whole epoch.
 
         Yields:
-            At each window's end: :meth:`finish`'s outcome, the window's mean loss (a 0-d
-            tensor on ``device``) and the number of samples it used on this rank.
+            At each window's end: :meth:`finish`'s outcome, the window's loss (a 0-d tensor on
+            ``device``: per counted item over every rank for a ``(sum, count)`` objective, else
+            this rank's mean of the micro-batch means) and the number of samples it used on this rank.
         """
         accum = self.train.grad_accum
-        window_loss = torch.zeros((), device=device)
+        self.average = WindowAverage(device, self.distributed)
         window_start, samples = state.iter, 0  # windows run from where this epoch continues
         for batch in _beating(batches):
             batch = to_device(batch, device)
             window_len = min(accum, micro_batches - window_start)
             last_in_window = state.iter + 1 == window_start + window_len
-            window_loss += self.backward(batch, window_len=window_len, last_in_window=last_in_window)
+            if self.before_forward is not None:
+                self.before_forward(state.iter - window_start)
+            self.backward(batch, window_len=window_len, last_in_window=last_in_window)
             state.iter += 1
             samples += batch_size(batch)
             if not last_in_window:
                 continue
+            window_loss = self.average.finish(self.model.parameters())  # gradients divided before clipping
             yield self.finish(), window_loss, samples
-            window_loss = torch.zeros((), device=device)
             window_start, samples = state.iter, 0
 
-    def backward(self, batch: Any, *, window_len: int, last_in_window: bool) -> torch.Tensor:
-        """One micro-batch; returns its (detached) share of the window's mean loss."""
+    def backward(self, batch: Any, *, window_len: int, last_in_window: bool) -> None:
+        """One micro-batch of a window of ``window_len``: forward, then backward of its share
+        (:meth:`WindowAverage.to_backward`); the window's end is :meth:`WindowAverage.finish`."""
         with gradient_sync(self.model, last_in_window or not self.distributed):
             with self.autocast():
-                loss = self._forward(batch) / window_len
+                loss = self.average.to_backward(self._forward(batch), window_len=window_len)
             self.scaler.scale(loss).backward()
-        return loss.detach()
 
-    def _forward(self, batch: Any) -> torch.Tensor:
+    def _forward(self, batch: Any) -> Loss:
         """The objective's loss of ``batch``.
 
         Raises:

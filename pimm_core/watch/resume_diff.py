@@ -58,7 +58,8 @@ def plan_rows(plan: dict[str, Any] | None) -> list[tuple[str, str, str]]:
                      f"the {rb['from_iter']} batches already run in that epoch train again", "warn"))
     else:
         why = ("exact continuation" if p["exact"] else "loader cursor restored; not bitwise: the strategy changed"
-               if p.get("restore_cursor") else "nothing to replay")
+               if p.get("restore_cursor") else "global data order: the samples consumed are kept"
+               if p.get("row") == "global_order" else "nothing to replay")
         rows.append(("replay boundary", f"none ({why}) "
                      f"at step {p['step']}, epoch {p['epoch']}, iter {p['iter']}", "ok"))
     rows += [("warning", w, "warn") for w in p.get("warnings", [])]
@@ -221,7 +222,9 @@ def resume_diff(run_dir: Path, *, world_size: int | None = None, workers: int | 
         plan = plan_resume(manifest, world_size=world_size, strategy=cfg.train.strategy,
                            workers_per_rank=cfg.data.num_workers,
                            strict=cfg.resume_strict_state, grad_accum=cfg.train.grad_accum,
-                           batch_size=cfg.data.batch_size, legacy=cand.format == "legacy").to_json()
+                           batch_size=cfg.data.batch_size, legacy=cand.format == "legacy",
+                           order=cfg.data.order, global_batch=cfg.train.global_batch).to_json()
+        planned["grad_accum"] = plan["topology"]["grad_accum"]  # (derived under the global data order)
     diff = config_diff(saved or {}, cfg.to_dict())
     cj = cand.to_json()
     return ResumeDiff(str(run_dir), cj, selected_by, recorded, planned, diff, plan, notes)

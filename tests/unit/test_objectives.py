@@ -36,13 +36,20 @@ def test_builtins_report_exactly_the_metrics_config_validates():
         assert set(evaluate(BUILTIN[name], model, [batch])) == set(OBJECTIVES[name])
 
 
-def test_classification_trains_on_the_same_loss_as_before():
+def test_classification_trains_on_the_summed_loss_with_its_count():
+    """The loss is the (sum, count) pair a window divides by its total count (docs/objectives.md);
+    targets of -100 are ignored in the sum, the count and the accuracy, as cross-entropy ignores them."""
     torch.manual_seed(0)
     model = nn.Linear(3, 4)
     x, y = torch.randn(6, 3), torch.tensor([0, 1, 2, 3, 0, 1])
     loss, pairs = BUILTIN["classification"](model, (x, y, torch.arange(6)))
-    assert torch.equal(loss, F.cross_entropy(model(x), y))  # bitwise: the digits runs are unchanged
-    assert loss.requires_grad
+    assert torch.equal(loss.value, F.cross_entropy(model(x), y, reduction="sum")) and int(loss.count) == 6
+    assert loss.value.requires_grad
+    ignored = y.clone()
+    ignored[2] = -100
+    part, _ = BUILTIN["classification"](model, (x, ignored))
+    assert int(part.count) == 5
+    assert (part.value / part.count).item() == pytest.approx(F.cross_entropy(model(x), ignored).item(), rel=1e-6)
     correct = (model(x).argmax(1) == y).sum().item()
     assert pairs["acc"][0].item() == correct and pairs["acc"][1] == 6
     assert pairs["loss"][0].item() == pytest.approx(F.cross_entropy(model(x), y, reduction="sum").item(), rel=1e-6)
@@ -54,7 +61,7 @@ def test_regression_squeezes_a_trailing_dim_and_refuses_other_shapes():
     model = nn.Linear(2, 1)
     loss, pairs = BUILTIN["regression"](model, (x, y))
     pred = model(x).squeeze(1)
-    assert loss.item() == pytest.approx(F.mse_loss(pred, y).item())
+    assert (loss.value / loss.count).item() == pytest.approx(F.mse_loss(pred, y).item())
     assert pairs["mae"][0].item() == pytest.approx((pred - y).abs().sum().item())
     with pytest.raises(ConfigError, match=r'objective = "regression": model output shape \(4, 3\) does not match'):
         BUILTIN["regression"](nn.Linear(2, 3), (x, y))
@@ -127,9 +134,9 @@ def test_plain_metric_values_are_batch_means_weighted_by_batch_size():
 
 
 @pytest.mark.parametrize("returned,message", [
-    (3.0, "must return (loss tensor, {metric: value}), got float"),
-    ((torch.tensor(1.0), [1]), "must return (loss tensor, {metric: value}), got tuple"),
-    ((torch.ones(2), {}), "the loss must be a scalar (the batch mean), got shape (2,)"),
+    (3.0, "must return (loss, {metric: value}), got float"),
+    ((torch.tensor(1.0), [1]), "must return (loss, {metric: value}), got tuple"),
+    ((torch.ones(2), {}), "the loss must be a scalar (the batch mean) or a (sum, count) pair, got shape (2,)"),
     ((torch.tensor(1.0), {"m": torch.ones(3)}), "metric 'm' must be a scalar or a (sum, count) pair"),
 ])
 def test_a_wrong_user_return_is_one_config_error(returned, message):
@@ -175,6 +182,6 @@ def test_builtins_take_the_logits_of_a_mapping_or_an_output_object() -> None:
     plain = BUILTIN["classification"](head, (x, y))
     as_dict = BUILTIN["classification"](lambda v: {"logits": head(v), "hidden": v}, (x, y))
     as_output = BUILTIN["classification"](lambda v: CausalLMOutput(logits=head(v)), (x, y))
-    assert torch.equal(plain[0], as_dict[0]) and torch.equal(plain[0], as_output[0])
+    assert torch.equal(plain[0].value, as_dict[0].value) and torch.equal(plain[0].value, as_output[0].value)
     with pytest.raises(ObjectiveOutputError, match=r"the model returned a dict with keys \['hidden'\].*write an objective"):
         BUILTIN["classification"](lambda v: {"hidden": v}, (x, y))

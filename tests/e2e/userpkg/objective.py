@@ -49,3 +49,16 @@ def seen_ce(model, batch):
         _maybe_sigterm()
     loss = F.cross_entropy(logits, y)
     return loss, {"loss": loss.detach()}
+
+
+def seen_sum_ce(model, batch):
+    """:func:`seen_ce` returning its loss as ``(sum, count)`` (a per-sample window average)."""
+    x, y, index = batch
+    logits = model(x)
+    if model.training:
+        seen = os.environ.get("USERPKG_SEEN")
+        if seen:
+            with open(f"{seen}.rank{os.environ.get('RANK', '0')}", "a") as f:
+                f.write(" ".join(str(int(i)) for i in index) + "\n")
+    total = F.cross_entropy(logits, y, reduction="sum")
+    return (total, len(y)), {"loss": (total.detach(), len(y))}

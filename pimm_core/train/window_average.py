@@ -1,0 +1,129 @@
+"""Per-sample averaging of an accumulation window: its gradient is the sum of the loss over
+every micro-batch of every rank divided by the window's total count.
+
+An objective that returns its loss as ``(sum, count)`` (:class:`~pimm_core.objectives.Loss`;
+the built-ins do) gets the gradient of the window as one batch: with 7 samples cut into
+micro-batches of 4 and 3, or spread over ranks, one optimizer step equals the step on all 7
+(up to the order of floating-point additions). An objective that returns a plain mean
+keeps the mean of the micro-batch means (each micro-batch weighs the same, whatever its
+size; under DDP/FSDP the ranks' means are averaged too), as before.
+
+How (the choice of torchtune's per-token normalisation over Hugging Face's
+``num_items_in_batch``): each micro-batch backpropagates its *sum* times a scale ``K``;
+after the window's last backward (which reduces the gradients across ranks, averaging them
+over the ``W`` ranks) one all-reduce of ``[loss sum, count]`` gives the window's total
+count ``N`` on every rank, and the gradients are multiplied once by ``W / (K * N)``.
+Counting up front instead (pre-fetching the window's micro-batches and counting their
+samples or tokens before any forward) would need a second definition of the count beside
+the objective's own (masks, ignored labels) and would hold a window of batches in memory;
+the count the objective returns with its sum is the one that is right by construction.
+The price is one small all-reduce and one multiply per gradient element per window (the
+same memory traffic as the clipping norm that follows).
+
+``K`` keeps the gradients at the magnitude of a mean, which matters to fp16's loss scaling
+(a sum over a million tokens would overflow at the GradScaler's scale): it is the power of
+two nearest to ``1 / (count of the window's first micro-batch over all ranks * micro-batches
+in the window)``. A power of two scales every floating-point value exactly, so ``K`` changes
+no bit of the result (outside fp16's sub-normal range); it must be the same on every rank
+(DDP/FSDP add the ranks' gradients before the rescale), hence one all-reduce of that first
+count, issued between the first forward and its backward, with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from .. import dist
+from ..errors import ConfigError
+from ..objectives import Loss
+
+
+def _world_size() -> int:
+    d = torch.distributed
+    return d.get_world_size() if d.is_available() and d.is_initialized() else 1
+
+
+def _as_tensor(count: torch.Tensor | int | float, device: torch.device) -> torch.Tensor:
+    if isinstance(count, torch.Tensor):
+        return count.to(device=device, dtype=torch.float64)
+    return torch.tensor(float(count), dtype=torch.float64, device=device)
+
+
+class WindowAverage:
+    """The loss each micro-batch backpropagates, the gradient rescale at the window's end and
+    the window's loss to log.
+
+    Args:
+        device: where the loss and the counts live (the reduced tensors under NCCL).
+        distributed: gradients are reduced across ranks (DDP or FSDP, also at one rank).
+    """
+
+    def __init__(self, device: torch.device, distributed: bool):
+        self.device, self.distributed = device, distributed
+        self.start()
+
+    def start(self) -> None:
+        """A new window begins."""
+        self.per_sample: bool | None = None  # set by the window's first micro-batch
+        self.scale: torch.Tensor | None = None  # K (float64, 0-d, on device)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.count = torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def to_backward(self, loss: Loss, *, window_len: int) -> torch.Tensor:
+        """The tensor to backpropagate for one micro-batch of a window of ``window_len``.
+
+        Raises:
+            ConfigError: the objective returned a mean for one micro-batch and a
+                ``(sum, count)`` for another of the same window.
+        """
+        per_sample = loss.count is not None
+        if self.per_sample is None:
+            self.per_sample = per_sample
+        elif self.per_sample != per_sample:
+            raise ConfigError("the objective returned its loss as a mean for one batch and as a (sum, count) pair "
+                              "for another; return the same form for every batch (docs/objectives.md)")
+        if not per_sample:  # a mean: the window averages its micro-batches' means
+            out = loss.value / window_len
+            self.loss_sum += out.detach().double()
+            return out
+        count = _as_tensor(loss.count, self.device)
+        self.loss_sum += loss.value.detach().double()
+        self.count += count
+        if self.scale is None:  # the window's first micro-batch: K, the same on every rank
+            first = count.clone()
+            if self.distributed:
+                dist.all_reduce_sum(first)
+            self.scale = torch.exp2(-torch.round(torch.log2(torch.clamp(first * window_len, min=1.0))))
+        return loss.value * self.scale.to(loss.value.dtype)
+
+    def finish(self, params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+        """At the window's end, after its last backward: divide the gradients by the window's total
+        count (a per-sample window) and return the window's loss (0-d tensor; per counted item over
+        every rank, or this rank's mean of micro-batch means). A window with no counted item gets a
+        zero gradient and a logged loss of 0."""
+        if not self.per_sample:
+            loss = self.loss_sum.float()
+            self.start()
+            return loss
+        totals = torch.stack([self.loss_sum, self.count])
+        if self.distributed:
+            dist.all_reduce_sum(totals)
+        total, n = totals[0], totals[1]
+        safe_n = torch.clamp(n, min=1.0)
+        # DDP and FSDP averaged the ranks' gradients: the sum over ranks is W times that
+        factor = torch.where(n > 0, _world_size() / (self.scale * safe_n), torch.zeros_like(n))
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for p in params:
+            if p.grad is not None:
+                groups.setdefault((p.grad.device, p.grad.dtype, hasattr(p.grad, "full_tensor")), []).append(p.grad)
+        for (device, dtype, sharded), grads in groups.items():
+            f = factor.to(device=device, dtype=dtype)
+            if sharded:  # FSDP's DTensors: one multiply each (each applies to the local shard)
+                for g in grads:
+                    g.mul_(f)
+            else:
+                torch._foreach_mul_(grads, f)
+        self.start()
+        return (total / safe_n).float()
