@@ -446,7 +446,7 @@ def final_name_problems(model_dir: Path) -> list[str]:
 
 
 def cli_json(argv: list[str], logs: Path) -> tuple[Proc, Any]:
-    p = run_cli(argv, logs, timeout=60)
+    p = run_cli(argv, logs, timeout=300)
     try:
         return p, json.loads(p.stdout)
     except ValueError:
@@ -492,7 +492,7 @@ def check_state(case: Case, run_dir: Path, schedule: list[int], work: Path, tag:
             problems.append(f"{tag}: leftovers {sorted(set(tmp) - listed)} not reported by pimm checkpoints ls")
         if ls["selected"] != (chosen.name if chosen else None):
             problems.append(f"{tag}: pimm checkpoints ls selected {ls['selected']}, select_resume {chosen and chosen.name}")
-    p = run_cli(["checkpoints", "latest", str(model_dir)], work / "logs" / f"{tag}-latest", timeout=60)
+    p = run_cli(["checkpoints", "latest", str(model_dir)], work / "logs" / f"{tag}-latest", timeout=300)
     want = chosen.path if chosen else None
     got = p.stdout.strip() if p.rc == 0 else None
     if model_dir.is_dir() and got != want:
@@ -541,7 +541,9 @@ def run_case(case: Case, schedule: list[int], work: Path) -> dict[str, Any]:
     row: dict[str, Any] = {"id": case.id, "variant": case.variant, "format": FORMAT[case.variant],
                            "ranks": case.ranks, "point": case.point, "n": case.n, "role": case.role,
                            "occurrence": case.occurrence, "action": case.action, "chain": case.chain}
-    t = 300 if case.ranks > 1 else 120
+    # limits that only catch a hang: a loaded machine is several times slower (the 2-rank
+    # ENOSPC case took 142 s of its former 300 s limit beside other jobs at load 15)
+    t = 900 if case.ranks > 1 else 600
     # earlier kills of a chained case
     for i, spec in enumerate(case.pre):
         p = run_cli(launch_argv(root, "r", case.variant, resume=i > 0), logs / f"pre{i}", spec=spec,

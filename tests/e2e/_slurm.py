@@ -20,8 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from _helpers import hang_s
+
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "squeue", "scontrol", "scancel")
-START_TIMEOUT = 60
+START_TIMEOUT = hang_s(60)
 
 
 def unavailable(reason: str) -> None:
@@ -48,7 +50,7 @@ class Cluster:
         """Run a Slurm client command (``base_env``, default this process's, plus ``SLURM_CONF``)."""
         r = subprocess.run(list(argv), env={**(os.environ if base_env is None else base_env), **self.env},
                            capture_output=True, text=True,
-                           timeout=timeout)
+                           timeout=hang_s(timeout))
         if check and r.returncode != 0:
             raise AssertionError(f"{' '.join(argv)}: exit {r.returncode}\n{r.stdout}{r.stderr}\n{self.logs()}")
         return r

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from _helpers import DIGITS, REPO, clean_env
+from _helpers import DIGITS, REPO, clean_env, hang_s
 
 
 def test_python_api_logs_like_the_cli_and_leaves_root_logger_alone(tmp_path):
@@ -24,7 +24,7 @@ def test_python_api_logs_like_the_cli_and_leaves_root_logger_alone(tmp_path):
         print("PIMM", pimm.handlers, logging.getLevelName(pimm.level), pimm.propagate)
     """)
     r = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                       timeout=180)
+                       timeout=hang_s(180))
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout.splitlines()
     # progress on the console, as the CLI prints it (stdout is not a terminal: plain periodic lines)

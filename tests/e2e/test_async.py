@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from _helpers import DIGITS, REPO, clean_env, describe, pimm, read_json
+from _helpers import DIGITS, REPO, clean_env, describe, hang_s, pimm, read_json
 from pimm_core.checkpoint.selection import select_resume
 from test_stop_runs import Session
 
@@ -76,7 +76,7 @@ def _stop_kill_resume(tmp_path) -> None:
     resumed = subprocess.run([sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(DIGITS),
                               "--run.root", str(tmp_path), "--run.name", "bg", "--run.no-timestamp", "--train.resume",
                               "--", *OV, "checkpoint.async=true"],
-                             cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=240)
+                             cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=hang_s(240))
     assert resumed.returncode == 0, describe(resumed)
     start = read_json(s.run_dir / "provenance.json")["starts"][-1]
     assert start["kind"] == "resume" and start["checkpoint_step"] >= step, (start, step)
@@ -85,7 +85,7 @@ def _stop_kill_resume(tmp_path) -> None:
 def background_save_after(s: Session, step: int) -> int:
     """Wait for train.log to report a background save published after ``step``; returns its step."""
     pattern = re.compile(r"saved \S+ \(step (\d+), .*written in the background\)")
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + hang_s(180)
     while time.monotonic() < deadline:
         if s.proc.poll() is not None:
             pytest.fail(f"the run ended before a background save after step {step}:\n{s.describe()}")

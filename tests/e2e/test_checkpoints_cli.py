@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from _helpers import REPO, clean_env, describe, pimm
+from _helpers import REPO, clean_env, describe, hang_s, pimm
 
 
 @pytest.fixture(scope="module")
@@ -132,20 +132,20 @@ def test_scripting_commands_do_not_import_torch(run):
     code = ("import sys; from pimm_core.cli import main; "
             f"main(['checkpoints', 'ls', {str(run)!r}, '--json']); print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                            timeout=60)
+                            timeout=hang_s(60))
     assert result.returncode == 0, describe(result)
     assert result.stdout.strip().splitlines()[-1] == "False"
     for command in (["checkpoints", "latest", str(run / "model")], ["checkpoints", "verify", str(run)]):
         code = f"import sys; from pimm_core.cli import main; main({command!r}); print('torch' in sys.modules)"
         result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True,
-                                text=True, timeout=60)
+                                text=True, timeout=hang_s(60))
         assert result.stdout.strip().splitlines()[-1] == "False", (command, describe(result))
 
 
 def _ls(*args, columns: int):
     env = {**clean_env(), "COLUMNS": str(columns)}
     return subprocess.run([sys.executable, "-m", "pimm_core.cli", "checkpoints", "ls", *map(str, args)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=60)
+                          env=env, capture_output=True, text=True, timeout=hang_s(60))
 
 
 def test_ls_at_80_columns_shows_whole_names(copy):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from _helpers import REPO, clean_env, pimm
+from _helpers import REPO, clean_env, hang_s, pimm
 
 COMMANDS = [[], ["launch"], ["resume"], ["stop"], ["tui"], ["export"], ["checkpoints"], ["checkpoints", "ls"],
             ["checkpoints", "latest"], ["checkpoints", "verify"], ["checkpoints", "diff"]]
@@ -47,7 +47,7 @@ def test_nproc_per_node_below_one_is_refused(n, tmp_path):
 def test_seed_spellings(tmp_path):
     """``python -m pimm.utils.path`` and ``from pimm_core import TrainConfig`` work as the seeds write them."""
     r = subprocess.run([sys.executable, "-m", "pimm.utils.path", "latest-checkpoint", str(tmp_path)], cwd=tmp_path,
-                       env=clean_env(), capture_output=True, text=True, timeout=60)
+                       env=clean_env(), capture_output=True, text=True, timeout=hang_s(60))
     assert r.returncode == 1 and r.stderr.startswith("error: no complete checkpoint in"), r.stderr
     from pimm_core import TrainConfig
     from pimm_core.config import TrainConfig as Same

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, REPO, clean_env, describe, launch, pimm, pimm_here, read_json
+from _helpers import DIGITS, REPO, clean_env, describe, hang_s, launch, pimm, pimm_here, read_json
 from conftest import SINGLE_OVERRIDES
 
 SINGLE_RUN = ("train.epochs=2", 'checkpoint_format="single"', "data.batch_size=128")
@@ -47,7 +47,7 @@ def pimm_env(env: dict[str, str], *args):
     import sys
 
     return subprocess.run([sys.executable, "-m", "pimm_core.cli", *map(str, args)], cwd=REPO,
-                          env={**clean_env(), **env}, capture_output=True, text=True, timeout=240)
+                          env={**clean_env(), **env}, capture_output=True, text=True, timeout=hang_s(240))
 
 
 def resume(root: Path, name: str, *overrides: str, extra: tuple[str, ...] = ("--train.resume",), here: bool = False):

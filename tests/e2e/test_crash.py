@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import REPO, clean_env
+from _helpers import REPO, clean_env, hang_s
 
 SWEEP = REPO / "benchmarks" / "crash_points.py"
 
@@ -60,7 +60,7 @@ def sweep(tmp_path_factory) -> dict[str, dict]:
     args = [sys.executable, str(SWEEP), "--work", str(work / "w"), "--out", str(out), "--quiet"]
     for spec in CASES.values():
         args += ["--case", spec]
-    result = subprocess.run(args, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(args, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=hang_s(600))
     assert out.exists(), f"sweep crashed: exit {result.returncode}\n{result.stderr[-3000:]}"
     rows = json.loads(out.read_text())["cases"]
     assert len(rows) == len(CASES)
@@ -132,7 +132,7 @@ def test_one_rank_killed_mid_save_is_reported_in_one_line_and_resumes(tmp_path):
     base = [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(REPO / "configs" / "digits.toml"),
             "--run.root", str(tmp_path), "--run.name", "r", "--run.no-timestamp", "--nproc-per-node", "2"]
     ov = ["--", "train.epochs=2", "checkpoint.every_steps=10", "data.num_workers=0"]
-    crashed = subprocess.run([*base, *ov], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    crashed = subprocess.run([*base, *ov], cwd=REPO, env=env, capture_output=True, text=True, timeout=hang_s(300))
     assert crashed.returncode == 1, crashed.stderr[-3000:]
     assert "Traceback" not in crashed.stderr and "[rank0]" not in crashed.stderr, crashed.stderr[-3000:]
     errors = [line for line in crashed.stderr.splitlines() if line.startswith("error:")]
@@ -140,7 +140,7 @@ def test_one_rank_killed_mid_save_is_reported_in_one_line_and_resumes(tmp_path):
     assert crashed.stderr.strip().splitlines()[-1] == errors[0]  # nothing from torchrun after it
 
     resumed = subprocess.run([*base, "--train.resume", *ov], cwd=REPO, env=clean_env(), capture_output=True,
-                             text=True, timeout=300)
+                             text=True, timeout=hang_s(300))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     provenance = json.loads((tmp_path / "digits" / "r" / "provenance.json").read_text())
     resume = provenance["starts"][-1]

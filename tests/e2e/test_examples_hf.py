@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from _helpers import REPO, clean_env, describe, read_json, read_jsonl
+from _helpers import REPO, clean_env, describe, hang_s, read_json, read_jsonl
 
 STEPS = {"hf_gpt2.toml": 30, "timm_digits.toml": 12}  # optimizer steps of each run (2 ranks)
 ENV = {**clean_env(), "HF_HUB_OFFLINE": "1"}
@@ -32,7 +32,7 @@ def _cmd(config: str, root: Path, name: str, *args: str) -> list[str]:
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=hang_s(600))
 
 
 def _steps(run: Path) -> list[int]:
@@ -53,11 +53,11 @@ def _stop_resume_export(tmp_path: Path, config: str, group: str) -> tuple[Path, 
     cut_dir = root / group / "cut"
     cut = subprocess.Popen(_cmd(config, root, "cut"), cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
-    deadline = time.monotonic() + 300  # only catches a hang
+    deadline = time.monotonic() + hang_s(300)  # only catches a hang
     while not any(s >= 3 for s in _steps(cut_dir)) and cut.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     cut.send_signal(signal.SIGTERM)  # a scheduler's pre-emption notice to the launcher
-    out, err = cut.communicate(timeout=300)
+    out, err = cut.communicate(timeout=hang_s(300))
     assert cut.returncode == 0, out + err
     status = read_json(cut_dir / "status.json")
     assert status["state"] == "stopped" and status["step"] < STEPS[config], (status, out[-2000:])
@@ -71,7 +71,7 @@ def _stop_resume_export(tmp_path: Path, config: str, group: str) -> tuple[Path, 
 
     out_dir = tmp_path / "export"
     exported = subprocess.run([sys.executable, "-m", "pimm_core.cli", "export", "--run-dir", str(cut_dir), "last",
-                               str(out_dir)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+                               str(out_dir)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=hang_s(300))
     assert exported.returncode == 0, describe(exported)
     return out_dir, b
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-from _helpers import REPO, clean_env
+from _helpers import REPO, clean_env, hang_s
 
 SCRIPT = textwrap.dedent("""
     from pimm_core import Trainer, load_config
@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
 def test_program_with_a_live_trainer_and_workers_exits():
     try:
         r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                           timeout=120)
+                           timeout=hang_s(120))
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"the program hung at exit\n{(e.stdout or b'')[-2000:]!r}") from None
     assert r.returncode == 0 and "trained" in r.stdout, r.stderr[-3000:]

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from _helpers import hang_s
 from pimm_core.checkpoint.export import export, load_exported
 from pimm_core.checkpoint.export_config import REDACTED, sanitize_config
 from pimm_core.checkpoint.manifest import sha256_file
@@ -307,7 +308,8 @@ def test_export_twice_gives_the_same_bytes(tmp_path: Path, fmt: str) -> None:
     assert main(args(tmp_path / "out0")) == 0
     seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
     res = subprocess.run([sys.executable, "-m", "pimm_core.cli", *args(tmp_path / "out1")], cwd=REPO,
-                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONHASHSEED": seed})
+                         capture_output=True, text=True, timeout=hang_s(120),
+                         env={**os.environ, "PYTHONHASHSEED": seed})
     assert res.returncode == 0, res.stderr[-2000:]
     outs = [_digests(tmp_path / "out0"), _digests(tmp_path / "out1")]
     assert outs[0] == outs[1] and sorted(outs[0]) == sorted(["pimm_config.json", "export.json", WEIGHTS_FILE[fmt]])

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import DIGITS, REPO, clean_env, describe, pimm_here
+from _helpers import DIGITS, REPO, clean_env, describe, hang_s, pimm_here
 from pimm_core.checkpoint.foreign import directory_layout, file_layout, sniff
 from pimm_core.checkpoint.resume_path import resolve_resume_path
 from pimm_core.checkpoint.sources import check_weight_source
@@ -100,7 +100,7 @@ def _launch(root: Path, *args: str, env: dict[str, str] | None = None, timeout: 
     cmd = [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(DIGITS), "--run.root", str(root),
            *map(str, args)]
     return subprocess.run(cmd, cwd=REPO, env={**clean_env(), **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=hang_s(timeout))
 
 
 # ------------------------------------------------------------------ naming (no torch.load, nothing runs)
@@ -248,13 +248,13 @@ def test_hub_cached_file_is_used_without_network(tmp_path, env):
     cached = _fake_hub_cache(tmp_path / "hf", _digits_state_dict())
     code = ("from pimm_core.checkpoint.sources import resolve_weight_source as r; "
             "print(r('hf://org/repo')); print(r('hf://org/repo/model.safetensors'))")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=hang_s(60),
                             env={**clean_env(), **env, "HF_HOME": str(tmp_path / "hf")})
     assert result.returncode == 0, describe(result)
     assert result.stdout.split() == [str(cached.resolve())] * 2
     if "HF_HUB_OFFLINE" in env:
         missing = subprocess.run([sys.executable, "-c", code.replace("org/repo'", "org/other'", 1)], cwd=REPO,
-                                 capture_output=True, text=True, timeout=60,
+                                 capture_output=True, text=True, timeout=hang_s(60),
                                  env={**clean_env(), **env, "HF_HOME": str(tmp_path / "hf")})
         assert "HubUnreachableError: cannot use hf://org/other: HF_HUB_OFFLINE is set" in missing.stderr
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import REPO, clean_env, describe, launch, pimm, read_json, read_jsonl
+from _helpers import REPO, clean_env, describe, hang_s, launch, pimm, read_json, read_jsonl
 from _resume_driver import BASE, run_job
 
 DRIVER = Path(__file__).with_name("_resume_driver.py")
@@ -43,7 +43,7 @@ def _torchrun(jobs: list[dict], jobs_file: Path, nproc: int = 2, background: boo
 
 def _wait(proc: subprocess.Popen, timeout: float = 300) -> None:
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=hang_s(timeout))
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()

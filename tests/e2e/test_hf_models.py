@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import REPO, clean_env, describe, read_json, read_jsonl
+from _helpers import REPO, clean_env, describe, hang_s, read_json, read_jsonl
 
 USERPKG = Path(__file__).resolve().parent / "userpkg"
 
@@ -51,7 +51,7 @@ def launch(cfg: Path, root: Path, name: str, *args: str, overrides: tuple[str, .
     if overrides:
         cmd += ["--", *overrides]
     env = {**clean_env(), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=hang_s(timeout))
 
 
 def run_dir(root: Path, name: str) -> Path:
@@ -101,7 +101,7 @@ def test_an_output_the_builtins_cannot_read_is_one_line_and_leaves_no_run(tmp_pa
 def _export(rd: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**clean_env(), "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-m", "pimm_core.cli", "export", "--run-dir", str(rd), "last", str(out),
-                           *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                           *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=hang_s(300))
 
 
 def _trained(rd: Path) -> dict:

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from _helpers import DIGITS, REPO, clean_env, describe, pimm, pimm_here, read_json
+from _helpers import DIGITS, REPO, clean_env, describe, hang_s, pimm, pimm_here, read_json
 
 # long enough to still be running while the test looks at it; a save at every epoch end
 LONG = ("train.epochs=200", "checkpoint.every_epochs=1", "train.log_every_steps=1000")
@@ -33,7 +33,7 @@ def _argv(root: Path, *extra: str, overrides: tuple[str, ...] = LONG) -> list[st
 
 
 def _wait_for(cond, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + hang_s(timeout)
     while not cond():
         assert proc.poll() is None, f"the run ended early: exit {proc.returncode}"
         assert time.monotonic() < deadline, "timed out"
@@ -68,7 +68,7 @@ def test_second_launch_refused_killed_holder_taken_over(tmp_path):
 
         # kill -9 the holder: its flock goes with it; lock.json (the holder's record) stays behind
         first.send_signal(signal.SIGKILL)
-        first.wait(timeout=30)
+        first.wait(timeout=hang_s(30))
     finally:
         if first.poll() is None:
             first.kill()

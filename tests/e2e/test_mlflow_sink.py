@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 from mlflow import MlflowClient
 
-from _helpers import DIGITS, clean_env, describe, launch, pimm, pimm_here, read_json, read_jsonl
+from _helpers import DIGITS, clean_env, describe, hang_s, launch, pimm, pimm_here, read_json, read_jsonl
 
 _RUN = ("train.max_steps=14", "train.log_every_steps=1", "checkpoint.every_steps=5", "checkpoint.every_epochs=0")
 
@@ -35,7 +35,7 @@ def mlflow_server(tmp_path):
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**clean_env(), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # (no job workers)
     uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180  # only catches a hang: the loop ends when the server answers
+    deadline = time.monotonic() + hang_s(180)  # only catches a hang: the loop ends when the server answers
     while True:
         try:
             with urllib.request.urlopen(f"{uri}/health", timeout=5) as r:
@@ -48,7 +48,7 @@ def mlflow_server(tmp_path):
     yield uri
     os.killpg(proc.pid, signal.SIGTERM)  # the server and the uvicorn worker it started
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=hang_s(60))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -32,14 +32,14 @@ from typing import Any
 import pytest
 import torch
 
-from _helpers import DIGITS, REPO, clean_env, describe, pimm, read_json, read_jsonl
+from _helpers import DIGITS, REPO, clean_env, describe, hang_s, pimm, read_json, read_jsonl
 from pimm_core.checkpoint.manifest import verify_files
 
 OVERRIDES = ("train.epochs=3", "train.log_every_steps=1")  # 23 steps per epoch at world size 2
 TOTAL = 69
 NAME = "mn"
 LEAD = 3  # optimizer steps a session takes (since its start) before it is stopped
-TIMEOUT = 180
+TIMEOUT = hang_s(180)
 
 
 def free_port() -> int:
@@ -170,7 +170,7 @@ class Stage:
 def finish(session: TwoNodes, running: dict[str, Any], **extra: Any) -> Stage:
     codes = session.wait()
     run = session.run_dir
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + hang_s(10)
     while [p for p in running["pids"] if alive(p)] and time.monotonic() < deadline:
         time.sleep(0.1)
     left = [p for p in running["pids"] if alive(p)]
@@ -365,7 +365,7 @@ def test_a_fresh_two_node_launch_refuses_a_run_with_checkpoints(chain, tmp_path)
     before = sorted(p.name for p in chain.run_dir.iterdir())
     port = free_port()
     agents = [Agent(two_node_launch(chain.root)(node, port), tmp_path / f"node{node}.out") for node in (0, 1)]
-    codes = [a.wait(60) for a in agents]
+    codes = [a.wait(hang_s(60)) for a in agents]
     outs = [a.output() for a in agents]
     for a in agents:
         a.kill()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, REPO, clean_env, describe, launch, pimm_here, read_json
+from _helpers import DIGITS, REPO, clean_env, describe, hang_s, launch, pimm_here, read_json
 from pimm_core.checkpoint.selection import select_resume
 from pimm_core.errors import UsageError
 from pimm_core.lock import LAUNCHER_ENV, LAUNCHER_HOLDS_ENV, LOCK, RANKS, RunLock
@@ -76,9 +76,9 @@ def _flock_holders(path: Path) -> set[tuple[str, int]]:
 
 
 def _wait_until(cond, what: str, timeout: float = DEADLINE) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + hang_s(timeout)
     while not cond():
-        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
+        assert time.monotonic() < deadline, f"not within {hang_s(timeout):.0f} s: {what}"
         time.sleep(0.05)
 
 
@@ -110,7 +110,7 @@ def test_killed_launcher_takes_its_ranks_and_their_workers(tmp_path):
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     ranks: list[int] = []
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + hang_s(180)
         while not ranks:  # training, with a complete save behind it
             assert launcher.poll() is None, f"the run ended early:\n{(tmp_path / 'launch.out').read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"no save within 180 s:\n{(tmp_path / 'launch.out').read_text()[-3000:]}"
@@ -136,7 +136,7 @@ def test_killed_launcher_takes_its_ranks_and_their_workers(tmp_path):
         members = _session_members(set(ranks))  # the ranks and the DataLoader workers they have now
 
         launcher.send_signal(signal.SIGKILL)
-        launcher.wait(timeout=30)
+        launcher.wait(timeout=hang_s(30))
 
         _wait_until(lambda: not any(_alive(p) for p in ranks), "both ranks gone")
         _wait_until(lambda: not _session_members(set(ranks)) and not any(_alive(p) for p in members),
@@ -184,7 +184,7 @@ def test_launch_refused_while_a_rank_of_an_earlier_launch_lives(tmp_path):
         for extra in (("--nproc-per-node", "2", "--train.resume"), ("--train.resume",)):
             if "--nproc-per-node" in extra:
                 refused = subprocess.run(_launch_argv(tmp_path, *extra, overrides=("train.epochs=2",)), cwd=REPO,
-                                         env=clean_env(), capture_output=True, text=True, timeout=120)
+                                         env=clean_env(), capture_output=True, text=True, timeout=hang_s(120))
             else:
                 refused = pimm_here(*_launch_args(tmp_path, *extra, overrides=("train.epochs=2",)))
             assert refused.returncode == 2, describe(refused)
@@ -255,6 +255,6 @@ def test_parent_already_gone_dies_at_once(tmp_path, who):
     else:
         code = f"from pimm_core.data import init_worker; init_worker({gone.pid}, 0); print('ready', flush=True)"
         argv, env = [sys.executable, "-c", code], clean_env()
-    child = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    child = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=hang_s(60))
     assert child.returncode == -signal.SIGKILL, describe(child)
     assert "ready" not in child.stdout

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, REPO, launch, read_json
+from _helpers import DIGITS, REPO, hang_s, launch, read_json
 from _s3 import BUCKET, start_s3
 
 # 2 epochs of digits (45 steps each): saves at the end of epoch 1 (step 45) and the final one (step 90),
@@ -35,7 +35,7 @@ def auto_resume(root: Path, name: str, s3, *overrides: str) -> subprocess.Comple
     return subprocess.run([sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(DIGITS),
                            "--run.root", str(root), "--run.name", name, "--run.no-timestamp", "--train.auto-resume",
                            "--", *overrides, *remote(s3)], cwd=REPO, env=s3.env(), capture_output=True, text=True,
-                          timeout=300)
+                          timeout=hang_s(300))
 
 
 def remote(s3) -> list[str]:
@@ -75,7 +75,7 @@ def test_uploaded_with_layout_retention_and_resumed_after_model_dir_is_wiped(tmp
     code = ("import sys; from pimm_core.cli import main; "
             f"main(['checkpoints', 'ls', {str(model.parent)!r}, '--json']); print('torch' in sys.modules)")
     ls = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=s3.env(), capture_output=True, text=True,
-                        timeout=120)
+                        timeout=hang_s(120))
     assert ls.returncode == 0, ls.stderr
     *body, torch_loaded = ls.stdout.strip().splitlines()
     assert torch_loaded == "False"
@@ -149,9 +149,9 @@ def test_server_going_away_is_a_warning_training_continues_and_the_end_says_what
         wait_for(lambda: (s := read_json(run_dir / "status.json")).get("step", s.get("global_step")) > step,
                  "training going on after the warning")
         stop = subprocess.run([sys.executable, "-m", "pimm_core.cli", "stop", str(run_dir)], cwd=REPO,
-                              env=s3.env(), capture_output=True, text=True, timeout=60)
+                              env=s3.env(), capture_output=True, text=True, timeout=hang_s(60))
         assert stop.returncode == 0, stop.stderr
-        out, _ = proc.communicate(timeout=300)
+        out, _ = proc.communicate(timeout=hang_s(300))
     finally:
         proc.kill()
     assert proc.returncode == 0, out
@@ -163,7 +163,7 @@ def test_server_going_away_is_a_warning_training_continues_and_the_end_says_what
 
 def wait_for(cond, what: str, timeout: float = 240) -> None:
     """Wait for an event (catches hangs only; no machine-speed assumption)."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + hang_s(timeout)
     while time.monotonic() < deadline:
         try:
             if cond():
@@ -180,7 +180,7 @@ def test_pimm_resume_downloads_the_newest_complete_remote_checkpoint_into_a_wipe
     run_dir = tmp_path / "digits" / "r"
     shutil.rmtree(run_dir / "model")
     r2 = subprocess.run([sys.executable, "-m", "pimm_core.cli", "resume", str(run_dir), "--", "train.epochs=2"],
-                        cwd=REPO, env=s3.env(), capture_output=True, text=True, timeout=300)
+                        cwd=REPO, env=s3.env(), capture_output=True, text=True, timeout=hang_s(300))
     assert r2.returncode == 0, r2.stdout + r2.stderr
     assert "step_45" in r2.stdout + r2.stderr
     resumes = [e for e in read_json(run_dir / "provenance.json")["starts"] if e.get("kind") == "resume"]

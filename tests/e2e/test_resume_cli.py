@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, REPO, clean_env, describe, pimm, pimm_here, read_json, read_jsonl, snapshot
+from _helpers import DIGITS, REPO, clean_env, describe, hang_s, pimm, pimm_here, read_json, read_jsonl, snapshot
 from _resume_driver import BASE, run_job
 from conftest import STOPPED_AT, STOPPED_OVERRIDES
 from pimm_core.checkpoint.selection import select_resume
@@ -139,7 +139,7 @@ def test_dry_run_shows_config_diff(root):
 # ------------------------------------------------------------------ path helper and rotation recovery
 def _latest_both(model: Path, *flags: str) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
     helper = subprocess.run([sys.executable, "-m", "pimm_core.utils.path", "latest-checkpoint", str(model), *flags],
-                            cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
+                            cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=hang_s(60))
     cli = pimm("checkpoints", "latest", str(model), *flags)
     return helper, cli
 
@@ -195,7 +195,7 @@ def test_kill_9_mid_epoch_then_resume(tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "pimm_core.cli", *args, "--", *KILL_OV], cwd=REPO,
                                 env=clean_env(), stdout=log, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 180
+            deadline = time.monotonic() + hang_s(180)
             while time.monotonic() < deadline and proc.poll() is None:
                 m = read_json_or_none(manifest)  # None while absent (before the first save, or mid-rotation)
                 if m is not None and m.get("step", 0) >= 14:
@@ -206,7 +206,7 @@ def test_kill_9_mid_epoch_then_resume(tmp_path):
         finally:
             if proc.poll() is None:
                 proc.kill()
-            proc.wait(timeout=30)
+            proc.wait(timeout=hang_s(30))
     assert proc.returncode == -signal.SIGKILL
     assert read_json(run / "status.json")["state"] == "running"  # nobody said goodbye
 

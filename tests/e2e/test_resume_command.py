@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, describe, pimm, pimm_here, read_json, read_jsonl
+from _helpers import DIGITS, describe, hang_s, pimm, pimm_here, read_json, read_jsonl
 from _resume_driver import run_job
 from conftest import STOPPED_AT, STOPPED_OVERRIDES
 
@@ -138,7 +138,7 @@ def pimm_path_helper(model: Path, *flags: str):
     from _helpers import REPO, clean_env
 
     return subprocess.run([sys.executable, "-m", "pimm_core.utils.path", "latest-checkpoint", str(model), *flags],
-                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=hang_s(60))
 
 
 def test_bit_flipped_last_is_refused_by_every_selection(copy):

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import REPO, clean_env, read_json, read_jsonl, resumed_records
+from _helpers import REPO, clean_env, hang_s, read_json, read_jsonl, resumed_records
 from _resume_driver import run_job
 
 STEPS1, STEPS2 = 45, 23  # optimizer steps per epoch at world size 1 / 2 (1,437 samples, batch 32)
@@ -58,7 +58,7 @@ def _torchrun_start(jobs: list[dict], jobs_file: Path) -> subprocess.Popen:
 
 def _torchrun_wait(proc: subprocess.Popen, timeout: float = 240) -> None:
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=hang_s(timeout))
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import REPO, clean_env, describe, pimm, read_json, release, undeletable
+from _helpers import REPO, clean_env, describe, hang_s, pimm, read_json, release, undeletable
 from _resume_driver import run_job
 from conftest import STOPPED_AT, STOPPED_OVERRIDES
 
@@ -64,7 +64,7 @@ def _launch(config: Path, root: Path, *args: str, env: dict | None = None, overr
     if overrides:
         cmd += ["--", *overrides]
     return subprocess.run(cmd, cwd=REPO, env={**clean_env(), **(env or {})}, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=hang_s(300))
 
 
 def _seen(path: Path) -> list[list[int]]:
@@ -322,7 +322,7 @@ def _ranks(jobs: list[dict], jobs_file: Path) -> subprocess.CompletedProcess[str
     jobs_file.write_text(json.dumps(jobs))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(DRIVER),
            str(jobs_file)]
-    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=hang_s(600))
 
 
 def test_freezing_a_layer_mid_run_at_two_ranks_resumes_bitwise(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, describe, pimm, pimm_here, snapshot
+from _helpers import DIGITS, describe, hang_s, pimm, pimm_here, snapshot
 from pimm_core.config import load_config
 from pimm_core.launch import resolve_run_dir
 
@@ -152,7 +152,7 @@ def test_concurrent_claims_never_share_a_directory(tmp_path):
     procs = [ctx.Process(target=_claim_in_child, args=(str(base), queue)) for _ in range(6)]
     for p in procs:
         p.start()
-    got = sorted(queue.get(timeout=60) for _ in procs)
+    got = sorted(queue.get(timeout=hang_s(60)) for _ in procs)
     for p in procs:
         p.join(60)
     assert len(set(got)) == 6 and sorted(Path(g).name for g in got) == sorted(

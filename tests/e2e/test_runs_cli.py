@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, REPO, clean_env, describe, launch, pimm, read_json
+from _helpers import DIGITS, REPO, clean_env, describe, hang_s, launch, pimm, read_json
 
 
 def _ls_json(root: Path, *args: str) -> dict:
@@ -36,7 +36,7 @@ def _background(root: Path, name: str) -> subprocess.Popen:
 
 
 def _wait_for(predicate, what: str, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + hang_s(timeout)
     while not predicate():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
@@ -98,7 +98,7 @@ def test_runs_ls_names_every_state_and_what_a_resume_loads(root):
 
     stop = pimm("stop", root / "digits" / "live", timeout=60)
     assert stop.returncode == 0, describe(stop)
-    live.wait(timeout=240)
+    live.wait(timeout=hang_s(240))
     assert _state(root, "live") == "stopped"
     row = {r["name"]: r for r in _ls_json(root / "digits")["runs"]}["live"]  # a group as the root
     assert row["resume"] == "last" and row["resume_step"] == row["step"]
@@ -117,5 +117,5 @@ def test_runs_ls_does_not_import_torch(trained_run):
     code = ("import sys; from pimm_core.cli import main; "
             f"main(['runs', 'ls', {str(trained_run.root)!r}, '--json']); print('torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                       timeout=60)
+                       timeout=hang_s(60))
     assert r.stdout.strip().splitlines()[-1] == "False", describe(r)

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import REPO, clean_env, pimm_here
+from _helpers import REPO, clean_env, hang_s, pimm_here
 from pimm_core.checkpoint.manifest import read_manifest
 from pimm_core.checkpoint.safe_read import read_dcp_metadata
 from pimm_core.checkpoint.selection import select_resume
@@ -50,7 +50,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
         launcher = [] if nproc is None else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                                              str(nproc)]
         r = subprocess.run([sys.executable, *launcher, str(WORKER), mode, str(root)], cwd=REPO, env=clean_env(),
-                           capture_output=True, text=True, timeout=300)
+                           capture_output=True, text=True, timeout=hang_s(300))
         assert r.returncode == 0, f"{nproc or 1} rank(s), {mode}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-6000:]}"
         passed += [line[3:] for line in r.stdout.splitlines() if line.startswith("ok ")]
     return root, passed

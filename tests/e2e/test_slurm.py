@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, REPO, clean_env, read_json
+from _helpers import DIGITS, REPO, clean_env, hang_s, read_json
 from _slurm import start_cluster
 from test_stop_runs import LEAD, TWO_RANKS, Session, _reference, assert_same_weights
 
 pytestmark = pytest.mark.slurm
 
 OVERRIDES = (*TWO_RANKS, 'train.stop_signals=["SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1"]', "train.requeue=true")
-TIMEOUT = 240
+TIMEOUT = hang_s(240)
 
 
 @pytest.fixture(scope="module")

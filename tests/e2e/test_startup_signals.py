@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, REPO, clean_env, describe, launch, pimm, read_json, read_jsonl
+from _helpers import DIGITS, REPO, clean_env, describe, hang_s, launch, pimm, read_json, read_jsonl
 from conftest import TrainedRun
 
 from pimm_core.checkpoint.selection import list_candidates
@@ -85,12 +85,12 @@ def test_sighup_during_training_is_a_clean_stop(tmp_path: Path) -> None:
            "--run.name", "h", "--run.no-timestamp", "--", "train.epochs=200", "train.log_every_steps=1"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + hang_s(240)
         while not ((run / "status.json").exists() and (read_json(run / "status.json").get("step") or 0) >= 1):
             assert proc.poll() is None and time.monotonic() < deadline, "the run never took a step"
             time.sleep(0.05)
         proc.send_signal(signal.SIGHUP)
-        out, err = proc.communicate(timeout=240)
+        out, err = proc.communicate(timeout=hang_s(240))
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, read_json, read_jsonl
+from _helpers import DIGITS, hang_s, read_json, read_jsonl
 from pimm_core.stop import StopRequest
 
 
 def _wait_for(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + hang_s(timeout)
     while time.monotonic() < deadline:
         if predicate():
             return True

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from _helpers import DIGITS, REPO, clean_env, describe, pimm, read_json
+from _helpers import DIGITS, REPO, clean_env, describe, hang_s, pimm, read_json
 from pimm_core.launch.forward import live_processes
 from pimm_core.checkpoint.selection import select_resume
 from pimm_core.shell import program
@@ -49,7 +49,7 @@ TWO_RANKS = ("train.epochs=2", *COMMON)  # 23 steps per epoch per rank, 46 in al
 # run names a shell would mangle unquoted: the printed resume command must quote them
 NAME_1, NAME_2 = "c1 sweep[lr=0.1]", "c2 $HOME [x]"
 LEAD = 3  # optimizer steps a session must have taken (since its start) before it is signalled
-TIMEOUT = 180
+TIMEOUT = hang_s(180)
 
 
 # ---------------------------------------------------------------- processes
@@ -174,7 +174,7 @@ def finish_stage(sess: Session, label: str, running: dict[str, Any], **extra: An
     run = sess.run_dir
     status = read_json(run / "status.json")
     pids = set(status.get("pids") or []) | set(running.get("pids") or []) | {sess.pid}
-    deadline = time.monotonic() + 10  # rank and DataLoader-worker processes must be gone (reaped or exited)
+    deadline = time.monotonic() + hang_s(10)  # rank and DataLoader-worker processes must be gone (reaped or exited)
     while True:
         survivors = sorted(set(session_members(pids)) | {p for p in pids if alive(p)})
         if not survivors or time.monotonic() > deadline:
@@ -230,7 +230,7 @@ def burst_stage(root: Path, name: str, overrides: tuple[str, ...], *, label: str
 
     os.kill(sess.pid, signal.SIGTERM)
     saw_save = False
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + hang_s(60)
     while sess.proc.poll() is None and time.monotonic() < deadline and not saw_save:
         saw_save = saving()
         time.sleep(0.0005)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, REPO
+from _helpers import DIGITS, REPO, hang_s
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (a real terminal)")
 
@@ -30,7 +30,7 @@ def test_log_lines_scroll_above_one_progress_bar(tmp_path):
     try:
         subprocess.run(["tmux", "send-keys", "-t", session, f"cd {shlex.quote(str(REPO))} && {cmd}", "Enter"],
                        check=True)
-        deadline, lines = time.monotonic() + 120, []
+        deadline, lines = time.monotonic() + hang_s(120), []
         while time.monotonic() < deadline:
             time.sleep(0.25)
             screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True,
@@ -46,7 +46,7 @@ def test_log_lines_scroll_above_one_progress_bar(tmp_path):
             "\n".join(lines)
     finally:
         subprocess.run(["tmux", "send-keys", "-t", session, "C-c", ""], check=False)
-        _wait_stopped(tmp_path / "digits" / "t" / "status.json", timeout=10)
+        _wait_stopped(tmp_path / "digits" / "t" / "status.json", timeout=hang_s(10))
         subprocess.run(["tmux", "kill-session", "-t", session], check=False)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import REPO, clean_env, describe, pimm
+from _helpers import REPO, clean_env, describe, hang_s, pimm
 from tui_support import copy_run, tui_run
 
 
@@ -20,7 +20,7 @@ WATCH = ", ".join(f"pimm_core.watch.{m}" for m in ("status", "metrics", "series"
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                          timeout=120)
+                          timeout=hang_s(120))
 
 
 def test_pimm_core_never_imports_textual() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import REPO, clean_env, describe
+from _helpers import REPO, clean_env, describe, hang_s
 from tui_support import fake_run, loaded, make_app, rotate, screen_text, train_record, wait_for
 
 from pimm_tui.screens import ConfirmStop
@@ -120,7 +120,7 @@ from pimm_core.cli import main
 sys.exit(main(["tui", {str(rd)!r}]))
 """
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                          timeout=120)
+                          timeout=hang_s(120))
 
 
 def test_pimm_tui_opens_a_diverged_run_and_quits_with_0(tmp_path: Path) -> None:

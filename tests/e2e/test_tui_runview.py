@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from _helpers import hang_s
 from pimm_core.run.layout import is_run_dir
 from pimm_core.run.log import LogTail
 from pimm_core.watch.candidates import candidate_identity, find_candidate, verify_checkpoint
@@ -250,7 +251,7 @@ def test_verify_checkpoint_never_reports_a_mismatch_while_saves_rotate_last(tmp_
     t = threading.Thread(target=saver)
     t.start()
     results = []
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + hang_s(30)
     try:
         while (len(results) < 20 or saves[0] < 10) and time.monotonic() < deadline:
             results.append(verify_checkpoint(model, "last", settle_s=0.05))

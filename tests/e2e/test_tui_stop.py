@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, REPO, clean_env
+from _helpers import DIGITS, REPO, clean_env, hang_s
 from tui_support import loaded, make_app, screen_text, wait_for
 
 from pimm_core.checkpoint.selection import select_resume
@@ -33,7 +33,7 @@ async def test_stop_key_stops_a_live_run(tmp_path: Path) -> None:
            "checkpoint.every_epochs=0"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + hang_s(120)
         while _status(run_dir).get("state") != "running":
             assert proc.poll() is None, proc.communicate()[0][-3000:]
             assert time.monotonic() < deadline, "the run did not start"
@@ -63,7 +63,7 @@ async def test_stop_key_stops_a_live_run(tmp_path: Path) -> None:
                            what="state stopped")
             assert "STOPPED" in screen_text(app) and "(operator)" in screen_text(app)
             assert app.check_action("stop", ()) is None  # no longer live: disabled
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=hang_s(60))
         assert proc.returncode == 0, out[-3000:]
     finally:
         if proc.poll() is None:

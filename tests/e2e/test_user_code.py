@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import REPO, clean_env, describe, read_json
+from _helpers import REPO, clean_env, describe, hang_s, read_json
 
 USERPKG = Path(__file__).resolve().parent / "userpkg"
 STEPS = 12  # optimizer steps per epoch at 1 rank: 192 samples, batch 16
@@ -81,7 +81,7 @@ def _launch(config: Path, root: Path, name: str, *args: str, nproc: int | None =
         cmd += ["--", *overrides]
     # run from the repository (not the config's directory): the config's directory must be searched
     return subprocess.run(cmd, cwd=REPO, env={**clean_env(), **(env or {})}, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=hang_s(300))
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:
@@ -206,7 +206,7 @@ def test_pimm_resume_finds_the_user_code_beside_the_original_config(tmp_path):
     first = read_json(run / "provenance.json")["starts"][0]
     assert first["kind"] == "start" and str(tmp_path) in first["code_search_path"]
     resumed = subprocess.run([sys.executable, "-m", "pimm_core.cli", "resume", str(run)], cwd=REPO,
-                             env={**clean_env(), **env}, capture_output=True, text=True, timeout=300)
+                             env={**clean_env(), **env}, capture_output=True, text=True, timeout=hang_s(300))
     assert resumed.returncode == 0, describe(resumed)
     assert read_json(run / "status.json")["state"] == "finished"
     assert [e["kind"] for e in read_json(run / "provenance.json")["starts"] if "checkpoint" in e] == ["resume"]

@@ -28,7 +28,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from _helpers import DIGITS, REPO, clean_env, describe, read_json
+from _helpers import DIGITS, REPO, clean_env, describe, hang_s, read_json
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -67,7 +67,7 @@ def test_workers_never_inherit_a_lock_another_thread_holds():
 
     stop = start_cache_filler()
     try:
-        loader, sampler = _loader(CachedRange(), workers=2, timeout=20)
+        loader, sampler = _loader(CachedRange(), workers=2, timeout=hang_s(20))
         _assert_fork_server(_epochs(loader, sampler, 10))
     finally:
         stop.set()
@@ -80,7 +80,7 @@ def test_workers_start_while_native_threads_enter_python():
 
     stop = start_native_churn(2)
     try:
-        loader, sampler = _loader(CachedRange(), workers=2, timeout=20)
+        loader, sampler = _loader(CachedRange(), workers=2, timeout=hang_s(20))
         _assert_fork_server(_epochs(loader, sampler, 60))
     finally:
         stop.set()
@@ -120,7 +120,7 @@ def _local_class_dataset():
 def test_a_dataset_the_workers_cannot_receive_is_one_config_line():
     from pimm_core.errors import ConfigError
 
-    loader, _ = _loader(_local_class_dataset(), workers=2, timeout=30)
+    loader, _ = _loader(_local_class_dataset(), workers=2, timeout=hang_s(30))
     with pytest.raises(ConfigError) as e:
         next(iter(loader))
     msg = str(e.value)
@@ -182,6 +182,6 @@ def test_a_dataset_defined_in_an_interactive_session_is_one_config_line():
               "try:\n    train_loader(Mine(), DataConfig(batch_size=2, num_workers=2), DistInfo(), seed=0)\n"
               "except Exception as e:\n    print(type(e).__name__, e)\n")
     r = subprocess.run([sys.executable], input=script, cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                       timeout=120)
+                       timeout=hang_s(120))
     assert r.stdout.startswith("ConfigError data: the train dataset (Mine) is defined in an interactive session"), \
         describe(r)

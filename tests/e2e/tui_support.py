@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from _helpers import describe, launch
+from _helpers import describe, hang_s, launch
 
 # Two epochs of digits (45 steps each), a training record every 5 steps, `last` and an
 # iter_<step>.pth snapshot every 20 steps.
@@ -51,8 +51,9 @@ def screen_text(app: Any) -> str:
 
 
 async def wait_for(pilot: Any, cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    """Let the app run until ``cond()`` is truthy; fail with ``what`` and the screen after ``timeout``."""
-    deadline = time.monotonic() + timeout
+    """Let the app run until ``cond()`` is truthy; fail with ``what`` and the screen after ``timeout``
+    (an idle-machine bound in seconds, stretched by ``hang_s``)."""
+    deadline = time.monotonic() + hang_s(timeout)
     while True:
         value = cond()
         if value:

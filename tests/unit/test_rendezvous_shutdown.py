@@ -36,8 +36,9 @@ def _stores():
 
 def test_store_host_waits_for_the_other_node_to_close():
     host_store, client_store = _stores()
-    host = HostLeavesLast(_Handler(), host_store, hosts_store=True, wait_s=30)
-    other = HostLeavesLast(_Handler(), client_store, hosts_store=False, wait_s=30)
+    # limits far above the waits below: a node that waited for its limit fails them
+    host = HostLeavesLast(_Handler(), host_store, hosts_store=True, wait_s=600)
+    other = HostLeavesLast(_Handler(), client_store, hosts_store=False, wait_s=600)
     for h in (host, other):
         h.next_rendezvous()
     done = threading.Event()
@@ -45,23 +46,23 @@ def test_store_host_waits_for_the_other_node_to_close():
     thread.start()
     assert not done.wait(1.0), "the host left before the other node closed the rendezvous"
     assert other.shutdown() is True  # the other node closes and counts itself out, then leaves
-    assert done.wait(10), "the host kept waiting after every node had closed"
+    assert done.wait(60), "the host kept waiting after every node had closed"
     thread.join()
 
 
 def test_other_nodes_do_not_wait_and_a_missing_node_only_delays_the_host():
     host_store, client_store = _stores()
-    other = HostLeavesLast(_Handler(), client_store, hosts_store=False, wait_s=30)
+    other = HostLeavesLast(_Handler(), client_store, hosts_store=False, wait_s=600)
     other.next_rendezvous()
     finished = threading.Event()
     threading.Thread(target=lambda: (other.shutdown(), finished.set()), daemon=True).start()
-    assert finished.wait(10), "a node that does not host the store waited at shutdown"
+    assert finished.wait(60), "a node that does not host the store waited at shutdown"
     host = HostLeavesLast(_Handler(), host_store, hosts_store=True, wait_s=0.5)
     # the host is the second of two: both counted, it returns at once; a third never comes
     host._nodes = 3
     returned = threading.Event()
     threading.Thread(target=lambda: (host.shutdown(), returned.set()), daemon=True).start()
-    assert returned.wait(10), "a node that never closed kept the host waiting past its limit"
+    assert returned.wait(60), "a node that never closed kept the host waiting past its limit"
 
 
 def test_only_the_c10d_backend_is_switched():
