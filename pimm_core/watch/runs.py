@@ -146,8 +146,14 @@ def summarize(run_dir: Path, root: Path, *, now: float | None = None) -> RunRow:
             age = None
     best = None
     sidecar = read_json(run_dir / MODEL / "model_best.pth.json")
-    if isinstance(sidecar, dict) and isinstance(sidecar.get("metrics"), dict):
-        config, _ = read_saved_config(run_dir / CONFIG)
+    selected = sidecar.get("selection_metric") if isinstance(sidecar, dict) else None
+    if isinstance(selected, dict) and isinstance(selected.get("name"), str):
+        # what model_best.pth was ranked by (eval.metric may have changed since: a resume that changes
+        # it keeps the file until the new metric's first evaluation)
+        best = {"metric": selected["name"], "value": finite_number(selected.get("value")),
+                "epoch": json_int(sidecar.get("epoch"))}
+    elif isinstance(sidecar, dict) and isinstance(sidecar.get("metrics"), dict):  # (a sidecar from before
+        config, _ = read_saved_config(run_dir / CONFIG)  # selection_metric was recorded)
         ev = (config or {}).get("eval") if isinstance((config or {}).get("eval"), dict) else {}
         metric = ev.get("metric") if isinstance(ev.get("metric"), str) else "val/acc"
         best = {"metric": metric, "value": finite_number(sidecar["metrics"].get(metric)),

@@ -141,3 +141,20 @@ def test_a_diverged_runs_last_loss_reads_nan_or_inf_never_dash(tmp_path: Path) -
     assert {r["name"]: (r["loss"], r["loss_nonfinite"]) for r in got} == {
         "g/nan": (None, "NaN"), "g/inf": (None, "inf"), "g/ninf": (None, "-inf"), "g/ok": (0.5, None),
         "g/none": (None, None)}
+
+
+def test_best_is_what_model_best_was_ranked_by_not_the_current_eval_metric(tmp_path: Path) -> None:
+    """After a resume that changed eval.metric (config.toml says val/loss) and before its first
+    evaluation, model_best.pth is still the val/acc best: BEST says val/acc and its value, not the
+    val/loss that evaluation happened to log. A sidecar without selection_metric falls back to eval.metric."""
+    from pimm_core.watch.runs import summarize
+
+    rd = _run(tmp_path, "changed", config='[eval]\nmetric = "val/loss"\nmode = "min"\n')
+    (rd / "model").mkdir()
+    side = {"kind": "best", "step": 18, "epoch": 2, "metrics": {"val/acc": 0.84, "val/loss": 2.01},
+            "selection_metric": {"name": "val/acc", "value": 0.84, "mode": "max", "epoch": 2}}
+    (rd / "model" / "model_best.pth.json").write_text(json.dumps(side))
+    assert summarize(rd, tmp_path).best == {"metric": "val/acc", "value": 0.84, "epoch": 2}
+    del side["selection_metric"]
+    (rd / "model" / "model_best.pth.json").write_text(json.dumps(side))
+    assert summarize(rd, tmp_path).best == {"metric": "val/loss", "value": 2.01, "epoch": 2}
