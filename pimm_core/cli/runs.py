@@ -61,8 +61,7 @@ def runs_ls(
             best = "-" if r.best is None else f"{r.best['metric']} {fmt_value(r.best['value'])}"
             resume = "-" if r.resume is None else f"{r.resume}@{_cell(r.resume_step)}"
             # names, hosts and notes are user text: never markup or terminal control
-            table.append(tuple(printable(v) for v in (r.name, r.state, step, epoch, fmt_value(r.loss)
-                                                      if r.loss is not None else "-", best, resume,
+            table.append(tuple(printable(v) for v in (r.name, r.state, step, epoch, r.loss_text(), best, resume,
                                                       fmt_age(r.age_s), _cell(r.host), _cell(r.world_size))))
         widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
         if sum(widths) + 2 * len(widths) > shutil.get_terminal_size((100, 24)).columns:

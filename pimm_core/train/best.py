@@ -40,6 +40,18 @@ class BestTracker:
         self.best, self.epoch = value, epoch
         return True
 
+    def rebase(self, of: dict[str, Any] | None) -> str | None:
+        """Forget the best so far when it is a value of another selection metric or direction
+        (``of``: ``{"name", "mode"}`` the value was ranked by; None: unknown, kept). Returns the
+        warning to give, or None when nothing changed."""
+        if self.best is None or not isinstance(of, dict) or (of.get("name"), of.get("mode")) == (self.metric, self.mode):
+            return None
+        old = f"{of.get('name')} {self.best:.4g} at epoch {self.epoch}"
+        self.best = self.epoch = None
+        return (f"the selection metric changed from {of.get('name')} ({of.get('mode')}) to {self.metric} ({self.mode}): "
+                f"the best so far ({old}) is not a value of it, so the best starts over and the next evaluation "
+                "replaces model_best.pth")
+
     def state_dict(self) -> dict[str, Any]:
         return {"best_metric": self.best, "best_epoch": self.epoch}
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -34,7 +35,8 @@ from ..console_log import attach_console
 from ..dist import DistInfo
 from ..run import (CONFIG, METRICS, PROVENANCE, MetricsWriter, append_provenance, launch_record, log_handler,
                    now_iso, scheduler_record, supersede_after, write_status)
-from ..run.entries import check_run_entries
+from ..errors import ConfigError
+from ..run.entries import MLFLOW_ID, TENSORBOARD_DIR, WANDB_FILES, WANDB_ID, check_run_entries
 from .state import TrainState
 from .rate import StepClock
 from .sinks import Sink, open_sinks
@@ -124,8 +126,20 @@ class Recorder:
         base = {"code_version": code_version, "torch_version": torch.__version__, "host": socket.gethostname(),
                 "world_size": world, "workers_per_rank": workers, "data_fingerprint": data_fingerprint,
                 "python": sys.version.split()[0]}
-        self._sinks = open_sinks(config, self.run_dir, resumed_at=None if fresh else s.global_step,
-                                 eval_done=s.eval_step == s.global_step, provenance=base)
+        sink_entries = [e for e in (TENSORBOARD_DIR, MLFLOW_ID, WANDB_ID, WANDB_FILES) if not (self.run_dir / e).exists()]
+        try:
+            self._sinks = open_sinks(config, self.run_dir, resumed_at=None if fresh else s.global_step,
+                                     eval_done=s.eval_step == s.global_step, provenance=base)
+        except ConfigError:
+            if fresh:  # a sink refused to start before the first step: the launch leaves no run behind
+                for name in sink_entries:  # (what the sinks made here; an earlier session's files stay)
+                    path = self.run_dir / name
+                    if path.is_dir() and not path.is_symlink():
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        path.unlink(missing_ok=True)
+                self.unstart()
+            raise
         job = scheduler_record()  # the Slurm job (and its restart count) of this start, if any
         append_provenance(self.run_dir, base, {"time": now_iso(), "world_size": world, "workers_per_rank": workers,
                                                "launch": launch_record(world), **({"scheduler": job} if job else {}),

@@ -28,7 +28,7 @@ from ..checkpoint.state import set_rng_state, unwrap
 from ..errors import CheckpointError
 from ..config import TrainConfig
 from ..schedule import WarmupCosine
-from ..run import CONFIG, METRICS, read_run_status
+from ..run import CONFIG, METRICS, read_json, read_run_status
 from ..run.metrics import MAX_LINE, records_from_end
 from ..run.values import json_number
 from ..topology import config_diff, is_finished, plan_resume
@@ -69,6 +69,10 @@ def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict
     warnings = fallback + list(plan.warnings) + provenance_diff(tr, manifest) + loaded.skipped
     tr.state.load_state_dict(saved, epoch_start_step=plan.step if plan.iter == 0 else 0)
     tr.best.load_state_dict(saved)
+    rebased = tr.best.rebase(tr.state.best_of or _best_sidecar_of(checkpoint_dir))
+    if rebased is not None:
+        tr.state.best_metric = tr.state.best_epoch = tr.state.best_of = None
+        warnings.append(rebased)
     tr.callbacks.load_state_dict(meta.get("callbacks"))  # (None: a checkpoint from before callbacks)
     tr.scheduler.load_state_dict(meta["scheduler"])
     if meta.get("scaler"):
@@ -110,6 +114,15 @@ def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict
             "policy": plan.row, "exact": plan.exact, "topology": plan.topology,
             "replay_boundary": plan.replay_boundary, "restored": plan.restored, "discarded": plan.discarded,
             "warnings": warnings, "schedule": notes, "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
+
+def _best_sidecar_of(checkpoint_dir: Path | None) -> dict[str, Any] | None:
+    """What ``model_best.pth`` was ranked by (its sidecar's ``selection_metric``), for a checkpoint
+    from before the trainer state recorded it; None when unknown."""
+    if checkpoint_dir is None:
+        return None
+    sel = (read_json(Path(checkpoint_dir) / "model_best.pth.json") or {}).get("selection_metric")
+    return sel if isinstance(sel, dict) else None
+
 
 def nothing_left(tr: Trainer, t: TrainConfig) -> bool:
     """The restored position reached ``t``'s end (all epochs, or ``t.max_steps``) and the run

@@ -107,6 +107,7 @@ def _evaluate_and_record(tr: Trainer, epoch: int) -> None:
     improved = tr.best.update(value, epoch)
     if improved:
         s.best_metric, s.best_epoch = tr.best.best, tr.best.epoch
+        s.best_of = {"name": e.metric, "mode": e.mode}  # (a resume that changes either starts the best over)
     tr.checkpointer.on_evaluated(epoch, {"name": e.metric, "value": value, "mode": e.mode, "split": "val",
                                          "epoch": epoch, "weights": e.weights}, improved=improved)
     tr.recorder.on_eval(epoch, metrics, e.metric)

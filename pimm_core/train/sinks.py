@@ -10,12 +10,13 @@ resume each step is in every sink once (each sink's module says how).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
 from typing import Any, Protocol
 
 from ..config import Config, flatten
-from ..errors import ConfigError
+from ..errors import ConfigError, PimmError
 
 
 class Sink(Protocol):
@@ -49,28 +50,57 @@ def run_params(config: Config, provenance: dict[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in params.items()}
 
 
+# what a sink's library reads besides its config keys (named in the error when it refuses to start)
+_ENVIRONMENT = {"tensorboard": "the run directory's tensorboard/ entry",
+                "mlflow": "the MLFLOW_* environment variables", "wandb": "the WANDB_* environment variables"}
+
+
+def _reason(e: BaseException) -> str:
+    """A library's refusal on one line: its class and first lines (a pydantic error names the
+    setting on its second and the allowed values on its third)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()][:3]
+    text = "; ".join(lines) or e.__class__.__name__
+    return f"{e.__class__.__name__}: {text[:400]}"
+
+
 def open_sinks(config: Config, run_dir: Path, *, resumed_at: int | None, eval_done: bool,
                provenance: dict[str, Any]) -> list[Sink]:
     """The sinks ``config`` asks for, opened for a fresh start (``resumed_at`` None) or a resume
     at global step ``resumed_at`` (``eval_done``: its evaluation is in the checkpoint).
 
     Raises:
-        ConfigError: a package is missing (:func:`check_available`).
+        ConfigError: a package is missing (:func:`check_available`), or a sink's library refused
+            to start (a bad ``WANDB_MODE``, an unsupported tracking URI, a ``WANDB_DIR`` that is a
+            file, a server that does not answer): one line naming the sink and the library's
+            reason; the sinks already opened are closed as failed.
     """
     check_available(config)
     sinks: list[Sink] = []
-    if config.log.tensorboard:
+    for (key, package) in _wanted(config):
+        try:
+            sinks.append(_open(package, config, run_dir, resumed_at=resumed_at, eval_done=eval_done,
+                               provenance=provenance))
+        except Exception as e:  # noqa: BLE001 - any library's refusal is one line, not a traceback
+            for sink in sinks:
+                with contextlib.suppress(Exception):
+                    sink.close("failed")
+            if isinstance(e, PimmError):
+                raise
+            raise ConfigError(f"{key}: {package} could not start ({_reason(e)}); check {key} in the config and "
+                              f"{_ENVIRONMENT[package]}, or remove {key}") from None
+    return sinks
+
+
+def _open(package: str, config: Config, run_dir: Path, *, resumed_at: int | None, eval_done: bool,
+          provenance: dict[str, Any]) -> Sink:
+    if package == "tensorboard":
         from .tensorboard import TensorBoardWriter
 
-        sinks.append(TensorBoardWriter(run_dir, resumed_at=resumed_at, eval_done=eval_done))
-    if config.log.mlflow is not None:
+        return TensorBoardWriter(run_dir, resumed_at=resumed_at, eval_done=eval_done)
+    if package == "mlflow":
         from .mlflow_sink import MlflowSink
 
-        sinks.append(MlflowSink(config, run_dir, resumed=resumed_at is not None,
-                                params=run_params(config, provenance)))
-    if config.log.wandb is not None:
-        from .wandb_sink import WandbSink
+        return MlflowSink(config, run_dir, resumed=resumed_at is not None, params=run_params(config, provenance))
+    from .wandb_sink import WandbSink
 
-        sinks.append(WandbSink(config, run_dir, resumed_at=resumed_at,
-                               run_config={**config.to_dict(), "provenance": provenance}))
-    return sinks
+    return WandbSink(config, run_dir, resumed_at=resumed_at, run_config={**config.to_dict(), "provenance": provenance})

@@ -20,6 +20,8 @@ class TrainState:
         iter: micro-batch index of the next batch within ``epoch``.
         best_metric: best value of ``eval.metric`` so far (None before any evaluation).
         best_epoch: epoch (0-based) that produced ``best_metric``.
+        best_of: ``{"name", "mode"}`` of the selection metric ``best_metric`` is a value of (None:
+            before any evaluation, or a checkpoint from before it was recorded).
         epoch_start_step: ``global_step`` when ``epoch`` began (a resume that must replay
             the epoch restarts here, whatever the new batching).
         last_eval: metrics of the latest evaluation, e.g. ``{"val/acc": 0.97, "val/loss": 0.1}``.
@@ -37,6 +39,7 @@ class TrainState:
     iter: int = 0
     best_metric: float | None = None
     best_epoch: int | None = None
+    best_of: dict[str, str] | None = None
     epoch_start_step: int = 0
     last_eval: dict[str, float] = field(default_factory=dict)
     eval_step: int | None = None
@@ -63,7 +66,7 @@ class TrainState:
         """
         loaded = TrainState(global_step=saved["global_step"], epoch=saved["epoch"], iter=saved["iter"],
                             best_metric=saved["best_metric"], best_epoch=saved["best_epoch"],
-                            last_eval=saved["last_eval"], eval_step=saved.get("eval_step"),
+                            best_of=saved.get("best_of"), last_eval=saved["last_eval"], eval_step=saved.get("eval_step"),
                             epoch_start_step=saved.get("epoch_start_step", epoch_start_step))
         for f in fields(self):
             setattr(self, f.name, getattr(loaded, f.name))

@@ -17,7 +17,7 @@ from ..run.layout import CONFIG, METRICS
 from ..run.status import read_run_status
 from ..run.values import finite_number, json_int
 from .metrics import MetricsTail
-from .series import Series
+from .series import NonFinite, Series
 
 #: Record fields that are bookkeeping, not metrics.
 _NOT_METRICS = frozenset(("step", "epoch", "iter", "split", "time"))
@@ -66,6 +66,8 @@ class RunSeries:
             x the world size in ``status.json``), or None when the config does not say.
         config: the saved config, flattened (``{"train.lr": 0.002, ...}``); empty when unreadable.
         problem: why the metrics or the config could not be read, or None.
+        nonfinite: metric name (as in ``series``) -> where it logged NaN or +-Inf (those values are
+            not in ``series``: the view says where the line stops being finite).
     """
 
     run_dir: Path
@@ -73,6 +75,7 @@ class RunSeries:
     samples_per_step: int | None = None
     config: dict[str, Any] = field(default_factory=dict)
     problem: str | None = None
+    nonfinite: dict[str, NonFinite] = field(default_factory=dict)
 
 
 def samples_per_step(config: dict[str, Any], world_size: int | None) -> int | None:
@@ -103,7 +106,8 @@ def read_series(run_dir: Path, *, max_points: int = 1000, tail_bytes: int = 256 
         problem = f"metrics.jsonl is unreadable ({e.__class__.__name__}: {e})"
     config, config_problem = read_saved_config(run_dir / CONFIG)
     out = RunSeries(run_dir, {name: s.points() for name, s in tail.series.items()},
-                    config=flatten(config) if config else {}, problem=problem or config_problem)
+                    config=flatten(config) if config else {}, problem=problem or config_problem,
+                    nonfinite=dict(tail.nonfinite))
     if config:
         out.samples_per_step = samples_per_step(config, read_run_status(run_dir).world_size)
     return out

@@ -24,7 +24,8 @@ from ..checkpoint.selection import select_resume
 from ..run.jsonfile import read_json
 from ..config import read_saved_config
 from ..run.layout import CONFIG, METRICS, MODEL, is_run_dir
-from ..run.values import finite_number, json_int
+from ..run.values import finite_number, json_int, json_number
+from .fmt import fmt_value
 from .metrics import MetricsTail
 from .status import read_status, stale_after_for
 
@@ -47,7 +48,9 @@ class RunRow:
             or whose heartbeat is old), ``stopped``, ``failed``, ``finished``, ``unknown`` (no
             readable ``status.json``).
         step, total_steps, epoch, epochs: position (optimizer steps; the LR schedule's horizon).
-        loss: the last logged training loss, or None.
+        loss: the last logged training loss, or None (none logged, or not a finite number).
+        loss_nonfinite: ``NaN``, ``inf`` or ``-inf`` when the last logged training loss was not a
+            finite number (a diverged run; JSON has no such numbers, so ``loss`` is None), else None.
         best: ``{"metric": name, "value": v, "epoch": e}`` of ``model_best.pth``, or None.
         resume: the checkpoint a resume would load (``last``, ``iter_40.pth`` ...), or None.
         resume_step: its step.
@@ -71,9 +74,16 @@ class RunRow:
     host: str | None
     world_size: int | None
     note: str | None
+    loss_nonfinite: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def loss_text(self) -> str:
+        """The LOSS cell of ``pimm runs ls`` and the runs view: ``%g``, ``NaN``/``inf``/``-inf``, or ``-``."""
+        if self.loss_nonfinite is not None:
+            return self.loss_nonfinite
+        return "-" if self.loss is None else fmt_value(self.loss)
 
 
 def find_runs(root: Path) -> list[Path]:
@@ -136,8 +146,14 @@ def summarize(run_dir: Path, root: Path, *, now: float | None = None) -> RunRow:
             age = None
     best = None
     sidecar = read_json(run_dir / MODEL / "model_best.pth.json")
-    if isinstance(sidecar, dict) and isinstance(sidecar.get("metrics"), dict):
-        config, _ = read_saved_config(run_dir / CONFIG)
+    selected = sidecar.get("selection_metric") if isinstance(sidecar, dict) else None
+    if isinstance(selected, dict) and isinstance(selected.get("name"), str):
+        # what model_best.pth was ranked by (eval.metric may have changed since: a resume that changes
+        # it keeps the file until the new metric's first evaluation)
+        best = {"metric": selected["name"], "value": finite_number(selected.get("value")),
+                "epoch": json_int(sidecar.get("epoch"))}
+    elif isinstance(sidecar, dict) and isinstance(sidecar.get("metrics"), dict):  # (a sidecar from before
+        config, _ = read_saved_config(run_dir / CONFIG)  # selection_metric was recorded)
         ev = (config or {}).get("eval") if isinstance((config or {}).get("eval"), dict) else {}
         metric = ev.get("metric") if isinstance(ev.get("metric"), str) else "val/acc"
         best = {"metric": metric, "value": finite_number(sidecar["metrics"].get(metric)),
@@ -147,13 +163,15 @@ def summarize(run_dir: Path, root: Path, *, now: float | None = None) -> RunRow:
     except OSError:
         chosen = None
     last = tail.last_train or {}
+    loss = json_number(last.get("loss"))  # (NaN and +-Inf too: a diverged run says so)
     name = run_dir.relative_to(root).as_posix() if run_dir != root and root in run_dir.parents else run_dir.name
     return RunRow(
         path=str(run_dir), name=name, state=_display_state(view), step=rec.step, total_steps=rec.total_steps,
-        epoch=rec.epoch, epochs=rec.epochs, loss=finite_number(last.get("loss")), best=best,
+        epoch=rec.epoch, epochs=rec.epochs, loss=finite_number(loss), best=best,
         resume=chosen.name if chosen else None, resume_step=chosen.step if chosen else None,
         age_s=None if age is None else round(age, 1), host=rec.host, world_size=rec.world_size,
-        note=view.note or view.problem)
+        note=view.note or view.problem,
+        loss_nonfinite=None if loss is None or finite_number(loss) is not None else fmt_value(loss))
 
 
 def sort_rows(rows: list[RunRow], key: str) -> list[RunRow]:

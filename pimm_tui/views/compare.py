@@ -42,8 +42,9 @@ class SeriesRead(Message):
 
 
 def metric_order(runs: list[RunSeries]) -> list[str]:
-    """Every metric any run logged: ``loss`` first, then evaluation ones (``val/...``), then the rest."""
-    names = {n for r in runs for n in r.series}
+    """Every metric any run logged (finite or not): ``loss`` first, then evaluation ones (``val/...``),
+    then the rest."""
+    names = {n for r in runs for n in (*r.series, *r.nonfinite)}
     return sorted(names, key=lambda n: (n != "loss", not n.startswith("val/"), n))
 
 
@@ -186,10 +187,13 @@ class CompareScreen(Screen[None]):
                     xs = [x * run.samples_per_step for x in xs]
             elif not xs:
                 note = " (not logged)"
+            nf = run.nonfinite.get(self.metric)
+            if nf is not None:  # NaN/Inf are not plotted: say where the line stops being finite
+                note = f" ({nf.note().removeprefix(self.metric + ' ')})"
             if legend:
                 legend.append("  ")
             legend.append("━━ ", style=f"bold {color}")
-            legend.append(printable(name) + note, style="dim" if note else "")
+            legend.append(printable(name) + note, style="bold red" if nf is not None else "dim" if note else "")
             if not xs:
                 continue
             xs, ys = _thin(tuple(xs), tuple(ys), width * 2)

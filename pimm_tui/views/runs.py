@@ -74,8 +74,7 @@ def cells(row: RunRow, marked: bool) -> list[Text]:
     epoch = cell(row.epoch) + (f"/{row.epochs}" if row.epochs is not None else "")
     best = "-" if row.best is None else f"{row.best['metric']} {fmt_value(row.best['value'])}"
     resume = "-" if row.resume is None else f"{row.resume}@{cell(row.resume_step)}"
-    loss = fmt_value(row.loss) if row.loss is not None else "-"
-    values = [row.name, row.state, step, epoch, loss, best, resume, fmt_age(row.age_s), cell(row.host),
+    values = [row.name, row.state, step, epoch, row.loss_text(), best, resume, fmt_age(row.age_s), cell(row.host),
               cell(row.world_size)]
     out = [Text("*" if marked else " ", style="bold yellow")]
     for i, v in enumerate(values):

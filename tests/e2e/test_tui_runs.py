@@ -228,3 +228,35 @@ async def test_escape_in_a_field_leaves_the_field_first(tmp_path: Path) -> None:
         assert not isinstance(app.focused, Input) and not isinstance(app.screen, RunsScreen)
         await pilot.press("escape")
         await wait_for(pilot, lambda: isinstance(app.screen, RunsScreen), what="the runs table")
+
+
+@pytest.mark.asyncio
+async def test_a_diverged_run_says_where_it_stopped_being_finite(tmp_path: Path) -> None:
+    """A run whose loss became NaN then inf: the table's LOSS reads inf (not '-', nothing logged),
+    and the compare view's legend says from which step its loss line is not finite; a metric
+    it logged only as NaN is still offered (n), marked, not called 'not logged'."""
+    from tui_support import fake_run, train_record
+
+    fake_run(tmp_path, "ok", records=[train_record(s, 1.0 / s) for s in range(1, 9)])
+    fake_run(tmp_path, "diverged", records=[*(train_record(s, 1.0 / s) for s in range(1, 5)),
+                                            train_record(5, float("nan")), train_record(6, float("inf")),
+                                            {"step": 6, "split": "val", "acc": float("nan"), "time": 1006.0}])
+    app = _app(tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        runs = await _table(pilot, 2)
+        assert runs.rows[str(tmp_path / "digits" / "diverged")].loss_text() == "inf"
+        await wait_for(pilot, lambda: " inf " in screen_text(app), what="inf in the LOSS column")
+        await pilot.press("m", "down", "m", "c")
+        await wait_for(pilot, lambda: isinstance(app.screen, CompareScreen) and app.screen.runs is not None, 30,
+                       "the compare view")
+        cmp = app.screen
+        assert cmp.metric == "loss"
+        await wait_for(pilot, lambda: "digits/diverged (not finite from step 5 (inf at step 6))" in screen_text(app),
+                       what="the non-finite note in the legend")
+        assert cmp.plotted == {"digits/diverged": 4, "digits/ok": 8}  # the finite values are plotted
+        while cmp.metric != "val/acc":
+            await pilot.press("n")
+            await pilot.pause(0.05)
+        await wait_for(pilot, lambda: "digits/diverged (not finite from step 6 (NaN))" in screen_text(app),
+                       what="the NaN-only metric's note")
+        assert "digits/ok (not logged)" in screen_text(app)

@@ -104,3 +104,57 @@ def test_pimm_tui_decides_from_the_path(tmp_path: Path) -> None:
     for bad in (tmp_path / "empty", tmp_path / "missing", run / "status.json"):
         with pytest.raises(UsageError):
             opens_runs_table(bad)
+
+
+def test_a_diverged_runs_last_loss_reads_nan_or_inf_never_dash(tmp_path: Path) -> None:
+    """The LOSS of a run whose last logged loss is NaN or +-Inf says so (``-`` is "nothing
+    logged"), in ``pimm runs ls``, its ``--json`` (still strict JSON: ``loss`` null) and the runs view."""
+    import subprocess
+    import sys
+
+    from pimm_core.watch.runs import summarize
+    from pimm_tui.views.runs import cells
+
+    for name, loss in (("nan", float("nan")), ("inf", float("inf")), ("ninf", float("-inf")), ("ok", 0.5)):
+        _run(tmp_path, name, records=[_train(1), _train(2, loss=loss)], step=2)
+    _run(tmp_path, "none", records=[])
+    want = {"g/nan": "NaN", "g/inf": "inf", "g/ninf": "-inf", "g/ok": "0.5", "g/none": "-"}
+    rows = {r.name: r for r in RunsPoller(tmp_path).poll()}
+    assert {n: r.loss_text() for n, r in rows.items()} == want
+    assert {n: cells(r, False)[5].plain for n, r in rows.items()} == want  # the runs view's LOSS cell
+    assert rows["g/nan"].loss is None and rows["g/ok"].loss == 0.5 and rows["g/none"].loss_nonfinite is None
+    assert summarize(tmp_path / "g" / "inf", tmp_path).loss_nonfinite == "inf"
+
+    def run(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "pimm_core.cli", "runs", "ls", str(tmp_path), *args],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    table = {line.split()[0]: line.split()[4] for line in run().splitlines()[1:] if line.startswith("g/")}
+    assert table == want
+
+    def strict(token: str):
+        raise AssertionError(f"not strict JSON: {token}")
+
+    got = json.loads(run("--json"), parse_constant=strict)["runs"]
+    assert {r["name"]: (r["loss"], r["loss_nonfinite"]) for r in got} == {
+        "g/nan": (None, "NaN"), "g/inf": (None, "inf"), "g/ninf": (None, "-inf"), "g/ok": (0.5, None),
+        "g/none": (None, None)}
+
+
+def test_best_is_what_model_best_was_ranked_by_not_the_current_eval_metric(tmp_path: Path) -> None:
+    """After a resume that changed eval.metric (config.toml says val/loss) and before its first
+    evaluation, model_best.pth is still the val/acc best: BEST says val/acc and its value, not the
+    val/loss that evaluation happened to log. A sidecar without selection_metric falls back to eval.metric."""
+    from pimm_core.watch.runs import summarize
+
+    rd = _run(tmp_path, "changed", config='[eval]\nmetric = "val/loss"\nmode = "min"\n')
+    (rd / "model").mkdir()
+    side = {"kind": "best", "step": 18, "epoch": 2, "metrics": {"val/acc": 0.84, "val/loss": 2.01},
+            "selection_metric": {"name": "val/acc", "value": 0.84, "mode": "max", "epoch": 2}}
+    (rd / "model" / "model_best.pth.json").write_text(json.dumps(side))
+    assert summarize(rd, tmp_path).best == {"metric": "val/acc", "value": 0.84, "epoch": 2}
+    del side["selection_metric"]
+    (rd / "model" / "model_best.pth.json").write_text(json.dumps(side))
+    assert summarize(rd, tmp_path).best == {"metric": "val/loss", "value": 2.01, "epoch": 2}

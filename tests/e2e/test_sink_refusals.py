@@ -1,0 +1,59 @@
+"""A metrics sink whose own library refuses to start (a bad ``WANDB_MODE``, a ``WANDB_DIR``
+that is a file, a tracking URI MLflow does not support) is bad input: one ``error:`` line naming
+the sink and the library's reason, exit 2, no traceback; a fresh run leaves no run directory
+behind, and a resume leaves the run as it was (it resumes once the setting is fixed).
+Real wandb (offline) and real mlflow, as the user would meet them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from _helpers import clean_env, describe, launch, pimm, read_json
+
+
+def _wandb_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    wb = tmp_path / "wandb-home"  # (nothing in the user's home)
+    return {**clean_env(), "WANDB_MODE": "offline", "WANDB_CONFIG_DIR": str(wb / "config"),
+            "WANDB_CACHE_DIR": str(wb / "cache"), "WANDB_DATA_DIR": str(wb / "data"), **extra}
+
+
+def _one_error(r) -> str:
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1, describe(r)
+    assert "Traceback" not in r.stderr + r.stdout, describe(r)
+    return errors[0]
+
+
+@pytest.mark.parametrize("case", ["wandb-mode", "wandb-dir-is-a-file", "mlflow-uri"])
+def test_a_sink_that_cannot_start_is_one_error_line_and_leaves_no_run(tmp_path, case):
+    (tmp_path / "afile").write_text("")
+    if case == "wandb-mode":
+        env, over, names = _wandb_env(tmp_path, WANDB_MODE="bogus"), 'log.wandb.project="p"', ("[log.wandb]", "bogus")
+    elif case == "wandb-dir-is-a-file":
+        env, over = _wandb_env(tmp_path, WANDB_DIR=str(tmp_path / "afile")), 'log.wandb.project="p"'
+        names = ("[log.wandb]", str(tmp_path / "afile"))
+    else:
+        env, over, names = clean_env(), 'log.mlflow.tracking_uri="bogus://nowhere"', ("[log.mlflow]", "bogus://nowhere")
+    r = launch(tmp_path / "exp", "s", "train.max_steps=2", over, env=env)
+    line = _one_error(r)
+    assert all(n in line for n in names), line  # the sink and what its library refused
+    assert not (tmp_path / "exp" / "digits" / "s").exists()  # nothing left behind
+
+
+def test_a_resume_whose_sink_cannot_start_leaves_the_run_as_it_was(tmp_path):
+    env = _wandb_env(tmp_path)
+    first = launch(tmp_path, "r", "train.max_steps=3", "train.epochs=2", 'log.wandb.project="p"', env=env)
+    assert first.returncode == 0, describe(first)
+    run_dir = tmp_path / "digits" / "r"
+    run_id = read_json(run_dir / "wandb.json")["run_id"]
+    refused = pimm("resume", run_dir, "--", "train.max_steps=5", env={**env, "WANDB_MODE": "bogus"})
+    assert "[log.wandb]" in _one_error(refused)
+    assert read_json(run_dir / "status.json")["state"] == "finished"  # as the first session left it
+    assert read_json(run_dir / "wandb.json")["run_id"] == run_id
+    assert (run_dir / "model" / "last" / ".complete").is_file()
+    again = pimm("resume", run_dir, "--", "train.max_steps=5", env=env)
+    assert again.returncode == 0, describe(again)
+    assert read_json(run_dir / "status.json")["step"] == 5
+    assert read_json(run_dir / "wandb.json")["run_id"] == run_id  # still the same W&B run
