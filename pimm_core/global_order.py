@@ -132,3 +132,24 @@ def micro_batch_seeder(seed: int, state, info):
     window's ``position``-th micro-batch on rank ``info.rank`` is micro-batch ``position * world
     size + rank`` of step ``state.global_step``, and draws from that stream whichever rank runs it."""
     return lambda position: seed_micro_batch(seed, state.global_step, position * info.world_size + info.rank)
+
+
+def running_stats_warning(model) -> list[str]:
+    """The warning of a world-size change under the global order for a model with BatchNorm
+    running statistics (empty without): DDP broadcasts rank 0's buffers at each forward, so the
+    running mean and variance depend on which micro-batches rank 0 computed, and a SyncBatchNorm
+    normalizes over every rank's micro-batch at once (its batch statistics, hence the trajectory,
+    depend on the world size)."""
+    from torch import nn
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    names = [n or "(root)" for n, m in model.named_modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    if not names:
+        return []
+    where = names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+    if any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
+        return [f"the model has SyncBatchNorm ({where}): its batch statistics span the ranks, so the global data "
+                "order does not keep the trajectory across a world-size change"]
+    return [f"the model has BatchNorm running statistics ({where}): they follow the micro-batches rank 0 computed "
+            "(DDP broadcasts its buffers), so after a world-size change they are not the interrupted run's; the "
+            "weights are (up to the order of floating-point additions)"]
