@@ -6,8 +6,8 @@ objective records the indices), the same LR at every step, the loss at every ste
 weights and EMA within 1e-5 (relative) — with dropout on, EMA, a random augmentation drawn from
 ``pimm_core.data_rng`` (seed, epoch, index), the per-sample window average, DDP (gloo, torchrun);
 an FSDP run stopped at 2 ranks and resumed at 1, and a 2 -> 1 run whose loaders have 2 workers,
-against the same DDP run (whose loaders have none).
-The resume names its policy row (``global_order``) in provenance.json and ``pimm checkpoints diff``
+against the same DDP run (whose loaders have none); a 2-rank run stopped and resumed at 2 ranks
+matches it bit for bit. The resume names its policy row (``global_order``) in provenance.json and ``pimm checkpoints diff``
 names it before the resume."""
 
 from __future__ import annotations
@@ -92,6 +92,11 @@ def runs(tmp_path_factory) -> Path:
                 "resume_from": str(root / "two_three_one" / "model" / "last")}], root / "e.json", env=seen, nproc=3)
     _here(root / "two_three_one.seen", root / "two_three_one", OVERRIDES,
           resume_from=root / "two_three_one" / "model" / "last", full_dump=root / "two_three_one")
+    # 2 -> 2 in one launch: the world size does not change (the `same` row, bitwise)
+    _torchrun([{"run_dir": str(root / "two_two"), "overrides": OVERRIDES, "stop_at": STOP},
+               {"run_dir": str(root / "two_two"), "overrides": OVERRIDES,
+                "resume_from": str(root / "two_two" / "model" / "last"), "full_dump": str(root / "two_two")}],
+              root / "g.json", env={"USERPKG_SEEN": str(root / "two_two.seen")})
     # 2 -> 1 with 2 loader workers at each leg (the augmentation drawn in the workers)
     workers = [*OVERRIDES, "data.num_workers=2"]
     _torchrun([{"run_dir": str(root / "workers_two_one"), "overrides": workers, "stop_at": STOP}], root / "f.json",
@@ -113,7 +118,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 RESUMES = {"two_one": [STOP], "one_two": [STOP], "fsdp_two_one": [STOP], "two_three_one": [STOP, STOP_AGAIN],
-           "workers_two_one": [STOP]}
+           "workers_two_one": [STOP], "two_two": [STOP]}
 
 
 @pytest.mark.parametrize("name", list(RESUMES))
@@ -136,8 +141,20 @@ def test_a_world_size_change_trains_every_sample_once_and_stays_on_the_trajector
     resumes = [e for e in read_json(runs / name / "provenance.json")["starts"] if e.get("kind") == "resume"]
     assert [e["step"] for e in resumes] == RESUMES[name]
     for resume in resumes:
-        assert resume["policy"] == "global_order" and resume["replay_boundary"] is None
+        assert resume["policy"] == ("same" if name == "two_two" else "global_order")
+        assert resume["replay_boundary"] is None
         assert resume["topology"]["data_order"] == "global"
+
+
+def test_a_resume_at_the_same_world_size_is_bitwise(runs):
+    whole, resumed = (torch.load(runs / f"{n}.pt", weights_only=False) for n in ("whole", "two_two"))
+    for part in ("model", "ema"):
+        for key, value in whole[part].items():
+            assert torch.equal(resumed[part][key], value), (part, key)
+    trace = [(r["step"], r["loss"], r["lr"]) for r in read_jsonl(runs / "whole" / "metrics.jsonl")
+             if r.get("split") == "train"]
+    assert [(r["step"], r["loss"], r["lr"]) for r in read_jsonl(runs / "two_two" / "metrics.jsonl")
+            if r.get("split") == "train"] == trace
 
 
 def test_checkpoints_diff_names_the_global_order_row_before_the_resume(runs):
