@@ -8,7 +8,8 @@ Two figures, printed as one JSON object:
   order, in one torchrun launch whose repeats alternate the two (one warm-up pair dropped).
   Intervals between consecutive optimizer steps, the first ``--skip`` of each repeat dropped;
   rank 0's median. ``ratio`` = global / default (target <= 1.02). The global order's extra work
-  is one reseed of the torch, numpy and ``random`` generators per micro-batch.
+  is one reseed of the torch, numpy and ``random`` generators per micro-batch, also timed alone
+  (``reseed_per_micro_batch_us``).
 - ``drift``: the whole model after every optimizer step of three runs of the global order on
   the same data and seed: uninterrupted at 2 ranks (the reference), uninterrupted at 1 rank,
   and stopped at 2 ranks after ``--stop`` steps and resumed at 1; ``train.global_batch`` = 4
@@ -148,6 +149,11 @@ def main() -> None:
         return speed(args) if args.job == "speed" else trajectory(args)
 
     load_start = load_average()
+    from timeit import timeit
+
+    from pimm_core.global_order import seed_micro_batch
+
+    reseed_us = timeit(lambda: seed_micro_batch(0, 5, 3), number=1000) * 1e3  # the global order's extra work
     with tempfile.TemporaryDirectory(prefix="pimm-elastic-") as work:
         w = Path(work)
         rec = torchrun(Path(__file__), args.nproc, [*shape, "--job", "speed", "--steps",
@@ -168,7 +174,7 @@ def main() -> None:
         "nproc": args.nproc, "model": {"params": param_count(args.width, args.depth), "width": args.width,
                                        "depth": args.depth, "input_dropout": 0.1},
         "step": {"batch_per_rank": args.batch, "steps_per_repeat": args.steps, "repeats": args.repeats,
-                 "default_ms": r(d, 3), "global_ms": r(g, 3), "ratio": r(g / d), "target_ratio": 1.02,
+                 "default_ms": r(d, 3), "global_ms": r(g, 3), "reseed_per_micro_batch_us": r(reseed_us, 1), "ratio": r(g / d), "target_ratio": 1.02,
                  "intervals_per_order": len(rec["default"]), "load_average_after": load_mid},
         "drift": {"steps": args.drift_steps, "stop": args.stop, "global_batch": 4 * args.batch,
                   "stopped_2_rank_run_at_stop_vs_reference": at_stop,
