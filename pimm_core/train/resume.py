@@ -26,6 +26,7 @@ from ..checkpoint.resume_path import resolve_resume_path
 from ..checkpoint.selection import is_model_dir, select_verified, verify_candidate
 from ..checkpoint.state import set_rng_state, unwrap
 from ..errors import CheckpointError
+from ..global_order import running_stats_warning
 from ..config import TrainConfig
 from ..schedule import WarmupCosine
 from ..run import CONFIG, METRICS, read_json, read_run_status
@@ -67,6 +68,8 @@ def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict
                        data_fingerprint=tr.data.fingerprint, order=tr.config.data.order,
                        global_batch=tr.config.train.global_batch)
     warnings = fallback + list(plan.warnings) + provenance_diff(tr, manifest) + loaded.skipped
+    if plan.row == "global_order" and manifest["world_size"] != tr.info.world_size:
+        warnings += running_stats_warning(unwrap(tr.model))
     tr.state.load_state_dict(saved, epoch_start_step=plan.step if plan.iter == 0 else 0)
     tr.best.load_state_dict(saved)
     rebased = tr.best.rebase(tr.state.best_of or _best_sidecar_of(checkpoint_dir))

@@ -1,8 +1,9 @@
 """The global data order's pieces: the sampler deals the same micro-batches to any number of ranks
 (what each step trains depends on the seed and the epoch only), a mid-epoch start at any world size
 continues with the samples not yet consumed, the window derived from the world size (and the one
-line refusing a world size that does not divide), the micro-batch RNG streams, and the resume
-policy's ``global_order`` and ``order`` rows. (End to end at 1 and 2 ranks: tests/e2e/test_elastic.py.)"""
+line refusing a world size that does not divide), the micro-batch RNG streams, the resume
+policy's ``global_order`` and ``order`` rows, and the BatchNorm warning of a world-size change.
+(End to end at 1, 2 and 3 ranks: tests/e2e/test_elastic.py.)"""
 
 from __future__ import annotations
 
@@ -104,3 +105,16 @@ def test_the_derived_window_is_not_a_config_change():
 
     assert config_diff(cfg("global", 4), cfg("global", 2)) == []
     assert config_diff(cfg("rank", 4), cfg("rank", 2)) == ["train.grad_accum: 4 -> 2"]
+
+
+def test_a_world_size_change_warns_about_batchnorm_running_statistics_and_syncbatchnorm():
+    from torch import nn
+
+    from pimm_core.global_order import running_stats_warning
+
+    assert running_stats_warning(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))) == []
+    assert running_stats_warning(nn.Sequential(nn.BatchNorm1d(4, track_running_stats=False))) == []
+    line, = running_stats_warning(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4)))
+    assert "BatchNorm running statistics (1 and 1 more)" in line and "rank 0" in line
+    line, = running_stats_warning(nn.Sequential(nn.SyncBatchNorm(4)))
+    assert "SyncBatchNorm (0)" in line and "does not keep the trajectory" in line
