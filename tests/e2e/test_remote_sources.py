@@ -210,15 +210,13 @@ def test_store_errors_are_one_line(tmp_path, s3, src):
         (env, "nosuchscheme://bucket/x", 2, "nosuchscheme"),
     ]
     for e, source, code, text in cases:
-        # another endpoint or no credentials: in a fresh process, as botocore reads them once per process
-        here = e is env
-        r = warm_launch(tmp_path, "w", source, e, here=here)
+        r = warm_launch(tmp_path, "w", source, e)
         assert r.returncode == code, (source, r.stdout + r.stderr)
         line = one_error_line(r)
         assert text in line and source in line, line
         assert not (tmp_path / "digits" / "w").exists()
         if code == 1 or "No weight" in text:  # the same checks as a warm start's; three of them here
-            r = pimm("export", source, str(tmp_path / "out"), env=e, here=here)
+            r = pimm("export", source, str(tmp_path / "out"), env=e)
             assert r.returncode == code, (source, r.stdout + r.stderr)
             assert text in one_error_line(r)
             assert not (tmp_path / "out").exists()
