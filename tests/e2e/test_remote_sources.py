@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import DIGITS, REPO, launch, read_json
+from _helpers import DIGITS, REPO, launch, pimm_here, read_json
 from _s3 import BUCKET, start_s3
 
 SRC = "src"  # the shared run, uploaded to the remote: last at step 45, iter_20/iter_40, model_best.pth
@@ -55,14 +56,41 @@ def pimm_temps(tmp: Path) -> list[str]:
     return sorted(p.name for p in tmp.iterdir() if p.name.startswith("pimm-"))
 
 
-def pimm(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pimm_core.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+def pimm(*args: str, env: dict[str, str], here: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``pimm ARGS`` with the environment ``env``: in this process by default (``pimm_here``: no
+    ~3-20 s of ``import torch`` per call, and most calls here are refusals or 2-step warm starts);
+    ``here=False`` in a real subprocess, kept for the console-script wiring, fail points and torchrun."""
+    if not here:
+        return subprocess.run([sys.executable, "-m", "pimm_core.cli", *args], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    return _in_process(args, env)
 
 
-def warm_launch(root: Path, name: str, weight: str, env: dict[str, str], *extra: str):
+def _in_process(args: tuple[str, ...], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """pimm_here with ``env`` as the whole environment for the call, as a fresh process sees it:
+    fsspec's cached filesystems (whose endpoint, credentials and listings were read earlier) are
+    dropped before and after, and the temporary directory follows ``env["TMPDIR"]``."""
+    import tempfile
+
+    from s3fs import S3FileSystem
+
+    saved, saved_tmp = dict(os.environ), tempfile.tempdir
+    S3FileSystem.clear_instance_cache()  # (each fsspec class keeps its own instance cache)
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = env.get("TMPDIR")
+    try:
+        return pimm_here(*args)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        tempfile.tempdir = saved_tmp
+        S3FileSystem.clear_instance_cache()
+
+
+def warm_launch(root: Path, name: str, weight: str, env: dict[str, str], *extra: str, here: bool = True):
     return pimm("launch", "--train.config", str(DIGITS), "--run.root", str(root), "--run.name", name,
-                "--run.no-timestamp", "--train.weight", weight, *extra, "--", *FROZEN, env=env)
+                "--run.no-timestamp", "--train.weight", weight, *extra, "--", *FROZEN, env=env, here=here)
 
 
 def state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -87,12 +115,12 @@ def one_error_line(r: subprocess.CompletedProcess[str]) -> str:
 def test_warm_start_from_a_remote_step_checkpoint_loads_its_weights_and_cleans_up(tmp_path, s3, src):
     tmp = tmp_path / "tmp"
     env = env_with_tmp(s3, tmp)
-    dry = warm_launch(tmp_path, "dry", url("step_45"), env, "--dry-run")
+    dry = warm_launch(tmp_path, "dry", url("step_45"), env, "--dry-run", here=False)
     assert dry.returncode == 0, dry.stdout + dry.stderr
     assert "standard checkpoint step_45 (step 45)" in dry.stdout and "checked against manifest.json" in dry.stdout
     assert not (tmp_path / "digits" / "dry").exists() and pimm_temps(tmp) == []  # nothing downloaded
 
-    r = warm_launch(tmp_path, "w", url("step_45"), env)
+    r = warm_launch(tmp_path, "w", url("step_45"), env, here=False)
     assert r.returncode == 0, r.stdout + r.stderr
     run = tmp_path / "digits" / "w"
     start = read_json(run / "provenance.json")["starts"][0]
@@ -194,7 +222,7 @@ def test_store_errors_are_one_line(tmp_path, s3, src):
             assert not (tmp_path / "out").exists()
     # exporting to an unreachable store fails before anything is read
     bad = {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}
-    r = pimm("export", "--run-dir", str(src), "last", f"s3://{BUCKET}/out-x", env=bad)
+    r = pimm("export", "--run-dir", str(src), "last", f"s3://{BUCKET}/out-x", env=bad, here=False)
     assert r.returncode == 1 and "cannot" in one_error_line(r)
     assert pimm_temps(tmp_path / "tmp") == []
 
@@ -231,7 +259,7 @@ def test_export_to_a_remote_prefix_is_complete_only_with_export_json_and_force_r
     # killed once every file of a --force replacement is uploaded, before its export.json: the
     # previous export's export.json went first, so what is there is an incomplete export, never a mix
     r = pimm("export", "--run-dir", str(src), "last", out, "--force",
-             env={**env, "PIMM_FAILPOINT": "remote.export_files=kill"})
+             env={**env, "PIMM_FAILPOINT": "remote.export_files=kill"}, here=False)
     assert r.returncode == -9, r.stdout + r.stderr
     assert s3.ls("exports/a") == ["model.safetensors", "pimm_config.json"]
     r = warm_launch(tmp_path, "w", out, env)
@@ -280,7 +308,8 @@ def test_two_ranks_warm_start_from_one_download_per_node(tmp_path, s3, src):
     requests = _Requests()
     logging.getLogger("werkzeug").addHandler(requests)
     try:
-        r = warm_launch(tmp_path, "w", url("step_45"), env_with_tmp(s3, tmp_path / "tmp"), "--nproc-per-node", "2")
+        r = warm_launch(tmp_path, "w", url("step_45"), env_with_tmp(s3, tmp_path / "tmp"), "--nproc-per-node", "2",
+                        here=False)
     finally:
         logging.getLogger("werkzeug").removeHandler(requests)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import REPO, clean_env, describe, hang_s, read_json
+from _helpers import REPO, clean_env, describe, hang_s, pimm_here, read_json
 
 USERPKG = Path(__file__).resolve().parent / "userpkg"
 STEPS = 12  # optimizer steps per epoch at 1 rank: 192 samples, batch 16
@@ -84,6 +84,18 @@ def _launch(config: Path, root: Path, name: str, *args: str, nproc: int | None =
                           timeout=hang_s(300))
 
 
+def _launch_here(config: Path, root: Path, name: str, *args: str, nproc: int | None = None,
+                 overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """:func:`_launch` in this process (``pimm_here``), for refusals decided before any rank."""
+    cmd = ["launch", "--train.config", str(config), "--run.root", str(root), "--run.name", name, "--run.no-timestamp",
+           *args]
+    if nproc is not None:
+        cmd += ["--nproc-per-node", str(nproc)]
+    if overrides:
+        cmd += ["--", *overrides]
+    return pimm_here(*cmd)
+
+
 def _weights(run: Path) -> dict[str, torch.Tensor]:
     return torch.load(run / "model" / "last" / "weights.pth", map_location="cpu", weights_only=True)["state_dict"]
 
@@ -94,13 +106,27 @@ def _equal(a: Path, b: Path) -> None:
     assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
 
 
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """``full_run(nproc)``: the run directory of an uninterrupted run of CONFIG at ``nproc`` ranks
+    (None: one process), trained once per world size for the module's bitwise comparisons. Read only."""
+    runs: dict[int | None, Path] = {}
+
+    def get(nproc: int | None) -> Path:
+        if nproc not in runs:
+            where = tmp_path_factory.mktemp("full")
+            full = _launch(_config(where), where / "exp", "full", nproc=nproc)
+            assert full.returncode == 0, describe(full)
+            runs[nproc] = where / "exp" / "default" / "full"
+        return runs[nproc]
+    return get
+
+
 @pytest.mark.parametrize("nproc,stop_at,resume_workers", [(None, 7, 2), (None, STEPS, 0), (2, 4, 2)],
                          ids=["1rank-mid", "1rank-epoch-end-workers-2to0", "2ranks-mid"])
-def test_sigterm_then_resume_is_bitwise_equal(tmp_path, nproc, stop_at, resume_workers):
+def test_sigterm_then_resume_is_bitwise_equal(tmp_path, full_run, nproc, stop_at, resume_workers):
     config = _config(tmp_path)
     root = tmp_path / "exp"
-    full = _launch(config, root, "full", nproc=nproc)
-    assert full.returncode == 0, describe(full)
     mark = tmp_path / "sigterm-sent"
     env = {"USERPKG_SIGTERM_AT": str(stop_at), "USERPKG_SIGTERM_MARK": str(mark)}
     cut = _launch(config, root, "cut", nproc=nproc, env=env)
@@ -114,28 +140,42 @@ def test_sigterm_then_resume_is_bitwise_equal(tmp_path, nproc, stop_at, resume_w
     assert read_json(run_cut / "status.json")["state"] == "finished"
     start = read_json(run_cut / "provenance.json")["starts"][-1]
     assert start["kind"] == "resume" and start["checkpoint_step"] == stop_at
-    _equal(root / "default" / "full", run_cut)
+    _equal(full_run(nproc), run_cut)
     # the user objective's metrics, reduced over every validation sample once
     val = [r for r in map(__import__("json").loads, (run_cut / "metrics.jsonl").read_text().splitlines())
            if r["split"] == "val"]
     assert val and set(val[-1]) >= {"loss", "err"}
 
 
-@pytest.mark.parametrize("override,key,words", [
+_WRONG = [
     ("model.target=\"userpkg.nope:tied_bn\"", "model.target", "module 'userpkg.nope' not found"),
     ("model.target=\"userpkg.nets:tied\"", "model.target", "has no attribute 'tied'"),
     ("model.args.widht=3", "model.args.widht", "did you mean 'width'"),
     ("objective=\"userpkg.objective:nothing\"", "objective", "has no attribute 'nothing'"),
-])
-def test_wrong_targets_are_one_error_line_before_any_rank(tmp_path, override, key, words):
+]
+
+
+@pytest.mark.parametrize("override,key,words", _WRONG)
+def test_wrong_targets_are_one_error_line_before_any_rank(tmp_path, monkeypatch, override, key, words):
+    """The first case through the console script in a subprocess (the wiring); the others are the
+    same refusal, decided before any rank, so they run in this process (no ``import torch`` each)."""
     config = _config(tmp_path)
+    here = override != _WRONG[0][0]
+    if here:  # the launch puts the config's directory on sys.path and imports userpkg: undone after
+        monkeypatch.setattr(sys, "path", list(sys.path))
+        for name in [m for m in sys.modules if m == "userpkg" or m.startswith("userpkg.")]:
+            monkeypatch.delitem(sys.modules, name)
     for args in ((), ("--dry-run",)):
-        r = _launch(config, tmp_path / "exp", "bad", *args, nproc=2, overrides=(override,))
+        r = (_launch_here if here else _launch)(config, tmp_path / "exp", "bad", *args, nproc=2,
+                                                overrides=(override,))
         assert r.returncode == 2, describe(r)
         errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and key in errors[0] and words in errors[0], describe(r)
         assert "Traceback" not in r.stderr
         assert not (tmp_path / "exp" / "default" / "bad").exists()  # refused before the run directory
+    if here:
+        for name in [m for m in sys.modules if m == "userpkg" or m.startswith("userpkg.")]:
+            del sys.modules[name]
 
 
 def test_python_api_overrides_what_the_config_names(tmp_path, monkeypatch):
