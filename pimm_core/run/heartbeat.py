@@ -29,7 +29,7 @@ from typing import Iterator
 from .jsonfile import write_json
 from ..errors import UsageError
 from .entries import ensure_dir
-from .ranks import RANKS_DIR, RankBeat, rank_file
+from .ranks import RankBeat, rank_file
 
 #: Phases written at once after a quiet second, instead of at the next tick.
 _PROMPT = ("collective", "save")
@@ -58,6 +58,9 @@ class Heartbeat:
         self._closed = threading.Event()
         self._lock = threading.Lock()  # one writer at a time (the thread, or close())
         self._thread: threading.Thread | None = None
+        # Nothing is written before the run starts (arm()): a launch or resume refused before that
+        # (no intact checkpoint, a bad config) leaves the run directory as it found it.
+        self.armed = False
 
     # -------------------------------------------------------- training thread
     def enter(self, phase: str, detail: str | None = None) -> None:
@@ -77,11 +80,23 @@ class Heartbeat:
 
     # ----------------------------------------------------------------- writer
     def start(self) -> Heartbeat:
-        ensure_dir(self.path.parent)
-        self._write()
         self._thread = threading.Thread(target=self._run, name=f"pimm-heartbeat-{self.rank}", daemon=True)
         self._thread.start()
         return self
+
+    def arm(self) -> None:
+        """The run has started: write the file from now on (rank 0 first removes the files of ranks
+        at or above ``world_size``, left by an earlier session with more ranks)."""
+        if self.armed:
+            return
+        if self.rank == 0:
+            _remove_extra(self.path.parent, self.world_size)
+        try:
+            ensure_dir(self.path.parent)
+        except (OSError, UsageError):
+            return  # a diagnostic only: the run's own files say what is wrong with the directory
+        self.armed = True
+        self._write()
 
     def close(self, phase: str = "end") -> None:
         """Write ``phase`` (``end``) and stop the thread (joined: nothing of it outlives the run)."""
@@ -112,6 +127,8 @@ class Heartbeat:
                 self._write()
 
     def _write(self) -> None:
+        if not self.armed:
+            return
         with self._lock:
             version = self._version
             try:
@@ -130,6 +147,13 @@ def beat(phase: str, detail: str | None = None) -> None:
         _current.enter(phase, detail)
 
 
+def arm() -> None:
+    """The run has started: this process's heartbeat file is written from now on (no-op outside
+    :func:`heartbeat`)."""
+    if _current is not None:
+        _current.arm()
+
+
 def beat_step(step: int) -> None:
     """This rank finished optimizer step ``step`` (no-op outside :func:`heartbeat`)."""
     if _current is not None:
@@ -145,8 +169,6 @@ def heartbeat(run_dir: Path | None, rank: int, world_size: int) -> Iterator[Hear
     if run_dir is None or _current is not None:
         yield None
         return
-    if rank == 0:
-        _remove_extra(Path(run_dir) / RANKS_DIR, world_size)
     try:
         hb = Heartbeat(Path(run_dir), rank, world_size).start()
     except (OSError, UsageError):

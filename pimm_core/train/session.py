@@ -16,7 +16,7 @@ import torch
 from ..data_rng import set_epoch
 from ..errors import CheckpointSaveError, ConfigError
 from ..optim import observe_metric
-from ..run.heartbeat import beat_step
+from ..run.heartbeat import arm, beat_step
 from ..targets import search_path
 from .step import SKIPPED
 
@@ -152,3 +152,4 @@ def start_files(tr: Trainer, entry: dict[str, Any], *, fresh: bool) -> None:
         entry["model_library"] = tr._model_library  # how an export writes the model (its library)
     tr.recorder.start(tr.config, entry, fresh=fresh, code_version=tr._code_version,
                       data_fingerprint=tr.data.fingerprint)
+    arm()  # ranks/<rank>.json from here: nothing in the run directory changed before this start

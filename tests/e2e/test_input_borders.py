@@ -35,7 +35,7 @@ def config_error(overrides: list[str], extra: dict | None = None) -> str:
 
 FLOAT_KEYS = ["train.lr", "train.weight_decay", "train.momentum", "train.min_lr", "train.grad_clip",
               "train.max_time", "data.val_fraction", "data.timeout", "model.dropout", "ema.decay",
-              "checkpoint.remote_timeout"]
+              "checkpoint.remote_timeout", "dist.timeout"]
 
 
 def test_every_float_key_is_listed_here():

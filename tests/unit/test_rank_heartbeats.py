@@ -33,8 +33,12 @@ def _wait_file(path: Path, cond, timeout: float = 30.0) -> dict:
 def test_the_file_follows_the_rank_and_ends_with_it(tmp_path: Path):
     with heartbeat(tmp_path, 1, 2) as hb:
         path = rank_file(tmp_path, 1)
+        beat("data")
+        assert not path.parent.exists()  # nothing before the run starts (a refused resume changes nothing)
+        hb.arm()
         first = json.loads(path.read_text())  # written at once
-        assert first["phase"] == "start" and first["rank"] == 1 and first["world_size"] == 2
+        assert first["phase"] == "data"
+        assert first["rank"] == 1 and first["world_size"] == 2
         beat_step(7)
         beat("callback", "on_step_end of Slow")
         # the training thread is now "stuck": the writer thread still records where it is
@@ -52,6 +56,7 @@ def test_writes_are_throttled_not_one_per_micro_step(tmp_path: Path, monkeypatch
     real = hb_mod.write_json
     monkeypatch.setattr(hb_mod, "write_json", lambda *a, **k: (writes.append(1), real(*a, **k)))
     hb = Heartbeat(tmp_path, 0, 1, every_s=1.0).start()
+    hb.arm()
     start = time.monotonic()
     for step in range(20000):
         hb.enter("data")
@@ -71,8 +76,9 @@ def test_ranks_left_from_a_larger_session_are_removed_and_ignored(tmp_path: Path
     (tmp_path / "ranks" / "x.json").write_text("{}")
     (tmp_path / "ranks" / "5.json").write_text("{torn")
     assert [b.rank for b in read_rank_beats(tmp_path, 2)] == [0, 1]
-    with heartbeat(tmp_path, 0, 2):
-        pass
+    with heartbeat(tmp_path, 0, 2) as hb:
+        assert len(list((tmp_path / "ranks").iterdir())) == 6  # untouched before the run starts
+        hb.arm()
     # rank 0 of the new 2-rank session removes the files of ranks 2 and up; a foreign name stays
     assert sorted(p.name for p in (tmp_path / "ranks").iterdir()) == ["0.json", "1.json", "x.json"]
 

@@ -2,7 +2,7 @@
 same optimizer step as one batch of 7 when the objective returns ``(sum, count)`` (every
 built-in); the gradient norm and clipping see the divided gradients; fp16-style loss scaling
 and the non-finite policy still work; a user objective returning a plain mean keeps the mean
-of the micro-batch means. (At 2 ranks under DDP and FSDP: tests/e2e/test_window_average.py.)"""
+of the micro-batch means. (At 2 ranks under DDP and FSDP: tests/e2e/test_window_average_ranks.py.)"""
 
 from __future__ import annotations
 
