@@ -28,11 +28,11 @@ class Digits(EpochSeeded, Dataset):
 
 def digits_aug(train: int = 192, val: int = 61, seed: int = 0):
     """``(train, val)`` datasets of ``train`` and ``val`` digits."""
-    from sklearn.datasets import load_digits
+    from pimm_core.data import digits_arrays
 
-    bunch = load_digits()
-    x = torch.tensor(bunch.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(bunch.target, dtype=torch.int64)
+    data, target = digits_arrays()
+    x = torch.tensor(data, dtype=torch.float32) / 16.0
+    y = torch.tensor(target, dtype=torch.int64)
     return (Digits(x[:train], y[:train], augment=True, seed=seed),
             Digits(x[train:train + val], y[train:train + val], augment=False))
 
@@ -61,10 +61,10 @@ class Indexed(EpochSeeded, Dataset):
 def indexed(train: int = 100, val: int = 20, augment: bool = False, seed: int = 0):
     """``(train, val)`` datasets of the first ``train`` digits and the ``val`` after them, with indices
     (the training split randomly augmented with ``augment``)."""
-    from sklearn.datasets import load_digits
+    from pimm_core.data import digits_arrays
 
-    bunch = load_digits()
-    x = torch.tensor(bunch.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(bunch.target, dtype=torch.int64)
+    data, target = digits_arrays()
+    x = torch.tensor(data, dtype=torch.float32) / 16.0
+    y = torch.tensor(target, dtype=torch.int64)
     return (Indexed(x[:train], y[:train], augment=augment, seed=seed),
             Indexed(x[train:train + val], y[train:train + val]))

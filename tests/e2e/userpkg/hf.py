@@ -71,9 +71,9 @@ class Images(Dataset):
 
 
 def digit_images(train: int = 64, val: int = 32):
-    from sklearn.datasets import load_digits
+    from pimm_core.data import digits_arrays
 
-    bunch = load_digits()
-    x = torch.tensor(bunch.data, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
-    y = torch.tensor(bunch.target, dtype=torch.int64)
+    data, target = digits_arrays()
+    x = torch.tensor(data, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+    y = torch.tensor(target, dtype=torch.int64)
     return Images(x[:train], y[:train]), Images(x[train:train + val], y[train:train + val])

@@ -47,11 +47,11 @@ class StatefulDigitStream(DigitStream):
 
 def digits_stream(train: int = 192, val: int = 61, stateful: bool = True):
     """``(train, val)`` streams of ``train`` and ``val`` digits (the val stream in a fixed order)."""
-    from sklearn.datasets import load_digits
+    from pimm_core.data import digits_arrays
 
-    bunch = load_digits()
-    x = torch.tensor(bunch.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(bunch.target, dtype=torch.int64)
+    data, target = digits_arrays()
+    x = torch.tensor(data, dtype=torch.float32) / 16.0
+    y = torch.tensor(target, dtype=torch.int64)
     kind = StatefulDigitStream if stateful else DigitStream
     return kind(x[:train], y[:train]), DigitStream(x[train:train + val], y[train:train + val])
 
@@ -92,10 +92,10 @@ class SafePhasedDigitStream(PhasedDigitStream):
 
 def phased_stream(train: int = 192, val: int = 61, registered: bool = False):
     """``(train, val)`` streams whose train state holds an enum (``registered``: one a resume may load)."""
-    from sklearn.datasets import load_digits
+    from pimm_core.data import digits_arrays
 
-    bunch = load_digits()
-    x = torch.tensor(bunch.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(bunch.target, dtype=torch.int64)
+    data, target = digits_arrays()
+    x = torch.tensor(data, dtype=torch.float32) / 16.0
+    y = torch.tensor(target, dtype=torch.int64)
     kind = SafePhasedDigitStream if registered else PhasedDigitStream
     return kind(x[:train], y[:train]), DigitStream(x[train:train + val], y[train:train + val])
