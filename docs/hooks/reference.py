@@ -11,6 +11,7 @@ A page asks for a table with a marker line; the hook replaces it with Markdown m
   order :func:`pimm_core.topology.plan_resume` checks them, each with what that function decides
   (loader cursor, per-rank RNG, exactness) for a checkpoint saved mid-epoch;
 - ``<!-- pimm:console-keys -->``: the console's key bindings (``pimm_tui.app.PimmConsole.BINDINGS``).
+- ``<!-- pimm:runs-keys -->``: the runs view's and the compare view's bindings (``RunsScreen``, ``CompareScreen``).
 
 The functions are importable on their own (``tests/unit/test_docs.py`` uses them), torch-free.
 """
@@ -272,11 +273,29 @@ def console_keys_md() -> str:
     return "\n".join(out)
 
 
+def runs_view_rows() -> list[tuple[str, str, str, str]]:
+    """``(view, key, footer label, action)`` for the runs view's and the compare view's bindings
+    (``RunsScreen.BINDINGS``, ``CompareScreen.BINDINGS``)."""
+    from pimm_tui.views.compare import CompareScreen
+    from pimm_tui.views.runs import RunsScreen
+
+    return [(view, b.key, b.description, b.action)
+            for view, screen in (("runs", RunsScreen), ("compare", CompareScreen)) for b in screen.BINDINGS]
+
+
+def runs_keys_md() -> str:
+    out = ["| view | key | footer label | action |", "|---|---|---|---|"]
+    out += [f"| {view} | `{_cell(key)}` | {_plain(label)} | `{_cell(action)}` |"
+            for view, key, label, action in runs_view_rows()]
+    return "\n".join(out)
+
+
 GENERATORS = {
     "config-keys": config_keys_md,
     "cli": cli_md,
     "resume-policy": resume_policy_md,
     "console-keys": console_keys_md,
+    "runs-keys": runs_keys_md,
 }
 
 

@@ -157,3 +157,13 @@ def test_every_console_key_is_in_the_console_page(site: Path) -> None:
     codes = _codes(site / "console-guide" / "index.html")
     for binding in PimmConsole.BINDINGS:
         assert binding.key in codes, f"console key {binding.key!r} missing from the console page"
+
+
+def test_every_runs_view_and_compare_key_is_in_the_many_runs_page(site: Path) -> None:
+    from pimm_tui.views.compare import CompareScreen
+    from pimm_tui.views.runs import RunsScreen
+
+    codes = _codes(site / "console" / "index.html")
+    for screen in (RunsScreen, CompareScreen):
+        for binding in screen.BINDINGS:
+            assert binding.key in codes, f"{screen.__name__} key {binding.key!r} missing from docs/console.md"
