@@ -19,6 +19,8 @@ As a script (one process, or every rank under ``python -m torch.distributed.run`
   mid-run does; ``freeze_now`` also freezes it before training (a resume past that step).
 - ``full_dump``: rank 0 writes ``<full_dump>.pt``: the whole (gathered) model and optimizer
   state by parameter name, the EMA average and the :class:`TrainState`, for any strategy.
+- ``env``: ``{name: value}`` set in ``os.environ`` for that job only, restored after it (a name
+  unset before is unset again): e.g. a ``USERPKG_SEEN`` of its own for each job of one launch.
 
 Only public pieces are used: ``load_config``, ``Trainer(...).train(...)``,
 ``trainer.callbacks``, ``trainer.stop``.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -97,6 +100,21 @@ def run_job(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), *,
     return trainer
 
 
+def set_env(env: dict[str, str] | None):
+    """Set ``env`` in ``os.environ``; returns the function that restores what was there."""
+    before = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update({k: str(v) for k, v in (env or {}).items()})
+
+    def restore() -> None:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    return restore
+
+
 def main(argv: list[str]) -> int:
     from pimm_core import dist
     from pimm_core.launch import setup_logging
@@ -105,10 +123,12 @@ def main(argv: list[str]) -> int:
     setup_logging(dist.env_world().is_main)
     try:
         for job in jobs:
+            restore = set_env(job.get("env"))  # (a failed job ends the process: nothing to restore then)
             run_job(job["run_dir"], job.get("overrides", []), stop_at=job.get("stop_at"),
                     resume_from=job.get("resume_from"), max_steps=job.get("max_steps"),
                     checkpoint=job.get("checkpoint", True), dump=job.get("dump"), full_dump=job.get("full_dump"),
                     freeze=job.get("freeze"), freeze_now=job.get("freeze_now", False))
+            restore()
     finally:
         dist.shutdown()
     return 0
