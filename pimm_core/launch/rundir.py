@@ -214,18 +214,19 @@ def restore_from_remote(cfg: Config, run_dir: Path) -> bool:
         return False
     if got is None:
         return False
+    log = logging.getLogger("pimm")
+    # the run's other checkpoints too, so its retention continues from the set it had
+    # (remote_store); before `last` is in place, so a restore cut short here is done again whole
+    restored, failed = download_weights_files(fs, fs._strip_protocol(prefix), model)
     if (model / "last").exists():
         set_aside(model / "last", run_dir / "abandoned")
     os.rename(dest, model / "last")
-    log = logging.getLogger("pimm")
     log.warning("%s had no intact checkpoint: downloaded %s/%s (step %s) from the remote as %s", model, prefix,
                 got.name, got.step, model / "last")
-    # the run's other checkpoints too: its retention continues from the set it had (remote_store)
-    restored, failed = download_weights_files(fs, fs._strip_protocol(prefix), model)
     if restored:
         log.warning("downloaded from the remote into %s: %s", model, ", ".join(restored))
     if failed:
-        log.warning("warning: not downloaded from the remote (kept there, retried by the next restore): %s",
+        log.warning("warning: not downloaded from the remote (left there; the run goes on without them): %s",
                     "; ".join(failed))
     return True
 
