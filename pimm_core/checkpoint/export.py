@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -53,6 +52,7 @@ from .manifest import sha256_file
 from .outputs import CONFIG_JSON, EXPORT_JSON, check_output_dir, check_output_file, new_temp_dir, replace_dir
 from .remote_output import check_remote_output, upload_export
 from .remote_source import is_store_url
+from .scratch import make_owned_dir, release
 from ..run.layout import find_run_dir
 from ..run.provenance import read_provenance
 from .generation import read_whole
@@ -130,7 +130,9 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
     cfg = read_run_config(rd) if rd is not None else None
     library = _library_record(rd) if rd is not None else None
 
-    tmp = Path(tempfile.mkdtemp(prefix="pimm-export-")) if remote_out else new_temp_dir(target, "export")
+    # a remote export is written in $TMPDIR first (pimm-export-*: a later one removes it if this is killed)
+    owned = make_owned_dir("pimm-export-") if remote_out else None
+    tmp = owned[0] if owned is not None else new_temp_dir(target, "export")
     try:
         aliases = find_aliases(sd)
         if library is not None:
@@ -186,6 +188,9 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
     except BaseException:
         remove_tree(tmp)
         raise
+    finally:
+        if owned is not None:
+            release(*owned)
     return out_dir
 
 

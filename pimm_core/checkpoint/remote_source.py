@@ -4,7 +4,7 @@
 accept a URL wherever they accept a local path. :func:`plan_remote` finds what the URL names
 without downloading (``--dry-run`` and the launch's check); :func:`local_copy` downloads it
 into a fresh temporary directory of pimm's own (``$TMPDIR/pimm-remote-*``, removed when the
-reading is done), checks it, and hands the local copy to the local resolver, so the same
+reading is done, or by a later download when a kill cut this one short: :mod:`.scratch`), checks it, and hands the local copy to the local resolver, so the same
 rules apply as for a local source:
 
 ===========================================  ==================================================
@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,12 +45,15 @@ from typing import Any, Iterator
 
 from ..errors import (IncompleteCheckpointError, PimmError, RemoteStoreError, UsageError, WeightNotFoundError,
                       first_line)
-from ..fsio import remove_tree
+from ..faults import point, register
 from .foreign import EXPORT_FILES
 from .manifest import COMPLETE, MANIFEST
 from .outputs import CONFIG_JSON, EXPORT_JSON, PIMM_CONFIG_JSON
 from .remote_store import STEP_RE, remote_candidates
+from .scratch import owned_temp_dir
 from .selection import BEST, ITER_RE, TRAINER_DCP, WEIGHTS
+
+register("remote.file_downloaded")
 
 _SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _HF = "hf://"
@@ -305,6 +307,7 @@ def download(fs: Any, plan: RemotePlan, into: Path) -> Path:
     def get(rel: str) -> None:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(f"{plan.base}/{rel}", str(root / rel))
+        point("remote.file_downloaded", root / rel)
 
     with store_errors(plan.url, "download"), ThreadPoolExecutor(4, thread_name_prefix="pimm-download") as pool:
         for f in [pool.submit(get, rel) for rel in plan.files]:
@@ -337,9 +340,9 @@ def check_remote_source(url: str, options: dict[str, Any] | None = None) -> Remo
         head = fs.cat_file(f"{plan.base}/{first}", start=0, end=4096)
     if head.startswith(b"PK"):
         return plan  # a torch zip: its pickle is checked when it is read
-    with tempfile.TemporaryDirectory(prefix="pimm-remote-") as tmp:
-        (Path(tmp) / "head").write_bytes(head)
-        sniffed = sniff(Path(tmp) / "head")
+    with owned_temp_dir("pimm-remote-") as tmp:
+        (tmp / "head").write_bytes(head)
+        sniffed = sniff(tmp / "head")
     if sniffed.not_a_checkpoint:
         raise CheckpointParseError(not_a_checkpoint(plan.file_url(first), sniffed.describe()))
     return plan
@@ -365,7 +368,7 @@ def shared_copy(url: str, copy: Path, plan: RemotePlan) -> Iterator[None]:
 def local_copy(url: str, options: dict[str, Any] | None = None) -> Iterator[tuple[Path, RemotePlan]]:
     """Download the remote weight source ``url`` into a fresh temporary directory
     (``$TMPDIR/pimm-remote-*``), checked; yields ``(local copy, plan)``; the directory is removed
-    on exit, whatever happened. (Inside :func:`shared_copy` of ``url``: that copy, no download.)
+    on exit, whatever happened (after a kill: by the next download, :mod:`.scratch`). (Inside :func:`shared_copy` of ``url``: that copy, no download.)
 
     Raises:
         as :func:`plan_remote` and :func:`download`.
@@ -374,8 +377,5 @@ def local_copy(url: str, options: dict[str, Any] | None = None) -> Iterator[tupl
         yield _SHARED[url]
         return
     fs, plan = plan_remote(url, options)
-    into = Path(tempfile.mkdtemp(prefix="pimm-remote-"))
-    try:
+    with owned_temp_dir("pimm-remote-") as into:
         yield download(fs, plan, into), plan
-    finally:
-        remove_tree(into)

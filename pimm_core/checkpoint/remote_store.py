@@ -10,6 +10,11 @@ Torch-free (``pimm checkpoints ls`` lists remote candidates). The remote mirrors
 - ``model_best.pth``, ``iter_<step>.pth``, ``best_<step>.pth``: weights files, complete once their sidecar
   ``<name>.json`` (written last) is there and matches the file's size.
 
+A wiped ``model/`` is restored from the remote whole (:func:`download_newest`, then
+:func:`download_weights_files`): the newest complete ``step_<N>/`` as ``last`` and every complete
+weights file beside it, so the run's retention (``keep_iter``, ``keep_best``, ``model_best.pth``)
+continues from the set it had, and the mirror removes from the remote only what that retention removes.
+
 A kill during an upload leaves a ``step_<N>/`` without ``.complete``: :func:`remote_candidates`
 reports it as incomplete and :func:`download_newest` never takes it.
 """
@@ -18,14 +23,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .manifest import COMPLETE, MANIFEST
+from .selection import BEST, BEST_K_RE, ITER_RE
 
 STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+def is_mirrored_weights(name: str) -> bool:
+    """A weights file of ``model/`` the mirror uploads: ``model_best.pth``, ``iter_<step>.pth``, ``best_<step>.pth``."""
+    return name == BEST or bool(ITER_RE.match(name)) or bool(BEST_K_RE.match(name))
 
 
 class RemoteError(OSError):
@@ -166,3 +178,47 @@ def download_newest(fs: Any, prefix: str, dest: Path) -> RemoteCandidate | None:
         (dest / COMPLETE).write_bytes(b"")
         return cand
     return None
+
+
+def download_weights_files(fs: Any, prefix: str, model_dir: Path) -> tuple[list[str], list[str]]:
+    """Download the complete remote weights files (:func:`is_mirrored_weights`) that ``model_dir``
+    lacks, each with its sidecar, its sha256 checked against the sidecar: the file goes into place
+    under a temporary name first (``.<name>.<pid>.tmp``, removed by the next save's clean-up if this
+    is killed), then the sidecar, as a local save writes them.
+
+    Returns:
+        ``(names restored, one line per file that could not be)``: a failure is not fatal
+        (the run resumes without that file; the mirror never removes it from the remote).
+    """
+    from ..fsio import atomic_write_bytes, fsync_dir, fsync_file, remove_tree
+    from .manifest import sha256_file
+
+    restored: list[str] = []
+    failed: list[str] = []
+    try:
+        cands = remote_candidates(fs, prefix)
+    except RemoteError as e:
+        return restored, [str(e)]
+    for cand in cands:
+        name = cand.name
+        if cand.kind != "weights" or not cand.complete or not is_mirrored_weights(name) \
+                or (model_dir / name).exists() or (model_dir / f"{name}.json").exists():
+            continue
+        tmp = model_dir / f".{name}.{os.getpid()}.tmp"
+        try:
+            side = fs.cat_file(f"{prefix}/{name}.json")
+            want = json.loads(side)["files"][name]["sha256"]
+            fs.get_file(f"{prefix}/{name}", str(tmp))
+            got = sha256_file(tmp)
+            if got != want:
+                raise RemoteError(f"sha256 {got[:12]} does not match its sidecar's {str(want)[:12]}")
+            fsync_file(tmp)
+            os.replace(tmp, model_dir / name)
+            fsync_dir(model_dir)
+            atomic_write_bytes(model_dir / f"{name}.json", side)
+        except Exception as e:  # botocore/aiohttp errors are not OSErrors
+            remove_tree(tmp)
+            failed.append(f"{name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            continue
+        restored.append(name)
+    return restored, failed

@@ -7,7 +7,10 @@ published locally and not yet complete remotely, files of one checkpoint ``concu
 a time, each retried with exponential backoff, its sha256 read back and compared with the
 manifest, the marker (``.complete``, a weights file's sidecar) last; then it removes from
 the remote what the local retention removed (older ``step_<N>/``, rotated ``iter_<step>.pth`` and
-``best_<step>.pth``).
+``best_<step>.pth``): only weights files this process saw in ``model/`` and no longer does. A
+remote file the run's ``model/`` never held in this process (a wiped ``model/`` whose restore
+could not download it, an older run's file) is never removed: the mirror loses nothing the
+local retention did not decide to drop.
 
 A failure (unreachable store, credentials, full bucket) is a warning; the thread retries on
 the next request or after a backoff while training goes on. :meth:`Uploader.close` waits
@@ -29,8 +32,8 @@ from typing import Any, Callable
 
 from ..faults import point, register
 from .manifest import COMPLETE, MANIFEST
-from .remote_store import STEP_RE, open_store, sha256_remote
-from .selection import BEST, BEST_K_RE, ITER_RE
+from .remote_store import STEP_RE, is_mirrored_weights, open_store, sha256_remote
+from .selection import BEST_K_RE, ITER_RE
 
 log = logging.getLogger("pimm")
 
@@ -75,6 +78,9 @@ class Uploader:
         self._done = 0  # the request generation the last successful pass covered
         self._warned = False
         self._current = ""  # what the pass in progress is uploading ("model/last (step N)")
+        # the weights files model/ held since this uploader started (at its start, and at each pass):
+        # the only ones whose absence from model/ (the retention removed them) removes them remotely
+        self._seen = self._local_weights()
         self._thread = threading.Thread(target=self._run, name="pimm-upload", daemon=True)
         self._thread.start()
 
@@ -163,8 +169,8 @@ class Uploader:
                 if not self._upload_unit(fs, last, f"{prefix}/step_{step}", described, files, [MANIFEST, COMPLETE]):
                     self._wake.set()  # replaced while uploading: the newer one goes next
                     step = None  # and no older remote step is pruned before it is complete
-        local_weights = {p.name for p in self.model_dir.glob("*.pth")
-                         if p.name == BEST or ITER_RE.match(p.name) or BEST_K_RE.match(p.name)}
+        local_weights = self._local_weights()
+        self._seen |= local_weights
         for name in sorted(local_weights):
             try:
                 described = (self.model_dir / f"{name}.json").read_bytes()
@@ -179,6 +185,9 @@ class Uploader:
             self._prune(fs, prefix, step, local_weights)
         self._current = ""
         return missing
+
+    def _local_weights(self) -> set[str]:
+        return {p.name for p in self.model_dir.glob("*.pth") if is_mirrored_weights(p.name)}
 
     def _upload_unit(self, fs: Any, local: Path, remote: str, described: bytes, files: list[str],
                      markers: list[str]) -> bool:
@@ -226,7 +235,8 @@ class Uploader:
         return True
 
     def _prune(self, fs: Any, prefix: str, step: int | None, local_weights: set[str]) -> None:
-        """Remove from the remote what the local retention removed."""
+        """Remove from the remote what the local retention removed: the older ``step_<N>/`` once
+        ``step`` is complete there, and the weights files a pass saw locally that are gone now."""
         fs.invalidate_cache()
         for entry in fs.ls(prefix, detail=False) if fs.exists(prefix) else []:
             name = entry.rstrip("/").rsplit("/", 1)[-1]
@@ -234,5 +244,5 @@ class Uploader:
             if m and step is not None and int(m.group(1)) != step:
                 self._retry(entry, lambda e=entry: fs.rm(e, recursive=True))
             base = name[:-5] if name.endswith(".pth.json") else name
-            if (ITER_RE.match(base) or BEST_K_RE.match(base)) and base not in local_weights:
+            if (ITER_RE.match(base) or BEST_K_RE.match(base)) and base in self._seen and base not in local_weights:
                 self._retry(entry, lambda e=entry: fs.rm_file(e))

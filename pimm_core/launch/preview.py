@@ -87,8 +87,35 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
         print("config diff: " + ("none" if not diff else "; ".join(diff)))
     for w in plan.warnings:
         print(f"warning: {w}")
+    note = best_starts_over(cfg, run_dir / MODEL)
+    if note is not None:
+        print(f"warning: {note}")
     print("dry run: nothing was trained or written")
     return 0
+
+
+def best_starts_over(cfg: Config, model_dir: Path) -> str | None:
+    """The warning a resume gives when ``eval.metric`` or ``eval.mode`` is not what the best so far
+    was ranked by (:meth:`~pimm_core.train.best.BestTracker.rebase`: the best starts over), or None.
+
+    The resume reads the best from the trainer state; the dry run reads the same record without
+    loading it: what ``model_best.pth`` (single format: the checkpoint ``best`` names) was ranked
+    by, its value and epoch, from its sidecar, which the evaluation that set the best wrote.
+    """
+    from ..run import read_json
+    from ..train.best import BestTracker
+
+    sidecar = model_dir / "model_best.pth.json"
+    if not sidecar.is_file() and (model_dir / "best").is_symlink():
+        target = (model_dir / "best").resolve()
+        sidecar = target.with_name(target.name + ".json")
+    record = read_json(sidecar)
+    sel = record.get("selection_metric") if isinstance(record, dict) else None
+    value = sel.get("value") if isinstance(sel, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    epoch = sel.get("epoch", record.get("epoch"))
+    return BestTracker(cfg.eval.metric, cfg.eval.mode, best=float(value), epoch=epoch).rebase(sel)
 
 
 def _dry_model(cfg: Config, config_path: Path | None):

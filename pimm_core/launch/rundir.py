@@ -188,12 +188,14 @@ def auto_resume(cfg: Config, run_dir: Path, *, is_main: bool = True) -> Config:
 
 def restore_from_remote(cfg: Config, run_dir: Path) -> bool:
     """No intact checkpoint in ``<run>/model/`` and ``checkpoint.remote`` set: download the newest
-    complete remote candidate as ``model/last`` (checked against its manifest). True when one was.
+    complete remote candidate as ``model/last`` (checked against its manifest), then the remote's
+    weights files ``model/`` lacks (``model_best.pth``, ``best_<step>.pth``, ``iter_<step>.pth``).
+    True when a checkpoint was.
 
     Rank 0's node only (one node, or ``model/`` on a file system every node shares). A store
     that cannot be read is a warning: the run then starts as it would without a remote.
     """
-    from ..checkpoint.remote_store import RemoteError, download_newest, open_store, run_prefix
+    from ..checkpoint.remote_store import RemoteError, download_newest, download_weights_files, open_store, run_prefix
     from ..fsio import remove_tree
 
     c = cfg.checkpoint
@@ -212,11 +214,20 @@ def restore_from_remote(cfg: Config, run_dir: Path) -> bool:
         return False
     if got is None:
         return False
+    log = logging.getLogger("pimm")
+    # the run's other checkpoints too, so its retention continues from the set it had
+    # (remote_store); before `last` is in place, so a restore cut short here is done again whole
+    restored, failed = download_weights_files(fs, fs._strip_protocol(prefix), model)
     if (model / "last").exists():
         set_aside(model / "last", run_dir / "abandoned")
     os.rename(dest, model / "last")
-    logging.getLogger("pimm").warning("%s had no intact checkpoint: downloaded %s/%s (step %s) from the remote "
-                                      "as %s", model, prefix, got.name, got.step, model / "last")
+    log.warning("%s had no intact checkpoint: downloaded %s/%s (step %s) from the remote as %s", model, prefix,
+                got.name, got.step, model / "last")
+    if restored:
+        log.warning("downloaded from the remote into %s: %s", model, ", ".join(restored))
+    if failed:
+        log.warning("warning: not downloaded from the remote (left there; the run goes on without them): %s",
+                    "; ".join(failed))
     return True
 
 

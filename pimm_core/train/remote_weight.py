@@ -5,7 +5,8 @@ Each rank reading the URL on its own (what
 rank: eight copies of the weights on a node of eight GPUs. Under a process group, the lowest
 rank on each host downloads and checks the source into a temporary directory of pimm's own
 (:func:`~pimm_core.checkpoint.remote_source.download`); every rank of that host warm-starts
-from the copy; the directory is removed once every rank has read it. A download that fails on
+from the copy; the directory is removed once every rank has read it (after a kill: by the next
+download, :mod:`~pimm_core.checkpoint.scratch`). A download that fails on
 any node fails every rank with the same one-line error (no rank is left waiting).
 """
 
@@ -13,14 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
 from .. import dist
 from ..checkpoint.remote_source import download, plan_remote, shared_copy, store_error
+from ..checkpoint.scratch import make_owned_dir, release
 from ..errors import PimmError
-from ..fsio import remove_tree
 
 
 @contextlib.contextmanager
@@ -39,13 +39,13 @@ def node_copy(url: str, options: dict[str, Any] | None, rank: int) -> Iterator[N
         yield
         return
     leader = hosts.index(hosts[rank])  # the lowest rank on this host
-    into: Path | None = None
+    into: tuple[Path, int] | None = None
     mine: tuple[str | None, Any, PimmError | None] | None = None
     if leader == rank:
         try:
             fs, plan = plan_remote(url, options)
-            into = Path(tempfile.mkdtemp(prefix="pimm-remote-"))
-            mine = (str(download(fs, plan, into)), plan, None)
+            into = make_owned_dir("pimm-remote-")
+            mine = (str(download(fs, plan, into[0])), plan, None)
         except Exception as e:  # every rank must reach the gather below, whatever happened here
             mine = (None, None, store_error(url, e, "download"))
     try:
@@ -59,4 +59,4 @@ def node_copy(url: str, options: dict[str, Any] | None, rank: int) -> Iterator[N
         dist.all_gather_object(None)  # every rank of the node has read the copy
     finally:
         if into is not None:
-            remove_tree(into)
+            release(*into)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -83,6 +84,8 @@ def test_uploaded_with_layout_retention_and_resumed_after_model_dir_is_wiped(tmp
     assert listed["error"] is None and listed["uploading"] == []
     assert {"name": "step_90", "step": 90, "complete": True, "kind": "standard"} in listed["candidates"]
 
+    evaluations = {45: value_of(model / "best_45.pth.json"), 90: value_of(model / "best_90.pth.json")}
+    best_before = (model / "model_best.pth").read_bytes()
     shutil.rmtree(model)  # a wiped scratch disk: the run directory without its checkpoints
     r2 = auto_resume(tmp_path, "r", s3, "train.epochs=3", *RUN[1:])
     assert r2.returncode == 0, r2.stderr
@@ -92,9 +95,83 @@ def test_uploaded_with_layout_retention_and_resumed_after_model_dir_is_wiped(tmp
     assert resumes and resumes[-1]["step"] == 90 and resumes[-1]["exact"], resumes
     assert read_json(model / "last" / "manifest.json")["step"] == 135
     assert [n for n in s3.ls(run_model(s3)) if n.startswith("step_")] == ["step_135"]
-    # the remote mirrors model/ as it is: the kept best files of the wiped model/ are gone (as its iter files)
+    # the restore brought back the run's whole set, so its retention went on from it as if model/ had
+    # never been wiped: the 2 best of the 3 evaluations kept (locally and remotely), the newest 2 snapshots
+    evaluations[135] = metric_at(tmp_path / "digits" / "r", 135)
+    top2 = sorted(evaluations, key=lambda step: (-evaluations[step], step))[:2]
     local_best = sorted(p.name for p in model.glob("best_*.pth*"))
-    assert "best_135.pth" in local_best and [n for n in s3.ls(run_model(s3)) if n.startswith("best_")] == local_best
+    assert local_best == sorted(f"best_{step}.pth{ext}" for step in top2 for ext in ("", ".json")), (
+        local_best, evaluations)
+    assert [n for n in s3.ls(run_model(s3)) if n.startswith("best_")] == local_best
+    local_iters = sorted(p.name for p in model.glob("iter_*.pth*"))
+    assert local_iters == ["iter_100.pth", "iter_100.pth.json", "iter_120.pth", "iter_120.pth.json"]
+    assert [n for n in s3.ls(run_model(s3)) if n.startswith("iter_")] == local_iters
+    # model_best.pth: the restored one, unless the resumed evaluation improved on it
+    best_now = s3.fs.cat_file(f"{BUCKET}/{run_model(s3)}/model_best.pth")
+    assert (model / "model_best.pth").read_bytes() == best_now
+    assert (best_now == best_before) == (evaluations[135] <= max(evaluations[45], evaluations[90]))
+    assert "iter_60.pth" in out2 and "best_45.pth" in out2 and "model_best.pth" in out2, out2  # said so
+
+
+def value_of(sidecar: Path) -> float:
+    return read_json(sidecar)["selection_metric"]["value"]
+
+
+def metric_at(run_dir: Path, step: int) -> float:
+    """The selection metric (accuracy on val, mode max: the digits config) of the evaluation at ``step``."""
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("split") == "val" and rec.get("step") == step and "acc" in rec:
+            return rec["acc"]
+    raise AssertionError(f"no evaluation at step {step} in metrics.jsonl")
+
+
+def test_the_mirror_removes_only_what_this_run_held_and_removed_and_a_restore_checks_each_file(tmp_path, s3):
+    from pimm_core.checkpoint.remote_upload import Uploader
+
+    def weights(where: Path, name: str, data: bytes, sha: str | None = None) -> None:
+        (where / name).write_bytes(data)
+        (where / f"{name}.json").write_text(json.dumps({"format": "weights", "step": 1, "files": {
+            name: {"size": len(data), "sha256": sha or hashlib.sha256(data).hexdigest()}}}))
+
+    prefix = f"{BUCKET}/{run_model(s3)}"
+    older = tmp_path / "older"  # what an earlier life of the run uploaded: its model/ is gone
+    older.mkdir()
+    weights(older, "iter_5.pth", b"five")
+    weights(older, "best_5.pth", b"best five")
+    weights(older, "iter_6.pth", b"six!", sha="0" * 64)  # damaged on the store: same size, other bytes
+    for p in older.iterdir():
+        s3.fs.put_file(str(p), f"{prefix}/{p.name}")
+    model = tmp_path / "model"
+    model.mkdir()
+    weights(model, "iter_10.pth", b"ten")
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": s3.endpoint},
+               "skip_instance_cache": True}
+    up = Uploader(s3.url, options, model, f"{s3.url}/digits/r/model")
+    assert up.close(hang_s(60)) == []
+    # nothing this process did not see in model/ is removed: the older life's files stay
+    assert [n for n in s3.ls(run_model(s3)) if n.endswith(".pth")] == [
+        "best_5.pth", "iter_10.pth", "iter_5.pth", "iter_6.pth"]
+    # a run (re)started with iter_10 in model/: its retention removes it before the upload thread looks
+    up = Uploader(s3.url, options, model, f"{s3.url}/digits/r/model")
+    weights(model, "iter_20.pth", b"twenty")
+    for name in ("iter_10.pth", "iter_10.pth.json"):
+        (model / name).unlink()
+    assert up.close(hang_s(60)) == []
+    assert [n for n in s3.ls(run_model(s3)) if n.endswith(".pth")] == [
+        "best_5.pth", "iter_20.pth", "iter_5.pth", "iter_6.pth"]
+
+    # a restore into a wiped model/: every complete weights file, each checked against its sidecar
+    from pimm_core.checkpoint.remote_store import download_weights_files
+
+    restored = tmp_path / "restored"
+    restored.mkdir()
+    got, failed = download_weights_files(s3.fs, prefix, restored)
+    assert sorted(got) == ["best_5.pth", "iter_20.pth", "iter_5.pth"]
+    assert len(failed) == 1 and failed[0].startswith("iter_6.pth: sha256"), failed
+    assert sorted(p.name for p in restored.iterdir()) == [
+        "best_5.pth", "best_5.pth.json", "iter_20.pth", "iter_20.pth.json", "iter_5.pth", "iter_5.pth.json"]
+    assert (restored / "iter_5.pth").read_bytes() == b"five"
 
 
 def test_kill_during_an_upload_leaves_no_candidate_that_selection_accepts(tmp_path, s3):

@@ -322,3 +322,39 @@ def test_two_ranks_warm_start_from_one_download_per_node(tmp_path, s3, src):
     whole = [line for line in gets if '" 200 ' in line]
     assert len(whole) == 1 and all('" 206 ' in line for line in gets if line not in whole), gets
     assert pimm_temps(tmp_path / "tmp") == []
+
+
+def test_temporary_directories_of_killed_downloads_and_exports_are_removed_by_the_next_command(tmp_path, s3, src):
+    import tempfile
+
+    from pimm_core.checkpoint.scratch import make_owned_dir, release
+
+    tmp = tmp_path / "tmp"
+    env = env_with_tmp(s3, tmp)
+    # SIGKILL mid-download: after the first file of the warm start's source is on disk
+    r = warm_launch(tmp_path, "w", url("step_45"), {**env, "PIMM_FAILPOINT": "remote.file_downloaded=kill"},
+                    here=False)
+    assert r.returncode == -9, r.stdout + r.stderr
+    left = [p for p in tmp.iterdir() if p.name.startswith("pimm-remote-") and p.is_dir()]
+    assert len(left) == 1 and (left[0] / "step_45" / "weights.pth").is_file(), pimm_temps(tmp)  # cut short there
+    # the next command that writes there (a remote export, itself killed after its files were
+    # uploaded, before its export.json) removes it first; its own directory is left
+    r = pimm("export", "--run-dir", str(src), "last", f"s3://{BUCKET}/exports/killed",
+             env={**env, "PIMM_FAILPOINT": "remote.export_files=kill"}, here=False)
+    assert r.returncode == -9, r.stdout + r.stderr
+    stale = pimm_temps(tmp)
+    assert len(stale) == 2 and all(n.startswith("pimm-export-") for n in stale), stale  # directory, owner file
+
+    saved, tempfile.tempdir = tempfile.tempdir, str(tmp)
+    try:
+        live, fd = make_owned_dir("pimm-remote-")  # a live process's download (this process's)
+    finally:
+        tempfile.tempdir = saved
+    try:
+        # a download removes what the dead export left, and not what a live process holds
+        r = pimm("export", url("step_45"), str(tmp_path / "out"), env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert pimm_temps(tmp) == [live.name, f"{live.name}.lock"]
+    finally:
+        release(live, fd)
+    assert pimm_temps(tmp) == []
