@@ -263,3 +263,57 @@ def test_pimm_resume_downloads_the_newest_complete_remote_checkpoint_into_a_wipe
     resumes = [e for e in read_json(run_dir / "provenance.json")["starts"] if e.get("kind") == "resume"]
     assert len(resumes) == 1 and resumes[0]["step"] == 45 and resumes[0]["exact"], resumes
     assert read_json(run_dir / "model" / "last" / "manifest.json")["step"] == 90
+
+
+def test_a_stale_local_last_does_not_hide_a_newer_remote_step_and_the_mirror_keeps_it(tmp_path, s3):
+    """A requeued job lands on a node whose model/ holds an earlier copy of the run (last at step 45)
+    while the remote holds step 90: the resume takes the newest (the remote's), every tool says so,
+    and the mirror never removes a remote step newer than the local one."""
+    from pimm_core.checkpoint.remote_upload import Uploader
+
+    r = launch(tmp_path, "r", "train.epochs=1", *remote(s3), env=s3.env())
+    assert r.returncode == 0, r.stderr
+    run_dir = tmp_path / "digits" / "r"
+    model = run_dir / "model"
+    older = tmp_path / "older"
+    shutil.copytree(model, older, symlinks=True)  # the earlier copy on the other node's scratch disk
+    r2 = subprocess.run([sys.executable, "-m", "pimm_core.cli", "resume", str(run_dir), "--", "train.epochs=2"],
+                        cwd=REPO, env=s3.env(), capture_output=True, text=True, timeout=hang_s(300))
+    assert r2.returncode == 0, r2.stdout + r2.stderr
+    assert [n for n in s3.ls(run_model(s3)) if n.startswith("step_")] == ["step_90"]
+
+    # the mirror of a model/ whose last is older than the remote's newest step keeps that step
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": s3.endpoint},
+               "skip_instance_cache": True}
+    up = Uploader(s3.url, options, older, f"{s3.url}/digits/r/model")
+    assert up.close(hang_s(120)) == []
+    assert [n for n in s3.ls(run_model(s3)) if n.startswith("step_")] == ["step_45", "step_90"]
+
+    shutil.rmtree(model)
+    shutil.copytree(older, model, symlinks=True)
+    why = "the remote holds step 90, newer than model/last at step 45"
+    # the dry run and `pimm checkpoints ls` (torch-free) say the choice the resume makes
+    dry = subprocess.run([sys.executable, "-m", "pimm_core.cli", "resume", str(run_dir), "--dry-run", "--",
+                          "train.epochs=3"], cwd=REPO, env=s3.env(), capture_output=True, text=True,
+                         timeout=hang_s(300))
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert why in dry.stdout, dry.stdout
+    code = ("import sys; from pimm_core.cli import main; "
+            f"main(['checkpoints', 'ls', {str(run_dir)!r}]); print('torch' in sys.modules)")
+    ls = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=s3.env(), capture_output=True, text=True,
+                        timeout=hang_s(120))
+    assert ls.returncode == 0, ls.stderr
+    assert why in ls.stdout and ls.stdout.strip().splitlines()[-1] == "False", ls.stdout
+    assert [n for n in s3.ls(run_model(s3)) if n.startswith("step_")] == ["step_45", "step_90"]  # nothing written
+
+    r3 = auto_resume(tmp_path, "r", s3, "train.epochs=3")
+    assert r3.returncode == 0, r3.stderr
+    out3 = r3.stdout + r3.stderr
+    assert f"{why}: restoring it" in out3, out3
+    resumes = [e for e in read_json(run_dir / "provenance.json")["starts"] if e.get("kind") == "resume"]
+    assert resumes[-1]["step"] == 90 and resumes[-1]["exact"], resumes
+    assert read_json(model / "last" / "manifest.json")["step"] == 135
+    assert [n for n in s3.ls(run_model(s3)) if n.startswith("step_")] == ["step_135"]
+    # the older local last was set aside, not deleted
+    assert any(read_json(p / "manifest.json").get("step") == 45 for p in (run_dir / "abandoned").iterdir()
+               if (p / "manifest.json").is_file())
