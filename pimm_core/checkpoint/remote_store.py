@@ -129,15 +129,19 @@ def run_remote(run_dir: Path) -> tuple[str, dict[str, Any] | None] | None:
     return url, options if isinstance(options, dict) else None
 
 
-def describe_remote(run_dir: Path, local_step: int | None) -> dict[str, Any] | None:
+def describe_remote(run_dir: Path, local_step: int | None, chosen: Any = None) -> dict[str, Any] | None:
     """What ``pimm checkpoints ls`` shows of the run's remote: ``{"url", "candidates": [{name,
-    step, complete, kind}], "uploading": [what is local and not complete remotely], "error"}``,
+    step, complete, kind}], "uploading": [what is local and not complete remotely], "resume": the
+    line saying whether a resume takes ``chosen`` (the local selection) or the remote's newest, "error"}``,
     or None when the run has no ``checkpoint.remote``. Never raises: an unreachable store is ``error``."""
+    from .remote_choice import newest_complete, resume_choice
+
     remote = run_remote(run_dir)
     if remote is None:
         return None
     url, options = remote
-    out: dict[str, Any] = {"url": run_prefix(url, run_dir), "candidates": [], "uploading": [], "error": None}
+    out: dict[str, Any] = {"url": run_prefix(url, run_dir), "candidates": [], "uploading": [], "resume": None,
+                           "error": None}
     try:
         fs, _ = open_store(url, options)
         cands = remote_candidates(fs, fs._strip_protocol(out["url"]))
@@ -145,6 +149,7 @@ def describe_remote(run_dir: Path, local_step: int | None) -> dict[str, Any] | N
         out["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
         return out
     out["candidates"] = [{"name": c.name, "step": c.step, "complete": c.complete, "kind": c.kind} for c in cands]
+    out["resume"] = resume_choice(chosen, newest_complete(cands)).reason
     if local_step is not None and not any(c.complete and c.step == local_step for c in cands if c.kind == "standard"):
         out["uploading"].append(f"last (step {local_step})")
     return out
@@ -180,9 +185,10 @@ def download_newest(fs: Any, prefix: str, dest: Path) -> RemoteCandidate | None:
     return None
 
 
-def download_weights_files(fs: Any, prefix: str, model_dir: Path) -> tuple[list[str], list[str]]:
+def download_weights_files(fs: Any, prefix: str, model_dir: Path, *, newer: bool = False) -> tuple[list[str], list[str]]:
     """Download the complete remote weights files (:func:`is_mirrored_weights`) that ``model_dir``
-    lacks, each with its sidecar, its sha256 checked against the sidecar: the file goes into place
+    lacks (with ``newer``, the remote is ahead of ``model/``: its ``model_best.pth`` too when its
+    sidecar differs from the local one's, which is removed first), each with its sidecar, its sha256 checked against the sidecar: the file goes into place
     under a temporary name first (``.<name>.<pid>.tmp``, removed by the next save's clean-up if this
     is killed), then the sidecar, as a local save writes them.
 
@@ -201,12 +207,21 @@ def download_weights_files(fs: Any, prefix: str, model_dir: Path) -> tuple[list[
         return restored, [str(e)]
     for cand in cands:
         name = cand.name
-        if cand.kind != "weights" or not cand.complete or not is_mirrored_weights(name) \
-                or (model_dir / name).exists() or (model_dir / f"{name}.json").exists():
+        if cand.kind != "weights" or not cand.complete or not is_mirrored_weights(name):
+            continue
+        present = (model_dir / name).exists() or (model_dir / f"{name}.json").exists()
+        if present and not (newer and name == BEST):
             continue
         tmp = model_dir / f".{name}.{os.getpid()}.tmp"
         try:
             side = fs.cat_file(f"{prefix}/{name}.json")
+            if present:
+                try:
+                    if (model_dir / f"{name}.json").read_bytes() == side:
+                        continue
+                except FileNotFoundError:
+                    pass
+                remove_tree(model_dir / f"{name}.json")  # no sidecar describing other bytes, ever
             want = json.loads(side)["files"][name]["sha256"]
             fs.get_file(f"{prefix}/{name}", str(tmp))
             got = sha256_file(tmp)

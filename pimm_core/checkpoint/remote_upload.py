@@ -235,13 +235,14 @@ class Uploader:
         return True
 
     def _prune(self, fs: Any, prefix: str, step: int | None, local_weights: set[str]) -> None:
-        """Remove from the remote what the local retention removed: the older ``step_<N>/`` once
-        ``step`` is complete there, and the weights files a pass saw locally that are gone now."""
+        """Remove from the remote what the local retention removed: the ``step_<N>/`` older than
+        ``step`` once ``step`` is complete there (a newer one, left by a later life of the run whose
+        ``model/`` this node does not hold, is kept), and the weights files a pass saw locally that are gone now."""
         fs.invalidate_cache()
         for entry in fs.ls(prefix, detail=False) if fs.exists(prefix) else []:
             name = entry.rstrip("/").rsplit("/", 1)[-1]
             m = STEP_RE.match(name)
-            if m and step is not None and int(m.group(1)) != step:
+            if m and step is not None and int(m.group(1)) < step:  # never one newer than model/last
                 self._retry(entry, lambda e=entry: fs.rm(e, recursive=True))
             base = name[:-5] if name.endswith(".pth.json") else name
             if (ITER_RE.match(base) or BEST_K_RE.match(base)) and base in self._seen and base not in local_weights:

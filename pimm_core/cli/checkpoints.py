@@ -75,7 +75,7 @@ def checkpoints_ls(
     from ..checkpoint.remote_store import describe_remote
 
     last = next((c for c in cands if c.name == "last" and c.complete and c.format == "standard"), None)
-    remote = describe_remote(model_dir.parent, last.step if last is not None else None)
+    remote = describe_remote(model_dir.parent, last.step if last is not None else None, chosen)
     if as_json:
         rows = [{**c.to_json(), "selected": chosen is not None and c.path == chosen.path} for c in cands]
         print(json.dumps({"schema_version": 1, "model_dir": str(model_dir),
@@ -133,6 +133,8 @@ def _print_remote(remote: dict) -> None:
         print("  no checkpoints yet")
     for what in remote["uploading"]:
         print(f"  not on the remote yet: {printable(what)}")
+    if remote.get("resume"):
+        print(f"  resume: {printable(remote['resume'])}")
 
 
 @app.command("verify", cls=Command)

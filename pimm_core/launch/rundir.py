@@ -163,7 +163,10 @@ def auto_resume(cfg: Config, run_dir: Path, *, is_main: bool = True) -> Config:
     chosen, cands = select_resume(run_dir / MODEL)
     if chosen is not None or any(c.complete and c.resumable for c in cands):
         # an intact checkpoint resumes; a complete one that fails verification is refused by the
-        # resume ("no intact checkpoint", exit 1) rather than thrown away with the run's progress
+        # resume ("no intact checkpoint", exit 1) rather than thrown away with the run's progress;
+        # a newer complete one on the remote replaces an older local one (remote_choice)
+        if is_main and chosen is not None:
+            restore_from_remote(cfg, run_dir)
         return replace(cfg, train=replace(cfg.train, resume=True))
     if cands and is_main:
         try:
@@ -187,42 +190,51 @@ def auto_resume(cfg: Config, run_dir: Path, *, is_main: bool = True) -> Config:
 
 
 def restore_from_remote(cfg: Config, run_dir: Path) -> bool:
-    """No intact checkpoint in ``<run>/model/`` and ``checkpoint.remote`` set: download the newest
-    complete remote candidate as ``model/last`` (checked against its manifest), then the remote's
-    weights files ``model/`` lacks (``model_best.pth``, ``best_<step>.pth``, ``iter_<step>.pth``).
-    True when a checkpoint was.
+    """``checkpoint.remote`` set and the remote's newest complete checkpoint newer than the one
+    ``<run>/model/`` would resume from (or ``model/`` holds none: :func:`~pimm_core.checkpoint.remote_choice.resume_choice`):
+    download it as ``model/last`` (checked against its manifest; an older local ``last`` is moved to
+    ``<run>/abandoned/``), then the remote's weights files ``model/`` lacks (``model_best.pth``,
+    ``best_<step>.pth``, ``iter_<step>.pth``; ``model_best.pth`` replaced when the remote's differs).
+    Says in one log line which one the resume takes and why. True when a checkpoint was downloaded.
 
     Rank 0's node only (one node, or ``model/`` on a file system every node shares). A store
-    that cannot be read is a warning: the run then starts as it would without a remote.
+    that cannot be read is a warning: the run then resumes (or starts) as it would without a remote.
     """
-    from ..checkpoint.remote_store import RemoteError, download_newest, download_weights_files, open_store, run_prefix
+    from ..checkpoint.remote_choice import newest_complete, resume_choice
+    from ..checkpoint.remote_store import (RemoteError, download_newest, download_weights_files, open_store,
+                                           remote_candidates, run_prefix)
     from ..fsio import remove_tree
 
     c = cfg.checkpoint
     model = run_dir / MODEL
-    if not c.remote or select_resume(model)[0] is not None:
+    if not c.remote:
         return False
+    log = logging.getLogger("pimm")
+    local = select_resume(model)[0]
     dest = model / "last.tmp"  # a save's temporary name: removed if a download is cut short
     try:
         fs, _ = open_store(c.remote, c.remote_options)
         prefix = run_prefix(c.remote, run_dir)
+        choice = resume_choice(local, newest_complete(remote_candidates(fs, fs._strip_protocol(prefix))))
+        if choice.remote is None:
+            if local is not None:
+                log.info("%s", choice.reason)
+            return False
         remove_tree(dest)
         got = download_newest(fs, fs._strip_protocol(prefix), dest)
     except RemoteError as e:
         remove_tree(dest)
-        logging.getLogger("pimm").warning("warning: no checkpoint taken from the remote: %s", e)
+        log.warning("warning: no checkpoint taken from the remote: %s", e)
         return False
     if got is None:
         return False
-    log = logging.getLogger("pimm")
     # the run's other checkpoints too, so its retention continues from the set it had
     # (remote_store); before `last` is in place, so a restore cut short here is done again whole
-    restored, failed = download_weights_files(fs, fs._strip_protocol(prefix), model)
-    if (model / "last").exists():
-        set_aside(model / "last", run_dir / "abandoned")
+    restored, failed = download_weights_files(fs, fs._strip_protocol(prefix), model, newer=local is not None)
+    aside = set_aside(model / "last", run_dir / "abandoned") if os.path.lexists(model / "last") else None
     os.rename(dest, model / "last")
-    log.warning("%s had no intact checkpoint: downloaded %s/%s (step %s) from the remote as %s", model, prefix,
-                got.name, got.step, model / "last")
+    log.warning("%s (downloaded %s/%s as %s%s)", choice.reason, prefix, got.name, model / "last",
+                f"; the older local one moved to {aside}" if aside is not None else "")
     if restored:
         log.warning("downloaded from the remote into %s: %s", model, ", ".join(restored))
     if failed:
