@@ -6,16 +6,18 @@ newer complete ``step_90/``. A resume (``--train.auto-resume``, ``pimm resume``)
 complete checkpoint of the two, by step; on a tie, or when the local one has no step to compare
 (a legacy file), the local one. :func:`resume_choice` is that decision and its one-line reason,
 shared by the restore (:func:`pimm_core.launch.rundir.restore_from_remote`), ``pimm resume
---dry-run`` and ``pimm checkpoints ls``, so all three say the same thing. An explicit
+--dry-run`` and ``pimm checkpoints ls`` (:func:`~.remote_store.describe_choice`), so all three say the same thing. An explicit
 ``--train.resume PATH`` never asks it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .remote_store import RemoteCandidate
-from .selection import Candidate
+if TYPE_CHECKING:
+    from .remote_store import RemoteCandidate
+    from .selection import Candidate
 
 
 @dataclass
@@ -56,18 +58,3 @@ def resume_choice(local: Candidate | None, remote: RemoteCandidate | None) -> Re
     return ResumeChoice(None, f"model/{local.name} at step {local.step} is {same} the remote's newest "
                               f"(step {remote.step}): resuming from it")
 
-
-def describe_choice(url: str, options: dict | None, run_dir, local: Candidate | None) -> str:
-    """The one line :func:`resume_choice` gives for run ``run_dir`` whose ``checkpoint.remote`` is
-    ``url`` (what ``pimm resume --dry-run`` and ``pimm checkpoints ls`` print; nothing downloaded).
-    Never raises: a store that cannot be listed is said, with the local choice."""
-    from .remote_store import open_store, remote_candidates, run_prefix
-
-    try:
-        fs, _ = open_store(url, options)
-        cands = remote_candidates(fs, fs._strip_protocol(run_prefix(url, run_dir)))
-    except Exception as e:  # botocore/aiohttp errors are not OSErrors
-        error = str(e).splitlines()[0] if str(e) else type(e).__name__
-        what = f"model/{local.name} at step {local.step}" if local is not None else "nothing"
-        return f"the remote cannot be listed ({error}): resuming from {what}"
-    return resume_choice(local, newest_complete(cands)).reason

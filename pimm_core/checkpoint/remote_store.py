@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .manifest import COMPLETE, MANIFEST
+from .remote_choice import newest_complete, resume_choice
 from .selection import BEST, BEST_K_RE, ITER_RE
 
 STEP_RE = re.compile(r"^step_(\d+)$")
@@ -134,7 +135,6 @@ def describe_remote(run_dir: Path, local_step: int | None, chosen: Any = None) -
     step, complete, kind}], "uploading": [what is local and not complete remotely], "resume": the
     line saying whether a resume takes ``chosen`` (the local selection) or the remote's newest, "error"}``,
     or None when the run has no ``checkpoint.remote``. Never raises: an unreachable store is ``error``."""
-    from .remote_choice import newest_complete, resume_choice
 
     remote = run_remote(run_dir)
     if remote is None:
@@ -153,6 +153,20 @@ def describe_remote(run_dir: Path, local_step: int | None, chosen: Any = None) -
     if local_step is not None and not any(c.complete and c.step == local_step for c in cands if c.kind == "standard"):
         out["uploading"].append(f"last (step {local_step})")
     return out
+
+
+def describe_choice(url: str, options: dict[str, Any] | None, run_dir: Path, local: Any) -> str:
+    """The one line :func:`~.remote_choice.resume_choice` gives for run ``run_dir`` whose
+    ``checkpoint.remote`` is ``url`` and whose ``model/`` would resume ``local`` (what ``pimm resume
+    --dry-run`` prints; nothing downloaded). Never raises: a store that cannot be listed is said."""
+    try:
+        fs, _ = open_store(url, options)
+        cands = remote_candidates(fs, fs._strip_protocol(run_prefix(url, run_dir)))
+    except Exception as e:  # botocore/aiohttp errors are not OSErrors
+        error = str(e).splitlines()[0] if str(e) else type(e).__name__
+        what = f"model/{local.name} at step {local.step}" if local is not None else "nothing"
+        return f"the remote cannot be listed ({error}): resuming from {what}"
+    return resume_choice(local, newest_complete(cands)).reason
 
 
 def download_newest(fs: Any, prefix: str, dest: Path) -> RemoteCandidate | None:

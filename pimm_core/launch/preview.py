@@ -58,7 +58,7 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     for w in fallbacks:
         print(f"warning: {w}")
     if cfg.checkpoint.remote and Path(source) == run_dir / MODEL:  # the restore's choice, nothing downloaded
-        from ..checkpoint.remote_choice import describe_choice
+        from ..checkpoint.remote_store import describe_choice
 
         print(f"remote: {describe_choice(cfg.checkpoint.remote, cfg.checkpoint.remote_options, run_dir, cand)}")
     later = later_checkpoints(cand) if Path(cand.path).parent.resolve() == (run_dir / MODEL).resolve() else []
