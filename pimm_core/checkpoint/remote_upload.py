@@ -33,7 +33,7 @@ from typing import Any, Callable
 from ..faults import point, register
 from .manifest import COMPLETE, MANIFEST
 from .remote_store import STEP_RE, is_mirrored_weights, open_store, sha256_remote
-from .selection import BEST_K_RE, ITER_RE
+from .selection import BEST, BEST_K_RE, ITER_RE
 
 log = logging.getLogger("pimm")
 
@@ -174,10 +174,12 @@ class Uploader:
         for name in sorted(local_weights):
             try:
                 described = (self.model_dir / f"{name}.json").read_bytes()
-                json.loads(described)["files"][name]
+                local_step = json.loads(described)["files"][name] and json.loads(described).get("step")
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # no sidecar yet: uploaded with the next request
             self._current = f"model/{name}"
+            if name == BEST and _newer_remote(fs, f"{prefix}/{name}.json", local_step):
+                continue  # a later life of the run's best: never replaced by an older one
             if not self._upload_unit(fs, self.model_dir, prefix, described, [name], [f"{name}.json"]):
                 self._wake.set()
         if not missing:
@@ -247,3 +249,12 @@ class Uploader:
             base = name[:-5] if name.endswith(".pth.json") else name
             if (ITER_RE.match(base) or BEST_K_RE.match(base)) and base in self._seen and base not in local_weights:
                 self._retry(entry, lambda e=entry: fs.rm_file(e))
+
+
+def _newer_remote(fs: Any, sidecar: str, local_step: Any) -> bool:
+    """True when the remote weights file described by ``sidecar`` records a step after ``local_step``."""
+    try:
+        step = json.loads(fs.cat_file(sidecar)).get("step") if fs.exists(sidecar) else None
+    except (ValueError, AttributeError, FileNotFoundError):
+        return False
+    return isinstance(step, int) and isinstance(local_step, int) and step > local_step

@@ -285,9 +285,12 @@ def test_a_stale_local_last_does_not_hide_a_newer_remote_step_and_the_mirror_kee
     # the mirror of a model/ whose last is older than the remote's newest step keeps that step
     options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": s3.endpoint},
                "skip_instance_cache": True}
+    best_90 = s3.fs.cat_file(f"{BUCKET}/{run_model(s3)}/model_best.pth")
+    assert read_json(model / "model_best.pth.json")["step"] > 45  # the best evaluation is a later one
     up = Uploader(s3.url, options, older, f"{s3.url}/digits/r/model")
     assert up.close(hang_s(120)) == []
     assert [n for n in s3.ls(run_model(s3)) if n.startswith("step_")] == ["step_45", "step_90"]
+    assert s3.fs.cat_file(f"{BUCKET}/{run_model(s3)}/model_best.pth") == best_90  # not replaced by the older one
 
     shutil.rmtree(model)
     shutil.copytree(older, model, symlinks=True)
@@ -310,6 +313,8 @@ def test_a_stale_local_last_does_not_hide_a_newer_remote_step_and_the_mirror_kee
     assert r3.returncode == 0, r3.stderr
     out3 = r3.stdout + r3.stderr
     assert f"{why}: restoring it" in out3, out3
+    restored = next(line for line in out3.splitlines() if "downloaded from the remote into" in line)
+    assert "model_best.pth" in restored, restored  # the later best came back too
     resumes = [e for e in read_json(run_dir / "provenance.json")["starts"] if e.get("kind") == "resume"]
     assert resumes[-1]["step"] == 90 and resumes[-1]["exact"], resumes
     assert read_json(model / "last" / "manifest.json")["step"] == 135
