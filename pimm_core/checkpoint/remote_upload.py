@@ -174,7 +174,9 @@ class Uploader:
         for name in sorted(local_weights):
             try:
                 described = (self.model_dir / f"{name}.json").read_bytes()
-                local_step = json.loads(described)["files"][name] and json.loads(described).get("step")
+                record = json.loads(described)
+                record["files"][name]
+                local_step = record.get("step")
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # no sidecar yet: uploaded with the next request
             self._current = f"model/{name}"
