@@ -89,7 +89,12 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     if saved_cfg.is_file():
         diff = config_diff(tomllib.loads(saved_cfg.read_text()), cfg.to_dict())
         print("config diff: " + ("none" if not diff else "; ".join(diff)))
-    for w in plan.warnings:
+    warnings = list(plan.warnings)
+    if plan.row == "global_order" and t["saved_world_size"] != t["world_size"]:  # as the resume warns
+        from ..global_order import running_stats_warning
+
+        warnings += running_stats_warning(model)
+    for w in warnings:
         print(f"warning: {w}")
     note = best_starts_over(cfg, run_dir / MODEL)
     if note is not None:

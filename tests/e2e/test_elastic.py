@@ -29,7 +29,7 @@ import torch
 
 from pimm_core.topology import ROWS
 
-from _helpers import REPO, clean_env, pimm, read_json, read_jsonl
+from _helpers import REPO, clean_env, pimm, pimm_here, read_json, read_jsonl
 from _resume_driver import run_job, set_env
 
 DRIVER = Path(__file__).with_name("_resume_driver.py")
@@ -104,6 +104,8 @@ def runs(tmp_path_factory) -> Path:
     ], root / "two.json", nproc=2)
     diff = pimm("checkpoints", "diff", str(root / "two_one"), "--nproc-per-node", "1")  # what the resume will do
     (root / "two_one.diff").write_text(diff.stdout + diff.stderr)
+    dry = pimm_here("resume", str(root / "bn_two_one"), "--dry-run", "--nproc-per-node", "1")  # says it before
+    (root / "bn_two_one.dry").write_text(f"exit {dry.returncode}\n{dry.stdout}{dry.stderr}")
     # 2 -> 3 -> 1: resumed at 3 and stopped again after step 8 (epoch 1), then resumed at 1
     _torchrun([_leg(root, "two_three_one", OVERRIDES, STOP_AGAIN, resume=True),
                _leg(root, "fsdp_two_three_one", FSDP, STOP_AGAIN, resume=True)], root / "three.json", nproc=3)
@@ -184,6 +186,8 @@ def test_a_batchnorm_model_resumed_at_another_world_size_says_its_running_statis
     bn = [w for w in resume["warnings"] if "BatchNorm" in w]
     assert len(bn) == 1 and bn[0].startswith(warning), resume["warnings"]
     assert f"warning: {warning}" in (runs / "bn_two_one" / "train.log").read_text()  # the log the user sees
+    dry = (runs / "bn_two_one.dry").read_text()  # and `pimm resume --dry-run` said it before the resume
+    assert dry.startswith("exit 0") and f"warning: {warning}" in dry, dry
     others = read_json(runs / "two_one" / "provenance.json")["starts"]  # (no BatchNorm: no such warning)
     assert not [w for e in others for w in e.get("warnings", []) if "BatchNorm" in w]
     whole, resumed = (torch.load(runs / f"{n}.pt", weights_only=False)["model"] for n in ("bn_whole", "bn_two_one"))
