@@ -614,7 +614,7 @@ def run_case(case: Case, schedule: list[int], work: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- driver
 def preload() -> None:
     """Import what a run needs once, so forked runs start in a fraction of a second."""
-    import sklearn.datasets  # noqa: F401
+    import pimm_core.data  # noqa: F401  (the digits are read without importing scikit-learn)
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (imported lazily by the optimizer)
     import torch.distributed.checkpoint  # noqa: F401
