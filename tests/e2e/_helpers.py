@@ -59,7 +59,8 @@ def pimm(*args: str, timeout: float = 180, cwd: Path = REPO,
                           timeout=hang_s(timeout))
 
 
-def pimm_here(*args: str, cwd: Path = REPO, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+def pimm_here(*args: str, cwd: Path = REPO, timeout: float | None = None, env: dict[str, str] | None = None,
+              fresh: str | None = None) -> subprocess.CompletedProcess[str]:
     """``pimm ARGS`` run in this process through ``pimm_core.cli.main``, captured like :func:`pimm`.
 
     For outcomes that do not depend on being a fresh process (refusals, dry runs, short
@@ -68,6 +69,10 @@ def pimm_here(*args: str, cwd: Path = REPO, timeout: float | None = None) -> sub
     least one run of each guarantee through the console script. The ``pimm`` logger is reset
     for the call as in a fresh process (the CLI configures it once per process) and restored
     after; the working directory is ``cwd`` meanwhile. ``timeout`` is accepted (as :func:`pimm` takes it) and unused.
+
+    ``env``: variables set for the call only. ``fresh``: a user package (``"userpkg"``) the call imports anew, as a
+    fresh process would, and that is forgotten after it; ``sys.path`` (where a launch puts the config's directory)
+    is as before after the call.
     """
     from pimm_core.cli import main
 
@@ -81,12 +86,28 @@ def pimm_here(*args: str, cwd: Path = REPO, timeout: float | None = None) -> sub
     # the logger reaches stderr through logging.lastResort; here the root holds pytest's handlers.
     logger.propagate = False
     out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    path, environ = list(sys.path), {k: os.environ.get(k) for k in env or {}}
+
+    def forget() -> dict[str, Any]:
+        return {m: sys.modules.pop(m) for m in list(sys.modules)
+                if fresh and (m == fresh or m.startswith(fresh + "."))}
+
+    modules = forget()
     try:
+        os.environ.update(env or {})
         os.chdir(cwd)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(argv)
     finally:
         os.chdir(here)
+        sys.path[:] = path
+        forget()
+        sys.modules.update(modules)
+        for k, v in environ.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         for h in list(logger.handlers):
             logger.removeHandler(h)
             h.close()

@@ -8,8 +8,9 @@ A ``.pth`` that is not a pimm checkpoint and a pickle that would run code are re
 ``--train.resume-from`` or ``--train.weight`` with one line; nothing trains, nothing runs.
 
 The launches run in this process (``_helpers.pimm_here``: same code, no subprocess importing
-torch) except one fallback and the kills at fail points; ``test_hostile_files.py`` refuses
-hostile files in real processes.
+torch) except one fallback and the kills at fail points, and so do ``pimm checkpoints verify``
+and ``latest`` (``test_checkpoints_cli.py`` runs them as processes); ``test_hostile_files.py``
+refuses hostile files in real processes.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def single_run(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("rel", ["weights.pth", "trainer.dcp/__0_0.distcp", "trainer.dcp/.metadata"])
 def test_verify_names_the_damaged_file(run_copy, rel, how):
     DAMAGE[how](run_copy / "model" / "last" / rel)
-    result = pimm("checkpoints", "verify", run_copy, timeout=60)
+    result = pimm_here("checkpoints", "verify", run_copy)
     assert result.returncode == 1, describe(result)
     failed = [line for line in result.stdout.splitlines() if line.startswith("last: FAILED: ")]
     want = "size" if how == "truncated" else "sha256 mismatch"
@@ -110,7 +111,7 @@ def test_resume_falls_back_to_an_intact_candidate(run_copy, rel, how, here):
     assert entry["kind"] == "resume" and entry["checkpoint"] == str(model / "last.prev"), entry
     assert any("failed verification" in w and rel in w for w in entry["warnings"]), entry["warnings"]
     # the run saved again: what is under final names now verifies
-    result = pimm("checkpoints", "verify", run_copy, timeout=60)
+    result = pimm_here("checkpoints", "verify", run_copy)
     assert result.returncode == 0, describe(result)
     # the corrupt last was set aside (not deleted), so the rotation never removed the intact last.prev
     corrupt = list(model.glob("last.corrupt-*"))
@@ -127,7 +128,7 @@ def test_kill_in_the_first_save_after_a_fallback_leaves_a_resumable_checkpoint(r
         env_run = pimm_env({"PIMM_FAILPOINT": spec}, "launch", "--train.config", DIGITS, "--run.root",
                            run_copy.parents[1], "--run.name", run_copy.name, "--run.no-timestamp", "--train.resume",
                            "--", *SINGLE_OVERRIDES, "train.epochs=4")
-        latest = pimm("checkpoints", "latest", model, timeout=60)
+        latest = pimm_here("checkpoints", "latest", model)
         assert latest.returncode == 0, (spec, describe(env_run), describe(latest))
 
 
@@ -151,7 +152,7 @@ def test_single_file_corruption_verify_and_fallback(single_run, tmp_path, how):
     newest = model / os.readlink(model / "last")
     assert newest.name == "step_24.pth" and (model / "step_12.pth").is_file()
     DAMAGE[how](newest)
-    result = pimm("checkpoints", "verify", run, timeout=60)
+    result = pimm_here("checkpoints", "verify", run)
     assert result.returncode == 1, describe(result)
     assert any(line.startswith("step_24.pth: FAILED: step_24.pth: ") for line in result.stdout.splitlines()), \
         describe(result)

@@ -4,6 +4,8 @@ the optimizer a load fills (never stepped by the load).
 
 Real launches of a user package (``tests/e2e/userpkg``): the data's items carry their index and
 the objective records, per rank, every index it trained, so a test reads the samples trained.
+Runs stopped by a signal and runs at two ranks are real processes; dry runs and one-rank resumes
+run in this process (``_helpers.pimm_here``: the same code without a subprocess importing torch).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import REPO, clean_env, describe, hang_s, pimm, read_json, release, undeletable
+from _helpers import REPO, clean_env, describe, hang_s, pimm, pimm_here, read_json, release, undeletable
 from _resume_driver import run_job
 from conftest import STOPPED_AT, STOPPED_OVERRIDES
 
@@ -67,6 +69,18 @@ def _launch(config: Path, root: Path, *args: str, env: dict | None = None, overr
                           timeout=hang_s(300))
 
 
+def _here(config: Path, root: Path, *args: str, env: dict | None = None, overrides: tuple[str, ...] = (),
+          nproc: int | None = None) -> subprocess.CompletedProcess[str]:
+    """:func:`_launch` in this process (a dry run, or a one-rank launch), the user package imported anew."""
+    cmd = ["launch", "--train.config", str(config), "--run.root", str(root), "--run.name", "run", "--run.no-timestamp",
+           *args]
+    if nproc is not None:
+        cmd += ["--nproc-per-node", str(nproc)]
+    if overrides:
+        cmd += ["--", *overrides]
+    return pimm_here(*cmd, env=env, fresh="userpkg")
+
+
 def _seen(path: Path) -> list[list[int]]:
     """The batches rank 0 trained, in order (one list of indices each)."""
     return [list(map(int, line.split())) for line in path.read_text().splitlines()] if path.exists() else []
@@ -99,14 +113,14 @@ def test_changed_length_restarts_the_epoch_over_the_new_data(stopped, tmp_path, 
     shutil.copytree(base, root)
     (tmp_path / "userpkg").symlink_to(USERPKG)
     ovr = (f"data.args.train={n}",)
-    dry = _launch(config, root, "--train.resume", "--dry-run", overrides=ovr)
+    dry = _here(config, root, "--train.resume", "--dry-run", overrides=ovr)
     assert dry.returncode == 0, describe(dry)
     assert "policy: the training data changed (its length or fingerprint)" in dry.stdout, dry.stdout
     assert "continue at: step 0, epoch 0, iter 0 (replay boundary: epoch 0 start, step 0; 6 batches replay)" \
         in dry.stdout, dry.stdout
     assert f"train samples 100 -> {n}" in dry.stdout
     seen = tmp_path / "seen"
-    res = _launch(config, root, "--train.resume", env={"USERPKG_SEEN": str(seen)}, overrides=ovr)
+    res = _here(config, root, "--train.resume", env={"USERPKG_SEEN": str(seen)}, overrides=ovr)
     assert res.returncode == 0, describe(res)
     assert "Traceback" not in res.stdout + res.stderr
     run = root / "default" / "run"
@@ -132,10 +146,10 @@ def test_same_data_continues_exactly(stopped, tmp_path):
     root = tmp_path / "exp"
     shutil.copytree(base, root)
     (tmp_path / "userpkg").symlink_to(USERPKG)
-    dry = _launch(config, root, "--train.resume", "--dry-run")
+    dry = _here(config, root, "--train.resume", "--dry-run")
     assert "(exact continuation)" in dry.stdout, describe(dry)
     seen = tmp_path / "seen"
-    res = _launch(config, root, "--train.resume", env={"USERPKG_SEEN": str(seen)})
+    res = _here(config, root, "--train.resume", env={"USERPKG_SEEN": str(seen)})
     assert res.returncode == 0, describe(res)
     entry = read_json(root / "default" / "run" / "provenance.json")["starts"][-1]
     assert (entry["policy"], entry["exact"], entry["step"], entry["iter"]) == ("same", True, 6, 6)
@@ -156,9 +170,9 @@ def test_an_undeletable_previous_generation_never_stops_the_saves(stopped_run, t
     try:
         with undeletable(model / "last") as stuck:  # the step-50 checkpoint: last.prev after the next save
             rel = stuck.relative_to(model / "last")
-            dry = pimm("resume", run, "--dry-run", "--", "checkpoint.every_steps=10")
+            dry = pimm_here("resume", run, "--dry-run", "--", "checkpoint.every_steps=10")
             assert dry.returncode == 0 and "(exact continuation)" in dry.stdout, describe(dry)
-            first = pimm("resume", run, "--", "checkpoint.every_steps=10", timeout=300)
+            first = pimm_here("resume", run, "--", "checkpoint.every_steps=10")
         assert first.returncode == 0, describe(first)
         assert read_json(run / "status.json")["state"] == "finished"
         m = read_json(model / "last" / "manifest.json")
@@ -170,12 +184,12 @@ def test_an_undeletable_previous_generation_never_stops_the_saves(stopped_run, t
         assert str(model / "last.stale-1") in (run / "train.log").read_text()
         assert sorted(p.name for p in model.iterdir() if p.name.startswith("last")) == ["last", "last.stale-1"]
         assert (model / "last.stale-1" / rel).exists()  # what is left of the tree, set aside
-        ok = pimm("checkpoints", "verify", run)
+        ok = pimm_here("checkpoints", "verify", run)
         assert ok.returncode == 0 and "last.stale" not in ok.stdout, describe(ok)
     finally:
         release(model / "last.stale-1")
     # removable again: the next run's first save removes it
-    again = pimm("resume", run, "--", "train.epochs=3", "checkpoint.every_steps=0", timeout=300)
+    again = pimm_here("resume", run, "--", "train.epochs=3", "checkpoint.every_steps=0")
     assert again.returncode == 0, describe(again)
     assert sorted(p.name for p in model.iterdir() if p.name.startswith("last")) == ["last"]
     assert "could not remove" not in again.stdout
@@ -286,7 +300,7 @@ def test_a_cursor_a_resume_cannot_load_is_not_saved_as_if_it_could(tmp_path, reg
     m = read_json(run / "model" / "last" / "manifest.json")
     assert m["epoch"] == 0 and 0 < m["iter"] < 6, m
     warned = [line for line in cut.stdout.splitlines() if "loader cursor cannot be saved" in line]
-    dry = _launch(config, root, "--train.resume", "--dry-run", nproc=2)
+    dry = _here(config, root, "--train.resume", "--dry-run", nproc=2)  # decided before any rank
     assert dry.returncode == 0, describe(dry)
     if registered:  # add_safe_globals: the cursor is saved and the resume is exact
         assert warned == [] and m["has_loader_state"] is True and "loader_state_problem" not in m
@@ -325,21 +339,35 @@ def _ranks(jobs: list[dict], jobs_file: Path) -> subprocess.CompletedProcess[str
     return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=hang_s(600))
 
 
-def test_freezing_a_layer_mid_run_at_two_ranks_resumes_bitwise(tmp_path):
+@pytest.fixture(scope="module")
+def freeze_runs(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One torchrun job (2 ranks) for both tests below: with train.find_unused_parameters, an uninterrupted
+    run freezing a layer at step FREEZE_AT, the same stopped after STOP_AT and resumed; then, last (it fails
+    the job), the same freeze under DDP's default in ``digits/run``. The job's output is returned."""
+    tmp = tmp_path_factory.mktemp("freeze")
+    full, cut = tmp / "digits" / "full", tmp / "digits" / "cut"
+    freeze = ["net.0", FREEZE_AT]
+    jobs = [{"run_dir": str(full), "overrides": FREEZE_OVERRIDES, "freeze": freeze, "full_dump": str(tmp / "full")},
+            {"run_dir": str(cut), "overrides": FREEZE_OVERRIDES, "freeze": freeze, "stop_at": STOP_AT},
+            {"run_dir": str(cut), "overrides": FREEZE_OVERRIDES, "freeze": freeze, "freeze_now": True,
+             "resume_from": str(cut / "model" / "last"), "full_dump": str(tmp / "cut")},
+            {"run_dir": str(tmp / "digits" / "run"), "overrides": FREEZE_OVERRIDES[:2], "freeze": ["net.0", 3]}]
+    return tmp, _ranks(jobs, tmp / "jobs.json")
+
+
+def test_freezing_a_layer_mid_run_at_two_ranks_resumes_bitwise(freeze_runs):
     """Seen: a callback freezing a layer (requires_grad = False) at 2 ranks crashed at the next step
     ("Expected to have finished reduction in the prior iteration"): DDP was built with no way to allow
     unused parameters. With train.find_unused_parameters, the run goes on, and a stop + resume keeps the
     frozen layer's optimizer state and step count: bitwise the uninterrupted run."""
     import torch
 
-    full, cut = tmp_path / "digits" / "full", tmp_path / "digits" / "cut"
-    freeze = ["net.0", FREEZE_AT]
-    jobs = [{"run_dir": str(full), "overrides": FREEZE_OVERRIDES, "freeze": freeze, "full_dump": str(tmp_path / "full")},
-            {"run_dir": str(cut), "overrides": FREEZE_OVERRIDES, "freeze": freeze, "stop_at": STOP_AT},
-            {"run_dir": str(cut), "overrides": FREEZE_OVERRIDES, "freeze": freeze, "freeze_now": True,
-             "resume_from": str(cut / "model" / "last"), "full_dump": str(tmp_path / "cut")}]
-    r = _ranks(jobs, tmp_path / "jobs.json")
-    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    tmp_path, r = freeze_runs
+    cut = tmp_path / "digits" / "cut"
+    why = f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    # the three jobs before the failing one ended: both dumps written, the resume finished
+    assert (tmp_path / "full.pt").is_file() and (tmp_path / "cut.pt").is_file(), why
+    assert read_json(cut / "status.json")["state"] == "finished", why
     a, b = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("full", "cut"))
     assert a["state"]["global_step"] == b["state"]["global_step"] == 46
     assert [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])] == []
@@ -352,11 +380,11 @@ def test_freezing_a_layer_mid_run_at_two_ranks_resumes_bitwise(tmp_path):
     assert (entry["kind"], entry["policy"], entry["exact"]) == ("resume", "same", True)
 
 
-def test_freezing_a_layer_without_the_option_names_it(tmp_path):
+def test_freezing_a_layer_without_the_option_names_it(freeze_runs):
     """The same freeze under DDP's default: one line naming train.find_unused_parameters, not DDP's riddle."""
+    tmp_path, r = freeze_runs
     run = tmp_path / "digits" / "run"
-    jobs = [{"run_dir": str(run), "overrides": FREEZE_OVERRIDES[:2], "freeze": ["net.0", 3]}]
-    r = _ranks(jobs, tmp_path / "jobs.json")
+    assert (tmp_path / "cut.pt").is_file(), r.stderr[-3000:]  # the job got as far as this run
     assert r.returncode != 0
     assert "set train.find_unused_parameters = true" in r.stderr, r.stderr[-3000:]
     assert read_json(run / "status.json")["state"] == "failed"
@@ -385,7 +413,7 @@ def test_going_back_to_an_earlier_point_branches_the_run(tmp_path):
     assert sorted(p.name for p in model.iterdir() if p.is_dir()) == ["full_30", "full_40", "last"]
     assert read_json(model / "full_30" / "manifest.json")["step"] == 30
     # the dry run says what the resume does: the branch, and an exact continuation at step 30
-    dry = pimm("launch", "--train.config", REPO / "configs" / "digits.toml", "--run.root", tmp_path,
+    dry = pimm_here("launch", "--train.config", REPO / "configs" / "digits.toml", "--run.root", tmp_path,
                "--run.name", "run", "--run.no-timestamp", "--train.resume-from", model / "full_30", "--dry-run",
                "--", "model.dropout=0.3", "train.log_every_steps=1", *KEEP_OVERRIDES)
     assert dry.returncode == 0, describe(dry)

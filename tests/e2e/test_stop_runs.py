@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from _helpers import DIGITS, REPO, clean_env, describe, hang_s, pimm, read_json
+from _helpers import DIGITS, REPO, clean_env, describe, hang_s, launch, pimm, pimm_here, read_json
 from pimm_core.launch.forward import live_processes
 from pimm_core.checkpoint.selection import select_resume
 from pimm_core.shell import program
@@ -259,32 +259,34 @@ def resume_to_end(root: Path, name: str, previous: Stage, *, label: str, stale_r
 # ----------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module", autouse=True)
 def _references(tmp_path_factory):
-    """Start both uninterrupted reference runs in the background as soon as this module starts,
-    so their single-threaded start-up overlaps the chains (2 cores); stragglers are killed."""
-    refs = {"1": Session(tmp_path_factory.mktemp("stop-ref1"), "ref", ONE_RANK, nproc=None, resume=False, tag="ref"),
-            "2": Session(tmp_path_factory.mktemp("stop-ref2"), "ref", TWO_RANKS, nproc=2, resume=False, tag="ref")}
-    yield refs
-    for sess in refs.values():
-        sess.kill()
-
-
-def _reference(sess: Session) -> Path:
-    rc = sess.wait()
-    assert rc == 0, sess.describe()
-    assert read_json(sess.run_dir / "status.json")["state"] == "finished"
-    return sess.run_dir
+    """The uninterrupted reference runs, as soon as this module starts: the 2-rank one in the background
+    (stragglers are killed), the 1-rank one meanwhile in this process (``pimm_here``: it is a reference, not
+    a stop, so it needs no process of its own; it saves a start importing torch)."""
+    two = Session(tmp_path_factory.mktemp("stop-ref2"), "ref", TWO_RANKS, nproc=2, resume=False, tag="ref")
+    try:
+        root = tmp_path_factory.mktemp("stop-ref1")
+        yield {"1": (launch(root, "ref", *ONE_RANK, here=True), root / "digits" / "ref"), "2": two}
+    finally:
+        two.kill()
 
 
 @pytest.fixture(scope="module")
 def reference_1(_references) -> Path:
     """An uninterrupted 1-rank run of ONE_RANK."""
-    return _reference(_references["1"])
+    result, run = _references["1"]
+    assert result.returncode == 0, describe(result)
+    assert read_json(run / "status.json")["state"] == "finished"
+    return run
 
 
 @pytest.fixture(scope="module")
 def reference_2(_references) -> Path:
     """An uninterrupted 2-rank run of TWO_RANKS."""
-    return _reference(_references["2"])
+    sess = _references["2"]
+    rc = sess.wait()
+    assert rc == 0, sess.describe()
+    assert read_json(sess.run_dir / "status.json")["state"] == "finished"
+    return sess.run_dir
 
 
 @pytest.fixture(scope="module")
@@ -475,7 +477,7 @@ def test_two_ranks_chain_resumes_bitwise(chain_2, reference_2):
 # ------------------------------------------------------- pimm stop refusals
 def test_pimm_stop_on_finished_run_is_refused(reference_1):
     before = sorted(p.relative_to(reference_1).as_posix() for p in reference_1.rglob("*"))
-    result = pimm("stop", reference_1, timeout=60)
+    result = pimm_here("stop", reference_1)
     assert result.returncode == 1, describe(result)
     assert result.stdout == ""
     lines = result.stderr.splitlines()
@@ -486,7 +488,7 @@ def test_pimm_stop_on_finished_run_is_refused(reference_1):
 def test_pimm_stop_on_non_run_directory_is_usage_error(tmp_path):
     (tmp_path / "notes.txt").write_text("not a run")
     for target in (tmp_path, tmp_path / "missing"):
-        result = pimm("stop", target, timeout=60)
+        result = pimm_here("stop", target)
         assert result.returncode == 2, describe(result)
         lines = result.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), describe(result)

@@ -8,6 +8,11 @@ augmented per sample from ``(seed, epoch, index)`` in 2 workers per rank. A run 
 SIGTERM (sent by the user objective itself at a chosen step) and resumed ends with the
 same weights, bit for bit, as an uninterrupted run, at 1 and 2 ranks and across a change of
 per-rank workers at an epoch end.
+
+The stopped runs and everything at two ranks are real processes (``USERPKG_SIGTERM_AT`` signals
+the process itself); uninterrupted one-rank references and one-rank resumes run in this process
+(``_helpers.pimm_here``, the user package imported anew), except the resume that is ``pimm resume``
+in a fresh process finding the user code.
 """
 
 from __future__ import annotations
@@ -85,15 +90,16 @@ def _launch(config: Path, root: Path, name: str, *args: str, nproc: int | None =
 
 
 def _launch_here(config: Path, root: Path, name: str, *args: str, nproc: int | None = None,
-                 overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    """:func:`_launch` in this process (``pimm_here``), for refusals decided before any rank."""
+                 overrides: tuple[str, ...] = (), fresh: str | None = None) -> subprocess.CompletedProcess[str]:
+    """:func:`_launch` in this process (``pimm_here``): refusals decided before any rank, one-rank runs
+    (``fresh="userpkg"``: the user package imported anew, as in a fresh process)."""
     cmd = ["launch", "--train.config", str(config), "--run.root", str(root), "--run.name", name, "--run.no-timestamp",
            *args]
     if nproc is not None:
         cmd += ["--nproc-per-node", str(nproc)]
     if overrides:
         cmd += ["--", *overrides]
-    return pimm_here(*cmd)
+    return pimm_here(*cmd, fresh=fresh)
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:
@@ -109,22 +115,29 @@ def _equal(a: Path, b: Path) -> None:
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     """``full_run(nproc)``: the run directory of an uninterrupted run of CONFIG at ``nproc`` ranks
-    (None: one process), trained once per world size for the module's bitwise comparisons. Read only."""
+    (None: one rank, in this process), trained once per world size for the module's bitwise comparisons.
+    Read only."""
     runs: dict[int | None, Path] = {}
 
     def get(nproc: int | None) -> Path:
         if nproc not in runs:
             where = tmp_path_factory.mktemp("full")
-            full = _launch(_config(where), where / "exp", "full", nproc=nproc)
+            if nproc is None:
+                full = _launch_here(_config(where), where / "exp", "full", fresh="userpkg")
+            else:
+                full = _launch(_config(where), where / "exp", "full", nproc=nproc)
             assert full.returncode == 0, describe(full)
             runs[nproc] = where / "exp" / "default" / "full"
         return runs[nproc]
     return get
 
 
-@pytest.mark.parametrize("nproc,stop_at,resume_workers", [(None, 7, 2), (None, STEPS, 0), (2, 4, 2)],
-                         ids=["1rank-mid", "1rank-epoch-end-workers-2to0", "2ranks-mid"])
-def test_sigterm_then_resume_is_bitwise_equal(tmp_path, full_run, nproc, stop_at, resume_workers):
+def _cut_and_resume(tmp_path: Path, nproc: int | None, stop_at: int, resume_workers: int,
+                    how: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """A run of CONFIG stopped by SIGTERM after step ``stop_at`` (a real process), then resumed with
+    ``resume_workers`` workers per rank: ``how`` = "launch" (``--train.resume``, a real process), "here"
+    (the same in this process, one rank) or "pimm resume" (``pimm resume RUN`` in a real process, from the
+    repository: elsewhere than the user package). Returns the run directory and the resume's result."""
     config = _config(tmp_path)
     root = tmp_path / "exp"
     mark = tmp_path / "sigterm-sent"
@@ -134,8 +147,33 @@ def test_sigterm_then_resume_is_bitwise_equal(tmp_path, full_run, nproc, stop_at
     assert mark.exists() and "stopped" in cut.stdout, describe(cut)
     run_cut = root / "default" / "cut"
     assert read_json(run_cut / "status.json")["state"] == "stopped"
-    resumed = _launch(config, root, "cut", "--train.resume", nproc=nproc, env=env,
-                      overrides=(f"data.num_workers={resume_workers}",))
+    workers = (f"data.num_workers={resume_workers}",)
+    if how == "here":
+        resumed = _launch_here(config, root, "cut", "--train.resume", overrides=workers, fresh="userpkg")
+    elif how == "pimm resume":
+        resumed = subprocess.run([sys.executable, "-m", "pimm_core.cli", "resume", str(run_cut), "--", *workers],
+                                 cwd=REPO, env={**clean_env(), **env}, capture_output=True, text=True,
+                                 timeout=hang_s(300))
+    else:
+        resumed = _launch(config, root, "cut", "--train.resume", nproc=nproc, env=env, overrides=workers)
+    return run_cut, resumed
+
+
+@pytest.fixture(scope="module")
+def resumed_by_pimm_resume(tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedProcess[str]]:
+    """The 1rank-mid case below, resumed by ``pimm resume RUN``: the test's directory, the run, the resume."""
+    tmp = tmp_path_factory.mktemp("pimm-resume")
+    return (tmp, *_cut_and_resume(tmp, None, 7, 2, "pimm resume"))
+
+
+@pytest.mark.parametrize("nproc,stop_at,resume_workers", [(None, 7, 2), (None, STEPS, 0), (2, 4, 2)],
+                         ids=["1rank-mid", "1rank-epoch-end-workers-2to0", "2ranks-mid"])
+def test_sigterm_then_resume_is_bitwise_equal(request, tmp_path, full_run, nproc, stop_at, resume_workers):
+    if (nproc, stop_at) == (None, 7):
+        _, run_cut, resumed = request.getfixturevalue("resumed_by_pimm_resume")
+    else:
+        run_cut, resumed = _cut_and_resume(tmp_path, nproc, stop_at, resume_workers,
+                                           "launch" if nproc else "here")
     assert resumed.returncode == 0, describe(resumed)
     assert read_json(run_cut / "status.json")["state"] == "finished"
     start = read_json(run_cut / "provenance.json")["starts"][-1]
@@ -156,26 +194,21 @@ _WRONG = [
 
 
 @pytest.mark.parametrize("override,key,words", _WRONG)
-def test_wrong_targets_are_one_error_line_before_any_rank(tmp_path, monkeypatch, override, key, words):
-    """The first case through the console script in a subprocess (the wiring); the others are the
-    same refusal, decided before any rank, so they run in this process (no ``import torch`` each)."""
+def test_wrong_targets_are_one_error_line_before_any_rank(tmp_path, override, key, words):
+    """The first case's launch through the console script in a subprocess (the wiring); its dry run and
+    the other cases are the same refusal, decided before any rank, so they run in this process (no
+    ``import torch`` each; the user package imported anew each time, as in a fresh process)."""
     config = _config(tmp_path)
-    here = override != _WRONG[0][0]
-    if here:  # the launch puts the config's directory on sys.path and imports userpkg: undone after
-        monkeypatch.setattr(sys, "path", list(sys.path))
-        for name in [m for m in sys.modules if m == "userpkg" or m.startswith("userpkg.")]:
-            monkeypatch.delitem(sys.modules, name)
     for args in ((), ("--dry-run",)):
-        r = (_launch_here if here else _launch)(config, tmp_path / "exp", "bad", *args, nproc=2,
-                                                overrides=(override,))
+        if override == _WRONG[0][0] and not args:
+            r = _launch(config, tmp_path / "exp", "bad", *args, nproc=2, overrides=(override,))
+        else:
+            r = _launch_here(config, tmp_path / "exp", "bad", *args, nproc=2, overrides=(override,), fresh="userpkg")
         assert r.returncode == 2, describe(r)
         errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and key in errors[0] and words in errors[0], describe(r)
         assert "Traceback" not in r.stderr
         assert not (tmp_path / "exp" / "default" / "bad").exists()  # refused before the run directory
-    if here:
-        for name in [m for m in sys.modules if m == "userpkg" or m.startswith("userpkg.")]:
-            del sys.modules[name]
 
 
 def test_python_api_overrides_what_the_config_names(tmp_path, monkeypatch):
@@ -220,33 +253,26 @@ def test_stateful_stream_in_two_workers_resumes_bitwise(tmp_path):
     config = _config(tmp_path)
     root = tmp_path / "exp"
     stream = ("data.target=\"userpkg.stream:digits_stream\"",)
-    full = _launch(config, root, "full", overrides=stream)
+    full = _launch_here(config, root, "full", overrides=stream, fresh="userpkg")  # the reference, in this process
     assert full.returncode == 0, describe(full)
     mark = tmp_path / "sigterm-sent"
     env = {"USERPKG_SIGTERM_AT": "7", "USERPKG_SIGTERM_MARK": str(mark)}
     cut = _launch(config, root, "cut", env=env, overrides=stream)
     assert cut.returncode == 0 and mark.exists(), describe(cut)
-    resumed = _launch(config, root, "cut", "--train.resume", env=env, overrides=stream)
+    resumed = _launch_here(config, root, "cut", "--train.resume", overrides=stream, fresh="userpkg")
     assert resumed.returncode == 0, describe(resumed)
     start = read_json(root / "default" / "cut" / "provenance.json")["starts"][-1]
     assert start["checkpoint_step"] == 7 and start["exact"] and start["data_resume"] == "exact"
     _equal(root / "default" / "full", root / "default" / "cut")
 
 
-def test_pimm_resume_finds_the_user_code_beside_the_original_config(tmp_path):
+def test_pimm_resume_finds_the_user_code_beside_the_original_config(resumed_by_pimm_resume):
     """`pimm resume RUN` reads config.toml from the run directory, elsewhere than the user
-    package: it imports the package from the directories the run recorded."""
-    config = _config(tmp_path)
-    root = tmp_path / "exp"
-    mark = tmp_path / "sigterm-sent"
-    env = {"USERPKG_SIGTERM_AT": "5", "USERPKG_SIGTERM_MARK": str(mark)}
-    cut = _launch(config, root, "cut", env=env, overrides=("train.epochs=1",))
-    assert cut.returncode == 0 and mark.exists(), describe(cut)
-    run = root / "default" / "cut"
+    package: it imports the package from the directories the run recorded (the 1rank-mid case
+    above, resumed so in a fresh process started from the repository)."""
+    tmp_path, run, resumed = resumed_by_pimm_resume
     first = read_json(run / "provenance.json")["starts"][0]
     assert first["kind"] == "start" and str(tmp_path) in first["code_search_path"]
-    resumed = subprocess.run([sys.executable, "-m", "pimm_core.cli", "resume", str(run)], cwd=REPO,
-                             env={**clean_env(), **env}, capture_output=True, text=True, timeout=hang_s(300))
     assert resumed.returncode == 0, describe(resumed)
     assert read_json(run / "status.json")["state"] == "finished"
     assert [e["kind"] for e in read_json(run / "provenance.json")["starts"] if "checkpoint" in e] == ["resume"]
