@@ -279,14 +279,19 @@ def reference_1(_references) -> Path:
     return run
 
 
-@pytest.fixture(scope="module")
-def reference_2(_references) -> Path:
-    """An uninterrupted 2-rank run of TWO_RANKS."""
-    sess = _references["2"]
+def _reference(sess: Session) -> Path:
+    """The run directory of the uninterrupted reference ``sess`` once it finished (also used by
+    test_scheduler_stop and test_slurm)."""
     rc = sess.wait()
     assert rc == 0, sess.describe()
     assert read_json(sess.run_dir / "status.json")["state"] == "finished"
     return sess.run_dir
+
+
+@pytest.fixture(scope="module")
+def reference_2(_references) -> Path:
+    """An uninterrupted 2-rank run of TWO_RANKS."""
+    return _reference(_references["2"])
 
 
 @pytest.fixture(scope="module")
