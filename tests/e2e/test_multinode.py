@@ -267,7 +267,8 @@ def chain(tmp_path_factory, reference) -> Chain:
     finally:
         two.kill()
     one_node = subprocess.CompletedProcess(two.proc.args, rc, two.output(), "")
-    return Chain(root, run_dir, copy_root / "digits" / NAME, stages, one_node, (one.returncode, one.stdout + one.stderr))
+    return Chain(root, run_dir, copy_root / "digits" / NAME, stages, one_node,
+                 (one.returncode, one.stdout + one.stderr))
 
 
 def _require_stopped(st: Stage) -> None:
