@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,8 +49,11 @@ def _wandb_teardown() -> None:
 
 
 def _sessions(wandb_dir: Path, run_id: str) -> list[Path]:
-    """The W&B run's transaction log of each session, oldest first."""
-    return sorted(wandb_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
+    """The W&B run's transaction log of each session, oldest first: ``offline-run-<time>-<id>``, and
+    ``offline-run-<time>-<id>-<n>`` for a session that started in the same second as an earlier one."""
+    name = re.compile(rf"offline-run-(\d{{8}}_\d{{6}})-{re.escape(run_id)}(?:-(\d+))?")
+    found = {f: name.fullmatch(f.parent.name) for f in wandb_dir.glob(f"wandb/offline-run-*/run-{run_id}.wandb")}
+    return sorted((f for f, m in found.items() if m), key=lambda f: (found[f][1], int(found[f][2] or 0)))
 
 
 def _history(files: list[Path], env: dict[str, str]) -> list[tuple[int, dict]]:
