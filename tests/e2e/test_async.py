@@ -7,6 +7,9 @@ a background save is published, and resumed again from that background-written
 checkpoint to the end: the final weights must equal an uninterrupted synchronous run bit
 for bit, so the background copies and writes neither perturbed training nor captured a
 half-updated state. Kills in the middle of a background write are in ``test_crash.py``.
+
+The stopped and the killed sessions are real processes; the last resume and the reference run
+in this process (``pimm_here``): what they check does not depend on a fresh process.
 """
 
 from __future__ import annotations
@@ -14,14 +17,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from _helpers import DIGITS, REPO, clean_env, describe, hang_s, pimm, read_json
+from _helpers import DIGITS, describe, hang_s, launch, pimm_here, read_json
 from pimm_core.checkpoint.selection import select_resume
 from test_stop_runs import Session
 
@@ -33,13 +34,9 @@ def final_weights(run_dir):
 
 
 def test_async_stop_and_kill_resume_bitwise(tmp_path):
-    # The synchronous reference trains in the background meanwhile (one thread each: 2 cores).
-    reference = Session(tmp_path, "sync", (*OV, "checkpoint.async=false"), nproc=None, resume=False, tag="sync")
-    try:
-        _stop_kill_resume(tmp_path)
-        assert reference.wait() == 0, reference.describe()
-    finally:
-        reference.kill()  # a no-op once it has exited
+    _stop_kill_resume(tmp_path)
+    reference = launch(tmp_path, "sync", *OV, "checkpoint.async=false", here=True)
+    assert reference.returncode == 0, describe(reference)
     ref, got = final_weights(tmp_path / "digits" / "sync"), final_weights(tmp_path / "digits" / "bg")
     assert ref.keys() == got.keys()
     assert all(torch.equal(ref[k], got[k]) for k in ref), "async save + kill + resume diverged from the sync run"
@@ -58,7 +55,7 @@ def _stop_kill_resume(tmp_path) -> None:
     assert status["state"] == "stopped", status
     chosen, _ = select_resume(s.run_dir / "model")
     assert chosen is not None and chosen.name == "last" and chosen.step == status["step"], (chosen, status)
-    verify = pimm("checkpoints", "verify", s.run_dir)
+    verify = pimm_here("checkpoints", "verify", str(s.run_dir))
     assert verify.returncode == 0, describe(verify)
     log = (s.run_dir / "train.log").read_text()
     assert "written in the background" in log, log[-2000:]  # logged when published, not when started
@@ -73,10 +70,8 @@ def _stop_kill_resume(tmp_path) -> None:
         s2.wait()
     finally:
         s2.kill()
-    resumed = subprocess.run([sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(DIGITS),
-                              "--run.root", str(tmp_path), "--run.name", "bg", "--run.no-timestamp", "--train.resume",
-                              "--", *OV, "checkpoint.async=true"],
-                             cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=hang_s(240))
+    resumed = pimm_here("launch", "--train.config", str(DIGITS), "--run.root", str(tmp_path), "--run.name", "bg",
+                        "--run.no-timestamp", "--train.resume", "--", *OV, "checkpoint.async=true")
     assert resumed.returncode == 0, describe(resumed)
     start = read_json(s.run_dir / "provenance.json")["starts"][-1]
     assert start["kind"] == "resume" and start["checkpoint_step"] >= step, (start, step)

@@ -8,7 +8,7 @@
   checkpoint at 2, a DDP checkpoint under FSDP and an FSDP one under DDP, each with the
   model, optimizer state and EMA exactly as saved.
 - Export and warm start from an FSDP run, also one that keeps its weights only in the
-  DCP shards (``checkpoint.gather_weights = false``).
+  DCP shards (``checkpoint.gather_weights = false``), in this process (``pimm_here``).
 - ``train.compile = true``: resumed exactly; no ``_orig_mod.`` in any file.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import REPO, clean_env, describe, hang_s, launch, pimm, read_json, read_jsonl
+from _helpers import REPO, clean_env, describe, hang_s, launch, pimm, pimm_here, read_json, read_jsonl
 from _resume_driver import BASE, run_job
 
 DRIVER = Path(__file__).with_name("_resume_driver.py")
@@ -195,13 +195,13 @@ def test_export_and_warm_start_from_fsdp_runs(runs, tmp_path):
     """From gathered weights.pth, and from a run that keeps its weights only in trainer.dcp/."""
     from safetensors.torch import load_file
 
-    done = pimm("export", "last", str(tmp_path / "full"), "--run-dir", str(runs / "full"))
+    done = pimm_here("export", "last", str(tmp_path / "full"), "--run-dir", str(runs / "full"))
     assert done.returncode == 0, describe(done)
     assert _differ(load_file(tmp_path / "full" / "model.safetensors"), _dump(runs, "full")["model"]) == []
 
     sharded = runs / "sharded"
     assert not (sharded / "model" / "last" / "weights.pth").exists()
-    done = pimm("export", "last", str(tmp_path / "out"), "--run-dir", str(sharded), "--weights", "ema")
+    done = pimm_here("export", "last", str(tmp_path / "out"), "--run-dir", str(sharded), "--weights", "ema")
     assert done.returncode == 0, describe(done)
     want = _dump(runs, "sharded")
     assert _differ(load_file(tmp_path / "out" / "model.safetensors"), want["ema"]) == []
@@ -221,7 +221,7 @@ def test_fsdp_keeps_the_best_evaluations_with_gathered_weights(runs, tmp_path):
     evals = [r["step"] for r in read_jsonl(runs / "full" / "metrics.jsonl") if r["split"] == "val"]
     assert sorted(p.name for p in model.glob("best_*.pth")) == sorted(f"best_{s}.pth" for s in evals), evals
     last = max(evals)
-    done = pimm("export", f"best_{last}", str(tmp_path / "best"), "--run-dir", str(runs / "full"))
+    done = pimm_here("export", f"best_{last}", str(tmp_path / "best"), "--run-dir", str(runs / "full"))
     assert done.returncode == 0, describe(done)
     assert _differ(load_file(tmp_path / "best" / "model.safetensors"), _dump(runs, "full")["model"]) == []
 

@@ -1,17 +1,22 @@
 """Models from the libraries users live in (``transformers``, timm), named by config targets:
-the built-in objectives read their outputs, and an output they cannot read is one line."""
+the built-in objectives read their outputs, and an output they cannot read is one line.
+
+The launches and exports run in this process (``pimm_here``): what they check does not depend on
+a fresh process, and a subprocess here spends ~5 CPU-s importing torch and transformers or timm
+before it does anything. The examples' tests (test_examples_hf.py) run both libraries' launches
+and exports in fresh processes, as users do."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from _helpers import REPO, clean_env, describe, hang_s, read_json, read_jsonl
+from _helpers import describe, pimm_here, read_json, read_jsonl
 
 USERPKG = Path(__file__).resolve().parent / "userpkg"
 
@@ -44,14 +49,28 @@ def config(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def launch(cfg: Path, root: Path, name: str, *args: str, overrides: tuple[str, ...] = (),
-           timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(cfg), "--run.root", str(root),
-           "--run.name", name, "--run.no-timestamp", *args]
+@contextlib.contextmanager
+def _offline():
+    """Hugging Face offline, and ``sys.path`` as it was afterwards (a launch puts the config's directory first)."""
+    path = list(sys.path)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("TRANSFORMERS_OFFLINE", "1")
+        try:
+            yield
+        finally:
+            sys.path[:] = path
+
+
+def launch(cfg: Path, root: Path, name: str, *args: str,
+           overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """``pimm launch`` in this process."""
+    cmd = ["launch", "--train.config", str(cfg), "--run.root", str(root), "--run.name", name, "--run.no-timestamp",
+           *args]
     if overrides:
         cmd += ["--", *overrides]
-    env = {**clean_env(), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=hang_s(timeout))
+    with _offline():
+        return pimm_here(*cmd)
 
 
 def run_dir(root: Path, name: str) -> Path:
@@ -99,9 +118,9 @@ def test_an_output_the_builtins_cannot_read_is_one_line_and_leaves_no_run(tmp_pa
 
 
 def _export(rd: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**clean_env(), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "pimm_core.cli", "export", "--run-dir", str(rd), "last", str(out),
-                           *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=hang_s(300))
+    """``pimm export`` in this process."""
+    with _offline():
+        return pimm_here("export", "--run-dir", str(rd), "last", str(out), *args)
 
 
 def _trained(rd: Path) -> dict:

@@ -1,7 +1,8 @@
 """``[log.mlflow]`` against a real ``mlflow server`` (SQLite store, 127.0.0.1) started here: a run
 SIGKILLed after step 10 was logged (its last checkpoint at step 5) and resumed continues the same
 tracked run, each step once in its history, with the run's config and provenance as parameters.
-Read back with MLflow's own client."""
+Read back with MLflow's own client. The killed session is a real process (its fail point is read at
+import); the resume runs in this process (``pimm_here``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import urllib.request
 import pytest
 from mlflow import MlflowClient
 
-from _helpers import DIGITS, clean_env, describe, hang_s, launch, pimm, pimm_here, read_json, read_jsonl
+from _helpers import DIGITS, clean_env, describe, hang_s, launch, pimm_here, read_json, read_jsonl
 
 _RUN = ("train.max_steps=14", "train.log_every_steps=1", "checkpoint.every_steps=5", "checkpoint.every_epochs=0")
 
@@ -55,6 +56,8 @@ def mlflow_server(tmp_path):
     log.close()
 
 
+# (MLflow's own import of its SQL store, in this process for the resume)
+@pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
 def test_a_resumed_run_continues_the_same_mlflow_run_with_each_step_once(tmp_path, mlflow_server):
     uri = mlflow_server
     sink = (f'log.mlflow.tracking_uri="{uri}"', 'log.mlflow.experiment="pimm-test"')
@@ -65,7 +68,7 @@ def test_a_resumed_run_continues_the_same_mlflow_run_with_each_step_once(tmp_pat
     run_id = read_json(run_dir / "mlflow.json")["run_id"]
     client = MlflowClient(tracking_uri=uri)
     # (sent in the background: what the killed process had sent, at least up to a few steps before the kill)
-    resumed = pimm("resume", run_dir, timeout=600)
+    resumed = pimm_here("resume", str(run_dir))
     assert resumed.returncode == 0, describe(resumed)
     assert read_json(run_dir / "mlflow.json")["run_id"] == run_id  # the same tracked run
 

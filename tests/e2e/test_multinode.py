@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import torch
 
-from _helpers import DIGITS, REPO, clean_env, describe, hang_s, pimm, read_json, read_jsonl
+from _helpers import DIGITS, REPO, clean_env, describe, hang_s, pimm, pimm_here, read_json, read_jsonl
 from pimm_core.checkpoint.manifest import verify_files
 
 OVERRIDES = ("train.epochs=3", "train.log_every_steps=1")  # 23 steps per epoch at world size 2
@@ -213,7 +213,7 @@ class Chain:
     run_dir: Path
     copy: Path  # the copy resumed by one process
     stages: dict[str, Stage]
-    one_node: subprocess.CompletedProcess  # pimm resume RUN --nnodes 1 --nproc-per-node 2
+    one_node: subprocess.CompletedProcess  # pimm resume RUN --nnodes 1 --nproc-per-node 2 (its output in stdout)
     one_process: tuple[int | None, str]  # exit code and output of the copy's resume
 
 
@@ -256,16 +256,19 @@ def chain(tmp_path_factory, reference) -> Chain:
         stages["pimm-stop"] = st = finish(s, running, cli=cli)
     _require_stopped(st)
 
-    # 4. one node: a copy by one process (world size 2 -> 1), the run itself by two ranks (same world size)
+    # 4. one node: the run itself by two ranks (same world size), meanwhile a copy by one process
+    # (world size 2 -> 1), in this process (pimm_here: no process start for what is a plain resume)
     copy_root = root / "copy"
     shutil.copytree(root / "digits", copy_root / "digits", symlinks=True)
-    one = Agent(launch_args(copy_root, "--train.resume", "--", *OVERRIDES), root / "one-process.out")
+    two = Agent(["resume", run_dir, "--nnodes", "1", "--nproc-per-node", "2"], root / "one-node.out")
     try:
-        two = pimm("resume", run_dir, "--nnodes", "1", "--nproc-per-node", "2", timeout=TIMEOUT)
-        rc = one.wait(TIMEOUT)
+        one = pimm_here(*launch_args(copy_root, "--train.resume", "--", *OVERRIDES))
+        rc = two.wait(TIMEOUT)
     finally:
-        one.kill()
-    return Chain(root, run_dir, copy_root / "digits" / NAME, stages, two, (rc, one.output()))
+        two.kill()
+    one_node = subprocess.CompletedProcess(two.proc.args, rc, two.output(), "")
+    return Chain(root, run_dir, copy_root / "digits" / NAME, stages, one_node,
+                 (one.returncode, one.stdout + one.stderr))
 
 
 def _require_stopped(st: Stage) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, REPO, clean_env, describe, hang_s, launch, pimm, read_json, read_jsonl
+from _helpers import DIGITS, REPO, clean_env, describe, hang_s, launch, pimm, pimm_here, read_json, read_jsonl
 from conftest import TrainedRun
 
 from pimm_core.checkpoint.selection import list_candidates
@@ -99,7 +99,7 @@ def test_sighup_during_training_is_a_clean_stop(tmp_path: Path) -> None:
     assert (status["state"], status["stop_reason"]) == ("stopped", "signal:SIGHUP")
     last = read_json(run / "model" / "last" / "manifest.json")
     assert last["step"] == status["step"] >= 1
-    verify = pimm("checkpoints", "verify", str(run))
+    verify = pimm_here("checkpoints", "verify", str(run))
     assert verify.returncode == 0 and "last: ok" in verify.stdout, describe(verify)
 
 
@@ -137,7 +137,7 @@ def test_a_full_disk_at_the_heartbeat_is_one_warning(tmp_path: Path, spec: str) 
     else:
         assert (status["state"], status["step"]) == ("finished", 90)  # recorded once the write worked again
         assert "status.json written again" in (run / "train.log").read_text()
-    verify = pimm("checkpoints", "verify", str(run))
+    verify = pimm_here("checkpoints", "verify", str(run))
     assert verify.returncode == 0 and "last: ok" in verify.stdout, describe(verify)
     assert read_json(run / "model" / "last" / "manifest.json")["step"] == 90
 

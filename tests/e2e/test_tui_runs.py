@@ -1,6 +1,10 @@
 """`pimm tui ROOT`: the runs table (filter, open and back, stop) and the compare view, through Pilot,
 at 80x24 (over SSH) and 120x40, on real runs: two tiny finished ones that differ in train.lr
-(trained once per module) and, for the stop, a real `pimm launch` training in the background."""
+(trained once per module) and, for the stop, a real `pimm launch` training in the background.
+
+That live run is paced (a callback sleeps 20 ms after each step, as a bigger model's step would
+take): it only has to stay live while the console drives it, and at full speed it kept a core
+busy for the whole test."""
 
 from __future__ import annotations
 
@@ -21,6 +25,19 @@ from pimm_tui.views.compare import CompareScreen
 from pimm_tui.views.runs import RunsScreen
 
 SIZES = [(80, 24), (120, 40)]
+# a callback that makes each optimizer step take at least 20 ms (see the module docstring)
+PACED = """
+[[callbacks]]
+target = "paced_steps:Paced"
+"""
+PACED_MODULE = """\
+import time
+
+
+class Paced:
+    def on_step_end(self, trainer):
+        time.sleep(0.02)
+"""
 TINY = ("train.epochs=1", "train.max_steps=8", "train.log_every_steps=2")
 
 
@@ -146,7 +163,10 @@ async def test_compare_two_finished_runs(root: Path, size: tuple[int, int]) -> N
 @pytest.mark.parametrize("size", SIZES)
 async def test_stop_a_live_run_from_the_table(tmp_path: Path, size: tuple[int, int]) -> None:
     run_dir = tmp_path / "digits" / "live"
-    cmd = [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(DIGITS), "--run.root", str(tmp_path),
+    (tmp_path / "paced_steps.py").write_text(PACED_MODULE)  # beside the config: found through its directory
+    config = tmp_path / "paced.toml"
+    config.write_text(DIGITS.read_text() + PACED)
+    cmd = [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(config), "--run.root", str(tmp_path),
            "--run.name", "live", "--run.no-timestamp", "--", "train.epochs=200", "train.log_every_steps=5",
            "checkpoint.every_epochs=0"]
     with open(tmp_path / "live.out", "wb") as out:  # a file: a pipe nobody reads would block the run

@@ -7,12 +7,16 @@ real SIGTERM inside its step-10 save, resumed again to the end (step 14). Every 
 W&B run's history once, the id is the same in every session, the run's config and provenance
 are its config. A second test gives the W&B run steps past the resumed position (an interrupted
 session that W&B had flushed) and checks they are not logged again.
+
+The killed and the stopped sessions are real processes (their fail points are read at import);
+the last resume runs in this process (``pimm_here``), with the same W&B environment.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,9 +43,17 @@ def _inspect(path: Path, *args: str, env: dict[str, str]) -> str:
     return r.stdout
 
 
+def _wandb_teardown() -> None:
+    if sys.modules.get("wandb") is not None:
+        sys.modules["wandb"].teardown()
+
+
 def _sessions(wandb_dir: Path, run_id: str) -> list[Path]:
-    """The W&B run's transaction log of each session, oldest first."""
-    return sorted(wandb_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
+    """The W&B run's transaction log of each session, oldest first: ``offline-run-<time>-<id>``, and
+    ``offline-run-<time>-<id>-<n>`` for a session that started in the same second as an earlier one."""
+    name = re.compile(rf"offline-run-(\d{{8}}_\d{{6}})-{re.escape(run_id)}(?:-(\d+))?")
+    found = {f: name.fullmatch(f.parent.name) for f in wandb_dir.glob(f"wandb/offline-run-*/run-{run_id}.wandb")}
+    return sorted((f for f, m in found.items() if m), key=lambda f: (found[f][1], int(found[f][2] or 0)))
 
 
 def _history(files: list[Path], env: dict[str, str]) -> list[tuple[int, dict]]:
@@ -68,7 +80,17 @@ def test_a_killed_stopped_and_resumed_run_is_one_wandb_run_with_each_step_once(t
     stopped = pimm("resume", run_dir, env={**env, "PIMM_FAILPOINT": "standard.prepared@1=sigterm"}, timeout=600)
     assert stopped.returncode == 0, describe(stopped)
     assert read_json(run_dir / "status.json")["state"] == "stopped"
-    finished = pimm("resume", run_dir, env=env, timeout=600)
+    with pytest.MonkeyPatch.context() as mp:  # W&B reads WANDB_* when it is set up: afresh here, ended after
+        for k in [k for k in os.environ if k.startswith("WANDB_")]:
+            mp.delenv(k)
+        for k, v in env.items():
+            if k.startswith("WANDB_"):
+                mp.setenv(k, v)
+        _wandb_teardown()
+        try:
+            finished = pimm_here("resume", str(run_dir))
+        finally:
+            _wandb_teardown()
     assert finished.returncode == 0, describe(finished)
     assert read_json(run_dir / "wandb.json")["run_id"] == run_id  # the same W&B run throughout
 
