@@ -84,6 +84,14 @@ def _ensure_forkserver() -> None:
     # ignoring) loses nothing: a stop signal that arrives meanwhile is delivered to this
     # process when the mask is restored.
     multiprocessing.set_forkserver_preload(PRELOAD)  # no effect once the server runs
+    # The fork server's start first starts multiprocessing's resource tracker, which blocks SIGINT
+    # and SIGTERM around its own spawn and then UNBLOCKS them (not restores): inside the block
+    # below, that left the fork server (and every worker it forks) killable by the SIGTERM torchrun
+    # or a scheduler sends to the whole process group, so a stopping rank lost its workers and
+    # failed waiting for a batch. Started first, here, the tracker is already running below.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
     old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         multiprocessing.forkserver.ensure_running()
