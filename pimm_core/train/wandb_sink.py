@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -38,16 +39,25 @@ _POSITION = ("step", "epoch", "iter", "split", "time")
 _EXIT = {"finished": 0, "stopped": 0, "failed": 1}
 
 
+def session_logs(wandb_dir: Path, run_id: str) -> list[Path]:
+    """The transaction log of each W&B session of run ``run_id`` under ``<wandb_dir>/wandb/``, by
+    name: a session's directory is ``<mode>-run-<time>-<id>``, or ``...-<id>-<n>`` when it started in
+    the same second as an earlier session of the run (a quick resume); both hold steps W&B has."""
+    session = re.compile(rf".*-{re.escape(run_id)}(-\d+)?")
+    return sorted(f for f in Path(wandb_dir).glob(f"wandb/*-{run_id}*/run-{run_id}.wandb")
+                  if session.fullmatch(f.parent.name))
+
+
 def logged_steps(wandb_dir: Path, run_id: str) -> list[int]:
     """The history steps W&B's local transaction logs of run ``run_id`` hold, in file order
-    (``<wandb_dir>/wandb/*-<run_id>/run-<run_id>.wandb``, read with ``wandb leet inspect --json``:
+    (``<wandb_dir>/wandb/*-<run_id>[-<n>]/run-<run_id>.wandb``, read with ``wandb leet inspect --json``:
     a file cut short by a kill is read up to its last complete record).
 
     Raises:
         OSError: W&B's reader could not be run or failed on a file (its message says why).
     """
     steps: list[int] = []
-    for f in sorted(Path(wandb_dir).glob(f"wandb/*-{run_id}/run-{run_id}.wandb")):
+    for f in session_logs(wandb_dir, run_id):
         r = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(f)],
                            capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
         if r.returncode != 0:
