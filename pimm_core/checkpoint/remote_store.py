@@ -53,8 +53,13 @@ def open_store(url: str, options: dict[str, Any] | None = None) -> tuple[Any, st
     """
     import fsspec
 
+    options = dict(options or {})
+    if fsspec.utils.get_protocol(url) in ("file", "local"):
+        # a directory tree, not an object store: the parents of each file must exist before it
+        # is written (fsspec's local filesystem makes them only when asked)
+        options.setdefault("auto_mkdir", True)
     try:
-        return fsspec.core.url_to_fs(url, **(options or {}))
+        return fsspec.core.url_to_fs(url, **options)
     except (ImportError, ValueError) as e:
         raise RemoteError(f"cannot open checkpoint.remote = {url!r}: {e}") from None
 

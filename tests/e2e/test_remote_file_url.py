@@ -1,0 +1,21 @@
+"""``checkpoint.remote`` as a ``file://`` URL (a shared file system mounted on every node): the
+mirror creates the directories it writes into. It used to fail every upload with "No such file
+or directory" (fsspec's local filesystem makes parents only when asked), retry, and hold the
+run's end for ``checkpoint.remote_timeout`` (10 minutes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from _helpers import describe, launch
+
+
+def test_a_file_url_remote_receives_each_checkpoint_complete(tmp_path: Path) -> None:
+    remote = tmp_path / "shared" / "ckpt"  # does not exist yet
+    r = launch(tmp_path / "exp", "f", "train.epochs=1", f"checkpoint.remote=file://{remote}",
+               "checkpoint.remote_timeout=60", here=True)
+    assert r.returncode == 0, describe(r)
+    assert "upload" not in r.stderr or "failed" not in r.stderr, describe(r)
+    model = remote / "digits" / "f" / "model"
+    assert (model / "step_45" / "trainer.dcp" / ".complete").is_file(), sorted(p.name for p in remote.rglob("*"))
+    assert (model / "model_best.pth").is_file()
