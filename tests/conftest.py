@@ -1,4 +1,4 @@
-"""The order in which ``-n 2 --dist loadfile`` (pyproject's addopts) hands test files to the two workers.
+"""The order in which ``-n 3 --dist loadfile`` (pyproject's addopts) hands test files to the workers.
 
 xdist gives each worker a whole file at a time, in order of the files' number of tests (most first).
 That puts heavy e2e files with few tests (one long scenario: test_hangs, test_examples_hf) last: a
