@@ -75,7 +75,8 @@ def checkpoints_ls(
     from ..checkpoint.remote_store import describe_remote
 
     last = next((c for c in cands if c.name == "last" and c.complete and c.format == "standard"), None)
-    remote = describe_remote(model_dir.parent, last.step if last is not None else None, chosen)
+    run = run_dir if is_run_dir(run_dir) and model_dir == run_dir else model_dir.parent  # (model/ may be gone)
+    remote = describe_remote(run, last.step if last is not None else None, chosen)
     if as_json:
         rows = [{**c.to_json(), "selected": chosen is not None and c.path == chosen.path} for c in cands]
         print(json.dumps({"schema_version": 1, "model_dir": str(model_dir),
