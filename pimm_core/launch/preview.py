@@ -29,6 +29,8 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
 
     run_dir = resolve_run_dir(cfg, config_path)
     check_before_launch(cfg, run_dir, warm_start=False, config_path=config_path)
+    if _remote_only(cfg, run_dir, resume_from):
+        return 0
     source = resume_source(cfg, run_dir, resume_from)
     print(f"run: {run_dir}")
     model, data = _dry_model(cfg, config_path)
@@ -200,3 +202,23 @@ def _dry_check_resume(path: str, model) -> None:
 
     weights = resolve_weight_source(path)
     check_compatible(model, read_weight_sets(weights)["raw"], str(weights))
+
+
+def _remote_only(cfg: Config, run_dir: Path, resume_from: str | None) -> bool:
+    """A resume whose ``model/`` holds nothing complete while ``checkpoint.remote`` holds a complete
+    checkpoint (a fresh node, a wiped disk): the real resume restores it first, so say that (the
+    plan needs the checkpoint's files: nothing is downloaded by a dry run). False otherwise."""
+    if resume_from or not cfg.train.resume or not cfg.checkpoint.remote:
+        return False
+    if select_resume(run_dir / MODEL)[0] is not None:
+        return False
+    from ..checkpoint.remote_store import describe_choice
+
+    line = describe_choice(cfg.checkpoint.remote, cfg.checkpoint.remote_options, run_dir, None)
+    if not line.startswith("model/ holds no intact checkpoint; the remote holds"):
+        return False  # nothing complete there either: the usual refusal follows
+    print(f"run: {run_dir}")
+    print(f"remote: {line}")
+    print("dry run: nothing was downloaded, trained or written (the resume's plan needs the checkpoint's "
+          "files: the resume logs it once they are restored)")
+    return True

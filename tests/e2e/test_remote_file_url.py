@@ -9,7 +9,7 @@ from pathlib import Path
 
 import shutil
 
-from _helpers import describe, launch, pimm
+from _helpers import describe, launch, pimm, pimm_here
 
 
 def test_a_file_url_remote_receives_each_checkpoint_complete(tmp_path: Path) -> None:
@@ -36,3 +36,7 @@ def test_checkpoints_ls_lists_the_remote_of_a_run_whose_model_dir_is_gone(tmp_pa
     assert f"remote file://{remote}/digits/g/model:" in ls.stdout, ls.stdout
     assert "step_45  step 45  complete" in ls.stdout, ls.stdout
     assert "the remote holds step 45 (step_45): restoring it" in ls.stdout, ls.stdout
+    dry = pimm_here("resume", str(run), "--dry-run", "--", "train.epochs=2")  # says the same, downloads nothing
+    assert dry.returncode == 0, describe(dry)
+    assert "remote: model/ holds no intact checkpoint; the remote holds step 45 (step_45): restoring it" in dry.stdout
+    assert not (run / "model").exists()
