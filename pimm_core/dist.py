@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -115,11 +116,15 @@ def _release_meshes() -> None:
         return  # no mesh was ever made (DDP, one process)
     from torch.distributed.device_mesh import DeviceMesh
 
-    for obj in gc.get_objects():
-        if isinstance(obj, DeviceMesh):
-            registry = getattr(obj, "_pg_registry", None)  # (torch 2.9+: group name -> ProcessGroup)
-            if isinstance(registry, dict):
-                registry.clear()
+    with warnings.catch_warnings():
+        # isinstance() on every live object reaches torch.distributed's deprecated `reduce_op`,
+        # whose check warns (FutureWarning) on each rank at every exit: not the user's concern
+        warnings.simplefilter("ignore", FutureWarning)
+        meshes = [obj for obj in gc.get_objects() if isinstance(obj, DeviceMesh)]
+    for obj in meshes:
+        registry = getattr(obj, "_pg_registry", None)  # (torch 2.9+: group name -> ProcessGroup)
+        if isinstance(registry, dict):
+            registry.clear()
 
 
 def barrier() -> None:
