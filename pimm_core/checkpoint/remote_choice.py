@@ -6,7 +6,7 @@ newer complete ``step_90/``. A resume (``--train.auto-resume``, ``pimm resume``)
 complete checkpoint of the two, by step; on a tie, or when the local one has no step to compare
 (a legacy file), the local one. :func:`resume_choice` is that decision and its one-line reason,
 shared by the restore (:func:`pimm_core.launch.rundir.restore_from_remote`), ``pimm resume
---dry-run`` and ``pimm checkpoints ls`` (:func:`~.remote_store.describe_choice`), so all three say the same thing. An explicit
+--dry-run`` and ``pimm checkpoints ls`` (:func:`~.remote_store.remote_choice`), so all three say the same thing. An explicit
 ``--train.resume PATH`` never asks it.
 """
 

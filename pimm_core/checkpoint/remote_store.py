@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .manifest import COMPLETE, MANIFEST
-from .remote_choice import newest_complete, resume_choice
+from .remote_choice import ResumeChoice, newest_complete, resume_choice
 from .selection import BEST, BEST_K_RE, ITER_RE
 
 STEP_RE = re.compile(r"^step_(\d+)$")
@@ -135,23 +135,29 @@ def run_remote(run_dir: Path) -> tuple[str, dict[str, Any] | None] | None:
     return url, options if isinstance(options, dict) else None
 
 
+def _listed(url: str, options: dict[str, Any] | None, prefix_url: str) -> tuple[list[Any], str | None]:
+    """``(candidates under prefix_url, None)``, or ``([], the error's first line)`` when the store
+    cannot be listed (botocore/aiohttp errors are not OSErrors: any exception)."""
+    try:
+        fs, _ = open_store(url, options)
+        return remote_candidates(fs, fs._strip_protocol(prefix_url)), None
+    except Exception as e:
+        return [], str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
 def describe_remote(run_dir: Path, local_step: int | None, chosen: Any = None) -> dict[str, Any] | None:
     """What ``pimm checkpoints ls`` shows of the run's remote: ``{"url", "candidates": [{name,
     step, complete, kind}], "uploading": [what is local and not complete remotely], "resume": the
     line saying whether a resume takes ``chosen`` (the local selection) or the remote's newest, "error"}``,
     or None when the run has no ``checkpoint.remote``. Never raises: an unreachable store is ``error``."""
-
     remote = run_remote(run_dir)
     if remote is None:
         return None
     url, options = remote
-    out: dict[str, Any] = {"url": run_prefix(url, run_dir), "candidates": [], "uploading": [], "resume": None,
-                           "error": None}
-    try:
-        fs, _ = open_store(url, options)
-        cands = remote_candidates(fs, fs._strip_protocol(out["url"]))
-    except Exception as e:
-        out["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+    prefix = run_prefix(url, run_dir)
+    cands, error = _listed(url, options, prefix)
+    out: dict[str, Any] = {"url": prefix, "candidates": [], "uploading": [], "resume": None, "error": error}
+    if error is not None:
         return out
     out["candidates"] = [{"name": c.name, "step": c.step, "complete": c.complete, "kind": c.kind} for c in cands]
     out["resume"] = resume_choice(chosen, newest_complete(cands)).reason
@@ -160,18 +166,16 @@ def describe_remote(run_dir: Path, local_step: int | None, chosen: Any = None) -
     return out
 
 
-def describe_choice(url: str, options: dict[str, Any] | None, run_dir: Path, local: Any) -> str:
-    """The one line :func:`~.remote_choice.resume_choice` gives for run ``run_dir`` whose
-    ``checkpoint.remote`` is ``url`` and whose ``model/`` would resume ``local`` (what ``pimm resume
-    --dry-run`` prints; nothing downloaded). Never raises: a store that cannot be listed is said."""
-    try:
-        fs, _ = open_store(url, options)
-        cands = remote_candidates(fs, fs._strip_protocol(run_prefix(url, run_dir)))
-    except Exception as e:  # botocore/aiohttp errors are not OSErrors
-        error = str(e).splitlines()[0] if str(e) else type(e).__name__
+def remote_choice(url: str, options: dict[str, Any] | None, run_dir: Path, local: Any) -> ResumeChoice:
+    """The :func:`~.remote_choice.resume_choice` for run ``run_dir`` whose ``checkpoint.remote`` is
+    ``url`` and whose ``model/`` would resume ``local`` (what ``pimm resume --dry-run`` prints;
+    nothing downloaded). Never raises: a store that cannot be listed is a choice of the local one
+    whose reason says so."""
+    cands, error = _listed(url, options, run_prefix(url, run_dir))
+    if error is not None:
         what = f"model/{local.name} at step {local.step}" if local is not None else "nothing"
-        return f"the remote cannot be listed ({error}): resuming from {what}"
-    return resume_choice(local, newest_complete(cands)).reason
+        return ResumeChoice(None, f"the remote cannot be listed ({error}): resuming from {what}")
+    return resume_choice(local, newest_complete(cands))
 
 
 def download_newest(fs: Any, prefix: str, dest: Path) -> RemoteCandidate | None:

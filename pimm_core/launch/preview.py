@@ -9,6 +9,7 @@ from ..checkpoint.branch import describe_branch, later_checkpoints
 from ..checkpoint.resume_path import resolve_resume_path
 from ..checkpoint.selection import fallback_warnings, select_resume
 from ..config import Config
+from ..errors import CheckpointError
 from ..run import MODEL
 from .rundir import check_before_launch, finished, resolve_run_dir, resume_source
 
@@ -29,9 +30,12 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
 
     run_dir = resolve_run_dir(cfg, config_path)
     check_before_launch(cfg, run_dir, warm_start=False, config_path=config_path)
-    if _remote_only(cfg, run_dir, resume_from):
+    try:
+        source = resume_source(cfg, run_dir, resume_from)
+    except CheckpointError:
+        if not _remote_only(cfg, run_dir):  # nothing complete here: the remote may hold one
+            raise
         return 0
-    source = resume_source(cfg, run_dir, resume_from)
     print(f"run: {run_dir}")
     model, data = _dry_model(cfg, config_path)
     if source is None:
@@ -60,9 +64,9 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     for w in fallbacks:
         print(f"warning: {w}")
     if cfg.checkpoint.remote and Path(source) == run_dir / MODEL:  # the restore's choice, nothing downloaded
-        from ..checkpoint.remote_store import describe_choice
+        from ..checkpoint.remote_store import remote_choice
 
-        print(f"remote: {describe_choice(cfg.checkpoint.remote, cfg.checkpoint.remote_options, run_dir, cand)}")
+        print(f"remote: {remote_choice(cfg.checkpoint.remote, cfg.checkpoint.remote_options, run_dir, cand).reason}")
     later = later_checkpoints(cand) if Path(cand.path).parent.resolve() == (run_dir / MODEL).resolve() else []
     if later:
         print(f"branch: {describe_branch(cand, later, run_dir / MODEL / 'abandoned-<time>')}")
@@ -204,21 +208,19 @@ def _dry_check_resume(path: str, model) -> None:
     check_compatible(model, read_weight_sets(weights)["raw"], str(weights))
 
 
-def _remote_only(cfg: Config, run_dir: Path, resume_from: str | None) -> bool:
-    """A resume whose ``model/`` holds nothing complete while ``checkpoint.remote`` holds a complete
-    checkpoint (a fresh node, a wiped disk): the real resume restores it first, so say that (the
-    plan needs the checkpoint's files: nothing is downloaded by a dry run). False otherwise."""
-    if resume_from or not cfg.train.resume or not cfg.checkpoint.remote:
+def _remote_only(cfg: Config, run_dir: Path) -> bool:
+    """``model/`` holds nothing intact (the resume was refused) while ``checkpoint.remote`` holds a
+    complete checkpoint (a fresh node, a wiped disk): the real resume restores it first, so say that
+    (the plan needs the checkpoint's files: nothing is downloaded by a dry run). False otherwise."""
+    if not cfg.checkpoint.remote:
         return False
-    if select_resume(run_dir / MODEL)[0] is not None:
-        return False
-    from ..checkpoint.remote_store import describe_choice
+    from ..checkpoint.remote_store import remote_choice
 
-    line = describe_choice(cfg.checkpoint.remote, cfg.checkpoint.remote_options, run_dir, None)
-    if not line.startswith("model/ holds no intact checkpoint; the remote holds"):
-        return False  # nothing complete there either: the usual refusal follows
+    choice = remote_choice(cfg.checkpoint.remote, cfg.checkpoint.remote_options, run_dir, None)
+    if choice.remote is None:
+        return False  # nothing complete there either: the refusal stands
     print(f"run: {run_dir}")
-    print(f"remote: {line}")
+    print(f"remote: {choice.reason}")
     print("dry run: nothing was downloaded, trained or written (the resume's plan needs the checkpoint's "
           "files: the resume logs it once they are restored)")
     return True
