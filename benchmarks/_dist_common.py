@@ -9,7 +9,7 @@ The model is a stack of pre-norm MLP blocks (``Block``: LayerNorm, ``Linear(w, 4
 GELU, ``Linear(4w, w)``, residual), ``8 w^2`` parameters per block, so ``train.blocks =
 ["Block"]`` gives FSDP one unit per block as a transformer would. Everything a rank
 builds goes through pimm: :func:`pimm_core.config.load_config` (``train.strategy``,
-``train.blocks``...), :func:`pimm_core.dist.init`, :func:`pimm_core.train.parallel.parallelize`
+``train.blocks``...), :func:`pimm_core.process.dist.init`, :func:`pimm_core.train.parallel.parallelize`
 and :func:`pimm_core.optim.build_optimizer` (AdamW by default), in the trainer's order.
 """
 
@@ -31,10 +31,10 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pimm_core import dist  # noqa: E402
-from pimm_core.checkpoint.state import unwrap  # noqa: E402
+from pimm_core.process import dist  # noqa: E402
+from pimm_core.checkpoint.tensors.state import unwrap  # noqa: E402
 from pimm_core.config import Config, load_config  # noqa: E402
-from pimm_core.dist import DistInfo  # noqa: E402
+from pimm_core.process.dist import DistInfo  # noqa: E402
 from pimm_core.optim import build_optimizer  # noqa: E402
 from pimm_core.train.parallel import parallelize  # noqa: E402
 

@@ -43,10 +43,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import GiB, build_state, load_average, machine, median, r, remove, settle, state_bytes  # noqa: E402
-from pimm_core.checkpoint.async_save import AsyncStandardFormat  # noqa: E402
-from pimm_core.checkpoint.protocol import SaveItem  # noqa: E402
-from pimm_core.checkpoint.standard import StandardFormat, save_standard  # noqa: E402
-from pimm_core.dist import DistInfo  # noqa: E402
+from pimm_core.checkpoint.formats.async_save import AsyncStandardFormat  # noqa: E402
+from pimm_core.checkpoint.formats.protocol import SaveItem  # noqa: E402
+from pimm_core.checkpoint.formats.standard import StandardFormat, save_standard  # noqa: E402
+from pimm_core.process.dist import DistInfo  # noqa: E402
 
 META = {"trainer": {"global_step": 1}}
 MANIFEST = {"kind": "last", "step": 1, "epoch": 0, "iter": 0}

@@ -418,7 +418,7 @@ def allowed_steps(done: list[int], logged: list[int], schedule: list[int]) -> se
 
 def final_name_problems(model_dir: Path) -> list[str]:
     """Anything under a final name that is not a complete, intact checkpoint."""
-    from pimm_core.checkpoint.selection import list_candidates, verify_candidate
+    from pimm_core.checkpoint.select.selection import list_candidates, verify_candidate
 
     problems = []
     for c in list_candidates(model_dir):
@@ -460,7 +460,7 @@ def error_lines(p: Proc) -> list[str]:
 def check_state(case: Case, run_dir: Path, schedule: list[int], work: Path, tag: str,
                 problems: list[str]) -> tuple[Any, set[int]]:
     """(a)-(c) on a run that just died or failed; returns (chosen candidate, allowed steps)."""
-    from pimm_core.checkpoint.selection import select_resume, select_verified
+    from pimm_core.checkpoint.select.selection import select_resume, select_verified
 
     model_dir = run_dir / "model"
     chosen, cands = select_resume(model_dir)
@@ -503,7 +503,7 @@ def check_state(case: Case, run_dir: Path, schedule: list[int], work: Path, tag:
 
 
 def check_finished(run_dir: Path, schedule: list[int], tag: str, problems: list[str]) -> None:
-    from pimm_core.checkpoint.selection import select_resume
+    from pimm_core.checkpoint.select.selection import select_resume
 
     model_dir = run_dir / "model"
     status = {}
@@ -614,12 +614,12 @@ def run_case(case: Case, schedule: list[int], work: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- driver
 def preload() -> None:
     """Import what a run needs once, so forked runs start in a fraction of a second."""
-    import pimm_core.data  # noqa: F401  (the digits are read without importing scikit-learn)
+    import pimm_core.data.loaders  # noqa: F401  (the digits are read without importing scikit-learn)
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (imported lazily by the optimizer)
     import torch.distributed.checkpoint  # noqa: F401
 
-    import pimm_core.checkpoint.files  # noqa: F401
+    import pimm_core.checkpoint.formats.files  # noqa: F401
     import pimm_core.cli  # noqa: F401
     import pimm_core.launch  # noqa: F401
     import pimm_core.trainer  # noqa: F401

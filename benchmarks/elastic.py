@@ -52,8 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import load_average, machine, r  # noqa: E402
 from _dist_common import Net, config, param_count, setup_rank, torchrun, write_rank  # noqa: E402
-from pimm_core import dist  # noqa: E402
-from pimm_core.checkpoint.state import unwrap  # noqa: E402
+from pimm_core.process import dist  # noqa: E402
+from pimm_core.checkpoint.tensors.state import unwrap  # noqa: E402
 from pimm_core.trainer import Trainer  # noqa: E402
 
 QUIET = ["train.grad_clip=0", "eval.every_epochs=0", "checkpoint.every_epochs=0", "checkpoint.every_steps=0",
@@ -165,7 +165,7 @@ def main() -> None:
     load_start = load_average()
     from timeit import timeit
 
-    from pimm_core.global_order import seed_micro_batch
+    from pimm_core.data.global_order import seed_micro_batch
 
     reseed_us = timeit(lambda: seed_micro_batch(0, 5, 3), number=1000) * 1e3  # the global order's extra work
     with tempfile.TemporaryDirectory(prefix="pimm-elastic-") as work:

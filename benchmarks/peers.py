@@ -51,8 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (MiB, build_model, load_average, machine, median, one_adamw_step, r, remove,  # noqa: E402
                      settle, state_bytes, tree_bytes)
 from pimm_core.fsio import fsync_tree  # noqa: E402
-from pimm_core.checkpoint.standard import load_standard, save_standard  # noqa: E402
-from pimm_core.dist import DistInfo  # noqa: E402
+from pimm_core.checkpoint.formats.standard import load_standard, save_standard  # noqa: E402
+from pimm_core.process.dist import DistInfo  # noqa: E402
 
 
 @contextlib.contextmanager

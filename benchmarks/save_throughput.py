@@ -55,9 +55,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import GiB, build_state, load_average, machine, median, r, remove, settle, state_bytes, tree_bytes  # noqa: E402
-from pimm_core.checkpoint import publish, standard  # noqa: E402
+from pimm_core.checkpoint.publish import rotation as publish
+from pimm_core.checkpoint.formats import standard  # noqa: E402
 from pimm_core.fsio import release_cached_pages  # noqa: E402
-from pimm_core.dist import DistInfo  # noqa: E402
+from pimm_core.process.dist import DistInfo  # noqa: E402
 
 CHUNK = 64 << 20
 

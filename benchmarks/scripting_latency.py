@@ -42,10 +42,10 @@ from _common import load_average, machine, median, r, remove  # noqa: E402
 def fabricate(run_dir: Path, n: int) -> None:
     import torch
 
-    from pimm_core.checkpoint.manifest import sha256_file, write_manifest
-    from pimm_core.checkpoint.standard import save_standard
-    from pimm_core.checkpoint.weights_file import write_weights_file
-    from pimm_core.dist import DistInfo
+    from pimm_core.checkpoint.records.manifest import sha256_file, write_manifest
+    from pimm_core.checkpoint.formats.standard import save_standard
+    from pimm_core.checkpoint.formats.weights_file import write_weights_file
+    from pimm_core.process.dist import DistInfo
 
     model_dir = run_dir / "model"
     model_dir.mkdir(parents=True)

@@ -55,9 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import load_average, machine, median, r, tree_bytes  # noqa: E402
 from _dist_common import MiB, build, config, param_count, setup_rank, torchrun, train_step, write_rank  # noqa: E402
-from pimm_core import dist  # noqa: E402
-from pimm_core.checkpoint.formats import make_format  # noqa: E402
-from pimm_core.checkpoint.protocol import SaveItem  # noqa: E402
+from pimm_core.process import dist  # noqa: E402
+from pimm_core.checkpoint.formats.choose import make_format  # noqa: E402
+from pimm_core.checkpoint.formats.protocol import SaveItem  # noqa: E402
 
 HAS_GATHER_FLAG = "gather_weights" in {f.name for f in dataclasses.fields(SaveItem)}
 

@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pimm_core.config import load_config  # noqa: E402
-from pimm_core.data import build_datasets  # noqa: E402
+from pimm_core.data.loaders import build_datasets  # noqa: E402
 from pimm_core.models import build_model  # noqa: E402
 from pimm_core.trainer import Trainer  # noqa: E402
 

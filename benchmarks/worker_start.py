@@ -11,7 +11,7 @@ variant (the fork server is per process):
 - ``ratio``: each variant's ``epoch_s`` over ``fork``'s (the old behaviour), same run.
 
 Variants: ``fork`` (the old default: exposed to the fork-while-threads hang, see
-``pimm_core.loader_workers``), ``forkserver`` (pimm's default: the server preloads
+``pimm_core.data.workers``), ``forkserver`` (pimm's default: the server preloads
 ``pimm_core.data``), ``forkserver_no_preload`` (each worker imports torch itself), ``spawn``,
 and for reference ``fork_persistent`` (workers started once; it would not see ``set_epoch``)
 and ``in_process`` (``num_workers = 0``).
@@ -44,9 +44,10 @@ def measure(variant: str, epochs: int) -> dict:
 
     import torch
 
-    from pimm_core import data, loader_workers
+    from pimm_core.data import loaders as data
+    from pimm_core.data import workers as loader_workers
     from pimm_core.config import DataConfig
-    from pimm_core.dist import DistInfo
+    from pimm_core.process.dist import DistInfo
 
     if variant == "forkserver_no_preload":
         loader_workers.PRELOAD = []

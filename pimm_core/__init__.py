@@ -17,15 +17,15 @@ def __getattr__(name: str) -> Any:
 
         return getattr(trainer, name)
     if name == "load_weights":
-        from .checkpoint.strict_load import load_weights
+        from .checkpoint.weights.strict_load import load_weights
 
         return load_weights
     if name == "export_weights":
-        from .checkpoint.export import export_weights
+        from .checkpoint.export.model_dir import export_weights
 
         return export_weights
     if name == "StopRequest":
-        from .stop import StopRequest
+        from .process.stop import StopRequest
 
         return StopRequest
     if name in ("Config", "TrainConfig", "load_config"):

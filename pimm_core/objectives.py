@@ -331,7 +331,7 @@ class MetricTotals:
 
         Args:
             all_reduce_sum: in-place sum of a float64 tensor over ranks
-                (:func:`pimm_core.dist.all_reduce_sum`); ``None``: this rank alone.
+                (:func:`pimm_core.process.dist.all_reduce_sum`); ``None``: this rank alone.
             all_gather_object: gathers each rank's metric names, so a rank that saw no
                 batch (or a metric only some batches report) still joins the same reduce;
                 ``None``: every rank must have the same names.

@@ -23,7 +23,7 @@ makes one group where everything decays. A ``torch.optim`` class without a
 LR schedule (:func:`build_scheduler`), stepped once per optimizer step:
 
 - ``[scheduler] name``: ``train.warmup_steps`` of linear warmup from ``train.lr / W`` to
-  ``train.lr``, then a kind of :class:`~pimm_core.schedule.WarmupSchedule` with its options
+  ``train.lr``, then a kind of :class:`~pimm_core.train.schedule.WarmupSchedule` with its options
   in ``scheduler.args`` (checked like a target's args).
 - ``[scheduler] target``: ``factory(optimizer, **scheduler.args)``, plus
   ``total_steps=`` (the run's last optimizer step) and ``warmup_steps=`` when its
@@ -31,7 +31,7 @@ LR schedule (:func:`build_scheduler`), stepped once per optimizer step:
   ``load_state_dict()`` (any ``torch.optim.lr_scheduler`` qualifies); the schedule is
   then all its own (pimm applies no warmup and cannot move its horizon on a resume).
 - else the older ``train.scheduler`` (cosine/constant) as
-  :class:`~pimm_core.schedule.WarmupCosine`.
+  :class:`~pimm_core.train.schedule.WarmupCosine`.
 
 Every built-in schedule is a pure function of the step and its saved state, so a
 ``state_dict`` / ``load_state_dict`` round trip gives the same LRs afterwards.
@@ -48,7 +48,7 @@ from torch import nn
 
 from .config import Config
 from .errors import ConfigError
-from .schedule import KIND_OPTIONS, WarmupCosine, WarmupSchedule
+from .train.schedule import KIND_OPTIONS, WarmupCosine, WarmupSchedule
 from .targets import TargetSpec, accepts, check_args, load
 
 #: Modules whose parameters never decay in the default parameter groups.

@@ -4,7 +4,7 @@ One optimizer step per accumulation window of ``train.grad_accum`` micro-batches
 (the last window of an epoch may be shorter; its loss is averaged over the
 micro-batches it has). A window starts where the previous one ended (or where a
 resumed epoch continues), so every optimizer step averages over exactly the
-micro-batches it used. The LR schedule (:mod:`pimm_core.schedule`) advances once per
+micro-batches it used. The LR schedule (:mod:`pimm_core.train.schedule`) advances once per
 optimizer step. At the
 end of an epoch the evaluator runs first and the checkpoint saver second, so the
 saver sees the evaluator's result of the same epoch (``model_best.pth``).
@@ -40,21 +40,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import dist
-from .checkpoint.library_model import library_record
-from .checkpoint.state import unwrap
+from .process import dist
+from .checkpoint.export.library_model import library_record
+from .checkpoint.tensors.state import unwrap
 from .config import Config, TrainConfig
-from .data import eval_loader, train_loader
-from .ema import EMA
+from .data.loaders import eval_loader, train_loader
+from .train.ema import EMA
 from .errors import ConfigError
-from .global_order import micro_batch_seeder, ordered
+from .data.global_order import micro_batch_seeder, ordered
 from .objectives import Objective
 from .optim import build_optimizer, build_scheduler
 from .run import code_version
 from .run.heartbeat import heartbeat
-from .stop import StopRequest
-from .time_limit import TimeLimit
-from .topology import finished_message
+from .process.stop import StopRequest
+from .process.time_limit import TimeLimit
+from .run.topology import finished_message
 from .train.best import BestTracker
 from .train.build import (build_data, build_model, build_objective, data_length, data_resume_policy,
                           user_code_of, warm_start_model)
@@ -100,7 +100,7 @@ class Trainer:
         run_dir: where ``metrics.jsonl``, ``status.json``, ``provenance.json`` and
             ``train.log`` go (rank 0 only). None keeps the run in memory, unless
             :meth:`train` gets a ``checkpoint_dir``.
-        stop: the :class:`~pimm_core.stop.StopRequest` this trainer obeys (a new one
+        stop: the :class:`~pimm_core.process.stop.StopRequest` this trainer obeys (a new one
             by default, reachable as ``trainer.stop``).
         config_path: the config file; its directory is searched for user code
             (:mod:`pimm_core.targets`).
@@ -258,7 +258,7 @@ class Trainer:
             checkpoint_dir: where checkpoints go (``<run_dir>/model`` from the CLI);
                 None saves nothing.
             resume_from: a checkpoint (``.../model/last``) to continue from, per the
-                resume policy in :mod:`pimm_core.topology`.
+                resume policy in :mod:`pimm_core.run.topology`.
 
         Returns:
             The final :class:`TrainState`.

@@ -2,7 +2,7 @@
 
 Reads the run only through :mod:`pimm_core`'s torch-free readers
 (:mod:`pimm_core.watch`, selection, topology) and acts only through pimm_core
-(:func:`pimm_core.stop.write_stop_file`, :func:`pimm_core.checkpoint.export.export`).
+(:func:`pimm_core.process.stop.write_stop_file`, :func:`pimm_core.checkpoint.export.model_dir.export`).
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from textual.message import Message
 from textual.widgets import DataTable, Footer, Input, TabbedContent, TabPane, Tabs
 
 from pimm_core.watch.snapshot import RunReader, RunSnapshot
-from pimm_core.shell import resume_command
-from pimm_core.stop import write_stop_file
+from pimm_core.process.shell import resume_command
+from pimm_core.process.stop import write_stop_file
 from pimm_core.text import printable
 
 from .fmt import error_line

@@ -15,8 +15,8 @@ from typing import Any
 
 from textual import work
 
-from pimm_core.shell import resume_command
-from pimm_core.stop import write_stop_file
+from pimm_core.process.shell import resume_command
+from pimm_core.process.stop import write_stop_file
 from pimm_core.text import printable
 from pimm_core.watch.snapshot import RunReader
 from pimm_core.watch.status import liveness

@@ -4,11 +4,11 @@ A page asks for a table with a marker line; the hook replaces it with Markdown m
 
 - ``<!-- pimm:config-keys -->``: every key of the config schema (:class:`pimm_core.config.Config`,
   the same walk as ``pimm config show``), its type, default and allowed range
-  (:data:`pimm_core.config_checks.RANGES`), and its meaning (:data:`pimm_core.config_help.KEY_HELP`);
+  (:data:`pimm_core.config.checks.RANGES`), and its meaning (:data:`pimm_core.config.help.KEY_HELP`);
 - ``<!-- pimm:cli -->``: every command of the Typer app (:data:`pimm_core.cli.app`), its usage line
   and each flag and argument with its help, as ``pimm <command> --help`` prints them;
-- ``<!-- pimm:resume-policy -->``: the resume policy's rows (:data:`pimm_core.topology.ROWS`) in the
-  order :func:`pimm_core.topology.plan_resume` checks them, each with what that function decides
+- ``<!-- pimm:resume-policy -->``: the resume policy's rows (:data:`pimm_core.run.topology.ROWS`) in the
+  order :func:`pimm_core.run.topology.plan_resume` checks them, each with what that function decides
   (loader cursor, per-rank RNG, exactness) for a checkpoint saved mid-epoch;
 - ``<!-- pimm:console-keys -->``: the console's key bindings (``pimm_tui.app.PimmConsole.BINDINGS``).
 - ``<!-- pimm:runs-keys -->``: the runs view's and the compare view's bindings (``RunsScreen``, ``CompareScreen``).
@@ -86,9 +86,9 @@ def config_rows() -> list[tuple[str, str, str, str, str]]:
     follow their table's own row, as ``log.mlflow.tracking_uri`` and ``callbacks.target``.
     """
     from pimm_core.config import Config
-    from pimm_core.config_checks import RANGES
-    from pimm_core.config_help import KEY_HELP
-    from pimm_core.config_tables import toml_key
+    from pimm_core.config.checks import RANGES
+    from pimm_core.config.help import KEY_HELP
+    from pimm_core.config.tables import toml_key
 
     rows: list[tuple[str, str, str, str, str]] = []
 
@@ -202,7 +202,7 @@ CONDITIONAL = frozenset({"global_order"})
 
 
 def _plan(*rows: str) -> Any:
-    from pimm_core.topology import plan_resume
+    from pimm_core.run.topology import plan_resume
 
     manifest, args = dict(_BASE), {"world_size": 2, "strategy": "ddp", "workers_per_rank": 0, "strict": True,
                                    "grad_accum": 1, "batch_size": 32, "data_length": 100}
@@ -215,9 +215,9 @@ def _plan(*rows: str) -> Any:
 
 @functools.cache
 def policy_order() -> tuple[str, ...]:
-    """The rows in the order :func:`~pimm_core.topology.plan_resume` checks them: a row comes before
+    """The rows in the order :func:`~pimm_core.run.topology.plan_resume` checks them: a row comes before
     another when a resume that meets both conditions gets it (asked of the function itself)."""
-    from pimm_core.topology import ROWS
+    from pimm_core.run.topology import ROWS
 
     missing = set(ROWS) - set(_TRIGGERS)
     if missing:
@@ -234,7 +234,7 @@ def policy_order() -> tuple[str, ...]:
 
 def policy_rows() -> list[tuple[str, str, str, str, str, str]]:
     """``(row key, condition, behaviour, loader cursor, per-rank RNG, exact)`` in checking order."""
-    from pimm_core.topology import ROWS
+    from pimm_core.run.topology import ROWS
 
     out = []
     for row in policy_order():

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from pimm_core.data import Datasets
-from pimm_core.data_rng import EpochSeeded
+from pimm_core.data.loaders import Datasets
+from pimm_core.data.rng import EpochSeeded
 
 #: The modules whose source is the corpus (stable, prose-rich, all pure Python).
 MODULES = ("argparse", "textwrap", "difflib", "dataclasses", "functools", "heapq", "string", "contextlib")
@@ -43,7 +43,7 @@ class Windows(EpochSeeded, torch.utils.data.Dataset):
 
     Item ``i`` is int64 ``(block_size + 1,)`` starting at ``i * block_size``; with
     ``jitter``, each epoch moves every window by a random offset in ``[0, block_size)``
-    drawn from the sample's own RNG (:mod:`pimm_core.data_rng`), so the model sees other
+    drawn from the sample's own RNG (:mod:`pimm_core.data.rng`), so the model sees other
     alignments each epoch and a resume (at any worker count) sees the same ones.
     """
 

@@ -3,7 +3,7 @@
 Each training image is shifted by up to ``max_shift`` pixels in each direction (zeros
 shifted in) and its contrast scaled by a factor in ``[1 - contrast, 1 + contrast]``,
 both drawn from the sample's own RNG, seeded by (seed, epoch, index)
-(:mod:`pimm_core.data_rng`): a sample's augmentation is the same whichever DataLoader
+(:mod:`pimm_core.data.rng`): a sample's augmentation is the same whichever DataLoader
 worker loads it, at any ``data.num_workers``, and after a resume. The validation images
 are not augmented. Items are ``(image (1, 8, 8) float32, label int64, index int64)``.
 """
@@ -15,8 +15,8 @@ import hashlib
 import torch
 import torch.nn.functional as F
 
-from pimm_core.data import Datasets, digits
-from pimm_core.data_rng import EpochSeeded
+from pimm_core.data.loaders import Datasets, digits
+from pimm_core.data.rng import EpochSeeded
 
 
 class AugmentedDigits(EpochSeeded, torch.utils.data.Dataset):

@@ -71,12 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pimm`` console script; returns the exit code."""
     import contextlib
 
-    from ..stop import stop_signals
+    from ..process.stop import stop_signals
 
     ARGV[:] = sys.argv[1:] if argv is None else argv
     try:
         # A command that trains catches the stop signals from here on: a stop asked during
-        # start-up is kept and honoured (pimm_core.stop).
+        # start-up is kept and honoured (pimm_core.process.stop).
         with stop_signals() if _trains(ARGV) else contextlib.nullcontext():
             # With standalone_mode=False Typer returns (not raises) the code of typer.Exit.
             rc = app(args=ARGV, prog_name="pimm", standalone_mode=False)
@@ -119,7 +119,7 @@ def run() -> None:
     a clean stop cannot turn the exit (DataLoader worker shutdown) into a traceback or a signal exit code."""
     import signal
 
-    from ..stop import caught_signals
+    from ..process.stop import caught_signals
 
     code = main()
     for sig in caught_signals():

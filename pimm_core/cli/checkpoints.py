@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 
 from ..errors import PimmError, UsageError
-from ..shell import command
+from ..process.shell import command
 from ..text import printable
 from ._common import Command
 
@@ -42,8 +42,8 @@ def checkpoints_latest(
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY_HELP),
 ) -> None:
     """Print the checkpoint a resume would load (exit 1 if there is none)."""
-    from ..checkpoint.selection import explain as explain_lines
-    from ..checkpoint.selection import select_resume
+    from ..checkpoint.select.selection import explain as explain_lines
+    from ..checkpoint.select.selection import select_resume
 
     chosen, cands = select_resume(_model_dir(model_dir), verify=not no_verify)
     if explain:
@@ -62,7 +62,7 @@ def checkpoints_ls(
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY_HELP),
 ) -> None:
     """List every checkpoint candidate and leftover, and which one resume would pick."""
-    from ..checkpoint.selection import list_candidates, select_resume
+    from ..checkpoint.select.selection import list_candidates, select_resume
     from ..run.layout import MODEL, is_run_dir
     from ..watch.fmt import fmt_size
 
@@ -72,7 +72,7 @@ def checkpoints_ls(
         raise UsageError(f"{run_dir} is not a run directory (no config.toml, status.json, metrics.jsonl or "
                          "model/) nor a model/ directory with checkpoints; pass exp/<group>/<run>")
     chosen, cands = select_resume(model_dir, verify=not no_verify)
-    from ..checkpoint.remote_store import describe_remote
+    from ..checkpoint.remote.store import describe_remote
 
     last = next((c for c in cands if c.name == "last" and c.complete and c.format == "standard"), None)
     run = run_dir if is_run_dir(run_dir) and model_dir == run_dir else model_dir.parent  # (model/ may be gone)
@@ -147,8 +147,8 @@ def checkpoints_verify(
     Beside a live run each candidate is checked against the manifest of the generation its
     files belong to; one that saves kept replacing is reported as changed, never as corrupt.
     """
-    from ..checkpoint.generation import wait_for_rotation
-    from ..checkpoint.selection import describe_entry, list_candidates
+    from ..checkpoint.records.generation import wait_for_rotation
+    from ..checkpoint.select.selection import describe_entry, list_candidates
 
     wait_for_rotation(target)  # `last` between a save's two renames
     if not target.exists():
@@ -172,8 +172,8 @@ def checkpoints_verify(
 
 def _verify_one(c, *, named: bool) -> tuple[str, bool]:
     """``(line, ok)`` for one candidate, checked on one generation (a changed one is read again)."""
-    from ..checkpoint.generation import READ_TRIES, changed_message, wait_for_rotation
-    from ..checkpoint.selection import describe_entry, verify_stable
+    from ..checkpoint.records.generation import READ_TRIES, changed_message, wait_for_rotation
+    from ..checkpoint.select.selection import describe_entry, verify_stable
 
     path = Path(c.path)
     for _ in range(READ_TRIES):
@@ -199,7 +199,7 @@ def _sidecar_arrived(c, recent_s: float = 2.0, wait_s: float = 1.0) -> bool:
     import os
     import time
 
-    from ..checkpoint.generation import identity
+    from ..checkpoint.records.generation import identity
 
     try:
         if time.time() - os.stat(c.path).st_ctime > recent_s:

@@ -22,7 +22,7 @@ def config_show(
     value that differs from the default is marked. With train.strategy = "fsdp" (or train.blocks
     set), also the modules train.blocks matches (the model is built: this imports torch)."""
     from ..config import load_config
-    from ..config_show import render
+    from ..config.show import render
 
     if config is None:
         raise UsageError("pimm config show needs --train.config FILE (e.g. --train.config configs/digits.toml)")

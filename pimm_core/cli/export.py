@@ -33,8 +33,8 @@ def export_cmd(
     a transformers model as its own save_pretrained writes it (config.json, weights, shards)."""
     import json
 
-    from ..checkpoint.export import EXPORT_JSON, export
-    from ..checkpoint.remote_source import is_store_url, open_url, store_errors
+    from ..checkpoint.export.model_dir import EXPORT_JSON, export
+    from ..checkpoint.remote.source import is_store_url, open_url, store_errors
 
     from ..run.entries import writable_error
 

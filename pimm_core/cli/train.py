@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from ..errors import PimmError, UsageError
-from ..shell import command
+from ..process.shell import command
 from ._common import ARGV, Command
 
 app = typer.Typer()
@@ -69,7 +69,7 @@ def launch(
         # each node's agent names the run on its own: a timestamp could differ between them
         raise UsageError("a multi-node launch needs a run name every node agrees on: pass the same --run.name NAME "
                          "--run.no-timestamp on every node")
-    from ..dist import under_launcher
+    from ..process.dist import under_launcher
 
     is_rank0 = not under_launcher() or os.environ.get("RANK", "0") == "0"
     if auto_resume and not (resume or resume_from):
@@ -101,7 +101,7 @@ def resume(
     overrides: Optional[list[str]] = typer.Argument(None, help="Config changes after --, e.g. -- train.epochs=40"),
 ) -> None:
     """Resume a run from its own directory: its config.toml and recorded launch, plus explicit overrides."""
-    from ..dist import under_launcher
+    from ..process.dist import under_launcher
     from ..launch import LaunchOptions, dry_run as plan_only, recorded_launch, resume_config, spawn, train_here
 
     from ..run.provenance import recorded_search_path
@@ -143,7 +143,7 @@ def stop(
 ) -> None:
     """Ask a live run to stop cleanly: it saves `last` at the next accumulation window and exits 0."""
     from ..run.layout import was_started
-    from ..stop import write_stop_file
+    from ..process.stop import write_stop_file
     from ..watch.status import liveness
 
     if not was_started(run_dir):

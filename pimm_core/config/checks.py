@@ -7,16 +7,16 @@ from __future__ import annotations
 import difflib
 from typing import TYPE_CHECKING
 
-from .config_tables import Where
-from .errors import ConfigError
-from .fsio import url_scheme
-from .run.layout import NAME_SUFFIX_MAX, name_problem
-from .stop import parse_signals
-from .targets import is_target
-from .time_limit import parse_duration
+from .tables import Where
+from ..errors import ConfigError
+from ..fsio import url_scheme
+from ..run.layout import NAME_SUFFIX_MAX, name_problem
+from ..process.stop import parse_signals
+from ..targets import is_target
+from ..process.time_limit import parse_duration
 
 if TYPE_CHECKING:
-    from .config import Config
+    from .schema import Config
 
 #: The built-in objectives and the validation metrics each produces (``val/<name>``);
 #: :mod:`pimm_core.objectives` implements them.
@@ -32,7 +32,7 @@ TARGET_KEYS = (("model.target", "model.args"), ("data.target", "data.args"),
 
 
 #: Inclusive ranges of the numeric keys (None: unbounded). Every float key must also be finite
-#: and every integer fit in 64 bits (:func:`pimm_core.config_tables.coerce`). ``train.seed``
+#: and every integer fit in 64 bits (:func:`pimm_core.config.tables.coerce`). ``train.seed``
 #: stays below 2**63 because the rank and the epoch are added to it before it reaches
 #: ``torch.Generator.manual_seed`` (which takes at most 2**64 - 1); ``data.split_seed`` seeds
 #: NumPy's ``RandomState`` (at most 2**32 - 1).

@@ -12,8 +12,8 @@ from typing import Any
 
 import tomli_w
 
-from .config import Config
-from .config_tables import toml_key
+from .schema import Config
+from .tables import toml_key
 
 
 def _value(v: Any) -> str:

@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 #: The range of a TOML integer (signed 64 bits); :mod:`tomllib` itself reads larger ones.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

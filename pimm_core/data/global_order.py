@@ -14,7 +14,7 @@ depend on the number of ranks, so a resume on another world size continues the s
 - Before each micro-batch's forward, the torch (CPU and CUDA), numpy and ``random``
   generators are seeded from ``(train.seed, global step, micro-batch index in the step)``
   (:func:`seed_micro_batch`): dropout draws the same masks for the same samples whichever
-  rank computes them. Augmentation keeps ``pimm_core.data_rng`` (seed, epoch, index).
+  rank computes them. Augmentation keeps ``pimm_core.data.rng`` (seed, epoch, index).
 
 With the per-sample window average (:mod:`pimm_core.train.window_average`) a step's gradient
 is then the same sum at any world size; only the order of floating-point additions differs.
@@ -27,7 +27,7 @@ import functools
 import random
 from typing import Iterator
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def window_of(global_batch: int, batch_size: int, world_size: int) -> int:

@@ -22,7 +22,7 @@ the dataset has it.
 Resume: a stream with ``state_dict()``/``load_state_dict()`` is restored exactly mid-epoch
 through the ``StatefulDataLoader`` (which saves each worker's dataset state). One without
 them is not fast-forwarded: a resume inside an epoch replays that epoch from its start
-(the ``no_loader_state`` row of :func:`pimm_core.topology.plan_resume`), and pimm says so
+(the ``no_loader_state`` row of :func:`pimm_core.run.topology.plan_resume`), and pimm says so
 at start (``train.log`` and ``provenance.json``'s ``data_resume``).
 """
 
@@ -44,11 +44,11 @@ import torch
 from torch.utils.data import DistributedSampler, IterableDataset, Sampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from .config import DataConfig
-from .dist import DistInfo
-from .errors import ConfigError, TrainingError
-from .loader_workers import MAIN_GUARD, check_importable, is_pickling_error, unpicklable, worker_context
-from .targets import TargetSpec
+from ..config import DataConfig
+from ..process.dist import DistInfo
+from ..errors import ConfigError, TrainingError
+from .workers import MAIN_GUARD, check_importable, is_pickling_error, unpicklable, worker_context
+from ..targets import TargetSpec
 
 # torchdata 0.11 calls the deprecated torch.set_vital on every iterator; nothing for us to fix.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
@@ -256,7 +256,7 @@ def stream_shard() -> tuple[int, int]:
     """
     from torch.utils.data import get_worker_info
 
-    from .dist import env_world
+    from ..process.dist import env_world
 
     info, worker = env_world(), get_worker_info()
     workers, wid = (worker.num_workers, worker.id) if worker is not None else (1, 0)
@@ -274,7 +274,7 @@ def train_loader(ds: Any, cfg: DataConfig, info: DistInfo, seed: int,
     stream shards itself, see the module docstring; ``drop_last`` still drops a short batch).
 
     With ``data.order = "global"`` the batches come from a
-    :class:`~pimm_core.global_order.GlobalOrderSampler` over ``global_batch`` samples per step
+    :class:`~pimm_core.data.global_order.GlobalOrderSampler` over ``global_batch`` samples per step
     (returned as the sampler).
 
     Raises:
@@ -307,7 +307,7 @@ def train_loader(ds: Any, cfg: DataConfig, info: DistInfo, seed: int,
 def _loader(ds: Any, cfg: DataConfig, info: DistInfo, seed: int, collate_fn: Callable | None,
             **batching: Any) -> StatefulDataLoader:
     """The training loader over ``ds`` with ``batching`` (a sampler and batch size, or a batch sampler)."""
-    # Workers start from a clean process (pimm_core.loader_workers), once per epoch: a
+    # Workers start from a clean process (pimm_core.data.workers), once per epoch: a
     # dataset's set_epoch reaches them, as it would not reach persistent workers.
     workers = {}
     if cfg.num_workers:
@@ -414,10 +414,10 @@ def init_worker(rank_pid: int, worker_id: int) -> None:
 
     PyTorch's own check (the worker polls its parent's pid) starts only after this function
     and the worker's setup: a rank killed in between would leave the worker waiting forever
-    (see pimm_core.lock). Under the fork server the parent is the server, which exits with
-    the rank; :func:`pimm_core.lock.die_with_parent` then watches the rank itself.
+    (see pimm_core.process.lock). Under the fork server the parent is the server, which exits with
+    the rank; :func:`pimm_core.process.lock.die_with_parent` then watches the rank itself.
     """
-    from .lock import die_with_parent
+    from ..process.lock import die_with_parent
 
     ignore_stop_signals(worker_id)
     die_with_parent(rank_pid)

@@ -9,7 +9,7 @@ count, world size or resume point, and new in each epoch.
 
 How a dataset uses it::
 
-    from pimm_core.data_rng import EpochSeeded
+    from pimm_core.data.rng import EpochSeeded
 
     class Augmented(EpochSeeded, torch.utils.data.Dataset):
         def __init__(self, images, labels, seed=0):

@@ -42,7 +42,7 @@ import multiprocessing.forkserver
 import pickle
 import signal
 import threading
-from .errors import ConfigError
+from ..errors import ConfigError
 
 #: The signals a run stops on; the fork server and the workers it starts never act on them.
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")

@@ -16,7 +16,7 @@ importable from here.
 
 from __future__ import annotations
 
-from ..console_log import setup_logging
+from ..process.console_log import setup_logging
 from .local import train_here
 from .options import LaunchOptions, strip_launcher_flags
 from .preview import dry_run

@@ -1,6 +1,6 @@
 """Training in this process: one rank of the run (alone, or started by torchrun/srun),
 under the run lock, with SIGINT/SIGTERM/SIGHUP (``train.stop_signals``) turned into a clean
-stop from the first moment (:func:`pimm_core.stop.stop_signals`); the summary line."""
+stop from the first moment (:func:`pimm_core.process.stop.stop_signals`); the summary line."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import time
 from pathlib import Path
 
 from ..config import Config
-from ..console_log import setup_logging
+from ..process.console_log import setup_logging
 from ..errors import CheckpointError, TrainingError
-from ..lock import follow_launcher, hold_run
+from ..process.lock import follow_launcher, hold_run
 from ..run import LAUNCH_ENV, MODEL
-from ..shell import resume_command
+from ..process.shell import resume_command
 from ..faults import point
-from ..stop import StopRequest, parse_signals, stop_signals
+from ..process.stop import StopRequest, parse_signals, stop_signals
 from .requeue import requeue_if_asked
 from .rundir import check_before_launch, claim, finished, resolve_run_dir, resume_source
 
@@ -35,7 +35,7 @@ def _train_here(cfg: Config, config_path: Path | None, resume_from: str | None, 
                 stop: StopRequest) -> int:
     point("launch.starting")
     follow_launcher()  # a rank of `pimm launch --nproc-per-node` dies with it (lock.py)
-    from .. import dist
+    from ..process import dist
 
     info = dist.env_world()
     setup_logging(info.is_main)
@@ -77,7 +77,7 @@ def _train_claimed(cfg: Config, config_path: Path | None, run_dir: Path, resume_
 def _train_and_report(cfg: Config, config_path: Path | None, run_dir: Path, source: str | None, lock,
                       stop: StopRequest, info, start: float) -> int:
     """Train under the run lock with signals turned into stop requests; print the summary line."""
-    from .. import dist
+    from ..process import dist
 
     point("launch.importing_trainer")  # the slow part of start-up: torch and the trainer
     from ..trainer import Trainer

@@ -25,7 +25,7 @@ class LaunchOptions:
     @classmethod
     def recorded(cls, record: dict | None, given: "LaunchOptions") -> "LaunchOptions":
         """``given`` flags, with the ones not given taken from a recorded launch
-        (:func:`pimm_core.dist.launch_record`; ``node_rank`` is never recorded: it differs per node).
+        (:func:`pimm_core.run.provenance.launch_record`; ``node_rank`` is never recorded: it differs per node).
         ``--nnodes 1`` given drops the recorded rendezvous flags: the run resumes on this node alone."""
         record = record or {}
         if given.nnodes is not None and given.single_node():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..checkpoint.branch import describe_branch, later_checkpoints
-from ..checkpoint.resume_path import resolve_resume_path
-from ..checkpoint.selection import fallback_warnings, select_resume
+from ..checkpoint.select.branch import describe_branch, later_checkpoints
+from ..checkpoint.select.resume_path import resolve_resume_path
+from ..checkpoint.select.selection import fallback_warnings, select_resume
 from ..config import Config
 from ..errors import CheckpointError
 from ..run import MODEL
@@ -25,7 +25,7 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     """
     import tomllib
 
-    from ..topology import config_diff, plan_resume
+    from ..run.topology import config_diff, plan_resume
     from ..train.build import data_length
 
     run_dir = resolve_run_dir(cfg, config_path)
@@ -64,7 +64,7 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     for w in fallbacks:
         print(f"warning: {w}")
     if cfg.checkpoint.remote and Path(source) == run_dir / MODEL:  # the restore's choice, nothing downloaded
-        from ..checkpoint.remote_store import remote_choice
+        from ..checkpoint.remote.store import remote_choice
 
         print(f"remote: {remote_choice(cfg.checkpoint.remote, cfg.checkpoint.remote_options, run_dir, cand).reason}")
     later = later_checkpoints(cand) if Path(cand.path).parent.resolve() == (run_dir / MODEL).resolve() else []
@@ -97,7 +97,7 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
         print("config diff: " + ("none" if not diff else "; ".join(diff)))
     warnings = list(plan.warnings)
     if plan.row == "global_order" and t["saved_world_size"] != t["world_size"]:  # as the resume warns
-        from ..global_order import running_stats_warning
+        from ..data.global_order import running_stats_warning
 
         warnings += running_stats_warning(model)
     for w in warnings:
@@ -150,7 +150,7 @@ def _dry_model(cfg: Config, config_path: Path | None):
 
 def _size(ds) -> str:
     """A split's sample count: a stream's ``__len__`` is per rank ("?": it has none)."""
-    from ..data import is_stream
+    from ..data.loaders import is_stream
 
     try:
         n = len(ds)
@@ -166,12 +166,12 @@ def _dry_warm_start(cfg: Config, model) -> list[str]:
     looked up (what is read, sizes, the record it is checked against, its complete marker).
 
     Raises:
-        as :func:`pimm_core.checkpoint.warm_start.warm_start` (a missing source, one that is not
+        as :func:`pimm_core.checkpoint.weights.warm_start.warm_start` (a missing source, one that is not
         a checkpoint, no matching parameters...).
     """
-    from ..checkpoint.hub import is_remote, plan_hf
-    from ..checkpoint.remote_source import check_remote_source, is_store_url, options_for
-    from ..checkpoint.warm_start import warm_start
+    from ..checkpoint.weights.hub import is_remote, plan_hf
+    from ..checkpoint.remote.source import check_remote_source, is_store_url, options_for
+    from ..checkpoint.weights.warm_start import warm_start
 
     t = cfg.train
     source: str | Path = t.weight
@@ -200,9 +200,9 @@ def _dry_check_resume(path: str, model) -> None:
     Raises:
         CheckpointError: names the missing, unexpected and shape-mismatched tensors.
     """
-    from ..checkpoint.sources import resolve_weight_source
-    from ..checkpoint.weights_file import check_compatible
-    from ..checkpoint.weights import read_weight_sets
+    from ..checkpoint.weights.sources import resolve_weight_source
+    from ..checkpoint.formats.weights_file import check_compatible
+    from ..checkpoint.weights.read import read_weight_sets
 
     weights = resolve_weight_source(path)
     check_compatible(model, read_weight_sets(weights)["raw"], str(weights))
@@ -214,7 +214,7 @@ def _remote_only(cfg: Config, run_dir: Path) -> bool:
     (the plan needs the checkpoint's files: nothing is downloaded by a dry run). False otherwise."""
     if not cfg.checkpoint.remote:
         return False
-    from ..checkpoint.remote_store import remote_choice
+    from ..checkpoint.remote.store import remote_choice
 
     choice = remote_choice(cfg.checkpoint.remote, cfg.checkpoint.remote_options, run_dir, None)
     if choice.remote is None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..run import read_run_status
-from ..stop import caught_signals
+from ..process.stop import caught_signals
 
 #: Stop reasons that requeue (``signal:<NAME>``, ``time limit: ...``).
 REQUEUE_REASONS = ("signal:", "time limit")

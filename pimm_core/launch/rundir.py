@@ -11,16 +11,16 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..checkpoint.resume_path import resolve_resume_path
-from ..checkpoint.selection import explain, list_candidates, select_resume
+from ..checkpoint.select.resume_path import resolve_resume_path
+from ..checkpoint.select.selection import explain, list_candidates, select_resume
 from ..config import Config
 from ..errors import CheckpointError, ConfigError, UsageError
 from ..run.entries import check_run_entries, ensure_dir
 from ..run.layout import NAME_SUFFIX_MAX, name_problem
 from ..run import (CONFIG, METRICS, SUPERSEDED, MODEL, PROVENANCE, STATUS, RunDirClaim, append_provenance, claim_run_dir,
                    free_run_dir, now_iso, read_run_status, recorded_launch, run_dir_for, run_name)
-from ..shell import resume_command
-from ..topology import continue_override, finished_message, is_finished
+from ..process.shell import resume_command
+from ..run.topology import continue_override, finished_message, is_finished
 
 
 def resolve_run_dir(cfg: Config, config_path: Path | None, *, when: float | None = None) -> Path:
@@ -40,7 +40,7 @@ def resolve_run_dir(cfg: Config, config_path: Path | None, *, when: float | None
 
 def _numbered_names(cfg: Config) -> bool:
     """This process chooses a timestamped run name alone (not a rank of an external torchrun/srun)."""
-    from ..dist import under_launcher
+    from ..process.dist import under_launcher
 
     return not cfg.run.no_timestamp and not under_launcher()
 
@@ -78,9 +78,9 @@ def check_before_launch(cfg: Config, run_dir: Path, *, leftovers_ok: bool = Fals
     if cfg.train.resume:
         return
     if warm_start and cfg.train.weight:
-        from ..checkpoint.sources import check_weight_source
+        from ..checkpoint.weights.sources import check_weight_source
 
-        from ..checkpoint.remote_source import options_for
+        from ..checkpoint.remote.source import options_for
 
         check_weight_source(cfg.train.weight, storage_options=options_for(
             cfg.train.weight, cfg.checkpoint.remote, cfg.checkpoint.remote_options))
@@ -105,7 +105,7 @@ def check_before_launch(cfg: Config, run_dir: Path, *, leftovers_ok: bool = Fals
 def check_config(cfg: Config, config_path: Path | None = None) -> None:
     """Refuse the config values that only building the run would otherwise reject: an
     unknown ``data.name`` or ``model.name``, a wrong target or ``args`` table
-    (:func:`pimm_core.plugins.check_targets`: user modules are imported, nothing is built),
+    (:func:`pimm_core.train.plugins.check_targets`: user modules are imported, nothing is built),
     ``train.device = "cuda"`` without CUDA, ``train.amp = "fp16"`` without CUDA.
 
     Raises:
@@ -114,7 +114,7 @@ def check_config(cfg: Config, config_path: Path | None = None) -> None:
     """
     import torch
 
-    from ..plugins import check_targets
+    from ..train.plugins import check_targets
 
     check_targets(cfg, config_path)
     from ..train.sinks import check_available
@@ -191,7 +191,7 @@ def auto_resume(cfg: Config, run_dir: Path, *, is_main: bool = True) -> Config:
 
 def restore_from_remote(cfg: Config, run_dir: Path) -> bool:
     """``checkpoint.remote`` set and the remote's newest complete checkpoint newer than the one
-    ``<run>/model/`` would resume from (or ``model/`` holds none: :func:`~pimm_core.checkpoint.remote_choice.resume_choice`):
+    ``<run>/model/`` would resume from (or ``model/`` holds none: :func:`~pimm_core.checkpoint.remote.choice.resume_choice`):
     download it as ``model/last`` (checked against its manifest; an older local ``last`` is moved to
     ``<run>/abandoned/``), then the remote's weights files ``model/`` lacks (``model_best.pth``,
     ``best_<step>.pth``, ``iter_<step>.pth``; ``model_best.pth`` replaced when the remote's differs).
@@ -200,9 +200,8 @@ def restore_from_remote(cfg: Config, run_dir: Path) -> bool:
     Rank 0's node only (one node, or ``model/`` on a file system every node shares). A store
     that cannot be read is a warning: the run then resumes (or starts) as it would without a remote.
     """
-    from ..checkpoint.remote_choice import newest_complete, resume_choice
-    from ..checkpoint.remote_store import (RemoteError, download_newest, download_weights_files, open_store,
-                                           remote_candidates, run_prefix)
+    from ..checkpoint.remote.choice import newest_complete, resume_choice
+    from ..checkpoint.remote.store import RemoteError, download_newest, download_weights_files, open_store, remote_candidates, run_prefix
     from ..fsio import remove_tree
 
     c = cfg.checkpoint

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from .text import printable
+from ..text import printable
 
 FORMAT = logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S")
 

@@ -11,7 +11,7 @@ last process holding it dies, even by ``kill -9``, so a stale lock never blocks 
   written to ``<run>/lock.json`` for the refusal message.
 - ``<run>/.ranks.lock``, shared: every rank of a one-node ``pimm launch --nproc-per-node``
   holds it while it trains (:func:`hold_run`). Its DataLoader workers start from a fork
-  server (:mod:`pimm_core.loader_workers`) and inherit no file of it; with
+  server (:mod:`pimm_core.data.workers`) and inherit no file of it; with
   ``data.multiprocessing_context = "fork"`` they share the open file until they exit.
 
 :meth:`RunLock.acquire` takes ``.lock`` and then checks that nobody holds ``.ranks.lock``, so
@@ -50,10 +50,10 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from .fsio import atomic_write_bytes
-from .errors import UsageError
-from .run import now_iso, read_json, read_run_status
-from .run.entries import HOLDER, LOCK, RANKS, check_entry, check_run_entries, writable_error
+from ..fsio import atomic_write_bytes
+from ..errors import UsageError
+from ..run import now_iso, read_json, read_run_status
+from ..run.entries import HOLDER, LOCK, RANKS, check_entry, check_run_entries, writable_error
 from .shell import command
 
 LAUNCHER_ENV = "PIMM_LAUNCHER_PID"  # set by LauncherLock for the ranks a launcher starts

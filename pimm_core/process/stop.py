@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from .fsio import atomic_write_bytes
-from .run.entries import STOP_FILE, check_entry, ensure_dir, writable_error
-from .run.jsonfile import read_json
-from .run.layout import CONTROL
+from ..fsio import atomic_write_bytes
+from ..run.entries import STOP_FILE, check_entry, ensure_dir, writable_error
+from ..run.jsonfile import read_json
+from ..run.layout import CONTROL
 
 #: The signals a training process turns into a clean stop by default (``train.stop_signals``).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

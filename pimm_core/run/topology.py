@@ -18,7 +18,7 @@ The resume policy, one row per condition (checked in this order)::
 
 Under the global data order (``data.order = "global"``, saved and planned, with the same
 ``train.global_batch`` and micro-batch size, the same data, strict state) the batching does not
-depend on the ranks (:mod:`pimm_core.global_order`), so a change of world size, window, workers
+depend on the ranks (:mod:`pimm_core.data.global_order`), so a change of world size, window, workers
 or strategy is the ``global_order`` row, checked right after ``non_strict``: keep the cursor
 (the samples consumed, from the counters), derive the window, continue from the saved
 iteration; nothing replays; the same trajectory up to the order of floating-point additions.
@@ -57,7 +57,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .global_order import window_of
+from ..data.global_order import window_of
 
 ROWS = {
     "same": "same world size, strategy, per-rank micro-batch, accumulation window and per-rank workers: restore cursor; continue from the saved iteration",
@@ -307,8 +307,8 @@ def config_diff(saved: dict[str, Any], now: dict[str, Any],
     The saved config is first filled with the current schema's defaults, so keys added
     to pimm after the run was written do not show up as differences.
     """
-    from .config import config_from_dict, flatten
-    from .errors import ConfigError
+    from ..config import config_from_dict, flatten
+    from ..errors import ConfigError
 
     try:
         saved = config_from_dict(saved).to_dict()

@@ -8,20 +8,47 @@ Every rank calls these (a sharded model's weights are gathered by every rank); r
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .. import dist
-from ..checkpoint.selection import BEST
-from ..checkpoint.state import is_sharded
+from ..process import dist
+from ..checkpoint.select.selection import BEST
+from ..checkpoint.tensors.state import is_sharded
 from .best_k import best_name
 
 if TYPE_CHECKING:
-    from .checkpointer import Checkpointer
+    from torch import nn
+
+    from ..checkpoint.formats.protocol import CheckpointFormat
+    from ..process.dist import DistInfo
+    from .best_k import BestKeeper
+    from .state import TrainState
 
 log = logging.getLogger("pimm")
 
 
-def best_manifest(ck: Checkpointer, epoch: int, selection: dict[str, Any]) -> dict[str, Any]:
+class BestFilesOwner(Protocol):
+    """What these functions use of the :class:`~pimm_core.train.checkpointer.Checkpointer` that calls
+    them (declared here, so this module does not import the checkpointer back)."""
+
+    dir: Path | None
+    info: DistInfo
+    state: TrainState
+    format: CheckpointFormat
+    keeper: BestKeeper
+    model: nn.Module
+
+    def manifest(self, kind: str, has_loader_state: bool = False) -> dict[str, Any]: ...
+    @property
+    def micro_batches(self) -> int: ...
+    def save(self, checkpoint_dir: Path, *, mid_epoch: bool, pointers: tuple[str, ...] = ("last",),
+             selection_metric: dict[str, Any] | None = None, background: bool = False) -> Path: ...
+    def _payload(self) -> dict[str, Any] | None: ...
+    def _write_weights(self, path: Path, manifest: dict[str, Any], payload: dict[str, Any]) -> bool: ...
+    def _upload(self) -> None: ...
+
+
+def best_manifest(ck: BestFilesOwner, epoch: int, selection: dict[str, Any]) -> dict[str, Any]:
     """The sidecar fields of a best file of the evaluation of ``epoch``."""
     # a weights-only file says which epoch produced it (the one just evaluated), not where a
     # resume would continue: epoch 24 with its 45 micro-batches, as its metrics.jsonl records say
@@ -30,7 +57,7 @@ def best_manifest(ck: Checkpointer, epoch: int, selection: dict[str, Any]) -> di
     return {**ck.manifest("best"), "epoch": epoch, "iter": trained, "selection_metric": selection}
 
 
-def on_best(ck: Checkpointer, epoch: int, selection: dict[str, Any]) -> dict[str, Any] | None:
+def on_best(ck: BestFilesOwner, epoch: int, selection: dict[str, Any]) -> dict[str, Any] | None:
     """The evaluation of ``epoch`` improved the selection metric (``selection``: its name, value,
     mode, split, epoch, weights). Standard and legacy: rank 0 writes ``model_best.pth``; single:
     ``best`` must name a complete checkpoint at this position (a save every rank takes part in).
@@ -51,7 +78,7 @@ def on_best(ck: Checkpointer, epoch: int, selection: dict[str, Any]) -> dict[str
     return payload
 
 
-def on_evaluated(ck: Checkpointer, epoch: int, selection: dict[str, Any], *, improved: bool) -> None:
+def on_evaluated(ck: BestFilesOwner, epoch: int, selection: dict[str, Any], *, improved: bool) -> None:
     """After every evaluation: :func:`on_best` when ``improved``, then with ``checkpoint.keep_best >= 2``
     ``best_<step>.pth`` when the evaluation ranks among the k best on disk, and the kept files
     ranked below the k-th removed."""

@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint.manifest import ManifestError, read_manifest
-from ..checkpoint.selection import BEST_K_RE
+from ..checkpoint.records.manifest import ManifestError, read_manifest
+from ..checkpoint.select.selection import BEST_K_RE
 from .best import BestTracker
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from torch import nn
 
 from ..config import Config, TrainConfig
-from ..data import Datasets, as_datasets, data_spec
+from ..data.loaders import Datasets, as_datasets, data_spec
 from ..errors import ConfigError
 from ..models import model_spec
 from ..objectives import Objective, get_objective
@@ -46,7 +46,7 @@ def data_length(train: Any) -> int | None:
     cursor (a position in the sampler's order over that many samples) only to the data it was
     saved for; None when it has none, and for a stream (its ``__len__`` is per rank, and its
     position is its own state; its fingerprint, when it gives one, is compared)."""
-    from ..data import is_stream
+    from ..data.loaders import is_stream
 
     if is_stream(train):
         return None
@@ -60,7 +60,7 @@ def data_resume_policy(train: Any, is_main: bool) -> str:
     """How a mid-epoch resume continues the training split: ``"exact"`` (map-style, or a
     stream with ``state_dict``/``load_state_dict``) or ``"replay_from_boundary"`` (a stream
     without them: the interrupted epoch replays from its start; a warning on rank 0 says so)."""
-    from ..data import is_stateful, is_stream
+    from ..data.loaders import is_stateful, is_stream
 
     if is_stream(train) and not is_stateful(train):
         if is_main:
@@ -121,13 +121,13 @@ def warm_start_model(t: TrainConfig, model: nn.Module, ema: Any, is_main: bool, 
     ``checkpoint`` config, whose ``remote_options`` serve a ``train.weight`` URL on the same store.
 
     Returns:
-        The :class:`~pimm_core.checkpoint.warm_start` report.
+        The :class:`~pimm_core.checkpoint.weights.warm_start` report.
 
     Raises:
-        CheckpointError: as :func:`pimm_core.checkpoint.warm_start.warm_start` (zero match...).
+        CheckpointError: as :func:`pimm_core.checkpoint.weights.warm_start.warm_start` (zero match...).
     """
-    from ..checkpoint.remote_source import is_store_url, options_for
-    from ..checkpoint.warm_start import warm_start
+    from ..checkpoint.remote.source import is_store_url, options_for
+    from ..checkpoint.weights.warm_start import warm_start
     from .remote_weight import node_copy
 
     rules = [tuple(r) for r in t.key_rules] if t.key_rules is not None else None

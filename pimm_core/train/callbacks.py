@@ -28,14 +28,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 from ..config import Config
 from ..run.heartbeat import beat
 from ..targets import TargetSpec, call, load
-
-if TYPE_CHECKING:
-    from ..trainer import Trainer
 
 log = logging.getLogger("pimm")
 
@@ -71,8 +68,9 @@ class Callbacks(list):
         """
         return cls(call(spec, config_path=config_path) for spec in specs(config))
 
-    def fire(self, moment: str, trainer: Trainer, *args: Any) -> None:
-        """Call ``moment`` (one of :data:`MOMENTS`) on every callback that defines it."""
+    def fire(self, moment: str, trainer: Any, *args: Any) -> None:
+        """Call ``moment`` (one of :data:`MOMENTS`) on every callback that defines it, with ``trainer``
+        (the :class:`~pimm_core.trainer.Trainer`, passed on unread) and ``args``."""
         for cb in self:
             hook = getattr(cb, moment, None)
             if hook is not None or (moment == "on_step_end" and callable(cb)):

@@ -5,7 +5,7 @@ of an epoch (:meth:`~Checkpointer.on_epoch_end`), a new best evaluation
 (:meth:`~Checkpointer.on_best`), the end of the session (:meth:`~Checkpointer.on_end`) —
 and the Checkpointer decides what to write, as torchtitan's ``CheckpointManager`` does.
 The decisions are :class:`SaveSchedule`'s (pure); the writes go through the
-:class:`~pimm_core.checkpoint.protocol.CheckpointFormat` of ``checkpoint_format``
+:class:`~pimm_core.checkpoint.formats.protocol.CheckpointFormat` of ``checkpoint_format``
 (wrapped for background writes with ``checkpoint.async``).
 
 The schedule (``checkpoint.every_steps``, ``every_epochs``, ``keep_iter``):
@@ -39,21 +39,21 @@ from typing import Any, Callable, Sized
 import torch
 from torch import nn
 
-from .. import dist
-from ..checkpoint.formats import make_format
-from ..checkpoint.protocol import SaveItem
-from ..checkpoint.publish import on_main, retry_stale, wait_for_purges
-from ..checkpoint.selection import ITER_RE
-from ..checkpoint.state import full_state_dict, full_tensors, is_sharded, load_problem, rng_state, unwrap
-from ..checkpoint.weights_file import weights_payload, write_weights_file
+from ..process import dist
+from ..checkpoint.formats.choose import make_format
+from ..checkpoint.formats.protocol import SaveItem
+from ..checkpoint.publish.rotation import on_main, retry_stale, wait_for_purges
+from ..checkpoint.select.selection import ITER_RE
+from ..checkpoint.tensors.state import full_state_dict, full_tensors, is_sharded, load_problem, rng_state, unwrap
+from ..checkpoint.formats.weights_file import weights_payload, write_weights_file
 from ..config import CheckpointConfig, Config
-from ..dist import DistInfo
-from ..ema import EMA
+from ..process.dist import DistInfo
+from .ema import EMA
 from ..errors import CheckpointSaveError, UsageError
 from ..fsio import remove_stale_temporaries
 from ..run import now_iso
 from ..run.heartbeat import beat
-from ..stop import StopRequest
+from ..process.stop import StopRequest
 from . import best_files
 from .best_k import BestKeeper
 from .state import TrainState
@@ -177,8 +177,8 @@ class Checkpointer:
             for name in remove_stale_temporaries(checkpoint_dir):
                 log.warning("removed %s, left by a save that was interrupted", checkpoint_dir / name)
             if self.config.checkpoint.remote and self.uploader is None:
-                from ..checkpoint.remote_store import run_prefix
-                from ..checkpoint.remote_upload import Uploader
+                from ..checkpoint.remote.store import run_prefix
+                from ..checkpoint.remote.upload import Uploader
 
                 c = self.config.checkpoint
                 self.uploader = Uploader(c.remote, c.remote_options, checkpoint_dir,
@@ -228,8 +228,8 @@ class Checkpointer:
             UsageError: ``weights="ema"`` without EMA; ``path`` is a directory or lies in a
                 checkpoint or a run's ``model/`` directory.
         """
-        from ..checkpoint.export import write_bin, write_safetensors
-        from ..checkpoint.outputs import check_output_file
+        from ..checkpoint.export.model_dir import write_bin, write_safetensors
+        from ..checkpoint.records.outputs import check_output_file
 
         check_output_file(path)  # every rank: a refused path raises everywhere, before the gather
         if weights == "ema" and self.ema is None:
@@ -282,7 +282,7 @@ class Checkpointer:
 
     def _loader_state(self) -> dict[str, Any] | None:
         """The loader cursor to save, or None when a resume could not load it (a dataset state
-        holding an enum or a user class: :func:`~pimm_core.checkpoint.state.load_problem`, agreed
+        holding an enum or a user class: :func:`~pimm_core.checkpoint.tensors.state.load_problem`, agreed
         by every rank): the checkpoint is then saved without it, and rank 0 warns with the fix."""
         state = self.loader.state_dict()
         problem = load_problem(state)

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .checkpoint.ties import tied_groups
+from ..checkpoint.tensors.ties import tied_groups
 
 
 class EMA:

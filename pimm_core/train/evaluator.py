@@ -15,9 +15,9 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from .. import dist
-from ..checkpoint.state import unwrap
-from ..ema import EMA
+from ..process import dist
+from ..checkpoint.tensors.state import unwrap
+from .ema import EMA
 from ..run.heartbeat import beat
 from .parallel import is_fsdp, reshard
 from ..objectives import BUILTIN, MetricTotals, Objective

@@ -1,6 +1,6 @@
 """A collective that waited past ``dist.timeout``: the error that names the rank it waited for.
 
-The process group's timeout (``dist.timeout``, :func:`pimm_core.dist.init`) makes a collective
+The process group's timeout (``dist.timeout``, :func:`pimm_core.process.dist.init`) makes a collective
 raise in the ranks that wait (gloo) instead of waiting forever. The rank that was waited for is
 found in the ranks' heartbeat files (:func:`pimm_core.run.ranks.lagging_ranks`): the one that
 made no progress while not in a collective itself.
@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..dist import DistInfo
+from ..process.dist import DistInfo
 from ..errors import TrainingError, first_line
 from ..run.ranks import LAG_MIN_S, describe_lag, lagging_ranks, read_rank_beats
-from ..shell import resume_command
+from ..process.shell import resume_command
 
 # How a collective reports its timeout: gloo (the wait, then the pair it closed), NCCL's watchdog.
 _TIMED_OUT = ("Timed out waiting", "Application timeout caused pair closure",

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..config import Config
-from ..dist import DistInfo
+from ..process.dist import DistInfo
 from ..errors import ConfigError
 from ..targets import TargetSpec, call, is_target
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import Config
-from .data import data_spec
-from .models import model_spec
-from .objectives import get_objective
-from .optim import optimizer_factory, scheduler_factory
-from .targets import load
-from .train import callbacks
+from ..config import Config
+from ..data.loaders import data_spec
+from ..models import model_spec
+from ..objectives import get_objective
+from ..optim import optimizer_factory, scheduler_factory
+from ..targets import load
+from . import callbacks
 
 
 def check_targets(cfg: Config, config_path: str | Path | None = None) -> None:

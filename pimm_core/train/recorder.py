@@ -31,8 +31,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..config import Config, write_config
-from ..console_log import attach_console
-from ..dist import DistInfo
+from ..process.console_log import attach_console
+from ..process.dist import DistInfo
 from ..run import (CONFIG, METRICS, PROVENANCE, MetricsWriter, append_provenance, launch_record, log_handler,
                    now_iso, scheduler_record, supersede_after, write_status)
 from ..errors import ConfigError

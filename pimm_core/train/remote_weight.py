@@ -1,12 +1,12 @@
 """A remote ``train.weight`` (``s3://...``) downloaded once per node, for all of its ranks.
 
 Each rank reading the URL on its own (what
-:func:`~pimm_core.checkpoint.warm_start.warm_start` does alone) would download one copy per
+:func:`~pimm_core.checkpoint.weights.warm_start.warm_start` does alone) would download one copy per
 rank: eight copies of the weights on a node of eight GPUs. Under a process group, the lowest
 rank on each host downloads and checks the source into a temporary directory of pimm's own
-(:func:`~pimm_core.checkpoint.remote_source.download`); every rank of that host warm-starts
+(:func:`~pimm_core.checkpoint.remote.source.download`); every rank of that host warm-starts
 from the copy; the directory is removed once every rank has read it (after a kill: by the next
-download, :mod:`~pimm_core.checkpoint.scratch`). A download that fails on
+download, :mod:`~pimm_core.checkpoint.records.scratch`). A download that fails on
 any node fails every rank with the same one-line error (no rank is left waiting).
 """
 
@@ -17,9 +17,9 @@ import socket
 from pathlib import Path
 from typing import Any, Iterator
 
-from .. import dist
-from ..checkpoint.remote_source import download, plan_remote, shared_copy, store_error
-from ..checkpoint.scratch import make_owned_dir, release
+from ..process import dist
+from ..checkpoint.remote.source import download, plan_remote, shared_copy, store_error
+from ..checkpoint.records.scratch import make_owned_dir, release
 from ..errors import PimmError
 
 
@@ -31,8 +31,8 @@ def node_copy(url: str, options: dict[str, Any] | None, rank: int) -> Iterator[N
     reader downloads its own copy.
 
     Raises:
-        PimmError: as :func:`~pimm_core.checkpoint.remote_source.plan_remote` and
-            :func:`~pimm_core.checkpoint.remote_source.download`, on every rank.
+        PimmError: as :func:`~pimm_core.checkpoint.remote.source.plan_remote` and
+            :func:`~pimm_core.checkpoint.remote.source.download`, on every rank.
     """
     hosts = dist.all_gather_object(socket.gethostname())
     if len(hosts) == 1:

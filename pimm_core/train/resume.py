@@ -2,7 +2,7 @@
 
 :func:`resume` picks the intact candidate (sha256 verified on rank 0, the verdict
 broadcast), loads it into the trainer's model and optimizer, applies the policy row of
-:func:`pimm_core.topology.plan_resume` (cursor and RNG restored or discarded, the replay
+:func:`pimm_core.run.topology.plan_resume` (cursor and RNG restored or discarded, the replay
 boundary), restores the schedule, scaler, EMA and best-metric state, applies schedule
 overrides and the new LR horizon, and returns the ``provenance.json`` entry.
 """
@@ -19,29 +19,29 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import dist
-from ..checkpoint.branch import set_aside_later
-from ..checkpoint.formats import make_format
-from ..checkpoint.resume_path import resolve_resume_path
-from ..checkpoint.selection import is_model_dir, select_verified, verify_candidate
-from ..checkpoint.state import set_rng_state, unwrap
+from ..process import dist
+from ..checkpoint.select.branch import set_aside_later
+from ..checkpoint.formats.choose import make_format
+from ..checkpoint.select.resume_path import resolve_resume_path
+from ..checkpoint.select.selection import is_model_dir, select_verified, verify_candidate
+from ..checkpoint.tensors.state import set_rng_state, unwrap
 from ..errors import CheckpointError
-from ..global_order import running_stats_warning
+from ..data.global_order import running_stats_warning
 from ..config import TrainConfig
-from ..schedule import WarmupCosine
+from .schedule import WarmupCosine
 from ..run import CONFIG, METRICS, read_json, read_run_status
 from ..run.metrics import MAX_LINE, records_from_end
 from ..run.values import json_number
-from ..topology import config_diff, is_finished, plan_resume
+from ..run.topology import config_diff, is_finished, plan_resume
 from .build import data_length
 
 if TYPE_CHECKING:
-    from ..trainer import Trainer
+    from .host import TrainerHost
 
 log = logging.getLogger("pimm")
 
 
-def resume(tr: Trainer, source: Path | str, checkpoint_dir: Path | None) -> dict[str, Any]:
+def resume(tr: TrainerHost, source: Path | str, checkpoint_dir: Path | None) -> dict[str, Any]:
     """Restore state from ``source`` following the resume policy; returns the provenance entry."""
     cand, fallback = choose_intact(tr, Path(str(source)) if not str(source).startswith("hf://") else source,
                                    checkpoint_dir)
@@ -127,21 +127,21 @@ def _best_sidecar_of(checkpoint_dir: Path | None) -> dict[str, Any] | None:
     return sel if isinstance(sel, dict) else None
 
 
-def nothing_left(tr: Trainer, t: TrainConfig) -> bool:
+def nothing_left(tr: TrainerHost, t: TrainConfig) -> bool:
     """The restored position reached ``t``'s end (all epochs, or ``t.max_steps``) and the run
-    recorded that it finished (:func:`pimm_core.topology.is_finished`): nothing to train."""
+    recorded that it finished (:func:`pimm_core.run.topology.is_finished`): nothing to train."""
     state = read_run_status(tr.run_dir).state if tr.run_dir is not None else None
     s = tr.state
     return is_finished({"step": s.global_step, "epoch": s.epoch}, epochs=t.epochs, max_steps=t.max_steps,
                        run_state=state)
 
 
-def choose_intact(tr: Trainer, source: Path | str, checkpoint_dir: Path | None = None):
+def choose_intact(tr: TrainerHost, source: Path | str, checkpoint_dir: Path | None = None):
     """Resolve the resume source and check its files against the manifest (rank 0 reads,
     every rank gets the verdict). A ``model/`` directory falls back past corrupt
     candidates with a warning; an explicitly named corrupt candidate is refused. An explicit
     earlier checkpoint of ``checkpoint_dir`` (``full_<step>``) branches the run: the later ones
-    are set aside (:func:`pimm_core.checkpoint.branch.set_aside_later`), with a warning.
+    are set aside (:func:`pimm_core.checkpoint.select.branch.set_aside_later`), with a warning.
 
     Raises:
         CheckpointError: nothing intact to resume from (names each problem).
@@ -198,7 +198,7 @@ def set_aside_corrupt_last(model_dir: Path, chosen) -> list[str]:
     return [f"moved the corrupt {last} to {dest} (kept for inspection; nothing was deleted)"]
 
 
-def apply_schedule_overrides(tr: Trainer) -> list[str]:
+def apply_schedule_overrides(tr: TrainerHost) -> list[str]:
     """Apply this config's schedule and optimizer keys to the restored state; one line each.
 
     The checkpoint restores the saved base LR, floor, warmup and kind, and the saved
@@ -240,7 +240,7 @@ def apply_schedule_overrides(tr: Trainer) -> list[str]:
         sch.set_step(step)
     return notes
 
-def retarget_schedule(tr: Trainer) -> list[str]:
+def retarget_schedule(tr: TrainerHost) -> list[str]:
     """Move the LR schedule's horizon to the step this resume will really end at."""
     sch, step = tr.scheduler, tr.state.global_step
     before, end = sch.total, tr.end_step(tr._t)
@@ -253,7 +253,7 @@ def retarget_schedule(tr: Trainer) -> list[str]:
     return [f"LR schedule horizon moved from step {before} to step {end} (where this resume ends): "
             f"LR {lr:.6e} at step {step} is kept and {then}"]
 
-def provenance_diff(tr: Trainer, manifest: dict[str, Any]) -> list[str]:
+def provenance_diff(tr: TrainerHost, manifest: dict[str, Any]) -> list[str]:
     """Warnings for config, code, data and torch differences from the checkpoint's run."""
     out = []
     if tr.run_dir is not None and (tr.run_dir / CONFIG).is_file():
@@ -271,7 +271,7 @@ def provenance_diff(tr: Trainer, manifest: dict[str, Any]) -> list[str]:
             out.append(f"{key} differs: checkpoint {then}, now {now}")
     return out
 
-def check_against_metrics(tr: Trainer) -> list[str]:
+def check_against_metrics(tr: TrainerHost) -> list[str]:
     """Compare the restored step and LR schedule with the log of the interrupted run.
 
     The last train record at or before the restored step must carry the LR this

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 class WarmupCosine(torch.optim.lr_scheduler.LRScheduler):

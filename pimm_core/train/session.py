@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..data_rng import set_epoch
+from ..data.rng import set_epoch
 from ..errors import CheckpointSaveError, ConfigError
 from ..optim import observe_metric
 from ..run.heartbeat import arm, beat_step
@@ -21,12 +21,12 @@ from ..targets import search_path
 from .step import SKIPPED
 
 if TYPE_CHECKING:
-    from ..trainer import Trainer
+    from .host import TrainerHost
 
 log = logging.getLogger("pimm")
 
 
-def after_step(tr: Trainer, outcome: str, loss: torch.Tensor, samples: int, epoch: int,
+def after_step(tr: TrainerHost, outcome: str, loss: torch.Tensor, samples: int, epoch: int,
                grad_norm: torch.Tensor | None = None) -> None:
     """An optimizer step was taken (or skipped): schedule, record (``grad_norm``: the window's
     gradient norm before clipping), callbacks, stop agreement."""
@@ -51,9 +51,9 @@ def after_step(tr: Trainer, outcome: str, loss: torch.Tensor, samples: int, epoc
         tr.callbacks.fire("on_stop_requested", tr, reason)
 
 
-def start_epoch(tr: Trainer) -> None:
+def start_epoch(tr: TrainerHost) -> None:
     """Point the loader at the current epoch and position: the sampler's and the dataset's epoch
-    (per-sample augmentation RNGs, :mod:`pimm_core.data_rng`), then a restored loader cursor, or,
+    (per-sample augmentation RNGs, :mod:`pimm_core.data.rng`), then a restored loader cursor, or,
     under ``data.order = "global"``, the samples consumed as the counters say (at any world size);
     an epoch's first batch records the step it began at."""
     s = tr.state
@@ -70,7 +70,7 @@ def start_epoch(tr: Trainer) -> None:
         s.epoch_start_step = s.global_step
 
 
-def stop_before_start(tr: Trainer) -> bool:
+def stop_before_start(tr: TrainerHost) -> bool:
     """A stop asked before the first step (a signal during start-up, ``pimm stop``): every rank
     agrees; then True, ``tr.stopped_before_start`` is set and the session ends with the stop
     recorded, nothing trained or saved (the caller calls :func:`end_session`)."""
@@ -84,7 +84,7 @@ def stop_before_start(tr: Trainer) -> bool:
     return True
 
 
-def evaluate_and_record(tr: Trainer, epoch: int) -> None:
+def evaluate_and_record(tr: TrainerHost, epoch: int) -> None:
     """Evaluate after ``epoch``; the selection metric steps a reduce-on-plateau schedule and
     may make a new best (``model_best``) or one of the ``checkpoint.keep_best`` kept; the metrics are recorded.
 
@@ -95,7 +95,7 @@ def evaluate_and_record(tr: Trainer, epoch: int) -> None:
         _evaluate_and_record(tr, epoch)
 
 
-def _evaluate_and_record(tr: Trainer, epoch: int) -> None:
+def _evaluate_and_record(tr: TrainerHost, epoch: int) -> None:
     s, e = tr.state, tr.config.eval
     metrics = tr.evaluate()
     s.last_eval, s.eval_step = metrics, s.global_step
@@ -114,7 +114,7 @@ def _evaluate_and_record(tr: Trainer, epoch: int) -> None:
     tr.callbacks.fire("on_eval_end", tr, metrics)
 
 
-def stop_nonfinite(tr: Trainer, epoch: int) -> None:
+def stop_nonfinite(tr: TrainerHost, epoch: int) -> None:
     """``train.on_nonfinite = "stop"``: nothing of this window is applied, so ``last`` keeps the
     weights from before it; the run fails (``state.error``)."""
     s = tr.state
@@ -128,7 +128,7 @@ def stop_nonfinite(tr: Trainer, epoch: int) -> None:
     tr.callbacks.fire("on_stop_requested", tr, s.error)
 
 
-def end_session(tr: Trainer) -> None:
+def end_session(tr: TrainerHost) -> None:
     """Record how the session ended: ``status.json`` says ``finished``, ``stopped``, or ``failed``
     (a failed save, even the last ``model_best.pth`` write, is a failure, not the end of the run)."""
     s = tr.state
@@ -142,7 +142,7 @@ def end_session(tr: Trainer) -> None:
     tr.callbacks.fire("on_train_end", tr)
 
 
-def start_files(tr: Trainer, entry: dict[str, Any], *, fresh: bool) -> None:
+def start_files(tr: TrainerHost, entry: dict[str, Any], *, fresh: bool) -> None:
     """The run's files at a ``train()`` start: config, status and the provenance start ``entry``
     with what this start knows of the code and data (``code_search_path``: where ``pimm resume``,
     reading the config from the run directory, finds user code)."""

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
-from ..ema import EMA
+from .ema import EMA
 from ..errors import ConfigError, TrainingError
-from ..checkpoint.state import unwrap
+from ..checkpoint.tensors.state import unwrap
 from ..objectives import BUILTIN, Loss, Objective, batch_size
 from ..run.heartbeat import beat
 from .evaluator import to_device

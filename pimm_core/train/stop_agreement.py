@@ -1,6 +1,6 @@
 """Every rank stops at the same optimizer step, for whichever reason any of them has.
 
-The sources of a stop are a :class:`~pimm_core.stop.StopRequest` (signals, ``request()``
+The sources of a stop are a :class:`~pimm_core.process.stop.StopRequest` (signals, ``request()``
 from any thread or a callback) and the run's ``control/stop`` file (``pimm stop``, the
 console), which rank 0 polls at most once a second (one ``stat``; no per-sample I/O).
 At each accumulation-window boundary :meth:`StopAgreement.agree` returns the same
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from .. import dist
+from ..process import dist
 from ..run.heartbeat import beat
-from ..stop import StopRequest, read_stop_file, stop_file
+from ..process.stop import StopRequest, read_stop_file, stop_file
 
 log = logging.getLogger("pimm")
 

@@ -35,7 +35,7 @@ from typing import Iterable
 
 import torch
 
-from .. import dist
+from ..process import dist
 from ..errors import ConfigError
 from ..objectives import Loss
 

@@ -18,8 +18,8 @@ from typing import Any
 
 # Looked up on the module at each call: the console runs exactly the check resume applies, and a
 # replacement of it (a test simulating a save that rotates `last` mid-hash) reaches both.
-from ..checkpoint import selection
-from ..checkpoint.selection import Candidate
+from ..checkpoint.select import selection
+from ..checkpoint.select.selection import Candidate
 
 
 def candidate_age(c: Candidate, now: float | None = None) -> float | None:
@@ -119,7 +119,7 @@ def verify_checkpoint(model_dir: Path, name: str, *, tries: int = 3, settle_s: f
     checked, up to ``tries`` times; then the outcome is ``changed``, never a mismatch that
     is not there. A mismatch is confirmed after ``settle_s`` (a file replaced just before
     its sidecar manifest). Hashes are cached per file inode, size and mtime
-    (:func:`pimm_core.checkpoint.selection.verify_candidate`).
+    (:func:`pimm_core.checkpoint.select.selection.verify_candidate`).
     """
     seen: Candidate | None = None
     for attempt in range(1, tries + 1):
@@ -150,7 +150,7 @@ def candidate_problems(c: Candidate) -> list[str]:
     """What an operator is told is wrong with a candidate; one line per problem (empty: ok).
 
     Sizes and sha256 against its manifest
-    (:func:`pimm_core.checkpoint.selection.verify_candidate`, the check resume applies), plus
+    (:func:`pimm_core.checkpoint.select.selection.verify_candidate`, the check resume applies), plus
     what that check lets pass: no manifest to verify against, or an incomplete candidate.
     """
     if c.manifest is None:

@@ -1,7 +1,7 @@
 """What the checkpoint a resume would load recorded vs. the planned resume, and the policy row (torch-free).
 
 :func:`resume_diff` compares world size, strategy, per-rank batching and workers, config, code and
-torch version and the data fingerprint, and applies :func:`pimm_core.topology.plan_resume`.
+torch version and the data fingerprint, and applies :func:`pimm_core.run.topology.plan_resume`.
 ``pimm checkpoints diff`` prints :meth:`ResumeDiff.lines`; the console's Topology view
 renders the same rows (:meth:`ResumeDiff.policy_rows`) with colours.
 """
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.selection import explain as explain_candidates
-from ..checkpoint.selection import select_resume
+from ..checkpoint.select.selection import explain as explain_candidates
+from ..checkpoint.select.selection import select_resume
 from ..config import read_saved_config
 from ..errors import CheckpointError, ConfigError, UsageError
 from ..run.layout import CONFIG, MODEL, check_run_dir
@@ -42,7 +42,7 @@ def _show(v: Any, planned: bool = False, key: str = "") -> str:
 
 
 def plan_rows(plan: dict[str, Any] | None) -> list[tuple[str, str, str]]:
-    """A resume plan (:meth:`pimm_core.topology.ResumePlan.to_json`, None for a weights-only
+    """A resume plan (:meth:`pimm_core.run.topology.ResumePlan.to_json`, None for a weights-only
     file) as ``(label, text, tone)`` rows: ``policy``, ``restore``, ``discard``, ``replay
     boundary``, one ``warning`` each. ``tone`` is ``plain``, ``info``, ``ok``, ``bad`` or
     ``warn`` (how the console colours the text)."""
@@ -77,8 +77,8 @@ class ResumeDiff:
             written before manifests recorded it), ``workers_per_rank``, ``code_version``,
             ``torch_version``, ``data_fingerprint`` (planned: None where only a launch knows:
             the data fingerprint, which the launch computes as it loads the data).
-        config_diff: ``key: saved -> planned`` lines (:func:`pimm_core.topology.config_diff`).
-        plan: :class:`pimm_core.topology.ResumePlan` as JSON, or None (weights-only file).
+        config_diff: ``key: saved -> planned`` lines (:func:`pimm_core.run.topology.config_diff`).
+        plan: :class:`pimm_core.run.topology.ResumePlan` as JSON, or None (weights-only file).
         notes: lines on what could not be compared and why.
     """
 
@@ -160,7 +160,7 @@ def resume_diff(run_dir: Path, *, world_size: int | None = None, workers: int | 
         CheckpointError: no complete checkpoint to resume from (exit code 1).
     """
     from ..config import load_config
-    from ..topology import ROWS, config_diff, plan_resume
+    from ..run.topology import ROWS, config_diff, plan_resume
 
     run_dir = check_run_dir(run_dir)
     if world_size is None:

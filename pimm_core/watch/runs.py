@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.selection import select_resume
+from ..checkpoint.select.selection import select_resume
 from ..run.jsonfile import read_json
 from ..config import read_saved_config
 from ..run.layout import CONFIG, METRICS, MODEL, is_run_dir

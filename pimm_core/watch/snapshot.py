@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.selection import Candidate, select_resume
+from ..checkpoint.select.selection import Candidate, select_resume
 from ..config import read_saved_config
 from ..run.layout import CONFIG, LOG, METRICS, MODEL, PROVENANCE, run_markers
 from ..run.log import LogTail

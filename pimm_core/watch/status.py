@@ -11,7 +11,7 @@ from typing import Any
 
 from ..run.layout import METRICS
 from ..run.status import RunStatus, read_run_status
-from ..stop import read_stop_file, stop_file
+from ..process.stop import read_stop_file, stop_file
 
 #: States in which a trainer process should be alive.
 LIVE_STATES = ("starting", "running", "stopping")

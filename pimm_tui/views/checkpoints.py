@@ -12,7 +12,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import DataTable, Static
 
-from pimm_core.checkpoint.selection import Candidate
+from pimm_core.checkpoint.select.selection import Candidate
 from pimm_core.text import clean_text, plain_text, printable
 from pimm_core.watch.candidates import VerifyResult, candidate_age, candidate_identity, verify_checkpoint
 from pimm_core.watch.fmt import fmt_age, fmt_size

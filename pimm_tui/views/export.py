@@ -149,7 +149,7 @@ class ExportView(Vertical):
             self.app.call_from_thread(self._progress, f"loading torch to read {name}…")
             import json
 
-            from pimm_core.checkpoint.export import EXPORT_JSON, export
+            from pimm_core.checkpoint.export.model_dir import EXPORT_JSON, export
 
             self.app.call_from_thread(self._progress, f"exporting {name} ({weights} weights, {fmt}) to {dest}…")
             out = export(str(source), dest, weights=weights, fmt=fmt, run_dir=Path(run_dir), force=force)

@@ -108,7 +108,7 @@ def run_config(run_dir: Path):
 
 def fresh_model(run_dir: Path) -> torch.nn.Module:
     """An untrained model of the run's resolved config (``build_model``)."""
-    from pimm_core.data import build_datasets
+    from pimm_core.data.loaders import build_datasets
     from pimm_core.models import build_model
 
     cfg = run_config(run_dir)
@@ -123,8 +123,8 @@ def evaluate(run_dir: Path, state_dict: dict[str, torch.Tensor]) -> dict[str, fl
     Same validation split (``build_datasets``), same loader (``eval_loader``), same float64
     sums in the same order, so the result equals what the trainer recorded for these weights.
     """
-    from pimm_core.data import build_datasets, eval_loader
-    from pimm_core.dist import env_world
+    from pimm_core.data.loaders import build_datasets, eval_loader
+    from pimm_core.process.dist import env_world
     from pimm_core.models import build_model
 
     cfg = run_config(run_dir)

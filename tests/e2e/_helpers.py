@@ -172,7 +172,7 @@ def eval_weights(run_dir: Path, weights: Path) -> float:
     import torch
 
     from pimm_core.config import config_from_dict
-    from pimm_core.data import build_datasets
+    from pimm_core.data.loaders import build_datasets
     from pimm_core.models import build_model
 
     cfg = config_from_dict(tomllib.loads((run_dir / "config.toml").read_text()))

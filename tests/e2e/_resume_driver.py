@@ -51,7 +51,7 @@ def run_job(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), *,
     import torch
 
     from pimm_core import Trainer, load_config
-    from pimm_core.checkpoint.state import unwrap
+    from pimm_core.checkpoint.tensors.state import unwrap
 
     run_dir = Path(run_dir)
     logger = logging.getLogger("pimm")
@@ -116,7 +116,7 @@ def set_env(env: dict[str, str] | None):
 
 
 def main(argv: list[str]) -> int:
-    from pimm_core import dist
+    from pimm_core.process import dist
     from pimm_core.launch import setup_logging
 
     jobs = json.loads(Path(argv[0]).read_text())

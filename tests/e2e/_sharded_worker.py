@@ -23,17 +23,17 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from pimm_core.checkpoint.async_save import AsyncStandardFormat
-from pimm_core.checkpoint.export import export
-from pimm_core.checkpoint.protocol import SaveItem
-from pimm_core.checkpoint.sharded import read_checkpoint_weights
-from pimm_core.checkpoint.standard import StandardFormat, load_standard, save_standard
-from pimm_core.checkpoint.state import full_state_dict, full_tensors, is_sharded
-from pimm_core.checkpoint.warm_start import warm_start
-from pimm_core.checkpoint.weights import read_weight_sets
-from pimm_core.dist import DistInfo
+from pimm_core.checkpoint.formats.async_save import AsyncStandardFormat
+from pimm_core.checkpoint.export.model_dir import export
+from pimm_core.checkpoint.formats.protocol import SaveItem
+from pimm_core.checkpoint.formats.sharded import read_checkpoint_weights
+from pimm_core.checkpoint.formats.standard import StandardFormat, load_standard, save_standard
+from pimm_core.checkpoint.tensors.state import full_state_dict, full_tensors, is_sharded
+from pimm_core.checkpoint.weights.warm_start import warm_start
+from pimm_core.checkpoint.weights.read import read_weight_sets
+from pimm_core.process.dist import DistInfo
 from pimm_core.errors import CheckpointError
-from pimm_core.ema import EMA
+from pimm_core.train.ema import EMA
 
 
 class Net(nn.Module):

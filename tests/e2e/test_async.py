@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from _helpers import DIGITS, describe, hang_s, launch, pimm_here, read_json
-from pimm_core.checkpoint.selection import select_resume
+from pimm_core.checkpoint.select.selection import select_resume
 from test_stop_runs import Session
 
 OV = ("train.epochs=2", "checkpoint.every_steps=10", "data.num_workers=0", "train.log_every_steps=1")
@@ -96,10 +96,10 @@ def test_an_async_save_that_fails_to_start_stops_its_hashing_thread(tmp_path, mo
     """Nothing of a save that never started is left running (a thread tailing last.tmp, open files)."""
     import threading
 
-    from pimm_core.checkpoint import async_save
-    from pimm_core.checkpoint.protocol import SaveItem
-    from pimm_core.checkpoint.standard import StandardFormat
-    from pimm_core.dist import DistInfo
+    from pimm_core.checkpoint.formats import async_save
+    from pimm_core.checkpoint.formats.protocol import SaveItem
+    from pimm_core.checkpoint.formats.standard import StandardFormat
+    from pimm_core.process.dist import DistInfo
 
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())

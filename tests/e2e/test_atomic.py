@@ -9,8 +9,8 @@ import pytest
 
 from pimm_core import fsio as atomic
 from pimm_core.fsio import atomic_write_bytes
-from pimm_core.checkpoint.selection import list_candidates, select_resume
-from pimm_core.checkpoint.publish import rotate_into_place, wait_for_purges
+from pimm_core.checkpoint.select.selection import list_candidates, select_resume
+from pimm_core.checkpoint.publish.rotation import rotate_into_place, wait_for_purges
 
 from _helpers import release, undeletable
 

@@ -9,7 +9,7 @@ from _helpers import DIGITS, describe, pimm, pimm_here
 
 def test_config_show_lists_every_key_and_marks_what_differs(tmp_path):
     from pimm_core.config import Config, load_config
-    from pimm_core.config_tables import all_keys
+    from pimm_core.config.tables import all_keys
 
     r = pimm_here("config", "show", "--train.config", DIGITS, "--", "train.epochs=3", "data.num_workers=2")
     assert r.returncode == 0, describe(r)

@@ -81,8 +81,8 @@ def test_site_builds_strictly_with_every_nav_page(site: Path) -> None:
 
 def test_every_config_key_is_in_the_reference_with_a_meaning(site: Path) -> None:
     from pimm_core.config import Config
-    from pimm_core.config_help import KEY_HELP
-    from pimm_core.config_tables import all_keys
+    from pimm_core.config.help import KEY_HELP
+    from pimm_core.config.tables import all_keys
 
     codes = _codes(site / "reference" / "config" / "index.html")
     keys = all_keys(Config)  # the schema's own walk (what a config may set)
@@ -90,7 +90,7 @@ def test_every_config_key_is_in_the_reference_with_a_meaning(site: Path) -> None
     missing = [k for k in keys if k not in codes]
     assert not missing, f"config keys missing from the reference page: {missing}"
     no_meaning = [k for k in keys if not KEY_HELP.get(k)]
-    assert not no_meaning, f"config keys without a meaning: add a line for each to pimm_core/config_help.py: {no_meaning}"
+    assert not no_meaning, f"config keys without a meaning: add a line for each to pimm_core/config/help.py: {no_meaning}"
     text = _text(site / "reference" / "config" / "index.html")
     for key in keys:
         assert " ".join(KEY_HELP[key].replace("`", "").split()) in text.replace("`", ""), key
@@ -128,7 +128,7 @@ def test_every_command_and_flag_is_in_the_reference(site: Path) -> None:
 
 
 def test_every_resume_policy_row_is_in_the_reference_in_the_order_it_applies(site: Path) -> None:
-    from pimm_core.topology import ROWS
+    from pimm_core.run.topology import ROWS
 
     hook = _hook()
     text = _text(site / "reference" / "resume-policy" / "index.html")

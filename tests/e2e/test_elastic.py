@@ -4,7 +4,7 @@ stopped at 2 ranks, resumed at 3, stopped again in the next epoch and resumed at
 uninterrupted 2-rank run — every sample of every epoch trained exactly once across the stops (the
 objective records the indices), the same LR at every step, the loss at every step and the final
 weights and EMA within 1e-5 (relative) — with dropout on, EMA, a random augmentation drawn from
-``pimm_core.data_rng`` (seed, epoch, index), the per-sample window average, DDP (gloo, torchrun);
+``pimm_core.data.rng`` (seed, epoch, index), the per-sample window average, DDP (gloo, torchrun);
 the same three under FSDP, and a 2 -> 1 run whose loaders have 2 workers, against the same DDP
 run (whose loaders have none); a 2-rank run stopped and resumed at 2 ranks matches it bit for bit
 (after other runs in the same processes). The resume names its policy row (``global_order``) in
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pimm_core.topology import ROWS
+from pimm_core.run.topology import ROWS
 
 from _helpers import REPO, clean_env, pimm, pimm_here, read_json, read_jsonl
 from _resume_driver import run_job, set_env
@@ -61,7 +61,7 @@ def _torchrun(jobs: list[dict], jobs_file: Path, nproc: int) -> None:
 
 def _here(jobs: list[dict]) -> None:
     """One-rank jobs in this process, each with its own USERPKG_SEEN."""
-    from pimm_core import dist
+    from pimm_core.process import dist
 
     for job in jobs:
         restore = set_env(job.pop("env"))

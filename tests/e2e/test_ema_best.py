@@ -27,7 +27,7 @@ import torch
 
 from _api_runs import assert_same_tensors, evaluate, fresh_model, make_config, one_thread, pimm_logging, train
 from _helpers import read_jsonl
-from pimm_core.checkpoint.weights import read_weight_sets
+from pimm_core.checkpoint.weights.read import read_weight_sets
 from pimm_core.errors import ConfigError, UsageError
 
 STEPS = 45  # optimizer steps per epoch

@@ -44,7 +44,7 @@ def _steps(run: Path) -> list[int]:
 def _stop_resume_export(tmp_path: Path, config: str, group: str) -> tuple[Path, dict[str, torch.Tensor]]:
     """Train ``config`` uninterrupted and cut-and-resumed at 2 ranks; assert bitwise equal weights;
     export the resumed run. Returns the export directory and the trained weights."""
-    from pimm_core.checkpoint.weights import read_weight_sets
+    from pimm_core.checkpoint.weights.read import read_weight_sets
 
     root = tmp_path / "exp"
     full = _run(_cmd(config, root, "full"))

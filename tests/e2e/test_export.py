@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from _helpers import hang_s
-from pimm_core.checkpoint.export import export, load_exported
-from pimm_core.checkpoint.export_config import REDACTED, sanitize_config
-from pimm_core.checkpoint.manifest import sha256_file
-from pimm_core.checkpoint.ties import find_aliases
-from pimm_core.checkpoint.weights import read_weight_sets
+from pimm_core.checkpoint.export.model_dir import export, load_exported
+from pimm_core.checkpoint.export.config import REDACTED, sanitize_config
+from pimm_core.checkpoint.records.manifest import sha256_file
+from pimm_core.checkpoint.tensors.ties import find_aliases
+from pimm_core.checkpoint.weights.read import read_weight_sets
 from pimm_core.cli import main
 from pimm_core.errors import CheckpointError, UsageError
 
@@ -259,7 +259,7 @@ def test_export_refuses_malicious_pickle(tmp_path: Path, capsys) -> None:
 def test_trained_run_export_reproduces_val_accuracy(trained_run, tmp_path: Path) -> None:
     """A real run of the digits quickstart (3 epochs), `last` exported via the CLI, the export re-evaluated."""
     from pimm_core.config import DataConfig, ModelConfig
-    from pimm_core.data import build_datasets
+    from pimm_core.data.loaders import build_datasets
     from pimm_core.models import build_model
 
     assert trained_run.result.returncode == 0, trained_run.result.stderr[-2000:]
@@ -318,7 +318,7 @@ def test_export_twice_gives_the_same_bytes(tmp_path: Path, fmt: str) -> None:
 
 
 def test_safetensors_header_is_canonical(tmp_path: Path) -> None:
-    from pimm_core.checkpoint.export_formats import write_safetensors
+    from pimm_core.checkpoint.export.files import write_safetensors
 
     sd = Small().state_dict()
     meta = {f"k{i}": str(i) for i in range(12)}

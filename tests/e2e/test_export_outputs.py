@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from _helpers import pimm, pimm_here, snapshot
-from pimm_core.checkpoint.export import export, export_weights
-from pimm_core.checkpoint.selection import select_resume
+from pimm_core.checkpoint.export.model_dir import export, export_weights
+from pimm_core.checkpoint.select.selection import select_resume
 from pimm_core.errors import UsageError
 
 

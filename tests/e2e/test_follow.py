@@ -8,8 +8,8 @@ import threading
 import time
 
 from _helpers import hang_s
-from pimm_core.checkpoint.follow import FollowingHasher
-from pimm_core.checkpoint.manifest import describe_files, sha256_file
+from pimm_core.checkpoint.publish.follow import FollowingHasher
+from pimm_core.checkpoint.records.manifest import describe_files, sha256_file
 
 
 def _append_slowly(path, chunks, pause=0.002):

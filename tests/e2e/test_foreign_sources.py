@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from _helpers import DIGITS, REPO, clean_env, describe, hang_s, pimm_here
-from pimm_core.checkpoint.foreign import directory_layout, file_layout, sniff
-from pimm_core.checkpoint.resume_path import resolve_resume_path
-from pimm_core.checkpoint.sources import check_weight_source
-from pimm_core.checkpoint.warm_start import warm_start
+from pimm_core.checkpoint.records.foreign import directory_layout, file_layout, sniff
+from pimm_core.checkpoint.select.resume_path import resolve_resume_path
+from pimm_core.checkpoint.weights.sources import check_weight_source
+from pimm_core.checkpoint.weights.warm_start import warm_start
 from pimm_core.config import load_config
-from pimm_core.data import build_datasets
+from pimm_core.data.loaders import build_datasets
 from pimm_core.errors import CheckpointError
 from pimm_core.models import build_model
 
@@ -246,7 +246,7 @@ def _fake_hub_cache(home: Path, sd: dict[str, torch.Tensor]) -> Path:
 @pytest.mark.parametrize("env", [HF_DOWN, {"HF_HUB_OFFLINE": "1"}], ids=["unreachable", "offline"])
 def test_hub_cached_file_is_used_without_network(tmp_path, env):
     cached = _fake_hub_cache(tmp_path / "hf", _digits_state_dict())
-    code = ("from pimm_core.checkpoint.sources import resolve_weight_source as r; "
+    code = ("from pimm_core.checkpoint.weights.sources import resolve_weight_source as r; "
             "print(r('hf://org/repo')); print(r('hf://org/repo/model.safetensors'))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=hang_s(60),
                             env={**clean_env(), **env, "HF_HOME": str(tmp_path / "hf")})

@@ -33,7 +33,7 @@ import torch
 
 from _api_runs import assert_same_tensors, listing, make_config, one_thread, pimm_logging, train
 from _helpers import DIGITS, describe, pimm_here, read_json, read_jsonl
-from pimm_core.checkpoint.weights import read_weight_sets
+from pimm_core.checkpoint.weights.read import read_weight_sets
 
 STEPS = 45  # optimizer steps per epoch (1,437 training samples, batch 32)
 K_MID = 50  # epoch 1, iter 5
@@ -260,7 +260,7 @@ FROZEN = ("train.epochs=1", "train.max_steps=1", "train.lr=0", "train.min_lr=0",
 
 
 def _check_fresh_after_one_step(tr, expected: dict[str, torch.Tensor]) -> None:
-    from pimm_core.checkpoint.state import unwrap
+    from pimm_core.checkpoint.tensors.state import unwrap
 
     assert_same_tensors(unwrap(tr.model).state_dict(), expected)
     if tr.ema is not None:  # the new run's EMA starts from the loaded weights
@@ -298,7 +298,7 @@ def test_warm_start_from_ddp_prefixed_state_dict(runs, tmp_path):
 
 def test_warm_start_different_head_reports_mismatches_and_trains(runs, tmp_path):
     """model.hidden 128 -> 64: every hidden-sized tensor mismatches; only net.6.bias (10 classes) loads."""
-    from pimm_core.checkpoint.state import unwrap
+    from pimm_core.checkpoint.tensors.state import unwrap
 
     source = runs["root"] / "std-full" / "model" / "last"
     raw = read_weight_sets(source)["raw"]

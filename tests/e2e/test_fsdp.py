@@ -52,7 +52,7 @@ def _wait(proc: subprocess.Popen, timeout: float = 300) -> None:
 
 def _in_process(*args, **kwargs):
     """A one-rank job here; FSDP made a one-rank process group: leave none behind."""
-    from pimm_core import dist
+    from pimm_core.process import dist
 
     try:
         return run_job(*args, **kwargs)

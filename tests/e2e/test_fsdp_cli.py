@@ -54,7 +54,7 @@ def test_a_file_format_checkpoint_resumes_under_fsdp_exactly(tmp_path: Path, fmt
     ``train.strategy = "fsdp"`` (and ``checkpoint_format = "standard"``): the full optimizer
     state in the file is split into the new shards, as the dry run promises ("resharded"),
     instead of plain tensors that crashed the first optimizer step."""
-    from pimm_core import dist
+    from pimm_core.process import dist
 
     run = tmp_path / "run"
     common = ["ema.enabled=true", "train.epochs=2"]

@@ -124,7 +124,7 @@ def _export(rd: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]
 
 
 def _trained(rd: Path) -> dict:
-    from pimm_core.checkpoint.weights import read_weight_sets
+    from pimm_core.checkpoint.weights.read import read_weight_sets
 
     return read_weight_sets(rd / "model" / "last")["raw"]
 
@@ -162,7 +162,7 @@ def test_a_gpt2_export_loads_with_safetensors_load_model_and_shards_as_transform
     from safetensors.torch import load_model
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from pimm_core.checkpoint.export import export
+    from pimm_core.checkpoint.export.model_dir import export
 
     rd, _ = gpt2_run
     out = export("last", tmp_path / "one", run_dir=rd)

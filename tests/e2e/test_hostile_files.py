@@ -36,7 +36,7 @@ from conftest import SINGLE_OVERRIDES
 
 # the session run's config with one more epoch: a resume that would train (a finished run is not loaded)
 MORE = ("train.epochs=4", *SINGLE_OVERRIDES[1:])
-from pimm_core.checkpoint.safe_read import read_dcp_metadata
+from pimm_core.checkpoint.tensors.safe_read import read_dcp_metadata
 from pimm_core.errors import CheckpointParseError
 
 pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol")
@@ -325,7 +325,7 @@ def test_dcp_metadata_garbage_is_one_line(tmp_path, data):
 
 def test_no_pimm_code_unpickles_outside_the_safe_readers():
     """Every ``torch.load`` passes ``weights_only=True``; nothing calls ``pickle.load(s)``, ``pickle.Unpickler``
-    or builds a DCP ``FileSystemReader`` but :mod:`~pimm_core.checkpoint.mapped_reader`, whose
+    or builds a DCP ``FileSystemReader`` but :mod:`~pimm_core.checkpoint.formats.mapped_reader`, whose
     ``read_metadata`` is the restricted one."""
     import ast
 

@@ -18,7 +18,7 @@ import pytest
 
 from _helpers import DIGITS, describe, pimm, pimm_here
 from pimm_core.config import load_config
-from pimm_core.config_tables import all_keys
+from pimm_core.config.tables import all_keys
 from pimm_core.errors import ConfigError
 from pimm_core.run.layout import name_problem
 from pimm_core.run.status import write_status

@@ -24,9 +24,9 @@ from safetensors.torch import load_file
 
 from _helpers import DIGITS, REPO, clean_env, pimm_here
 from pimm_core import load_weights
-from pimm_core.checkpoint.export import export
+from pimm_core.checkpoint.export.model_dir import export
 from pimm_core.config import config_from_dict
-from pimm_core.data import build_datasets
+from pimm_core.data.loaders import build_datasets
 from pimm_core.models import build_model
 from pimm_core.watch.candidates import verify_checkpoint
 from pimm_core.watch.snapshot import RunReader

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from pimm_core.checkpoint.standard import load_standard, save_standard
-from pimm_core.dist import DistInfo
+from pimm_core.checkpoint.formats.standard import load_standard, save_standard
+from pimm_core.process.dist import DistInfo
 
 
 # the trainer state a resume needs (load_standard refuses a checkpoint without it)

@@ -1,6 +1,6 @@
 """One writer per run directory: a second launch refuses at once, a killed holder's lock is taken over.
 
-The run lock is an OS ``flock`` on ``<run>/.lock`` (``pimm_core.lock``): a second
+The run lock is an OS ``flock`` on ``<run>/.lock`` (``pimm_core.process.lock``): a second
 ``pimm launch`` on the same run exits 2 with one line naming the holder's pid and host;
 after the holder is SIGKILLed the kernel releases the lock, and a resume takes it and
 trains. ``pimm checkpoints ls`` keeps answering while the run writes checkpoints.
@@ -88,7 +88,7 @@ def test_second_launch_refused_killed_holder_taken_over(tmp_path):
 
 def test_launch_refused_while_held_by_this_process(tmp_path):
     """The refusal names whoever holds the flock (here: this test process, on this host)."""
-    from pimm_core.lock import RunLock
+    from pimm_core.process.lock import RunLock
 
     run = tmp_path / "digits" / "locked"
     with RunLock(run):

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from _helpers import DIGITS, REPO, clean_env, describe, hang_s, pimm, pimm_here, read_json, read_jsonl
-from pimm_core.checkpoint.manifest import verify_files
+from pimm_core.checkpoint.records.manifest import verify_files
 
 OVERRIDES = ("train.epochs=3", "train.log_every_steps=1")  # 23 steps per epoch at world size 2
 TOTAL = 69

@@ -2,7 +2,7 @@
 
 ``pimm launch --nproc-per-node 2`` runs torchrun in-process; each rank asks the kernel for
 SIGKILL when that launcher dies, and each DataLoader worker when its rank dies
-(``pimm_core.lock.die_with_parent``). The launcher holds ``<run>/.lock``; every rank, and
+(``pimm_core.process.lock.die_with_parent``). The launcher holds ``<run>/.lock``; every rank, and
 through it every DataLoader worker it forks, holds ``<run>/.ranks.lock`` shared; a new
 launch is refused while anyone holds either.
 
@@ -30,9 +30,9 @@ from pathlib import Path
 import pytest
 
 from _helpers import DIGITS, REPO, clean_env, describe, hang_s, launch, pimm_here, read_json
-from pimm_core.checkpoint.selection import select_resume
+from pimm_core.checkpoint.select.selection import select_resume
 from pimm_core.errors import UsageError
-from pimm_core.lock import LAUNCHER_ENV, LAUNCHER_HOLDS_ENV, LOCK, RANKS, RunLock
+from pimm_core.process.lock import LAUNCHER_ENV, LAUNCHER_HOLDS_ENV, LOCK, RANKS, RunLock
 
 # runs for minutes unless killed; a save at every epoch end (23 steps); two workers per rank
 LONG = ("train.epochs=200", "checkpoint.every_epochs=1", "data.num_workers=2", "train.log_every_steps=1")
@@ -161,7 +161,7 @@ def test_killed_launcher_takes_its_ranks_and_their_workers(tmp_path):
 
 # A stand-in rank: follows its launcher if it has one, takes what a rank holds, then waits.
 _RANK = ("import sys, time\n"
-         "from pimm_core.lock import follow_launcher, hold_run\n"
+         "from pimm_core.process.lock import follow_launcher, hold_run\n"
          "follow_launcher()\n"
          "held = hold_run(sys.argv[1], False)\n"
          "print('ready', flush=True)\n"

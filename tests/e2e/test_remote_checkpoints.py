@@ -127,7 +127,7 @@ def metric_at(run_dir: Path, step: int) -> float:
 
 
 def test_the_mirror_removes_only_what_this_run_held_and_removed_and_a_restore_checks_each_file(tmp_path, s3):
-    from pimm_core.checkpoint.remote_upload import Uploader
+    from pimm_core.checkpoint.remote.upload import Uploader
 
     def weights(where: Path, name: str, data: bytes, sha: str | None = None) -> None:
         (where / name).write_bytes(data)
@@ -162,7 +162,7 @@ def test_the_mirror_removes_only_what_this_run_held_and_removed_and_a_restore_ch
         "best_5.pth", "iter_20.pth", "iter_5.pth", "iter_6.pth"]
 
     # a restore into a wiped model/: every complete weights file, each checked against its sidecar
-    from pimm_core.checkpoint.remote_store import download_weights_files
+    from pimm_core.checkpoint.remote.store import download_weights_files
 
     restored = tmp_path / "restored"
     restored.mkdir()
@@ -175,7 +175,7 @@ def test_the_mirror_removes_only_what_this_run_held_and_removed_and_a_restore_ch
 
 
 def test_kill_during_an_upload_leaves_no_candidate_that_selection_accepts(tmp_path, s3):
-    from pimm_core.checkpoint.remote_store import download_newest, remote_candidates
+    from pimm_core.checkpoint.remote.store import download_newest, remote_candidates
 
     # SIGKILL after every file of the first step_<N>/ uploaded is uploaded and checked, before its
     # manifest and .complete (uploads are coalesced: N is whichever `last` the uploader took first)
@@ -206,8 +206,8 @@ def test_kill_during_an_upload_leaves_no_candidate_that_selection_accepts(tmp_pa
 
 
 def test_server_going_away_is_a_warning_training_continues_and_the_end_says_what_is_missing(tmp_path, s3):
-    from pimm_core.checkpoint.remote_store import remote_candidates
-    from pimm_core.checkpoint.selection import select_resume
+    from pimm_core.checkpoint.remote.store import remote_candidates
+    from pimm_core.checkpoint.select.selection import select_resume
 
     run_dir = tmp_path / "digits" / "r"
     proc = subprocess.Popen(
@@ -269,7 +269,7 @@ def test_a_stale_local_last_does_not_hide_a_newer_remote_step_and_the_mirror_kee
     """A requeued job lands on a node whose model/ holds an earlier copy of the run (last at step 45)
     while the remote holds step 90: the resume takes the newest (the remote's), every tool says so,
     and the mirror never removes a remote step newer than the local one."""
-    from pimm_core.checkpoint.remote_upload import Uploader
+    from pimm_core.checkpoint.remote.upload import Uploader
 
     r = launch(tmp_path, "r", "train.epochs=1", *remote(s3), env=s3.env())
     assert r.returncode == 0, r.stderr

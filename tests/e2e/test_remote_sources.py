@@ -146,7 +146,7 @@ def test_warm_start_api_from_a_plain_remote_safetensors_file(tmp_path, s3, src, 
     from safetensors.torch import save_file
 
     from _s3 import aws_env
-    from pimm_core.checkpoint.warm_start import warm_start
+    from pimm_core.checkpoint.weights.warm_start import warm_start
     from pimm_core.models import MLP
 
     sd = state_dict(src / "model" / "last" / "weights.pth")
@@ -327,7 +327,7 @@ def test_two_ranks_warm_start_from_one_download_per_node(tmp_path, s3, src):
 def test_temporary_directories_of_killed_downloads_and_exports_are_removed_by_the_next_command(tmp_path, s3, src):
     import tempfile
 
-    from pimm_core.checkpoint.scratch import make_owned_dir, release
+    from pimm_core.checkpoint.records.scratch import make_owned_dir, release
 
     tmp = tmp_path / "tmp"
     env = env_with_tmp(s3, tmp)

@@ -80,7 +80,7 @@ def _lr_at(records: list[dict], step: int) -> float:
 
 
 def cosine_lr(step: int, *, lr: float, min_lr: float, warmup: int, total: int, anchor=None) -> float:
-    """The README's formula, written out independently of pimm_core.schedule."""
+    """The README's formula, written out independently of pimm_core.train.schedule."""
     s_a, p_a = anchor or (warmup, 0.0)
     p = min(1.0, max(0.0, p_a + (1 - p_a) * (step - s_a) / (total - s_a)))
     m = min_lr / lr

@@ -20,7 +20,7 @@ import pytest
 from _helpers import DIGITS, REPO, clean_env, describe, hang_s, pimm, pimm_here, read_json, read_jsonl, snapshot
 from _resume_driver import BASE, run_job
 from conftest import STOPPED_AT, STOPPED_OVERRIDES
-from pimm_core.checkpoint.selection import select_resume
+from pimm_core.checkpoint.select.selection import select_resume
 from pimm_core.run import read_json as read_json_or_none
 
 K = 50  # interruption: epoch 1, iter 5 (45 steps per epoch at world size 1)

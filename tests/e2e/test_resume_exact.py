@@ -180,8 +180,8 @@ def test_bitwise_continuation(runs, case, ws, nw, k):
 def test_loader_cursor_resumes_exact_sample_order(ws, nw):
     """Per rank: k batches, state_dict, a fresh loader continues the epoch's exact order; each sample once."""
     from pimm_core.config import DataConfig
-    from pimm_core.data import build_datasets, train_loader
-    from pimm_core.dist import DistInfo
+    from pimm_core.data.loaders import build_datasets, train_loader
+    from pimm_core.process.dist import DistInfo
 
     cfg = DataConfig(num_workers=nw)
     ds = build_datasets(cfg).train

@@ -12,7 +12,7 @@ import pytest
 from _helpers import DIGITS, describe, pimm, pimm_here, read_json, read_jsonl, snapshot
 from _resume_driver import BASE, run_job
 from conftest import STOPPED_AT, STOPPED_OVERRIDES
-from pimm_core.checkpoint.resume_path import resolve_resume_path
+from pimm_core.checkpoint.select.resume_path import resolve_resume_path
 from pimm_core.errors import CheckpointError
 
 K = 50  # interruption: epoch 1, iter 5 (45 steps per epoch)

@@ -13,8 +13,8 @@ import pytest
 from _helpers import read_json, read_jsonl, resumed_records
 from _resume_driver import run_job
 from conftest import STOPPED_AT, STOPPED_OVERRIDES
-from pimm_core.checkpoint.manifest import write_manifest
-from pimm_core.topology import ROWS, plan_resume
+from pimm_core.checkpoint.records.manifest import write_manifest
+from pimm_core.run.topology import ROWS, plan_resume
 
 STEPS = 45  # optimizer steps per epoch at world size 1
 K = 50  # interruption: epoch 1, iter 5

@@ -218,7 +218,7 @@ def test_a_load_never_steps_the_users_optimizer(user_optimizer_runs, tmp_path):
     """Seen: to create the state it loads into, DCP called a real zero-gradient step() of the trainer's
     optimizer (a user subclass it could not copy): its step hook fired and its counter moved, also in a
     load that trains nothing."""
-    from pimm_core.checkpoint.state import unwrap
+    from pimm_core.checkpoint.tensors.state import unwrap
 
     full, cut, per_step = user_optimizer_runs
     load_only = tmp_path / "digits" / "load"
@@ -402,8 +402,8 @@ def test_going_back_to_an_earlier_point_branches_the_run(tmp_path):
     checkpoint of the branch is damaged, never a higher step of the abandoned line."""
     import torch
 
-    from pimm_core.checkpoint.selection import select_resume
-    from pimm_core.checkpoint.state import unwrap
+    from pimm_core.checkpoint.select.selection import select_resume
+    from pimm_core.checkpoint.tensors.state import unwrap
 
     full = tmp_path / "digits" / "full"
     run_job(full, KEEP_OVERRIDES)  # uninterrupted: 90 steps

@@ -243,7 +243,7 @@ def test_resume_skips_a_manifest_naming_outside_files(trained_run, tmp_path: Pat
 
 
 def test_relative_symlink_out_of_the_checkpoint_is_outside(tmp_path: Path):
-    from pimm_core.checkpoint.manifest import outside_names
+    from pimm_core.checkpoint.records.manifest import outside_names
 
     ck = tmp_path / "last"
     ck.mkdir()

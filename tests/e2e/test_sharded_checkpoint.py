@@ -27,11 +27,11 @@ import pytest
 import torch
 
 from _helpers import REPO, clean_env, hang_s, pimm_here
-from pimm_core.checkpoint.manifest import read_manifest
-from pimm_core.checkpoint.safe_read import read_dcp_metadata
-from pimm_core.checkpoint.selection import select_resume
-from pimm_core.checkpoint.sources import resolve_weight_source
-from pimm_core.checkpoint.weights import read_weight_sets
+from pimm_core.checkpoint.records.manifest import read_manifest
+from pimm_core.checkpoint.tensors.safe_read import read_dcp_metadata
+from pimm_core.checkpoint.select.selection import select_resume
+from pimm_core.checkpoint.weights.sources import resolve_weight_source
+from pimm_core.checkpoint.weights.read import read_weight_sets
 
 WORKER = Path(__file__).with_name("_sharded_worker.py")
 LAUNCHES = (

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from _helpers import describe, launch
-from pimm_core.checkpoint.files import move_pointers, pointer_targets, prune_single, set_pointer
+from pimm_core.checkpoint.formats.files import move_pointers, pointer_targets, prune_single, set_pointer
 
 STEP_FILE = re.compile(r"^step_(\d+)\.pth$")
 

@@ -33,7 +33,7 @@ import pytest
 from _helpers import DIGITS, REPO, clean_env, describe, hang_s, launch, pimm, pimm_here, read_json, read_jsonl
 from conftest import TrainedRun
 
-from pimm_core.checkpoint.selection import list_candidates
+from pimm_core.checkpoint.select.selection import list_candidates
 
 
 def _env(**kw: str) -> dict[str, str]:

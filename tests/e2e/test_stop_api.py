@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from _helpers import DIGITS, hang_s, read_json, read_jsonl
-from pimm_core.stop import StopRequest
+from pimm_core.process.stop import StopRequest
 
 
 def _wait_for(predicate, timeout: float = 5.0) -> bool:

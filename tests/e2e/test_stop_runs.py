@@ -35,9 +35,9 @@ import pytest
 
 from _helpers import DIGITS, REPO, clean_env, describe, hang_s, launch, pimm, pimm_here, read_json
 from pimm_core.launch.forward import live_processes
-from pimm_core.checkpoint.selection import select_resume
-from pimm_core.shell import program
-from pimm_core.stop import stop_file, write_stop_file
+from pimm_core.checkpoint.select.selection import select_resume
+from pimm_core.process.shell import program
+from pimm_core.process.stop import stop_file, write_stop_file
 
 # dropout on, two DataLoader workers per rank, status.json updated every step (so the
 # test can see progress); the reference runs use exactly the same overrides.
@@ -375,7 +375,7 @@ def rank_cursors(ckpt: Path) -> dict[int, int | None]:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from pimm_core.checkpoint.state import unpack
+    from pimm_core.checkpoint.tensors.state import unpack
 
     reader = dcp.FileSystemReader(ckpt / "trainer.dcp")
     meta = reader.read_metadata().state_dict_metadata

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from _helpers import clean_env, describe, eval_weights, launch, read_json, read_jsonl
-from pimm_core.checkpoint.manifest import verify_files
+from pimm_core.checkpoint.records.manifest import verify_files
 
 STEPS_PER_EPOCH = 23  # 1,437 training samples split over 2 ranks (719 each) at batch 32
 

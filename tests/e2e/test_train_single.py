@@ -9,9 +9,9 @@ import torch
 
 from _helpers import describe, eval_weights, launch, read_json, read_jsonl
 from conftest import SINGLE_OVERRIDES
-from pimm_core.checkpoint.manifest import verify_files
+from pimm_core.checkpoint.records.manifest import verify_files
 from pimm_core.config import config_from_dict, load_config
-from pimm_core.data import build_datasets
+from pimm_core.data.loaders import build_datasets
 
 EPOCHS, STEPS_PER_EPOCH = 3, 45  # 1,437 training samples at batch 32
 TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH

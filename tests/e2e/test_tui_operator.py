@@ -183,7 +183,7 @@ async def test_verify_result_belongs_to_the_checkpoint_it_checked(tmp_path: Path
 
 @pytest.mark.asyncio
 async def test_verify_while_a_save_rotates_last_is_never_a_mismatch(tmp_path: Path, monkeypatch) -> None:
-    import pimm_core.checkpoint.selection as selection
+    import pimm_core.checkpoint.select.selection as selection
 
     rd = _with_checkpoint(tmp_path, step=10)
     real = selection.verify_candidate

@@ -207,7 +207,7 @@ def test_large_metrics_file_finds_nonfinite_records_in_the_sampled_head(tmp_path
 
 # ------------------------------------------------------------ verify on a live run
 def test_verify_checkpoint_rotated_while_hashing_checks_the_new_generation(tmp_path: Path, monkeypatch) -> None:
-    import pimm_core.checkpoint.selection as selection
+    import pimm_core.checkpoint.select.selection as selection
 
     model = tmp_path / "model"
     model.mkdir()

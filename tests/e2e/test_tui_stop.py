@@ -13,8 +13,8 @@ import pytest
 from _helpers import DIGITS, REPO, clean_env, hang_s
 from tui_support import loaded, make_app, screen_text, wait_for
 
-from pimm_core.checkpoint.selection import select_resume
-from pimm_core.shell import resume_command
+from pimm_core.checkpoint.select.selection import select_resume
+from pimm_core.process.shell import resume_command
 from pimm_tui.screens import ConfirmStop
 
 
@@ -55,7 +55,7 @@ async def test_stop_key_stops_a_live_run(tmp_path: Path) -> None:
             await wait_for(pilot, lambda: not isinstance(app.screen, ConfirmStop), what="the cancel")
             assert not (run_dir / "control" / "stop").exists()
             assert proc.poll() is None
-            # `s`, `y`: the stop request goes out through pimm_core.stop.
+            # `s`, `y`: the stop request goes out through pimm_core.process.stop.
             await pilot.press("s")
             await wait_for(pilot, lambda: isinstance(app.screen, ConfirmStop), what="the confirmation")
             await pilot.press("y")

@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from pimm_core.checkpoint.export import export_weights
-from pimm_core.checkpoint.key_rules import DEFAULT_KEY_RULES, apply_key_rules
-from pimm_core.checkpoint.sources import resolve_weight_source
-from pimm_core.checkpoint.strict_load import load_weights
-from pimm_core.checkpoint.warm_start import WarmStartReport, warm_start
-from pimm_core.checkpoint.weights import read_weight_sets
+from pimm_core.checkpoint.export.model_dir import export_weights
+from pimm_core.checkpoint.weights.key_rules import DEFAULT_KEY_RULES, apply_key_rules
+from pimm_core.checkpoint.weights.sources import resolve_weight_source
+from pimm_core.checkpoint.weights.strict_load import load_weights
+from pimm_core.checkpoint.weights.warm_start import WarmStartReport, warm_start
+from pimm_core.checkpoint.weights.read import read_weight_sets
 from pimm_core.errors import CheckpointError, IncompleteCheckpointError, UsageError, WeightNotFoundError
 
 
@@ -351,7 +351,7 @@ def test_hf_source_through_local_fake(tmp_path: Path, monkeypatch) -> None:
         return str(path)
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
-    from pimm_core.checkpoint import hub
+    from pimm_core.checkpoint.weights import hub
 
     monkeypatch.setattr(hub, "hub_unreachable", lambda: None)  # the fake Hub answers
     assert resolve_weight_source("hf://org/repo") == (repo / "weights.pth").resolve()
@@ -407,7 +407,7 @@ def test_export_weights_files(tmp_path: Path) -> None:
 def test_unwrap_follows_wrappers_only() -> None:
     """One unwrap rule (checkpoint.state.unwrap): ``.module`` only on a data-parallel wrapper,
     ``._orig_mod`` on a torch.compile wrapper; a model's own submodule named ``module`` stays."""
-    from pimm_core.checkpoint.state import unwrap
+    from pimm_core.checkpoint.tensors.state import unwrap
 
     class Holder(nn.Module):
         def __init__(self) -> None:

@@ -148,7 +148,8 @@ def test_one_window_over_two_ranks_steps_as_the_full_batch(runs, task, strategy)
 
 def _train(jobs_file: str) -> int:
     """Each rank under torchrun: train every job of ``jobs_file`` in turn, in one process group."""
-    from pimm_core import Trainer, dist, load_config
+    from pimm_core import Trainer, load_config
+    from pimm_core.process import dist
     from pimm_core.launch import setup_logging
 
     setup_logging(dist.env_world().is_main)

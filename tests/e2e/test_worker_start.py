@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def _loader(ds, workers: int, timeout: float, method: str = "forkserver"):
     from pimm_core.config import DataConfig
-    from pimm_core.data import train_loader
-    from pimm_core.dist import DistInfo
+    from pimm_core.data.loaders import train_loader
+    from pimm_core.process.dist import DistInfo
 
     cfg = DataConfig(batch_size=2, num_workers=workers, multiprocessing_context=method, timeout=timeout)
     return train_loader(ds, cfg, DistInfo(rank=0, world_size=1, local_rank=0), seed=0)
@@ -186,7 +186,7 @@ def test_two_ranks_many_short_epochs_with_saves_and_purges_never_hang(tmp_path):
 def test_a_dataset_defined_in_an_interactive_session_is_one_config_line():
     """A notebook's or the prompt's ``__main__`` has no file a worker could import its classes from."""
     script = ("import torch\nfrom torch.utils.data import Dataset\nfrom pimm_core.config import DataConfig\n"
-              "from pimm_core.data import train_loader\nfrom pimm_core.dist import DistInfo\n"
+              "from pimm_core.data import train_loader\nfrom pimm_core.process.dist import DistInfo\n"
               "class Mine(Dataset):\n    def __len__(self): return 4\n    def __getitem__(self, i): return torch.tensor(i)\n"
               "try:\n    train_loader(Mine(), DataConfig(batch_size=2, num_workers=2), DistInfo(), seed=0)\n"
               "except Exception as e:\n    print(type(e).__name__, e)\n")

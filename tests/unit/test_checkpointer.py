@@ -14,19 +14,19 @@ import pytest
 import torch
 from torch import nn
 
-from pimm_core.checkpoint import files
-from pimm_core.checkpoint.async_save import AsyncStandardFormat
-from pimm_core.checkpoint.files import LegacyFormat, SingleFormat
-from pimm_core.checkpoint.formats import make_format
-from pimm_core.checkpoint.protocol import meta_problem
-from pimm_core.checkpoint.standard import StandardFormat
+from pimm_core.checkpoint.formats import files
+from pimm_core.checkpoint.formats.async_save import AsyncStandardFormat
+from pimm_core.checkpoint.formats.files import LegacyFormat, SingleFormat
+from pimm_core.checkpoint.formats.choose import make_format
+from pimm_core.checkpoint.formats.protocol import meta_problem
+from pimm_core.checkpoint.formats.standard import StandardFormat
 from pimm_core.config import CheckpointConfig, Config, TrainConfig
-from pimm_core.dist import DistInfo
-from pimm_core.ema import EMA
+from pimm_core.process.dist import DistInfo
+from pimm_core.train.ema import EMA
 from pimm_core.errors import CheckpointSaveError, ConfigError
 from pimm_core.run import read_json, read_metrics
-from pimm_core.schedule import WarmupCosine
-from pimm_core.stop import StopRequest
+from pimm_core.train.schedule import WarmupCosine
+from pimm_core.process.stop import StopRequest
 from pimm_core.train.checkpointer import Checkpointer, Save, SaveSchedule
 from pimm_core.train.recorder import Recorder
 from pimm_core.train.state import TrainState, end_step

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pimm_core.config import SCHEDULER_KINDS, Config, config_from_dict, load_config, write_config
-from pimm_core.data import as_datasets, build_datasets, data_spec
+from pimm_core.data.loaders import as_datasets, build_datasets, data_spec
 from pimm_core.errors import ConfigError
 from pimm_core.models import build_model, model_spec
 from pimm_core.targets import TargetSpec, call

@@ -7,7 +7,7 @@ epoch over the new data. What is unknown on either side (an older checkpoint) is
 
 from __future__ import annotations
 
-from pimm_core.topology import ROWS, plan_resume
+from pimm_core.run.topology import ROWS, plan_resume
 
 
 def manifest(it=6, **extra) -> dict:
@@ -65,7 +65,7 @@ def test_load_problem_names_the_class_and_the_fix():
 
     import torch
 
-    from pimm_core.checkpoint.state import load_problem
+    from pimm_core.checkpoint.tensors.state import load_problem
 
     Colour = enum.Enum("Colour", "RED")
     Colour.__module__ = __name__

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pimm_core.data_rng import EpochSeeded, sample_generator, sample_numpy, sample_random, sample_seed, set_epoch
+from pimm_core.data.rng import EpochSeeded, sample_generator, sample_numpy, sample_random, sample_seed, set_epoch
 
 
 class Noisy(EpochSeeded, torch.utils.data.Dataset):

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from pimm_core.data import digits, digits_arrays
+from pimm_core.data.loaders import digits, digits_arrays
 
 
 def test_the_same_arrays_as_load_digits():

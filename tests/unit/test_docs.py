@@ -1,7 +1,7 @@
 """The documentation's reference cannot drift from the code; the README points into the docs.
 
 Checked in process, without building the site (``tests/e2e/test_docs_site.py`` builds it and reads
-the pages): every config key of the schema has a one-line meaning in ``pimm_core/config_help.py``
+the pages): every config key of the schema has a one-line meaning in ``pimm_core/config/help.py``
 and that file names no other key; the resume policy's rows are ordered as ``plan_resume`` applies
 them; the README keeps the test command CI runs, stays short, and its links into ``docs/`` exist.
 """
@@ -24,26 +24,26 @@ def _hook():
 
 
 def test_meanings_name_only_keys_of_the_schema() -> None:
-    from pimm_core.config_help import KEY_HELP
+    from pimm_core.config.help import KEY_HELP
 
     rows = {key for key, *_ in _hook().config_rows()}  # the schema's keys and its nested tables' keys
     stale = sorted(set(KEY_HELP) - rows)
-    assert not stale, f"pimm_core/config_help.py describes keys the schema does not have: {stale}"
+    assert not stale, f"pimm_core/config/help.py describes keys the schema does not have: {stale}"
     missing = sorted(rows - set(KEY_HELP))
-    assert not missing, f"keys without a meaning: add a line for each to pimm_core/config_help.py: {missing}"
+    assert not missing, f"keys without a meaning: add a line for each to pimm_core/config/help.py: {missing}"
 
 
 def test_every_schema_key_has_a_meaning() -> None:
     from pimm_core.config import Config
-    from pimm_core.config_help import KEY_HELP
-    from pimm_core.config_tables import all_keys
+    from pimm_core.config.help import KEY_HELP
+    from pimm_core.config.tables import all_keys
 
     missing = [k for k in all_keys(Config) if not KEY_HELP.get(k)]
-    assert not missing, f"config keys without a meaning: add a line for each to pimm_core/config_help.py: {missing}"
+    assert not missing, f"config keys without a meaning: add a line for each to pimm_core/config/help.py: {missing}"
 
 
 def test_policy_rows_are_generated_in_the_order_plan_resume_applies_them() -> None:
-    from pimm_core.topology import ROWS
+    from pimm_core.run.topology import ROWS
 
     hook = _hook()
     order = hook.policy_order()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pimm_core.config import load_config
-from pimm_core.data import as_datasets, data_spec
+from pimm_core.data.loaders import as_datasets, data_spec
 from pimm_core.models import model_spec
 from pimm_core.objectives import BUILTIN
 from pimm_core.targets import call

@@ -12,7 +12,7 @@ import sys
 
 _CODE = """
 import multiprocessing.forkserver as fs
-from pimm_core.loader_workers import _ensure_forkserver
+from pimm_core.data.workers import _ensure_forkserver
 _ensure_forkserver()
 print(fs._forkserver._forkserver_pid)
 """

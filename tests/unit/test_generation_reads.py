@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pimm_core.checkpoint import selection, weights
-from pimm_core.checkpoint.export import export
-from pimm_core.checkpoint.manifest import describe_files
+from pimm_core.checkpoint.select import selection
+from pimm_core.checkpoint.weights import read as weights
+from pimm_core.checkpoint.export.model_dir import export
+from pimm_core.checkpoint.records.manifest import describe_files
 from pimm_core.cli import main
 
 
@@ -72,7 +73,7 @@ def test_export_overtaken_by_a_save_has_the_metadata_of_its_tensors(tmp_path: Pa
 
 
 def test_a_read_that_every_save_overtakes_ends_in_one_line(tmp_path: Path) -> None:
-    from pimm_core.checkpoint import generation
+    from pimm_core.checkpoint.records import generation
 
     model = tmp_path / "model"
     _generation(model / "last", 1)
@@ -85,7 +86,7 @@ def test_a_read_that_every_save_overtakes_ends_in_one_line(tmp_path: Path) -> No
 
 
 def test_verify_of_last_rotated_while_hashing_is_ok(tmp_path: Path, monkeypatch) -> None:
-    from pimm_core.checkpoint import manifest
+    from pimm_core.checkpoint.records import manifest
 
     model = tmp_path / "model"
     _generation(model / "last", 10)
@@ -117,8 +118,8 @@ def test_a_damaged_file_is_still_reported(tmp_path: Path) -> None:
 
 def test_verify_waits_for_the_sidecar_a_save_is_writing(tmp_path: Path, monkeypatch) -> None:
     """model_best.pth is replaced before its sidecar manifest: verify in between is not "cannot verify"."""
-    from pimm_core.checkpoint import generation
-    from pimm_core.checkpoint.manifest import sha256_file
+    from pimm_core.checkpoint.records import generation
+    from pimm_core.checkpoint.records.manifest import sha256_file
 
     model = tmp_path / "model"
     _generation(model / "last", 10)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pimm_core.errors import ConfigError
-from pimm_core.global_order import GlobalOrderSampler, seed_micro_batch, window_of
-from pimm_core.topology import ROWS, plan_resume
+from pimm_core.data.global_order import GlobalOrderSampler, seed_micro_batch, window_of
+from pimm_core.run.topology import ROWS, plan_resume
 
 
 def _steps(length: int, world: int, *, start: int = 0, epoch: int = 0, global_batch: int = 16, batch: int = 4):
@@ -98,7 +98,7 @@ def test_a_default_order_checkpoint_keeps_its_rows():
 
 def test_the_derived_window_is_not_a_config_change():
     from pimm_core.config import config_from_dict
-    from pimm_core.topology import config_diff
+    from pimm_core.run.topology import config_diff
 
     def cfg(order: str, accum: int) -> dict:
         return config_from_dict({"data": {"order": order}, "train": {"global_batch": 32, "grad_accum": accum}}).to_dict()
@@ -110,7 +110,7 @@ def test_the_derived_window_is_not_a_config_change():
 def test_a_world_size_change_warns_about_batchnorm_running_statistics_and_syncbatchnorm():
     from torch import nn
 
-    from pimm_core.global_order import running_stats_warning
+    from pimm_core.data.global_order import running_stats_warning
 
     assert running_stats_warning(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))) == []
     assert running_stats_warning(nn.Sequential(nn.BatchNorm1d(4, track_running_stats=False))) == []

@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from pimm_core.checkpoint.manifest import write_manifest
-from pimm_core.checkpoint.selection import list_candidates
+from pimm_core.checkpoint.records.manifest import write_manifest
+from pimm_core.checkpoint.select.selection import list_candidates
 from pimm_core.config import CheckpointConfig, Config, EvalConfig
-from pimm_core.dist import DistInfo
+from pimm_core.process.dist import DistInfo
 from pimm_core.run import read_json
-from pimm_core.schedule import WarmupCosine
-from pimm_core.stop import StopRequest
+from pimm_core.train.schedule import WarmupCosine
+from pimm_core.process.stop import StopRequest
 from pimm_core.train.best import BestTracker
 from pimm_core.train.best_k import BestKeeper, ranked_best
 from pimm_core.train.checkpointer import Checkpointer

@@ -11,7 +11,7 @@ import pytest
 
 from pimm_core.errors import UsageError
 from pimm_core.launch.options import LaunchOptions
-from pimm_core.lock import LOCK, LauncherLock
+from pimm_core.process.lock import LOCK, LauncherLock
 
 TWO_NODES = {"launcher": "pimm", "nproc_per_node": 1, "nnodes": "2", "rdzv_endpoint": "node0:29500",
              "rdzv_backend": "c10d"}

@@ -47,32 +47,18 @@ LAYERS: dict[str, tuple[int, str]] = {
     "pimm_core.fsio": (0, "fsio"),
     "pimm_core.text": (0, "fsio"),
     "pimm_core.run": (1, "run"),
-    "pimm_core.lock": (1, "run"),
-    "pimm_core.stop": (1, "run"),
-    "pimm_core.time_limit": (1, "run"),
-    "pimm_core.shell": (1, "run"),
-    "pimm_core.console_log": (1, "run"),
+    "pimm_core.process": (1, "run"),
     "pimm_core.config": (1, "run"),
-    "pimm_core.config_tables": (1, "run"),
-    "pimm_core.config_checks": (1, "run"),
-    "pimm_core.config_show": (1, "run"),
-    "pimm_core.config_help": (1, "run"),
     "pimm_core.targets": (1, "run"),
-    "pimm_core.topology": (1, "run"),
-    "pimm_core.global_order": (1, "run"),
-    "pimm_core.dist": (1, "run"),
+    "pimm_core.data.global_order": (1, "run"),
     "pimm_core.checkpoint": (2, "checkpoint"),
     "pimm_core.trainer": (3, "train"),
     "pimm_core.train": (3, "train"),
-    "pimm_core.schedule": (3, "train"),
-    "pimm_core.ema": (3, "train"),
     "pimm_core.data": (3, "train"),
-    "pimm_core.loader_workers": (3, "train"),
+    "pimm_core.data_rng": (3, "train"),  # the old name of data.rng, kept for user code
     "pimm_core.models": (3, "train"),
     "pimm_core.objectives": (3, "train"),
     "pimm_core.optim": (3, "train"),
-    "pimm_core.data_rng": (3, "train"),
-    "pimm_core.plugins": (3, "train"),
     "pimm_core.watch": (3, "watch"),
     "pimm_core.launch": (4, "cli"),
     "pimm_core.cli": (4, "cli"),
@@ -80,6 +66,19 @@ LAYERS: dict[str, tuple[int, str]] = {
     "pimm_core.utils": (4, "cli"),
     "pimm": (4, "cli"),
     "pimm_tui": (5, "console"),
+}
+
+#: The steps inside ``checkpoint`` (see each subpackage's ``__init__``): a subpackage imports those on a
+#: lower step only; siblings on one step do not import each other.
+CHECKPOINT_STEPS: dict[str, int] = {
+    "records": 0,  # manifest, generation, foreign, outputs, scratch (torch-free)
+    "select": 1,   # candidate, selection, verify, resume_path, branch (torch-free)
+    "tensors": 1,  # state, ties, safe_read (torch)
+    "publish": 2,  # rotation, follow
+    "remote": 2,   # candidate, store, upload, choice, source, output (torch-free)
+    "formats": 3,  # protocol, standard, async_save, files, sharded, weights_file, choose
+    "weights": 4,  # sources, hub, read, strict_load, warm_start, key_rules
+    "export": 5,   # model_dir, files, config, library_model
 }
 
 #: Upward imports that are the point of their module: (importer prefix, imported prefix) -> why.
@@ -105,27 +104,13 @@ def layer_of(module: str) -> tuple[int, str] | None:
     return best[1] if best else None
 
 
-def _type_checking_only(tree: ast.AST) -> set[int]:
-    """ids of the nodes under ``if TYPE_CHECKING:`` (never run: annotations only)."""
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
-            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    return skip
-
-
-def imports_of(module: str, path: Path, known: dict[str, Path], *, run_time_only: bool = False) -> set[str]:
-    """The pimm modules ``module`` imports (anywhere in the file), resolved to known module names.
-
-    With ``run_time_only``, imports under ``if TYPE_CHECKING:`` are left out.
-    """
+def imports_of(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The pimm modules ``module`` imports (anywhere in the file, ``if TYPE_CHECKING:`` included),
+    resolved to known module names."""
     is_package = path.name == "__init__.py"
     found: set[str] = set()
     tree = ast.parse(path.read_text(), str(path))
-    skip = _type_checking_only(tree) if run_time_only else set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 parts = module.split(".") if is_package else module.split(".")[:-1]
@@ -139,6 +124,22 @@ def imports_of(module: str, path: Path, known: dict[str, Path], *, run_time_only
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
     return {m for m in found if m in known and m != module and m not in PACKAGES[:1]}
+
+
+def checkpoint_step(module: str) -> tuple[int, str] | None:
+    """``(step, subpackage)`` of a module inside ``pimm_core.checkpoint.<subpackage>``, else None."""
+    parts = module.split(".")
+    if parts[:2] == ["pimm_core", "checkpoint"] and len(parts) > 2 and parts[2] in CHECKPOINT_STEPS:
+        return CHECKPOINT_STEPS[parts[2]], parts[2]
+    return None
+
+
+def checkpoint_step_problem(module: str, target: str) -> bool:
+    """``module`` imports a ``checkpoint`` subpackage on its own step (another one) or above it."""
+    mine, theirs = checkpoint_step(module), checkpoint_step(target)
+    if mine is None or theirs is None or mine[1] == theirs[1]:
+        return False
+    return theirs[0] >= mine[0]
 
 
 def violations() -> list[str]:
@@ -156,9 +157,7 @@ def violations() -> list[str]:
             if theirs is None:
                 continue  # reported as its own module above
             upward = theirs[0] > mine[0] or (theirs[0] == mine[0] and theirs[1] != mine[1])
-            back_to_export = (target == "pimm_core.checkpoint.export" and mine[1] == "checkpoint"
-                              and module != target)
-            if (upward or back_to_export) and not any(
+            if (upward or checkpoint_step_problem(module, target)) and not any(
                     (module == a or module.startswith(a + ".")) and (target == b or target.startswith(b + ".")) for a, b in ALLOWED):
                 bad.append(f"{module} ({mine[1]}) imports {target} ({theirs[1]})")
     return bad
@@ -169,15 +168,16 @@ def cycles() -> list[list[str]]:
 
     Imports inside functions count: a lazy import that closes a loop still makes each
     module's import depend on the other's having finished, and hides the loop until that
-    function first runs. Imports under ``if TYPE_CHECKING:`` do not: they never run
-    (``from __future__ import annotations`` keeps the annotations unevaluated), and naming
-    the class that calls you in an annotation is no dependency (``train.resume`` on
-    ``trainer.Trainer``). Importing a package's submodule is an edge to the submodule only
-    (Python runs the package's ``__init__`` first, but a package whose ``__init__`` imports
-    the submodule back is still seen: that import is an edge of its own).
+    function first runs. Imports under ``if TYPE_CHECKING:`` count too: an annotation naming
+    the class that calls you is still a module that cannot be read without the other (the
+    trainer's parts take the trainer as a :class:`~typing.Protocol` declared below them,
+    :class:`pimm_core.train.host.TrainerHost`, not as ``trainer.Trainer``). Importing a
+    package's submodule is an edge to the submodule only (Python runs the package's
+    ``__init__`` first, but a package whose ``__init__`` imports the submodule back is still
+    seen: that import is an edge of its own).
     """
     known = _modules()
-    graph = {m: sorted(imports_of(m, p, known, run_time_only=True)) for m, p in known.items()}
+    graph = {m: sorted(imports_of(m, p, known)) for m, p in known.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -225,34 +225,59 @@ def test_the_console_views_do_not_import_the_app() -> None:
             for m in views} == {m: [] for m in views}
 
 
-def test_the_rule_sees_an_upward_import(tmp_path: Path, monkeypatch) -> None:
-    """The checker itself: an upward import (run -> trainer) and one back to export are reported."""
-    fake = {"pimm_core.run": tmp_path / "run.py", "pimm_core.trainer": tmp_path / "trainer.py",
-            "pimm_core.checkpoint.weights": tmp_path / "weights.py",
-            "pimm_core.checkpoint.export": tmp_path / "export.py"}
-    fake["pimm_core.run"].write_text("def f():\n    from .trainer import Trainer\n")
-    fake["pimm_core.trainer"].write_text("from .run import STATUS\n")
-    fake["pimm_core.checkpoint.weights"].write_text("from . import export\n")
-    fake["pimm_core.checkpoint.export"].write_text("from .weights import x\n")
+def _fake_tree(tmp_path: Path, monkeypatch, sources: dict[str, str], packages: tuple[str, ...] = ()) -> None:
+    """Make the checks read ``sources`` (module -> its text) instead of the repository."""
+    fake = {}
+    for module, text in sources.items():
+        rel = module.replace(".", "/")
+        path = tmp_path / rel / "__init__.py" if module in packages else tmp_path / f"{rel}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        fake[module] = path
     monkeypatch.setitem(globals(), "_modules", lambda: fake)
+
+
+def test_the_rule_sees_an_upward_import(tmp_path: Path, monkeypatch) -> None:
+    """The checker itself: an upward import (run -> trainer), one up a checkpoint step (weights ->
+    export) and one to a sibling on the same step (remote -> publish) are reported; one down a step
+    (export -> weights) and one inside a subpackage are not."""
+    _fake_tree(tmp_path, monkeypatch, {
+        "pimm_core.run": "def f():\n    from .trainer import Trainer\n",
+        "pimm_core.trainer": "from .run import STATUS\n",
+        "pimm_core.checkpoint.weights.read": "from ..export import model_dir\nfrom .sources import y\n",
+        "pimm_core.checkpoint.weights.sources": "",
+        "pimm_core.checkpoint.export.model_dir": "from ..weights.read import x\n",
+        "pimm_core.checkpoint.remote.store": "from ..publish.rotation import publish\n",
+        "pimm_core.checkpoint.publish.rotation": "",
+    })
     assert sorted(violations()) == [
-        "pimm_core.checkpoint.weights (checkpoint) imports pimm_core.checkpoint.export (checkpoint)",
+        "pimm_core.checkpoint.remote.store (checkpoint) imports pimm_core.checkpoint.publish.rotation (checkpoint)",
+        "pimm_core.checkpoint.weights.read (checkpoint) imports pimm_core.checkpoint.export.model_dir (checkpoint)",
         "pimm_core.run (run) imports pimm_core.trainer (train)",
     ]
 
 
-def test_the_cycle_check_sees_a_lazy_loop_and_not_a_type_checking_one(tmp_path: Path, monkeypatch) -> None:
+def test_the_cycle_check_sees_lazy_and_type_checking_loops(tmp_path: Path, monkeypatch) -> None:
     """The checker itself: a loop closed by an import inside a function is a cycle (also through a
-    package's ``from . import name``); one closed only under ``if TYPE_CHECKING:`` is not."""
-    names = {"pimm_core.run": "run.py", "pimm_core.trainer": "trainer.py", "pimm_core.lock": "lock.py",
-             "pimm_core.stop": "stop.py", "pimm_core.cli": "cli/__init__.py", "pimm_core.cli.train": "cli/train.py"}
-    fake = {m: tmp_path / f for m, f in names.items()}
-    (tmp_path / "cli").mkdir()
-    fake["pimm_core.run"].write_text("from .trainer import Trainer\n")
-    fake["pimm_core.trainer"].write_text("def f():\n    from .run import STATUS\n")
-    fake["pimm_core.lock"].write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .stop import S\n")
-    fake["pimm_core.stop"].write_text("from .lock import L\n")
-    fake["pimm_core.cli"].write_text("from . import train\nARGV = []\n")
-    fake["pimm_core.cli.train"].write_text("def launch():\n    from . import ARGV\n")
-    monkeypatch.setitem(globals(), "_modules", lambda: fake)
-    assert cycles() == [["pimm_core.cli", "pimm_core.cli.train"], ["pimm_core.run", "pimm_core.trainer"]]
+    package's ``from . import name``), and so is one closed only under ``if TYPE_CHECKING:``."""
+    _fake_tree(tmp_path, monkeypatch, {
+        "pimm_core.run": "from .trainer import Trainer\n",
+        "pimm_core.trainer": "def f():\n    from .run import STATUS\n",
+        "pimm_core.process.lock": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .stop import S\n",
+        "pimm_core.process.stop": "from .lock import L\nfrom ..text import T\n",
+        "pimm_core.text": "",
+        "pimm_core.cli": "from . import train\nARGV = []\n",
+        "pimm_core.cli.train": "def launch():\n    from . import ARGV\n",
+    }, packages=("pimm_core.cli",))
+    assert cycles() == [["pimm_core.cli", "pimm_core.cli.train"], ["pimm_core.process.lock", "pimm_core.process.stop"],
+                        ["pimm_core.run", "pimm_core.trainer"]]
+
+
+def test_each_checkpoint_subpackage_has_a_step_and_says_what_it_may_import() -> None:
+    """Every subpackage of ``checkpoint`` is on a step, and its ``__init__`` docstring states its rule."""
+    root = REPO / "pimm_core" / "checkpoint"
+    subpackages = sorted(p.parent.name for p in root.glob("*/__init__.py"))
+    assert subpackages == sorted(CHECKPOINT_STEPS)
+    for group in [*subpackages, "../config", "../data", "../process"]:
+        doc = ast.get_docstring(ast.parse((root / group / "__init__.py").read_text())) or ""
+        assert "May import" in doc, group

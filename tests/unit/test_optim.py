@@ -14,7 +14,7 @@ from torch import nn
 from pimm_core.config import SCHEDULER_KINDS, load_config
 from pimm_core.errors import ConfigError
 from pimm_core.optim import build_optimizer, build_scheduler, observe_metric, param_groups
-from pimm_core.schedule import WarmupCosine, WarmupSchedule
+from pimm_core.train.schedule import WarmupCosine, WarmupSchedule
 
 
 class TiedNet(nn.Module):
@@ -247,7 +247,7 @@ CHECK_CASES = [  # (keys taken out of the good config, overrides added, how the 
 def test_check_targets_finds_each_wrong_key_without_building(user_module, tmp_path, drop, add, start):
     """``check_targets`` reports what the launch would, and builds nothing (targets that
     raise when called are only resolved)."""
-    from pimm_core.plugins import check_targets
+    from pimm_core.train.plugins import check_targets
 
     parts = f"{user_module}_parts"
     (tmp_path / f"{parts}.py").write_text(
@@ -268,6 +268,6 @@ def test_check_targets_finds_each_wrong_key_without_building(user_module, tmp_pa
 
 
 def test_check_targets_passes_the_builtin_config():
-    from pimm_core.plugins import check_targets
+    from pimm_core.train.plugins import check_targets
 
     check_targets(cfg())

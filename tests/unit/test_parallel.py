@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from pimm_core import dist
+from pimm_core.process import dist
 from pimm_core.config import load_config
-from pimm_core.dist import DistInfo
+from pimm_core.process.dist import DistInfo
 from pimm_core.errors import ConfigError
 from pimm_core.train.parallel import checkpoint_activations, find_blocks, is_fsdp, parallelize
 
@@ -202,7 +202,7 @@ def test_evaluation_leaves_every_fsdp_unit_sharded_with_the_raw_weights(weights)
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from torch.distributed.tensor import DTensor
 
-    from pimm_core.ema import EMA
+    from pimm_core.train.ema import EMA
     from pimm_core.train.evaluator import Evaluator
 
     cfg = load_config(None, ["train.strategy=fsdp", 'train.blocks=["Block"]'])

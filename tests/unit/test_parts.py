@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from pimm_core.dist import DistInfo
-from pimm_core.schedule import WarmupCosine
-from pimm_core.stop import StopRequest, stop_file, write_stop_file
+from pimm_core.process.dist import DistInfo
+from pimm_core.train.schedule import WarmupCosine
+from pimm_core.process.stop import StopRequest, stop_file, write_stop_file
 from pimm_core.train.best import BestTracker
 from pimm_core.train.stop_agreement import StopAgreement
 

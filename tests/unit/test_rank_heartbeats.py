@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pimm_core.dist import DistInfo
+from pimm_core.process.dist import DistInfo
 from pimm_core.run import heartbeat as hb_mod
 from pimm_core.run.heartbeat import Heartbeat, beat, beat_step, heartbeat
 from pimm_core.run.ranks import RankBeat, lagging_ranks, rank_file, ranks_alive, read_rank_beats

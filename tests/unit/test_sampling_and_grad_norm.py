@@ -8,8 +8,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from pimm_core.config import DataConfig, TrainConfig
-from pimm_core.data import eval_loader, train_loader
-from pimm_core.dist import DistInfo
+from pimm_core.data.loaders import eval_loader, train_loader
+from pimm_core.process.dist import DistInfo
 from pimm_core.train.step import APPLIED, WindowStep
 
 

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from pimm_core.checkpoint import selection
+from pimm_core.checkpoint.select import selection
 
 
 def _complete(path: Path, step: int) -> Path:

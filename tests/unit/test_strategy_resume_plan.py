@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from pimm_core.topology import ROWS, plan_resume
+from pimm_core.run.topology import ROWS, plan_resume
 from pimm_core.watch.resume_diff import plan_rows
 
 

@@ -18,18 +18,18 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from pimm_core.checkpoint.export import export, export_weights, load_exported
-from pimm_core.checkpoint.async_save import AsyncStandardFormat
-from pimm_core.checkpoint.protocol import SaveItem
-from pimm_core.checkpoint.standard import StandardFormat, load_standard, save_standard
-from pimm_core.checkpoint.weights_file import write_weights_file
-from pimm_core.checkpoint.strict_load import load_weights
-from pimm_core.checkpoint.ties import find_aliases, follow_model_ties, tied_groups
-from pimm_core.checkpoint.warm_start import warm_start
-from pimm_core.checkpoint.export_formats import write_safetensors
-from pimm_core.checkpoint.weights import read_weight_sets
-from pimm_core.dist import DistInfo
-from pimm_core.ema import EMA
+from pimm_core.checkpoint.export.model_dir import export, export_weights, load_exported
+from pimm_core.checkpoint.formats.async_save import AsyncStandardFormat
+from pimm_core.checkpoint.formats.protocol import SaveItem
+from pimm_core.checkpoint.formats.standard import StandardFormat, load_standard, save_standard
+from pimm_core.checkpoint.formats.weights_file import write_weights_file
+from pimm_core.checkpoint.weights.strict_load import load_weights
+from pimm_core.checkpoint.tensors.ties import find_aliases, follow_model_ties, tied_groups
+from pimm_core.checkpoint.weights.warm_start import warm_start
+from pimm_core.checkpoint.export.files import write_safetensors
+from pimm_core.checkpoint.weights.read import read_weight_sets
+from pimm_core.process.dist import DistInfo
+from pimm_core.train.ema import EMA
 from pimm_core.train.evaluator import Evaluator
 
 VOCAB, DIM = 11, 8

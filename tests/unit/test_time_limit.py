@@ -1,4 +1,4 @@
-"""The wall-clock budget's decisions (pimm_core/time_limit.py) and the stop-signal names
+"""The wall-clock budget's decisions (pimm_core/process/time_limit.py) and the stop-signal names
 (pimm_core/stop.parse_signals), in process, against a clock the test moves."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 
 from pimm_core.config import load_config
 from pimm_core.errors import ConfigError
-from pimm_core.stop import StopRequest, parse_signals
-from pimm_core.time_limit import MARGIN_S, SAVE_FACTOR, TimeLimit, parse_duration, scheduler_end
+from pimm_core.process.stop import StopRequest, parse_signals
+from pimm_core.process.time_limit import MARGIN_S, SAVE_FACTOR, TimeLimit, parse_duration, scheduler_end
 
 DIGITS = "configs/digits.toml"
 

@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 REDACTED = "<redacted>"
 

@@ -3,12 +3,12 @@
 Tied tensors (several names for one tensor, e.g. ``head.weight is embed.weight``):
 safetensors stores each tensor once. The first name in sorted order keeps the data;
 each other name is an *alias*, recorded as ``{alias: kept}`` in the file's
-``pimm.aliases`` metadata; every reader in :mod:`.weights` puts the aliases back as
+``pimm.aliases`` metadata; every reader in :mod:`..weights.read` puts the aliases back as
 the same tensor object. ``model.bin`` keeps every name (``torch.save`` preserves sharing).
 
 Equal contents give equal bytes: the safetensors header is written in one canonical
 order (:func:`canonical_safetensors_header`) and a ``torch.save`` archive always names
-its inner folder ``archive/``. Used by ``pimm export`` (:mod:`.export`) and the
+its inner folder ``archive/``. Used by ``pimm export`` (:mod:`.model_dir`) and the
 trainer's ``save_model``.
 """
 
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from ..fsio import atomic_write
-from .ties import find_aliases
-from .weights import StateDict
+from ...fsio import atomic_write
+from ..tensors.ties import find_aliases
+from ..weights.read import StateDict
 
 
 def _storage_sharing(sd: StateDict) -> set[str]:

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
-from .ties import follow_model_ties
+from ...errors import CheckpointError
+from ..tensors.ties import follow_model_ties
 
 #: ``save_pretrained``'s shard size limit for exports (its own default is larger).
 MAX_SHARD_SIZE = "5GB"

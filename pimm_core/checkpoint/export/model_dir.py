@@ -21,15 +21,15 @@ An export is reproducible: the same checkpoint exported again (same options, sam
 and safetensors versions) gives the same bytes in every file. Nothing records the time
 of the export, and the model file's writers give equal bytes for equal contents.
 
-Tied tensors are stored once, in either format (see :mod:`.export_formats`), as
+Tied tensors are stored once, in either format (see :mod:`.files`), as
 ``safetensors.torch.load_model`` and ``from_pretrained`` expect; the aliases are recorded
 in ``export.json`` too, and :func:`load_exported` puts them back
-and re-ties the model's parameters. The config is sanitized by :mod:`.export_config`.
+and re-ties the model's parameters. The config is sanitized by :mod:`.config`.
 
 The directory is written under a fresh hidden name beside ``OUT_DIR``, fsynced and renamed
 into place; an existing non-empty ``OUT_DIR`` is replaced only with ``force``, and only when
-it is a previous export (see :mod:`.outputs`). The weights and the metadata come from one
-generation of the checkpoint, even while a live run rotates it (:func:`.weights.read_source`).
+it is a previous export (see :mod:`..records.outputs`). The weights and the metadata come from one
+generation of the checkpoint, even while a live run rotates it (:func:`..weights.read.read_source`).
 """
 
 from __future__ import annotations
@@ -41,27 +41,27 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import UsageError
-from ..fsio import atomic_write_bytes, fsync_tree, remove_tree
-from .export_config import read_run_config, sanitize_config
-from .foreign import HF_BIN, SAFETENSORS
+from ...errors import UsageError
+from ...fsio import atomic_write_bytes, fsync_tree, remove_tree
+from .config import read_run_config, sanitize_config
+from ..records.foreign import HF_BIN, SAFETENSORS
 from .library_model import MAX_SHARD_SIZE, save_library_model
-from .hub import is_remote
-from .key_rules import DEFAULT_KEY_RULES, apply_key_rules
-from .manifest import sha256_file
-from .outputs import CONFIG_JSON, EXPORT_JSON, check_output_dir, check_output_file, new_temp_dir, replace_dir
-from .remote_output import check_remote_output, upload_export
-from .remote_source import is_store_url
-from .scratch import make_owned_dir, release
-from ..run.layout import find_run_dir
-from ..run.provenance import read_provenance
-from .generation import read_whole
-from .sources import checkpoint_record, resolve_weight_source
-from .state import load_full_state_dict
-from .strict_load import check_strict, check_unwrapped
-from .ties import find_aliases, follow_model_ties, tie_parameters
-from .export_formats import write_bin, write_safetensors
-from .weights import WEIGHT_SETS, read_checkpoint, read_source, retie, select_weight_set
+from ..weights.hub import is_remote
+from ..weights.key_rules import DEFAULT_KEY_RULES, apply_key_rules
+from ..records.manifest import sha256_file
+from ..records.outputs import CONFIG_JSON, EXPORT_JSON, check_output_dir, check_output_file, new_temp_dir, replace_dir
+from ..remote.output import check_remote_output, upload_export
+from ..remote.source import is_store_url
+from ..records.scratch import make_owned_dir, release
+from ...run.layout import find_run_dir
+from ...run.provenance import read_provenance
+from ..records.generation import read_whole
+from ..weights.sources import checkpoint_record, resolve_weight_source
+from ..tensors.state import load_full_state_dict
+from ..weights.strict_load import check_strict, check_unwrapped
+from ..tensors.ties import find_aliases, follow_model_ties, tie_parameters
+from .files import write_bin, write_safetensors
+from ..weights.read import WEIGHT_SETS, read_checkpoint, read_source, retie, select_weight_set
 
 FORMATS = {"safetensors": SAFETENSORS, "bin": HF_BIN}
 EXPORT_JSON = "export.json"
@@ -75,12 +75,12 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
     """Export one weight set of a checkpoint into ``out_dir``.
 
     ``source`` and ``out_dir`` may be remote URLs (``s3://...``). A remote source is downloaded
-    into a temporary directory and checked (:mod:`.remote_source`); a remote ``out_dir`` gets
+    into a temporary directory and checked (:mod:`..remote.source`); a remote ``out_dir`` gets
     the export written locally first, then uploaded with ``export.json`` last, the export's
-    completion marker (:mod:`.remote_output`: an object store has no rename).
+    completion marker (:mod:`..remote.output`: an object store has no rename).
 
     Args:
-        source: any weight source of :func:`~pimm_core.checkpoint.sources.resolve_weight_source`;
+        source: any weight source of :func:`~pimm_core.checkpoint.weights.sources.resolve_weight_source`;
             with ``run_dir`` also ``last``, ``best``, ``final`` or ``iter_<step>``.
         out_dir: the directory to create (missing parents are created), or a remote prefix.
         weights: ``raw`` or ``ema``.
@@ -98,7 +98,7 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
 
     Raises:
         UsageError: bad ``weights`` or ``fmt``; ``out_dir`` is refused by
-            :func:`~pimm_core.checkpoint.outputs.check_output_dir` (not empty without
+            :func:`~pimm_core.checkpoint.records.outputs.check_output_dir` (not empty without
             ``force``; with it, not a previous export; inside a checkpoint; not a directory).
         GenerationChanged: a live run replaced the checkpoint during every read.
         WeightNotFoundError, IncompleteCheckpointError: ``source`` does not resolve.

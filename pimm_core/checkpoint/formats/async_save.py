@@ -1,6 +1,6 @@
 """``checkpoint.async = true``: the standard format with periodic saves written in the background.
 
-:class:`AsyncStandardFormat` wraps :class:`~pimm_core.checkpoint.standard.StandardFormat`
+:class:`AsyncStandardFormat` wraps :class:`~pimm_core.checkpoint.formats.standard.StandardFormat`
 (the pattern of Lightning's ``AsyncCheckpointIO``): ``save(..., background=True)`` stages
 the state to CPU and returns while a background thread writes and publishes it; any other
 save first waits for the one in flight, then saves through the wrapped format. The files
@@ -24,17 +24,17 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from .. import dist
-from ..errors import CheckpointSaveError
-from ..fsio import release_cached_pages
-from .follow import FollowingHasher
+from ...process import dist
+from ...errors import CheckpointSaveError
+from ...fsio import release_cached_pages
+from ..publish.follow import FollowingHasher
 from .protocol import LoadedState, SaveItem
-from .publish import follow_hashes, intact_note, on_main, prepare, publish, remove_quietly, short_error
-from .selection import TRAINER_DCP, WEIGHTS_FIELD
+from ..publish.rotation import follow_hashes, intact_note, on_main, prepare, publish, remove_quietly, short_error
+from ..select.selection import TRAINER_DCP, WEIGHTS_FIELD
 from .standard import StandardFormat, dcp_state
 from .sharded import read_checkpoint_weights
-from .state import is_sharded, unwrap
-from .ties import find_aliases
+from ..tensors.state import is_sharded, unwrap
+from ..tensors.ties import find_aliases
 from .weights_file import weights_payload
 
 

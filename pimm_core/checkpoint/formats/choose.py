@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..dist import DistInfo
-from ..errors import ConfigError
+from ...process.dist import DistInfo
+from ...errors import ConfigError
 from .async_save import AsyncStandardFormat
 from .files import LegacyFormat, SingleFormat
 from .protocol import CheckpointFormat
@@ -18,7 +18,7 @@ def make_format(name: str, info: DistInfo, *, background: bool = False, keep_las
 
     Args:
         background: ``checkpoint.async``: the standard format wrapped in
-            :class:`~pimm_core.checkpoint.async_save.AsyncStandardFormat` (creates a gloo
+            :class:`~pimm_core.checkpoint.formats.async_save.AsyncStandardFormat` (creates a gloo
             process group when distributed, so every rank must make the same call);
             ignored by the file formats.
         keep_last: ``checkpoint.keep_last``, the single format's retention (0 keeps all).

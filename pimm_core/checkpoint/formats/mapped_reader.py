@@ -13,7 +13,7 @@ and falls back to DCP's own ``read_data`` (also weights-only) when they are miss
 for shards written with stream transforms (extensions).
 
 It is also where a DCP read is made safe: ``read_metadata`` parses ``.metadata`` with
-:func:`~pimm_core.checkpoint.safe_read.read_dcp_metadata` (DCP's own uses plain
+:func:`~pimm_core.checkpoint.tensors.safe_read.read_dcp_metadata` (DCP's own uses plain
 ``pickle.load``), and non-tensor (``BYTE_IO``) items, which DCP's planner reads with
 ``torch.load(weights_only=False)``, are refused. Every DCP read in pimm goes through it.
 """
@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from ..errors import CheckpointParseError
-from .safe_read import load_failure, read_dcp_metadata
+from ...errors import CheckpointParseError
+from ..tensors.safe_read import load_failure, read_dcp_metadata
 
 try:
     from torch import _weights_only_unpickler

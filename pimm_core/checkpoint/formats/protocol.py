@@ -4,9 +4,9 @@ A format (:class:`CheckpointFormat`) is the on-disk layout of one checkpoint, in
 of Lightning's ``CheckpointIO``: ``save`` publishes a :class:`SaveItem`, ``load`` restores
 one into a model and optimizer and returns the rest as a :class:`LoadedState`, ``wait``
 returns once nothing is in flight. Implementations: ``standard``
-(:class:`~pimm_core.checkpoint.standard.StandardFormat`), its background-writing wrapper
-(:class:`~pimm_core.checkpoint.async_save.AsyncStandardFormat`), ``legacy`` and ``single``
-(:mod:`pimm_core.checkpoint.files`); :func:`pimm_core.checkpoint.formats.make_format` picks one.
+(:class:`~pimm_core.checkpoint.formats.standard.StandardFormat`), its background-writing wrapper
+(:class:`~pimm_core.checkpoint.formats.async_save.AsyncStandardFormat`), ``legacy`` and ``single``
+(:mod:`pimm_core.checkpoint.formats.files`); :func:`pimm_core.checkpoint.formats.choose.make_format` picks one.
 """
 
 from __future__ import annotations

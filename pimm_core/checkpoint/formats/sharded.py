@@ -1,6 +1,6 @@
 """The weights of a sharded (FSDP2) model inside ``trainer.dcp/``.
 
-When the model's parameters are ``DTensor`` shards (:func:`~.state.is_sharded`), a standard
+When the model's parameters are ``DTensor`` shards (:func:`~..tensors.state.is_sharded`), a standard
 save also puts the weights in ``trainer.dcp/``, each rank writing its own shards:
 
 - ``model/<fqn>``: ``get_model_state_dict(model)`` (parameters sharded, buffers replicated);
@@ -11,7 +11,7 @@ save also puts the weights in ``trainer.dcp/``, each rank writing its own shards
 DCP reshards on load: a checkpoint written by N ranks loads into M ranks, into ``DTensor``
 shards or plain full tensors. ``weights.pth`` is then the gathered copy; with
 ``checkpoint.gather_weights = false`` it is not written and the manifest says
-``"weights": "trainer.dcp"`` (:data:`~.selection.WEIGHTS_FIELD`): readers without a
+``"weights": "trainer.dcp"`` (:data:`~..select.selection.WEIGHTS_FIELD`): readers without a
 process group use :func:`read_checkpoint_weights`.
 """
 
@@ -26,11 +26,11 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from ..errors import CheckpointError, CheckpointParseError
+from ...errors import CheckpointError, CheckpointParseError
 from .mapped_reader import MappedFileSystemReader
-from .selection import TRAINER_DCP
-from .state import pack, unpack
-from .ties import tied_groups
+from ..select.selection import TRAINER_DCP
+from ..tensors.state import pack, unpack
+from ..tensors.ties import tied_groups
 
 MODEL = "model/"
 EMA = "ema/"

@@ -32,25 +32,24 @@ from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, s
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
-from ..dist import DistInfo
-from ..errors import CheckpointError, CheckpointParseError, CheckpointSaveError
-from ..faults import point
-from ..fsio import release_cached_pages
+from ...process.dist import DistInfo
+from ...errors import CheckpointError, CheckpointParseError, CheckpointSaveError
+from ...faults import point
+from ...fsio import release_cached_pages
 from .mapped_reader import MappedFileSystemReader
 from .optim_state import frozen_state_loaded, unstepped
 from .protocol import LoadedState, SaveItem, meta_problem
-from .publish import (follow_hashes, intact_note, on_main, prepare, publish, remove_quietly, short_error,
-                      wait_for_purges, without_zip_crc32)
-from .safe_read import load_failure
-from .selection import TRAINER_DCP, WEIGHTS, WEIGHTS_FIELD
+from ..publish.rotation import follow_hashes, intact_note, on_main, prepare, publish, remove_quietly, short_error, wait_for_purges, without_zip_crc32
+from ..tensors.safe_read import load_failure
+from ..select.selection import TRAINER_DCP, WEIGHTS, WEIGHTS_FIELD
 from .sharded import EMA, MODEL, ema_targets, model_targets, sharded_items
-from .state import is_sharded, join_tensors, load_full_state_dict, pack, split_tensors, unpack, unwrap
+from ..tensors.state import is_sharded, join_tensors, load_full_state_dict, pack, split_tensors, unpack, unwrap
 from .weights_file import check_compatible, check_dtypes, dtype_casts, read_weights_file, weights_payload
 
 
 class StandardFormat:
     """``checkpoint_format = "standard"``: :func:`save_standard` and :func:`load_standard`
-    (:class:`~pimm_core.checkpoint.protocol.CheckpointFormat`); every save is synchronous."""
+    (:class:`~pimm_core.checkpoint.formats.protocol.CheckpointFormat`); every save is synchronous."""
 
     name = "standard"
     asynchronous = False
@@ -176,7 +175,7 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
     size reshards, between plain tensors (DDP, one process) and ``DTensor`` shards (FSDP2)
     in either direction. The weights come from ``trainer.dcp/model/*`` when the save was
     sharded (resharded the same way), else from ``weights.pth`` (into a sharded model
-    through :func:`~.state.load_full_state_dict`). The caller applies ``meta`` (scheduler,
+    through :func:`~..tensors.state.load_full_state_dict`). The caller applies ``meta`` (scheduler,
     scaler, counters) and ``rank_state`` according to the resume policy. The weights'
     keys, shapes and dtypes and the optimizer state's shapes and dtypes are checked before
     anything is loaded.

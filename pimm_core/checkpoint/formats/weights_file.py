@@ -10,19 +10,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import CheckpointError, CheckpointParseError
-from .manifest import sha256_file, write_manifest
-from .publish import save_torch_file
-from .safe_read import load_torch_file
-from .state import full_state_dict, full_tensors, is_sharded
+from ...errors import CheckpointError, CheckpointParseError
+from ..records.manifest import sha256_file, write_manifest
+from ..publish.rotation import save_torch_file
+from ..tensors.safe_read import load_torch_file
+from ..tensors.state import full_state_dict, full_tensors, is_sharded
 
 
 def weights_payload(model: nn.Module, ema_state_dict: dict[str, torch.Tensor] | None) -> dict[str, Any]:
     """``{"state_dict": raw}`` plus ``"ema_state_dict"`` when an EMA weight set exists.
 
     Unsharded: the live state dict and ``ema_state_dict`` as given. Sharded (FSDP2): a
-    collective that every rank calls (:func:`~.state.full_state_dict`,
-    :func:`~.state.full_tensors`); rank 0 gets full CPU tensors, the others empty dicts.
+    collective that every rank calls (:func:`~..tensors.state.full_state_dict`,
+    :func:`~..tensors.state.full_tensors`); rank 0 gets full CPU tensors, the others empty dicts.
     """
     out: dict[str, Any] = {"state_dict": full_state_dict(model)}
     if ema_state_dict is not None:

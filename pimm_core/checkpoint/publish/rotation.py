@@ -20,14 +20,14 @@ from typing import Any, Callable
 
 import torch
 
-from .. import dist
-from ..dist import DistInfo
-from ..errors import CheckpointSaveError, first_line
-from ..faults import point, register
-from ..fsio import atomic_write, atomic_write_bytes, fsync_dir, fsync_tree, remove_tree, release_cached_pages
+from ...process import dist
+from ...process.dist import DistInfo
+from ...errors import CheckpointSaveError, first_line
+from ...faults import point, register
+from ...fsio import atomic_write, atomic_write_bytes, fsync_dir, fsync_tree, remove_tree, release_cached_pages
 from .follow import FollowingHasher
-from .manifest import COMPLETE, MANIFEST, describe_files, write_manifest
-from .selection import TRAINER_DCP, WEIGHTS, select_resume
+from ..records.manifest import COMPLETE, MANIFEST, describe_files, write_manifest
+from ..select.selection import TRAINER_DCP, WEIGHTS, select_resume
 
 log = logging.getLogger("pimm")
 
@@ -142,7 +142,7 @@ def rotate_into_place(tmp: Path, final: Path, keep_full: int = 1) -> None:
     shown = superseded
     if superseded is not None:
         # Renamed away whole before anything in it is removed: a reader in another process sees
-        # `final.prev` complete or absent, never half-deleted (pimm_core.checkpoint.generation).
+        # `final.prev` complete or absent, never half-deleted (pimm_core.checkpoint.records.generation).
         doomed = superseded.with_name(f".{superseded.name}.removing.{os.getpid()}.tmp")
         try:
             remove_tree(doomed)

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from ..errors import CheckpointError, IncompleteCheckpointError, WeightNotFoundError
+from ...errors import CheckpointError, IncompleteCheckpointError, WeightNotFoundError
 from .manifest import COMPLETE, MANIFEST
 from .outputs import EXPORT_JSON
 

@@ -34,7 +34,7 @@ import os
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ..fsio import atomic_write_bytes
+from ...fsio import atomic_write_bytes
 
 MANIFEST = "manifest.json"
 COMPLETE = ".complete"
@@ -57,7 +57,7 @@ def describe_files(root: Path, exclude: tuple[str, ...] = (MANIFEST, COMPLETE),
     Args:
         exclude: relative paths to leave out.
         known: ``{(st_dev, st_ino): {"size", "sha256"}}`` already computed while the files
-            were written (:class:`~pimm_core.checkpoint.follow.FollowingHasher`); a file
+            were written (:class:`~pimm_core.checkpoint.publish.follow.FollowingHasher`); a file
             whose inode and size match is not read again.
     """
     files = {}

@@ -15,9 +15,9 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..errors import UsageError
-from ..fsio import fsync_dir, remove_tree
-from ..run.layout import MODEL, is_run_dir
+from ...errors import UsageError
+from ...fsio import fsync_dir, remove_tree
+from ...run.layout import MODEL, is_run_dir
 from .foreign import EXPORT_FILES
 from .manifest import COMPLETE, MANIFEST
 

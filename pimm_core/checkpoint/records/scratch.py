@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from ..fsio import remove_tree
+from ...fsio import remove_tree
 
 PREFIXES = ("pimm-remote-", "pimm-export-")
 OWNER_SUFFIX = ".lock"

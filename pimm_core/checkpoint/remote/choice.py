@@ -6,7 +6,7 @@ newer complete ``step_90/``. A resume (``--train.auto-resume``, ``pimm resume``)
 complete checkpoint of the two, by step; on a tie, or when the local one has no step to compare
 (a legacy file), the local one. :func:`resume_choice` is that decision and its one-line reason,
 shared by the restore (:func:`pimm_core.launch.rundir.restore_from_remote`), ``pimm resume
---dry-run`` and ``pimm checkpoints ls`` (:func:`~.remote_store.remote_choice`), so all three say the same thing. An explicit
+--dry-run`` and ``pimm checkpoints ls`` (:func:`~.store.remote_choice`), so all three say the same thing. An explicit
 ``--train.resume PATH`` never asks it.
 """
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .remote_store import RemoteCandidate
-    from .selection import Candidate
+    from ..select.candidate import Candidate
+    from .candidate import RemoteCandidate
 
 
 @dataclass
@@ -34,13 +34,13 @@ class ResumeChoice:
 
 
 def newest_complete(cands: list[RemoteCandidate]) -> RemoteCandidate | None:
-    """The newest complete remote ``step_<N>/`` of ``cands`` (:func:`~.remote_store.remote_candidates`)."""
+    """The newest complete remote ``step_<N>/`` of ``cands`` (:func:`~.store.remote_candidates`)."""
     done = [c for c in cands if c.kind == "standard" and c.complete and c.step is not None]
     return max(done, key=lambda c: c.step or 0, default=None)
 
 
 def resume_choice(local: Candidate | None, remote: RemoteCandidate | None) -> ResumeChoice:
-    """Local ``model/`` candidate (what :func:`~.selection.select_resume` chose) or the newest complete
+    """Local ``model/`` candidate (what :func:`~..select.selection.select_resume` chose) or the newest complete
     remote one: the newer by step; on a tie, or a local one without a step, the local one."""
     if remote is None:
         what = f"model/{local.name} at step {local.step}" if local is not None else "nothing"

@@ -5,10 +5,10 @@ file system. Instead ``export.json`` is the export's completion marker: the expo
 in a local temporary directory first, then its files are uploaded (each one's sha256 read back
 from the store and compared), and ``export.json`` last. A prefix without ``export.json`` is an
 export cut short or still being written: warm start and export refuse it
-(:mod:`.remote_source`), and ``--force`` does not take it for a previous export.
+(:mod:`.source`), and ``--force`` does not take it for a previous export.
 
 ``--force`` replaces only a previous export (its ``export.json`` and nothing but an export's
-files, :func:`~pimm_core.checkpoint.outputs.is_export_listing`): its ``export.json`` is removed
+files, :func:`~pimm_core.checkpoint.records.outputs.is_export_listing`): its ``export.json`` is removed
 first, so from then on readers see an incomplete export, never a mix of two; the new files are
 uploaded, the old ones the new export does not have are removed, and the new ``export.json`` goes last.
 """
@@ -20,14 +20,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..errors import RemoteStoreError, UsageError
-from ..faults import point, register
-from .manifest import sha256_file
-from .outputs import EXPORT_JSON, is_export_listing
-from .remote_source import open_url, store_errors
-from .remote_store import STEP_RE, sha256_remote
-from .remote_upload import with_retries
-from .selection import TRAINER_DCP
+from ...errors import RemoteStoreError, UsageError
+from ...faults import point, register
+from ..records.manifest import sha256_file
+from ..records.outputs import EXPORT_JSON, is_export_listing
+from .source import open_url, store_errors
+from .store import STEP_RE, sha256_remote
+from .upload import with_retries
+from ..select.selection import TRAINER_DCP
 
 register("remote.export_files")
 

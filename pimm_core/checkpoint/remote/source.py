@@ -1,10 +1,10 @@
 """Weight sources on a remote store: ``s3://``, ``gs://``... (any fsspec URL but ``hf://``), torch-free.
 
-``--train.weight``, ``pimm export`` and :func:`~pimm_core.checkpoint.strict_load.load_weights`
+``--train.weight``, ``pimm export`` and :func:`~pimm_core.checkpoint.weights.strict_load.load_weights`
 accept a URL wherever they accept a local path. :func:`plan_remote` finds what the URL names
 without downloading (``--dry-run`` and the launch's check); :func:`local_copy` downloads it
 into a fresh temporary directory of pimm's own (``$TMPDIR/pimm-remote-*``, removed when the
-reading is done, or by a later download when a kill cut this one short: :mod:`.scratch`), checks it, and hands the local copy to the local resolver, so the same
+reading is done, or by a later download when a kill cut this one short: :mod:`..records.scratch`), checks it, and hands the local copy to the local resolver, so the same
 rules apply as for a local source:
 
 ===========================================  ==================================================
@@ -43,15 +43,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import (IncompleteCheckpointError, PimmError, RemoteStoreError, UsageError, WeightNotFoundError,
-                      first_line)
-from ..faults import point, register
-from .foreign import EXPORT_FILES
-from .manifest import COMPLETE, MANIFEST
-from .outputs import CONFIG_JSON, EXPORT_JSON, PIMM_CONFIG_JSON
-from .remote_store import STEP_RE, remote_candidates
-from .scratch import owned_temp_dir
-from .selection import BEST, ITER_RE, TRAINER_DCP, WEIGHTS
+from ...errors import IncompleteCheckpointError, PimmError, RemoteStoreError, UsageError, WeightNotFoundError, first_line
+from ...faults import point, register
+from ..records.foreign import EXPORT_FILES
+from ..records.manifest import COMPLETE, MANIFEST
+from ..records.outputs import CONFIG_JSON, EXPORT_JSON, PIMM_CONFIG_JSON
+from .store import STEP_RE, remote_candidates
+from ..records.scratch import owned_temp_dir
+from ..select.selection import BEST, ITER_RE, TRAINER_DCP, WEIGHTS
 
 register("remote.file_downloaded")
 
@@ -298,7 +297,7 @@ def download(fs: Any, plan: RemotePlan, into: Path) -> Path:
     Raises:
         RemoteStoreError: the store failed, or a downloaded file does not match its record.
     """
-    from .manifest import verify_files
+    from ..records.manifest import verify_files
 
     single = plan.local in plan.files  # a file: it sits right under `into`
     root = into if single else into / plan.local
@@ -329,8 +328,8 @@ def check_remote_source(url: str, options: dict[str, Any] | None = None) -> Remo
     Raises:
         as :func:`plan_remote`; CheckpointParseError: the file is not a checkpoint (exit 2).
     """
-    from ..errors import CheckpointParseError
-    from .foreign import not_a_checkpoint, sniff
+    from ...errors import CheckpointParseError
+    from ..records.foreign import not_a_checkpoint, sniff
 
     fs, plan = plan_remote(url, options)
     first = next((f for f in plan.files if not f.endswith(".json")), None)  # not an index or a config
@@ -368,7 +367,7 @@ def shared_copy(url: str, copy: Path, plan: RemotePlan) -> Iterator[None]:
 def local_copy(url: str, options: dict[str, Any] | None = None) -> Iterator[tuple[Path, RemotePlan]]:
     """Download the remote weight source ``url`` into a fresh temporary directory
     (``$TMPDIR/pimm-remote-*``), checked; yields ``(local copy, plan)``; the directory is removed
-    on exit, whatever happened (after a kill: by the next download, :mod:`.scratch`). (Inside :func:`shared_copy` of ``url``: that copy, no download.)
+    on exit, whatever happened (after a kill: by the next download, :mod:`..records.scratch`). (Inside :func:`shared_copy` of ``url``: that copy, no download.)
 
     Raises:
         as :func:`plan_remote` and :func:`download`.

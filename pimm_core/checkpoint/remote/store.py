@@ -25,16 +25,13 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .manifest import COMPLETE, MANIFEST
-from .remote_choice import ResumeChoice, newest_complete, resume_choice
-from .selection import BEST, BEST_K_RE, ITER_RE
-
-STEP_RE = re.compile(r"^step_(\d+)$")
-
+from ..records.manifest import COMPLETE, MANIFEST
+from .candidate import STEP_RE, RemoteCandidate  # noqa: F401 (re-exported)
+from .choice import ResumeChoice, newest_complete, resume_choice
+from ..select.selection import BEST, BEST_K_RE, ITER_RE
 
 def is_mirrored_weights(name: str) -> bool:
     """A weights file of ``model/`` the mirror uploads: ``model_best.pth``, ``iter_<step>.pth``, ``best_<step>.pth``."""
@@ -67,17 +64,6 @@ def open_store(url: str, options: dict[str, Any] | None = None) -> tuple[Any, st
 def run_prefix(url: str, run_dir: Path) -> str:
     """The URL under which run ``run_dir`` (``<root>/<group>/<run>``) keeps its ``model/``."""
     return f"{url.rstrip('/')}/{run_dir.parent.name}/{run_dir.name}/model"
-
-
-@dataclass
-class RemoteCandidate:
-    """One checkpoint on the remote: ``name`` (``step_<N>`` or a weights file), its step,
-    whether its marker is there (``complete``), its URL-relative path."""
-
-    name: str
-    step: int | None
-    complete: bool
-    kind: str  # "standard" or "weights"
 
 
 def sha256_remote(fs: Any, path: str, bufsize: int = 1 << 22) -> str:
@@ -167,7 +153,7 @@ def describe_remote(run_dir: Path, local_step: int | None, chosen: Any = None) -
 
 
 def remote_choice(url: str, options: dict[str, Any] | None, run_dir: Path, local: Any) -> ResumeChoice:
-    """The :func:`~.remote_choice.resume_choice` for run ``run_dir`` whose ``checkpoint.remote`` is
+    """The :func:`~.choice.resume_choice` for run ``run_dir`` whose ``checkpoint.remote`` is
     ``url`` and whose ``model/`` would resume ``local`` (what ``pimm resume --dry-run`` prints;
     nothing downloaded). Never raises: a store that cannot be listed is a choice of the local one
     whose reason says so."""
@@ -198,7 +184,7 @@ def download_newest(fs: Any, prefix: str, dest: Path) -> RemoteCandidate | None:
             fs.get_file(f"{src}/{MANIFEST}", str(dest / MANIFEST))
         except Exception as e:
             raise RemoteError(f"cannot download {src}: {e}") from None
-        from .manifest import verify_files
+        from ..records.manifest import verify_files
 
         problems = verify_files(dest, manifest["files"])
         if problems:
@@ -219,8 +205,8 @@ def download_weights_files(fs: Any, prefix: str, model_dir: Path, *, newer: bool
         ``(names restored, one line per file that could not be)``: a failure is not fatal
         (the run resumes without that file; the mirror never removes it from the remote).
     """
-    from ..fsio import atomic_write_bytes, fsync_dir, fsync_file, remove_tree
-    from .manifest import sha256_file
+    from ...fsio import atomic_write_bytes, fsync_dir, fsync_file, remove_tree
+    from ..records.manifest import sha256_file
 
     restored: list[str] = []
     failed: list[str] = []

@@ -1,7 +1,7 @@
 """Uploading a run's published checkpoints to ``checkpoint.remote`` in the background (rank 0).
 
 :class:`Uploader` mirrors the run's local ``model/`` onto the remote layout of
-:mod:`~pimm_core.checkpoint.remote_store` on one thread of its own, off the training step's
+:mod:`~pimm_core.checkpoint.remote.store` on one thread of its own, off the training step's
 critical path: :meth:`Uploader.request` (after each save) wakes it; it uploads what is
 published locally and not yet complete remotely, files of one checkpoint ``concurrency`` at
 a time, each retried with exponential backoff, its sha256 read back and compared with the
@@ -30,10 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from ..faults import point, register
-from .manifest import COMPLETE, MANIFEST
-from .remote_store import STEP_RE, is_mirrored_weights, open_store, sha256_remote
-from .selection import BEST, BEST_K_RE, ITER_RE
+from ...faults import point, register
+from ..records.manifest import COMPLETE, MANIFEST
+from .store import STEP_RE, is_mirrored_weights, open_store, sha256_remote
+from ..select.selection import BEST, BEST_K_RE, ITER_RE
 
 log = logging.getLogger("pimm")
 
@@ -60,7 +60,7 @@ class Uploader:
         url: ``checkpoint.remote`` (any fsspec URL).
         options: ``checkpoint.remote_options`` (storage options of that filesystem).
         model_dir: the run's local ``model/``.
-        prefix: the remote path of this run's ``model/`` (:func:`~pimm_core.checkpoint.remote_store.run_prefix`).
+        prefix: the remote path of this run's ``model/`` (:func:`~pimm_core.checkpoint.remote.store.run_prefix`).
         concurrency: files of one checkpoint uploaded at a time.
     """
 

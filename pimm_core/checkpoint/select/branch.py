@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from ..fsio import fsync_dir
+from ...fsio import fsync_dir
 from .selection import Candidate, is_model_dir, list_candidates
 
 BRANCH_KINDS = ("last", "last.prev", "full")

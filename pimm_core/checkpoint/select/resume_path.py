@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .foreign import why_not_resumable
-from .manifest import COMPLETE, MANIFEST
-from .selection import (FULL_RE, LEGACY_LAST, RESUME_ORDER, SINGLE_RE, TRAINER_DCP, WEIGHTS, Candidate, _pointer,
-                        _standard_dir, _weights_file, explain, is_model_dir, list_candidates, select_resume)
+from ..records.foreign import why_not_resumable
+from ..records.manifest import COMPLETE, MANIFEST
+from .selection import FULL_RE, LEGACY_LAST, RESUME_ORDER, SINGLE_RE, TRAINER_DCP, WEIGHTS, Candidate, _pointer, _standard_dir, _weights_file, explain, is_model_dir, list_candidates, select_resume
 
 
 def resolve_resume_path(path: str | Path) -> Candidate:
@@ -23,11 +22,11 @@ def resolve_resume_path(path: str | Path) -> Candidate:
             "No weight found" for a path that does not exist; "Incomplete checkpoint
             directory" naming the missing parts and the complete candidates beside it;
             (exit code 2) something pimm did not write, named when recognisable
-            (:func:`.foreign.why_not_resumable`: an Accelerate ``save_state`` directory,
+            (:func:`..records.foreign.why_not_resumable`: an Accelerate ``save_state`` directory,
             a Lightning ``.ckpt``, a Hugging Face model directory, a plain state dict)
             with the warm start to use instead, or "not a PyTorch checkpoint".
     """
-    from ..errors import CheckpointError
+    from ...errors import CheckpointError
 
     text = str(path)
     if text.startswith("hf://"):
@@ -74,7 +73,7 @@ def resolve_resume_path(path: str | Path) -> Candidate:
 
 
 def _raise_incomplete(p: Path, cand: Candidate) -> Candidate:
-    from ..errors import CheckpointError
+    from ...errors import CheckpointError
 
     others = [c for c in list_candidates(p.parent) if c.complete and c.resumable and c.path != cand.path]
     alt = ", ".join(c.path for c in others) if others else "none"

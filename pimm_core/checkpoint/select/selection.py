@@ -20,72 +20,14 @@ DCP metadata or manifest are rejected with the reason.
 from __future__ import annotations
 
 import os
-import re
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .generation import READ_TRIES, identity, wait_for_rotation
-from .manifest import COMPLETE, MANIFEST, ManifestError, read_manifest
+from ..records.generation import READ_TRIES, identity, wait_for_rotation
+from ..records.manifest import COMPLETE, MANIFEST, ManifestError, read_manifest
+from .candidate import (BEST, BEST_K_RE, DCP_METADATA, FULL_RE, ITER_RE, LEGACY_LAST, POINTERS,  # noqa: F401 (re-exported)
+                        RESUME_ORDER, SINGLE_RE, TRAINER_DCP, WEIGHTS, WEIGHTS_FIELD, Candidate)
 from .verify import verify_candidate
-
-WEIGHTS = "weights.pth"
-TRAINER_DCP = "trainer.dcp"
-#: Manifest field of a standard checkpoint whose model weights are only in ``trainer.dcp/``
-#: (sharded, ``checkpoint.gather_weights = false``): ``"weights": "trainer.dcp"``, no ``weights.pth``.
-WEIGHTS_FIELD = "weights"
-DCP_METADATA = ".metadata"
-LEGACY_LAST = "model_last.pth"
-BEST = "model_best.pth"
-ITER_RE = re.compile(r"^iter_(\d+)\.pth$")
-BEST_K_RE = re.compile(r"^best_(\d+)\.pth$")  # checkpoint.keep_best: one of the k best evaluations, at that step
-SINGLE_RE = re.compile(r"^step_(\d+)\.pth$")
-FULL_RE = re.compile(r"^full_(\d+)$")  # standard format, checkpoint.keep_full: a superseded last, kept
-POINTERS = ("last", "best", "final")
-RESUME_ORDER = ("last", "last.prev", LEGACY_LAST)
-
-
-@dataclass
-class Candidate:
-    """One checkpoint (or leftover) found in a model directory.
-
-    Attributes:
-        name: entry name in the model directory (``last``, ``iter_40.pth``, ...).
-        kind: ``last`` | ``last.prev`` | ``full`` | ``legacy`` | ``best`` (``model_best.pth``, the ``best``
-            pointer, a ``best_<step>.pth`` of ``checkpoint.keep_best``) | ``iter`` | ``single`` | ``tmp``.
-        format: ``standard`` | ``legacy`` | ``weights`` (weights-only file) | ``unknown``.
-        resumable: holds trainer state, so ``--train.resume`` may pick it.
-        complete: every required part is present (not a checksum check; see verify).
-        reason: why it is incomplete, or ``None``.
-        step, epoch, iter: from the manifest when present (``iter`` is the next batch in ``epoch``).
-        size: bytes on disk (files summed for directories).
-    """
-
-    name: str
-    path: str
-    kind: str
-    format: str
-    resumable: bool
-    complete: bool
-    reason: str | None = None
-    step: int | None = None
-    epoch: int | None = None
-    iter: int | None = None
-    size: int = 0
-    created: str | None = None
-    metrics: dict[str, Any] = field(default_factory=dict)
-    manifest: dict[str, Any] | None = None
-    target: str | None = None  # for pointers: the file they point at
-    verify_problems: list[str] | None = None  # set when select_resume found files not matching the manifest
-    manifest_problem: str | None = None  # its manifest is unreadable or invalid (``invalid manifest: ...``)
-    generation: tuple[Any, ...] | None = None  # generation.identity() of the path this was read from
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("manifest")
-        d.pop("generation")
-        return d
-
 
 def _tree_size(path: Path) -> int:
     if path.is_file():
@@ -103,7 +45,7 @@ def _tree_size(path: Path) -> int:
 def _apply_manifest(c: Candidate, manifest_path: Path) -> str | None:
     """Fill step/epoch/metrics from a manifest; return a problem string or None.
 
-    A manifest that is not the schema of :mod:`.manifest` is ``invalid manifest: <what>``
+    A manifest that is not the schema of :mod:`..records.manifest` is ``invalid manifest: <what>``
     and fills nothing (the candidate is then incomplete, and passed over by a resume).
     """
     if not manifest_path.is_file():

@@ -7,10 +7,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .selection import Candidate
+from .candidate import Candidate
 
 
 def verify_candidate(c: Candidate) -> list[str]:
@@ -19,7 +17,7 @@ def verify_candidate(c: Candidate) -> list[str]:
     Returns an empty list when every recorded file matches, or when the candidate has
     no manifest to check against (e.g. a legacy file written without a sidecar).
     """
-    from .manifest import outside_names, verify_files
+    from ..records.manifest import outside_names, verify_files
 
     if c.manifest is None:
         return []

@@ -5,12 +5,12 @@ Every file pimm reads from a checkpoint is parsed as data:
 =========================================  ==============================================
 file                                       parsed with
 =========================================  ==============================================
-``manifest.json``, ``<file>.json``         ``json`` (:mod:`.manifest`)
+``manifest.json``, ``<file>.json``         ``json`` (:mod:`..records.manifest`)
 ``trainer.dcp/.metadata``                  :func:`read_dcp_metadata`: a restricted unpickler
                                            admitting only DCP's metadata classes,
                                            ``torch.Size``, dtypes, layouts and memory formats
 ``trainer.dcp/__<rank>_<n>.distcp``        each tensor with ``torch``'s weights-only
-                                           unpickler (:mod:`.mapped_reader`); the packed
+                                           unpickler (:mod:`..formats.mapped_reader`); the packed
                                            trainer state with ``torch.load(weights_only=True)``
 ``weights.pth``, ``model_best.pth``,       :func:`load_torch_file`: ``torch.load(weights_only=True)``
 ``iter_<step>.pth``, ``model_last.pth``,
@@ -22,7 +22,7 @@ A file that these refuse (it would run code, or is not what pimm writes) or cann
 raises :class:`~pimm_core.errors.CheckpointParseError` (exit code 2) naming the file;
 nothing in it has run. A file that is not a PyTorch file at all (text, random bytes) is
 named as such (``... is not a PyTorch checkpoint (a text file)``), from its first bytes
-(:func:`.foreign.sniff`, which never unpickles).
+(:func:`..records.foreign.sniff`, which never unpickles).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from ..errors import CheckpointError, CheckpointParseError, first_line
-from .foreign import not_a_checkpoint, sniff
+from ...errors import CheckpointError, CheckpointParseError, first_line
+from ..records.foreign import not_a_checkpoint, sniff
 
 _DCP_CLASSES = ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
                 "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
@@ -155,7 +155,7 @@ def load_failure(path: Path, e: BaseException, hint: str = "") -> str:
     """One line for a ``torch.load(weights_only=True)`` of ``path`` that raised ``e``.
 
     A file that is not a PyTorch file at all (text, random bytes, a zip archive: see
-    :func:`.foreign.sniff`) is called that, unless the unpickler refused a global it names
+    :func:`..records.foreign.sniff`) is called that, unless the unpickler refused a global it names
     (code that would have run): then the refusal is the message.
     """
     text = str(e)

@@ -4,7 +4,7 @@
 the first of ``model.safetensors``, ``model.bin``, ``weights.pth`` the repository has.
 A Hub that does not answer one quick probe fails at once (:class:`HubUnreachableError`)
 unless the file is cached; with ``HF_HUB_OFFLINE=1`` only the cache is looked in.
-:func:`~pimm_core.checkpoint.sources.resolve_weight_source` sends every ``hf://``
+:func:`~pimm_core.checkpoint.weights.sources.resolve_weight_source` sends every ``hf://``
 source here; :func:`plan_hf` is the ``--dry-run`` look-up that downloads nothing.
 """
 
@@ -16,9 +16,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import HubUnreachableError, UsageError, WeightNotFoundError, first_line
-from .foreign import BIN, SAFETENSORS
-from .selection import WEIGHTS
+from ...errors import HubUnreachableError, UsageError, WeightNotFoundError, first_line
+from ..records.foreign import BIN, SAFETENSORS
+from ..select.selection import WEIGHTS
 
 HF_PREFIX = "hf://"
 HF_DEFAULT_FILES = (SAFETENSORS, BIN, WEIGHTS)
@@ -197,7 +197,7 @@ def plan_hf(text: str) -> HubFile:
 
     Raises:
         UsageError, WeightNotFoundError, HubUnreachableError: as
-            :func:`~pimm_core.checkpoint.sources.resolve_weight_source`.
+            :func:`~pimm_core.checkpoint.weights.sources.resolve_weight_source`.
     """
     repo_id, revision, filename = parse_hf(text)
     hub = _hub()

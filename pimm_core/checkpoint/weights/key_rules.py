@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from ..errors import CheckpointError, UsageError
+from ...errors import CheckpointError, UsageError
 
 #: Key rewrite rules applied when none are given: ordered ``(regex, replacement)`` pairs,
 #: each applied with :func:`re.sub` to every key in turn.

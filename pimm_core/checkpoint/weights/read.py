@@ -14,7 +14,7 @@ file                                           layout
 ``weights.pth``, ``model_best.pth``,           ``{"state_dict": sd, "ema_state_dict"?: sd}``
 ``iter_<step>.pth`` (standard)
 ``trainer.dcp/`` of a sharded checkpoint       the same, read from its ``model/*`` and ``ema/*``
-saved without gathered weights                 items (:func:`.sharded.read_checkpoint_weights`)
+saved without gathered weights                 items (:func:`..formats.sharded.read_checkpoint_weights`)
 ``model_last.pth`` (legacy)                    the same plus ``"optimizer"``, counters...
 single-format checkpoint                       ``{"format": "single", "weights": {"raw": sd, "ema"?: sd}, ...}``
 ``model.safetensors`` (export)                 a flat sd; tied keys dropped at export and
@@ -26,9 +26,9 @@ a PyTorch Lightning ``.ckpt``                  ``{"state_dict": sd, "pytorch-lig
 =============================================  =======================================
 
 Which *file* a source names (a run's ``last``, an export directory, ``hf://``...)
-is decided by :func:`~pimm_core.checkpoint.sources.resolve_weight_source`. What is
+is decided by :func:`~pimm_core.checkpoint.weights.sources.resolve_weight_source`. What is
 done with a weight set is elsewhere: renaming its keys (:mod:`.key_rules`), a warm
-start (:mod:`.warm_start`), a strict load (:mod:`.strict_load`), an export (:mod:`.export`).
+start (:mod:`.warm_start`), a strict load (:mod:`.strict_load`), an export (:mod:`..export.model_dir`).
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, CheckpointParseError, UsageError
-from .safe_read import load_torch_file
-from .sharded import read_checkpoint_weights
-from .generation import read_whole
+from ...errors import CheckpointError, CheckpointParseError, UsageError
+from ..tensors.safe_read import load_torch_file
+from ..formats.sharded import read_checkpoint_weights
+from ..records.generation import read_whole
 from .sources import checkpoint_record, resolve_weight_source
 
 WEIGHT_SETS = ("raw", "ema")
@@ -93,26 +93,26 @@ def read_source(source: str | os.PathLike[str], *, run_dir: Path | None = None,
 
     Beside a live run (``last`` rotated by every save) the file and the manifest that
     describes it are read from the same checkpoint: a read that a save overtook is done
-    again (:func:`~pimm_core.checkpoint.generation.read_whole`).
+    again (:func:`~pimm_core.checkpoint.records.generation.read_whole`).
 
     Args:
-        source, run_dir: as :func:`~pimm_core.checkpoint.sources.resolve_weight_source`.
+        source, run_dir: as :func:`~pimm_core.checkpoint.weights.sources.resolve_weight_source`.
 
     Returns:
         ``(path, sets, info, record)``: the file read, :func:`read_checkpoint`'s ``sets``
-        and ``info``, and :func:`~pimm_core.checkpoint.sources.checkpoint_record` (``{}``
+        and ``info``, and :func:`~pimm_core.checkpoint.weights.sources.checkpoint_record` (``{}``
         when no manifest describes the file).
 
-    A remote source (``s3://``..., :mod:`.remote_source`) is downloaded into a temporary
+    A remote source (``s3://``..., :mod:`..remote.source`) is downloaded into a temporary
     directory of pimm's own, checked against its manifest or sidecar, read, and removed;
     ``info["remote_file"]`` is then the URL of the file read (``path`` no longer exists).
 
     Raises:
         GenerationChanged: saves replaced the checkpoint during every try (exit code 1).
         as :func:`resolve_weight_source` and :func:`read_checkpoint`;
-        as :func:`~pimm_core.checkpoint.remote_source.local_copy` for a remote source.
+        as :func:`~pimm_core.checkpoint.remote.source.local_copy` for a remote source.
     """
-    from .remote_source import is_store_url, local_copy
+    from ..remote.source import is_store_url, local_copy
 
     if is_store_url(source):
         with local_copy(os.fspath(source), storage_options) as (copy, plan):

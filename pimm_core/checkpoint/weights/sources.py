@@ -1,6 +1,6 @@
 """Where weights come from: resolving a weight source to one file (torch-free).
 
-Warm start (``--train.weight``), :func:`~pimm_core.checkpoint.strict_load.load_weights`
+Warm start (``--train.weight``), :func:`~pimm_core.checkpoint.weights.strict_load.load_weights`
 and ``pimm export`` all accept the same kinds of *weight source* and go through
 :func:`resolve_weight_source`, which turns one into a single file to read:
 
@@ -17,7 +17,7 @@ a single-format file or a ``last`` /   the file (symlinks are followed)
 ``best`` / ``final`` pointer symlink
 an export directory                    ``model.safetensors``, else ``model.bin``
 an Accelerate ``save_state`` or a      ``model.safetensors``, else ``pytorch_model.bin``
-Hugging Face model directory           (see :mod:`.foreign`)
+Hugging Face model directory           (see :mod:`..records.foreign`)
 a run directory or its ``model/``      the checkpoint a resume would pick (``last``,
                                        complete ``last.prev``, ``model_last.pth``),
                                        else the ``last``/``final`` pointer
@@ -27,7 +27,7 @@ a run directory or its ``model/``      the checkpoint a resume would pick (``las
 ``iter_<step>``
 =====================================  ===========================================
 
-Nothing here imports torch; reading the file is :mod:`.weights`' job.
+Nothing here imports torch; reading the file is :mod:`.read`' job.
 """
 
 from __future__ import annotations
@@ -39,15 +39,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..errors import (CheckpointError, CheckpointParseError, IncompleteCheckpointError, UsageError,
-                      WeightNotFoundError)
-from ..run.layout import model_dir_of
-from ..run.status import read_run_status
-from .foreign import BIN, EXPORT_FILES, HF_BIN, SAFETENSORS, directory_layout, not_a_checkpoint, sniff
-from .generation import wait_for_rotation
+from ...errors import CheckpointError, CheckpointParseError, IncompleteCheckpointError, UsageError, WeightNotFoundError
+from ...run.layout import model_dir_of
+from ...run.status import read_run_status
+from ..records.foreign import BIN, EXPORT_FILES, HF_BIN, SAFETENSORS, directory_layout, not_a_checkpoint, sniff
+from ..records.generation import wait_for_rotation
 from .hub import is_remote, resolve_hf
-from .manifest import COMPLETE, MANIFEST, read_manifest
-from .selection import BEST, LEGACY_LAST, POINTERS, TRAINER_DCP, WEIGHTS, select_resume, weights_in_dcp
+from ..records.manifest import COMPLETE, MANIFEST, read_manifest
+from ..select.selection import BEST, LEGACY_LAST, POINTERS, TRAINER_DCP, WEIGHTS, select_resume, weights_in_dcp
 
 #: ``iter_<step>`` or ``best_<step>`` as a keyword of a run (``.pth`` optional), unlike selection's
 #: file-name patterns.
@@ -67,7 +66,7 @@ def resolve_weight_source(path: str | os.PathLike[str], *, run_dir: Path | None 
     Returns:
         The path of an existing regular file (symlinks resolved), or the ``trainer.dcp``
         directory of a standard checkpoint whose weights are only there (see
-        :func:`~pimm_core.checkpoint.sharded.read_checkpoint_weights`). For ``hf://`` it
+        :func:`~pimm_core.checkpoint.formats.sharded.read_checkpoint_weights`). For ``hf://`` it
         is the file in the local Hugging Face cache.
 
     Raises:
@@ -248,17 +247,17 @@ def check_weight_source(source: str | os.PathLike[str], *, run_dir: Path | None 
     before the run directory exists).
 
     A remote source (``s3://``...) is looked up and its first bytes read, nothing downloaded
-    (:func:`~pimm_core.checkpoint.remote_source.check_remote_source`).
+    (:func:`~pimm_core.checkpoint.remote.source.check_remote_source`).
 
     Returns:
         The file a warm start will read (for a remote source: its URL).
 
     Raises:
         as :func:`resolve_weight_source` (and, for a remote source, as
-        :func:`~pimm_core.checkpoint.remote_source.plan_remote`); CheckpointParseError: the
+        :func:`~pimm_core.checkpoint.remote.source.plan_remote`); CheckpointParseError: the
         file is not a PyTorch checkpoint (text, random bytes...; exit code 2).
     """
-    from .remote_source import check_remote_source, is_store_url
+    from ..remote.source import check_remote_source, is_store_url
 
     if is_store_url(source):
         plan = check_remote_source(os.fspath(source), storage_options)

@@ -2,7 +2,7 @@
 
 :func:`load_weights` (``pimm_core.load_weights``) is the scripting entry; :func:`check_strict`
 and :func:`check_unwrapped` are shared with loading an export
-(:func:`~pimm_core.checkpoint.export.load_exported`).
+(:func:`~pimm_core.checkpoint.export.model_dir.load_exported`).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import os
 import torch
 from torch import nn
 
-from ..errors import CheckpointError, UsageError
+from ...errors import CheckpointError, UsageError
 from .key_rules import apply_key_rules
-from .state import is_parallel_wrapper, load_full_state_dict
-from .ties import follow_model_ties
-from .weights import StateDict, read_source, select_weight_set
+from ..tensors.state import is_parallel_wrapper, load_full_state_dict
+from ..tensors.ties import follow_model_ties
+from .read import StateDict, read_source, select_weight_set
 
 
 def check_unwrapped(model: nn.Module) -> None:
@@ -58,14 +58,14 @@ def load_weights(model: nn.Module, checkpoint: str | os.PathLike[str], *, weight
 
     Buffers (BatchNorm statistics) load with the parameters. Names the model ties to one
     tensor stay tied (``load_state_dict`` copies into the model's own tensors) and get
-    one value: the canonical name's (see :func:`~pimm_core.checkpoint.ties.follow_model_ties`);
+    one value: the canonical name's (see :func:`~pimm_core.checkpoint.tensors.ties.follow_model_ties`);
     a file that stores a tied tensor under one of its names only loads too.
 
     Args:
         model: an unwrapped, uncompiled module whose architecture matches the checkpoint.
         checkpoint: any weight source :func:`resolve_weight_source` accepts: a run's
             ``model/last`` directory, ``model_best.pth``, a ``best`` pointer, an export
-            directory, ``hf://org/repo``, a remote ``s3://...`` (:mod:`.remote_source`)...
+            directory, ``hf://org/repo``, a remote ``s3://...`` (:mod:`..remote.source`)...
         weights: ``raw`` or ``ema`` (the parameter set at that checkpoint position).
 
     Raises:

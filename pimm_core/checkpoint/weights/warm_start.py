@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 from .key_rules import DEFAULT_KEY_RULES, apply_key_rules, format_rules, suggest_key_rule, toml_literal
-from .state import load_full_state_dict, unwrap
-from .ties import follow_model_ties
-from .weights import read_source, select_weight_set
+from ..tensors.state import load_full_state_dict, unwrap
+from ..tensors.ties import follow_model_ties
+from .read import read_source, select_weight_set
 
 log = logging.getLogger("pimm")
 
@@ -108,7 +108,7 @@ def warm_start(model: nn.Module, source: str | os.PathLike[str], *, weight_set: 
             sharded (FSDP2) model gets its shards (every rank must call this then).
         source: any weight source :func:`resolve_weight_source` accepts (incl. ``hf://``), or a
             remote URL (``s3://...``: downloaded into a temporary directory, checked against its
-            manifest or sidecar, removed after reading; see :mod:`.remote_source`).
+            manifest or sidecar, removed after reading; see :mod:`..remote.source`).
         weight_set: ``raw`` or ``ema``.
         rules: key rewrite rules (see :func:`apply_key_rules`); None: :data:`DEFAULT_KEY_RULES`.
         logger: where the report goes (default: the ``pimm`` logger).

@@ -1,12 +1,12 @@
 """The user data: a slice of the bundled digits, the training split randomly shifted and noised
-per sample with :class:`pimm_core.data_rng.EpochSeeded` (independent of worker count)."""
+per sample with :class:`pimm_core.data.rng.EpochSeeded` (independent of worker count)."""
 
 from __future__ import annotations
 
 import torch
 from torch.utils.data import Dataset
 
-from pimm_core.data_rng import EpochSeeded
+from pimm_core.data.rng import EpochSeeded
 
 
 class Digits(EpochSeeded, Dataset):
@@ -28,7 +28,7 @@ class Digits(EpochSeeded, Dataset):
 
 def digits_aug(train: int = 192, val: int = 61, seed: int = 0):
     """``(train, val)`` datasets of ``train`` and ``val`` digits."""
-    from pimm_core.data import digits_arrays
+    from pimm_core.data.loaders import digits_arrays
 
     data, target = digits_arrays()
     x = torch.tensor(data, dtype=torch.float32) / 16.0
@@ -40,7 +40,7 @@ def digits_aug(train: int = 192, val: int = 61, seed: int = 0):
 class Indexed(EpochSeeded, Dataset):
     """Digits whose items are ``(x, y, index)``: ``userpkg.objective:seen_ce`` records the indices trained.
     With ``augment``, the training split is shifted and noised per sample from ``(seed, epoch, index)``
-    (:class:`pimm_core.data_rng.EpochSeeded`: the same at any worker count or world size)."""
+    (:class:`pimm_core.data.rng.EpochSeeded`: the same at any worker count or world size)."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, *, augment: bool = False, seed: int = 0):
         super().__init__(seed)
@@ -61,7 +61,7 @@ class Indexed(EpochSeeded, Dataset):
 def indexed(train: int = 100, val: int = 20, augment: bool = False, seed: int = 0):
     """``(train, val)`` datasets of the first ``train`` digits and the ``val`` after them, with indices
     (the training split randomly augmented with ``augment``)."""
-    from pimm_core.data import digits_arrays
+    from pimm_core.data.loaders import digits_arrays
 
     data, target = digits_arrays()
     x = torch.tensor(data, dtype=torch.float32) / 16.0

@@ -71,7 +71,7 @@ class Images(Dataset):
 
 
 def digit_images(train: int = 64, val: int = 32):
-    from pimm_core.data import digits_arrays
+    from pimm_core.data.loaders import digits_arrays
 
     data, target = digits_arrays()
     x = torch.tensor(data, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0

@@ -9,8 +9,8 @@ import enum
 import torch
 from torch.utils.data import IterableDataset
 
-from pimm_core.data import stream_shard
-from pimm_core.dist import env_world
+from pimm_core.data.loaders import stream_shard
+from pimm_core.process.dist import env_world
 
 
 class DigitStream(IterableDataset):
@@ -47,7 +47,7 @@ class StatefulDigitStream(DigitStream):
 
 def digits_stream(train: int = 192, val: int = 61, stateful: bool = True):
     """``(train, val)`` streams of ``train`` and ``val`` digits (the val stream in a fixed order)."""
-    from pimm_core.data import digits_arrays
+    from pimm_core.data.loaders import digits_arrays
 
     data, target = digits_arrays()
     x = torch.tensor(data, dtype=torch.float32) / 16.0
@@ -92,7 +92,7 @@ class SafePhasedDigitStream(PhasedDigitStream):
 
 def phased_stream(train: int = 192, val: int = 61, registered: bool = False):
     """``(train, val)`` streams whose train state holds an enum (``registered``: one a resume may load)."""
-    from pimm_core.data import digits_arrays
+    from pimm_core.data.loaders import digits_arrays
 
     data, target = digits_arrays()
     x = torch.tensor(data, dtype=torch.float32) / 16.0

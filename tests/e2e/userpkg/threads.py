@@ -105,7 +105,7 @@ class _UnderCacheLock:
 def cached_digits(val_fraction: float = 0.2):
     """The bundled digits, the train split read under the cache lock that the main process's
     filler thread (started by :func:`churning_mlp` with ``cache_filler=True``) holds most of the time."""
-    from pimm_core.data import Datasets, digits
+    from pimm_core.data.loaders import Datasets, digits
 
     d = digits(val_fraction=val_fraction)
     return Datasets(_UnderCacheLock(d.train), d.val, fingerprint=d.fingerprint)
