@@ -48,8 +48,8 @@ from torch import nn
 
 from .config import Config
 from .errors import ConfigError
-from .train.schedule import KIND_OPTIONS, WarmupCosine, WarmupSchedule
 from .targets import TargetSpec, accepts, check_args, load
+from .train.schedule import KIND_OPTIONS, WarmupCosine, WarmupSchedule
 
 #: Modules whose parameters never decay in the default parameter groups.
 NORM_LAYERS: tuple[type[nn.Module], ...] = (

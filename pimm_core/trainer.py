@@ -40,34 +40,34 @@ import numpy as np
 import torch
 from torch import nn
 
-from .process import dist
 from .checkpoint.export.library_model import library_record
 from .checkpoint.tensors.state import unwrap
 from .config import Config, TrainConfig
-from .data.loaders import eval_loader, train_loader
-from .train.ema import EMA
-from .errors import ConfigError
 from .data.global_order import micro_batch_seeder, ordered
+from .data.loaders import eval_loader, train_loader
+from .errors import ConfigError
 from .objectives import Objective
 from .optim import build_optimizer, build_scheduler
-from .run import code_version
-from .run.heartbeat import heartbeat
+from .process import dist
 from .process.stop import StopRequest
 from .process.time_limit import TimeLimit
+from .run import code_version
+from .run.heartbeat import heartbeat
 from .run.topology import finished_message
 from .train.best import BestTracker
 from .train.build import (build_data, build_model, build_objective, data_length, data_resume_policy,
                           user_code_of, warm_start_model)
 from .train.callbacks import Callbacks
 from .train.checkpointer import Checkpointer
+from .train.ema import EMA
 from .train.evaluator import Evaluator
 from .train.hang import name_the_hang
 from .train.parallel import is_fsdp, parallelize
 from .train.recorder import Recorder
 from .train.resume import nothing_left, resume
-from .train.state import TrainState, end_step
 from .train.session import (after_step, end_session, evaluate_and_record, start_epoch, start_files,
                             stop_before_start, stop_nonfinite)
+from .train.state import TrainState, end_step
 from .train.step import STOP, WindowStep, autocast_context, check_finite
 from .train.stop_agreement import StopAgreement
 

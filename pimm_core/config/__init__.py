@@ -7,9 +7,9 @@
 - :mod:`.show`: the resolved config as TOML with changed values marked; :mod:`.help`: one line per key.
 
 May import: ``errors``, ``fsio``, ``targets``, ``run.layout``, ``process.stop``, ``process.time_limit``
-(the bottom layer and the run layer), never torch. Inside it, ``schema`` and ``tables`` import no other
-module of the package, ``checks`` reads ``schema`` only for its annotations, and only ``load`` runs the
-checks; no submodule imports this package back.
+(the bottom layer and the run layer), never ``data``, ``checkpoint`` or torch. Inside it ``tables``
+imports no other module of the package, ``schema`` only ``tables``, ``checks`` reads ``schema`` only for
+its annotations, and only ``load`` runs the checks; no submodule imports this package back.
 
 The names below are re-exported, so ``from pimm_core.config import Config, load_config`` (and a run's
 saved config naming them) works as it did when this was one module.

@@ -7,13 +7,13 @@ from __future__ import annotations
 import difflib
 from typing import TYPE_CHECKING
 
-from .tables import Where
 from ..errors import ConfigError
 from ..fsio import url_scheme
-from ..run.layout import NAME_SUFFIX_MAX, name_problem
 from ..process.stop import parse_signals
-from ..targets import is_target
 from ..process.time_limit import parse_duration
+from ..run.layout import NAME_SUFFIX_MAX, name_problem
+from ..targets import is_target
+from .tables import Where
 
 if TYPE_CHECKING:
     from .schema import Config

@@ -45,10 +45,10 @@ from torch.utils.data import DistributedSampler, IterableDataset, Sampler, Tenso
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ..config import DataConfig
-from ..process.dist import DistInfo
 from ..errors import ConfigError, TrainingError
-from .workers import MAIN_GUARD, check_importable, is_pickling_error, unpicklable, worker_context
+from ..process.dist import DistInfo
 from ..targets import TargetSpec
+from .workers import MAIN_GUARD, check_importable, is_pickling_error, unpicklable, worker_context
 
 # torchdata 0.11 calls the deprecated torch.set_vital on every iterator; nothing for us to fix.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)

@@ -16,7 +16,7 @@ DataLoader argument of that name), ``"forkserver"`` by default:
 
 - The fork server is a fresh interpreter started by ``exec`` (only the file descriptors
   multiprocessing passes, so no run lock is inherited), single-threaded, which forks the
-  workers on request. It preloads ``pimm_core.data`` (torch, numpy, torchdata) once, so a
+  workers on request. It preloads ``pimm_core.data.loaders`` (torch, numpy, torchdata) once, so a
   worker starts in milliseconds instead of importing torch at every epoch
   (``benchmarks/worker_start.py`` measures the choices).
 - It is started with the stop signals (SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2) blocked,
@@ -48,7 +48,7 @@ from ..errors import ConfigError
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
                      if hasattr(signal, name))
 #: What the fork server imports once so that each worker it forks has it already.
-PRELOAD = ["pimm_core.data"]
+PRELOAD = ["pimm_core.data.loaders"]  # the module itself: the package imports nothing at import
 
 _start_lock = threading.Lock()
 

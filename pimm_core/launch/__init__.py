@@ -12,6 +12,9 @@ name and claim, the pre-launch checks, ``--train.auto-resume``, ``pimm resume``'
 :mod:`.torchrun` (spawning the ranks, the failure report) and :mod:`.forward` (a
 multi-node agent's stop signals). Their public names are
 importable from here.
+
+May import: every layer below (``trainer``, ``train``, ``checkpoint``, ``data``, ``config``, ``process``,
+``run``), never ``cli`` or ``pimm_tui``.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from ..config import Config
-from ..run import read_run_status
 from ..process.stop import caught_signals
+from ..run import read_run_status
 
 #: Stop reasons that requeue (``signal:<NAME>``, ``time limit: ...``).
 REQUEUE_REASONS = ("signal:", "time limit")

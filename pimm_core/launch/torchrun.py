@@ -16,10 +16,10 @@ from pathlib import Path
 from ..config import Config
 from ..errors import RANK_ERRORS_ENV, rank_errors
 from ..process.lock import LauncherLock
-from ..run import LAUNCH_ENV, STATUS, read_run_status
-from ..run.ranks import describe_lag, lagging_ranks, read_rank_beats
 from ..process.shell import PROGRAM_ENV, program, resume_command
 from ..process.stop import SIGNALS_ENV, StopRequest, parse_signals, signals_from_env, stop_signals
+from ..run import LAUNCH_ENV, STATUS, read_run_status
+from ..run.ranks import describe_lag, lagging_ranks, read_rank_beats
 from ..targets import child_env
 from .forward import SignalForwarder
 from .options import LaunchOptions

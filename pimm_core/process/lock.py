@@ -50,8 +50,8 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from ..fsio import atomic_write_bytes
 from ..errors import UsageError
+from ..fsio import atomic_write_bytes
 from ..run import now_iso, read_json, read_run_status
 from ..run.entries import HOLDER, LOCK, RANKS, check_entry, check_run_entries, writable_error
 from .shell import command

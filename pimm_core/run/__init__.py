@@ -14,8 +14,14 @@ One module per file kind, each with its writer and its reader side by side:
 - :mod:`.entries`: the entries pimm writes are its own (never links, the right kind), opened
   without following links; a directory it cannot write is one line.
 
+- :mod:`.topology`: what a checkpoint recorded vs. what a resume will run with, and the resume
+  policy that follows (not re-exported below: it reads the config).
+
 Everything here is torch-free so readers (CLI, console) stay fast. Only rank 0 writes, except
 each rank's own heartbeat file.
+
+May import: the bottom layer (``errors``, ``faults``, ``fsio``, ``text``); :mod:`.topology` also
+``config`` and ``data.global_order``. Never ``process``, ``checkpoint`` or anything above.
 The names below are re-exported so ``from pimm_core.run import STATUS, write_status``
 works without knowing which module holds them.
 """

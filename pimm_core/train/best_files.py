@@ -11,9 +11,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..process import dist
 from ..checkpoint.select.selection import BEST
 from ..checkpoint.tensors.state import is_sharded
+from ..process import dist
 from .best_k import best_name
 
 if TYPE_CHECKING:

@@ -39,23 +39,23 @@ from typing import Any, Callable, Sized
 import torch
 from torch import nn
 
-from ..process import dist
 from ..checkpoint.formats.choose import make_format
 from ..checkpoint.formats.protocol import SaveItem
+from ..checkpoint.formats.weights_file import weights_payload, write_weights_file
 from ..checkpoint.publish.rotation import on_main, retry_stale, wait_for_purges
 from ..checkpoint.select.selection import ITER_RE
 from ..checkpoint.tensors.state import full_state_dict, full_tensors, is_sharded, load_problem, rng_state, unwrap
-from ..checkpoint.formats.weights_file import weights_payload, write_weights_file
 from ..config import CheckpointConfig, Config
-from ..process.dist import DistInfo
-from .ema import EMA
 from ..errors import CheckpointSaveError, UsageError
 from ..fsio import remove_stale_temporaries
+from ..process import dist
+from ..process.dist import DistInfo
+from ..process.stop import StopRequest
 from ..run import now_iso
 from ..run.heartbeat import beat
-from ..process.stop import StopRequest
 from . import best_files
 from .best_k import BestKeeper
+from .ema import EMA
 from .state import TrainState
 
 log = logging.getLogger("pimm")

@@ -15,12 +15,12 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from ..process import dist
 from ..checkpoint.tensors.state import unwrap
-from .ema import EMA
-from ..run.heartbeat import beat
-from .parallel import is_fsdp, reshard
 from ..objectives import BUILTIN, MetricTotals, Objective
+from ..process import dist
+from ..run.heartbeat import beat
+from .ema import EMA
+from .parallel import is_fsdp, reshard
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

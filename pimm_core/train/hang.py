@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..process.dist import DistInfo
 from ..errors import TrainingError, first_line
-from ..run.ranks import LAG_MIN_S, describe_lag, lagging_ranks, read_rank_beats
+from ..process.dist import DistInfo
 from ..process.shell import resume_command
+from ..run.ranks import LAG_MIN_S, describe_lag, lagging_ranks, read_rank_beats
 
 # How a collective reports its timeout: gloo (the wait, then the pair it closed), NCCL's watchdog.
 _TIMED_OUT = ("Timed out waiting", "Application timeout caused pair closure",

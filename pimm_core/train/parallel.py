@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from ..config import Config
-from ..process.dist import DistInfo
 from ..errors import ConfigError
+from ..process.dist import DistInfo
 from ..targets import TargetSpec, call, is_target
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

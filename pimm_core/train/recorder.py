@@ -31,15 +31,15 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..config import Config, write_config
+from ..errors import ConfigError
 from ..process.console_log import attach_console
 from ..process.dist import DistInfo
 from ..run import (CONFIG, METRICS, PROVENANCE, MetricsWriter, append_provenance, launch_record, log_handler,
                    now_iso, scheduler_record, supersede_after, write_status)
-from ..errors import ConfigError
 from ..run.entries import MLFLOW_ID, TENSORBOARD_DIR, WANDB_FILES, WANDB_ID, check_run_entries
-from .state import TrainState
 from .rate import StepClock
 from .sinks import Sink, open_sinks
+from .state import TrainState
 
 log = logging.getLogger("pimm")
 

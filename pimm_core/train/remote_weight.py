@@ -17,10 +17,10 @@ import socket
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..process import dist
-from ..checkpoint.remote.source import download, plan_remote, shared_copy, store_error
 from ..checkpoint.records.scratch import make_owned_dir, release
+from ..checkpoint.remote.source import download, plan_remote, shared_copy, store_error
 from ..errors import PimmError
+from ..process import dist
 
 
 @contextlib.contextmanager

@@ -19,21 +19,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..process import dist
-from ..checkpoint.select.branch import set_aside_later
 from ..checkpoint.formats.choose import make_format
+from ..checkpoint.select.branch import set_aside_later
 from ..checkpoint.select.resume_path import resolve_resume_path
 from ..checkpoint.select.selection import is_model_dir, select_verified, verify_candidate
 from ..checkpoint.tensors.state import set_rng_state, unwrap
-from ..errors import CheckpointError
-from ..data.global_order import running_stats_warning
 from ..config import TrainConfig
-from .schedule import WarmupCosine
+from ..data.global_order import running_stats_warning
+from ..errors import CheckpointError
+from ..process import dist
 from ..run import CONFIG, METRICS, read_json, read_run_status
 from ..run.metrics import MAX_LINE, records_from_end
-from ..run.values import json_number
 from ..run.topology import config_diff, is_finished, plan_resume
+from ..run.values import json_number
 from .build import data_length
+from .schedule import WarmupCosine
 
 if TYPE_CHECKING:
     from .host import TrainerHost

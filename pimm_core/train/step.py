@@ -18,12 +18,12 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from ..config import TrainConfig
-from .ema import EMA
-from ..errors import ConfigError, TrainingError
 from ..checkpoint.tensors.state import unwrap
+from ..config import TrainConfig
+from ..errors import ConfigError, TrainingError
 from ..objectives import BUILTIN, Loss, Objective, batch_size
 from ..run.heartbeat import beat
+from .ema import EMA
 from .evaluator import to_device
 from .parallel import is_fsdp
 from .state import TrainState

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from ..process import dist
-from ..run.heartbeat import beat
 from ..process.stop import StopRequest, read_stop_file, stop_file
+from ..run.heartbeat import beat
 
 log = logging.getLogger("pimm")
 

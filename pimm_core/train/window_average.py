@@ -35,9 +35,9 @@ from typing import Iterable
 
 import torch
 
-from ..process import dist
 from ..errors import ConfigError
 from ..objectives import Loss
+from ..process import dist
 
 
 def _world_size() -> int:

@@ -1,1 +1,1 @@
-"""Small torch-free helpers usable as ``python -m`` tools."""
+"""Small torch-free helpers usable as ``python -m`` tools (layer **cli**: may import any layer below it)."""

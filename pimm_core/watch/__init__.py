@@ -16,4 +16,7 @@ that needs one pays for no other):
 - :mod:`.fmt`: sizes, durations, ages and logged values as text.
 
 ``train.log`` is read by :class:`pimm_core.run.log.LogTail`, next to its writer.
+
+May import: ``run``, ``config``, ``process``, the torch-free ``checkpoint`` subpackages (``records``,
+``select``, ``remote``) and the bottom layer; never ``train``/``trainer`` (a sibling), ``launch`` or ``cli``.
 """

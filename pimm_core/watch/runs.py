@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.select.selection import select_resume
-from ..run.jsonfile import read_json
 from ..config import read_saved_config
+from ..run.jsonfile import read_json
 from ..run.layout import CONFIG, METRICS, MODEL, is_run_dir
 from ..run.values import finite_number, json_int, json_number
 from .fmt import fmt_value

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..process.stop import read_stop_file, stop_file
 from ..run.layout import METRICS
 from ..run.status import RunStatus, read_run_status
-from ..process.stop import read_stop_file, stop_file
 
 #: States in which a trainer process should be alive.
 LIVE_STATES = ("starting", "running", "stopping")

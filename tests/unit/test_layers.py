@@ -18,7 +18,7 @@ Layers, bottom to top (a module's layer is the longest prefix below that names i
    ``objectives``, ``optim``, ``data_rng``, ``plugins``)
    and **watch** (``watch.*``: what the console and ``checkpoints diff`` read), two
    independent siblings: neither imports the other.
-4. **cli**: ``launch``, ``cli``/``cli.*``, ``cli_export``, ``utils.*``, and the
+4. **cli**: ``launch``, ``cli``/``cli.*``, ``utils.*``, and the
    ``pimm`` alias package.
 5. **console**: ``pimm_tui``. Inside it the views (``pimm_tui.views.*``) never import
    the app (``pimm_tui.app``): they post messages (``views.common``) that the app handles.
@@ -62,7 +62,6 @@ LAYERS: dict[str, tuple[int, str]] = {
     "pimm_core.watch": (3, "watch"),
     "pimm_core.launch": (4, "cli"),
     "pimm_core.cli": (4, "cli"),
-    "pimm_core.cli_export": (4, "cli"),
     "pimm_core.utils": (4, "cli"),
     "pimm": (4, "cli"),
     "pimm_tui": (5, "console"),
@@ -79,6 +78,25 @@ CHECKPOINT_STEPS: dict[str, int] = {
     "formats": 3,  # protocol, standard, async_save, files, sharded, weights_file, choose
     "weights": 4,  # sources, hub, read, strict_load, warm_start, key_rules
     "export": 5,   # model_dir, files, config, library_model
+}
+
+#: Rules between groups of one layer (importer prefix -> prefixes it never imports), as each package's
+#: ``__init__`` states them: the run directory's files are read by the process helpers, not the reverse;
+#: the config and the process helpers know nothing of data or checkpoints.
+GROUP_RULES: dict[str, tuple[str, ...]] = {
+    "pimm_core.run": ("pimm_core.process", "pimm_core.checkpoint"),
+    "pimm_core.process": ("pimm_core.config", "pimm_core.data", "pimm_core.run.topology"),
+    "pimm_core.config": ("pimm_core.data", "pimm_core.run.topology"),
+    "pimm_core.data.global_order": ("pimm_core.config", "pimm_core.process", "pimm_core.run"),
+}
+#: Inside ``config``: ``module -> the modules of the package it may import``.
+CONFIG_RULES: dict[str, tuple[str, ...]] = {
+    "pimm_core.config.tables": (),
+    "pimm_core.config.schema": ("pimm_core.config.tables",),
+    "pimm_core.config.help": (),
+    "pimm_core.config.checks": ("pimm_core.config.schema", "pimm_core.config.tables"),
+    "pimm_core.config.show": ("pimm_core.config.schema", "pimm_core.config.tables"),
+    "pimm_core.config.load": ("pimm_core.config.checks", "pimm_core.config.schema", "pimm_core.config.tables"),
 }
 
 #: Upward imports that are the point of their module: (importer prefix, imported prefix) -> why.
@@ -214,6 +232,24 @@ def test_every_module_imports_only_its_layer_or_below() -> None:
 
 def test_no_import_cycles() -> None:
     assert cycles() == []
+
+
+def test_the_groups_of_a_layer_keep_their_own_rules() -> None:
+    """:data:`GROUP_RULES` and :data:`CONFIG_RULES` (the ``__init__`` docstrings of ``run``, ``process``,
+    ``config`` and ``data`` state them)."""
+    known = _modules()
+    under = lambda m, prefix: m == prefix or m.startswith(prefix + ".")  # noqa: E731
+    bad = []
+    for module, path in known.items():
+        targets = imports_of(module, path, known)
+        for prefix, never in GROUP_RULES.items():
+            if under(module, prefix) and not (prefix == "pimm_core.run" and module == "pimm_core.run.topology"):
+                bad += [f"{module} imports {t}" for t in targets if any(under(t, n) for n in never)]
+        if module in CONFIG_RULES:
+            bad += [f"{module} imports {t}" for t in targets
+                    if under(t, "pimm_core.config") and t not in CONFIG_RULES[module]]
+    assert sorted(set(bad)) == []
+    assert sorted(m for m in known if m.startswith("pimm_core.config.")) == sorted(CONFIG_RULES)
 
 
 def test_the_console_views_do_not_import_the_app() -> None:

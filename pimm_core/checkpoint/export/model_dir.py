@@ -43,25 +43,25 @@ from torch import nn
 
 from ...errors import UsageError
 from ...fsio import atomic_write_bytes, fsync_tree, remove_tree
-from .config import read_run_config, sanitize_config
-from ..records.foreign import HF_BIN, SAFETENSORS
-from .library_model import MAX_SHARD_SIZE, save_library_model
-from ..weights.hub import is_remote
-from ..weights.key_rules import DEFAULT_KEY_RULES, apply_key_rules
-from ..records.manifest import sha256_file
-from ..records.outputs import CONFIG_JSON, EXPORT_JSON, check_output_dir, check_output_file, new_temp_dir, replace_dir
-from ..remote.output import check_remote_output, upload_export
-from ..remote.source import is_store_url
-from ..records.scratch import make_owned_dir, release
 from ...run.layout import find_run_dir
 from ...run.provenance import read_provenance
+from ..records.foreign import HF_BIN, SAFETENSORS
 from ..records.generation import read_whole
-from ..weights.sources import checkpoint_record, resolve_weight_source
+from ..records.manifest import sha256_file
+from ..records.outputs import CONFIG_JSON, EXPORT_JSON, check_output_dir, check_output_file, new_temp_dir, replace_dir
+from ..records.scratch import make_owned_dir, release
+from ..remote.output import check_remote_output, upload_export
+from ..remote.source import is_store_url
 from ..tensors.state import load_full_state_dict
-from ..weights.strict_load import check_strict, check_unwrapped
 from ..tensors.ties import find_aliases, follow_model_ties, tie_parameters
-from .files import write_bin, write_safetensors
+from ..weights.hub import is_remote
+from ..weights.key_rules import DEFAULT_KEY_RULES, apply_key_rules
 from ..weights.read import WEIGHT_SETS, read_checkpoint, read_source, retie, select_weight_set
+from ..weights.sources import checkpoint_record, resolve_weight_source
+from ..weights.strict_load import check_strict, check_unwrapped
+from .config import read_run_config, sanitize_config
+from .files import write_bin, write_safetensors
+from .library_model import MAX_SHARD_SIZE, save_library_model
 
 FORMATS = {"safetensors": SAFETENSORS, "bin": HF_BIN}
 EXPORT_JSON = "export.json"

@@ -24,17 +24,17 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from ...process import dist
 from ...errors import CheckpointSaveError
 from ...fsio import release_cached_pages
+from ...process import dist
 from ..publish.follow import FollowingHasher
-from .protocol import LoadedState, SaveItem
 from ..publish.rotation import follow_hashes, intact_note, on_main, prepare, publish, remove_quietly, short_error
 from ..select.selection import TRAINER_DCP, WEIGHTS_FIELD
-from .standard import StandardFormat, dcp_state
-from .sharded import read_checkpoint_weights
 from ..tensors.state import is_sharded, unwrap
 from ..tensors.ties import find_aliases
+from .protocol import LoadedState, SaveItem
+from .sharded import read_checkpoint_weights
+from .standard import StandardFormat, dcp_state
 from .weights_file import weights_payload
 
 

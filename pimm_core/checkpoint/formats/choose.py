@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ...process.dist import DistInfo
 from ...errors import ConfigError
+from ...process.dist import DistInfo
 from .async_save import AsyncStandardFormat
 from .files import LegacyFormat, SingleFormat
 from .protocol import CheckpointFormat

@@ -40,18 +40,18 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
-from ...process import dist
-from ...process.dist import DistInfo
 from ...errors import CheckpointError, CheckpointParseError
 from ...faults import point, register
 from ...fsio import fsync_dir, temp_path
+from ...process import dist
+from ...process.dist import DistInfo
+from ..publish.rotation import on_main, save_torch_file
 from ..records.manifest import sha256_file, write_manifest
+from ..select.selection import LEGACY_LAST, POINTERS, SINGLE_RE
+from ..tensors.safe_read import load_torch_file
+from ..tensors.state import is_sharded, load_full_state_dict, unwrap
 from .optim_state import frozen_state_loaded, unstepped
 from .protocol import LoadedState, SaveItem, meta_problem
-from ..publish.rotation import on_main, save_torch_file
-from ..tensors.safe_read import load_torch_file
-from ..select.selection import LEGACY_LAST, POINTERS, SINGLE_RE
-from ..tensors.state import is_sharded, load_full_state_dict, unwrap
 from .weights_file import DtypeCast, check_compatible, check_dtypes, dtype_casts
 
 register("file_format.published", "file_format.sidecar_written", "pointer.linked", "pointer.replaced",

@@ -27,10 +27,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from ...errors import CheckpointError, CheckpointParseError
-from .mapped_reader import MappedFileSystemReader
 from ..select.selection import TRAINER_DCP
 from ..tensors.state import pack, unpack
 from ..tensors.ties import tied_groups
+from .mapped_reader import MappedFileSystemReader
 
 MODEL = "model/"
 EMA = "ema/"

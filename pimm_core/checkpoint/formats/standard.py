@@ -32,18 +32,18 @@ from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, s
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
-from ...process.dist import DistInfo
 from ...errors import CheckpointError, CheckpointParseError, CheckpointSaveError
 from ...faults import point
 from ...fsio import release_cached_pages
+from ...process.dist import DistInfo
+from ..publish.rotation import follow_hashes, intact_note, on_main, prepare, publish, remove_quietly, short_error, wait_for_purges, without_zip_crc32
+from ..select.selection import TRAINER_DCP, WEIGHTS, WEIGHTS_FIELD
+from ..tensors.safe_read import load_failure
+from ..tensors.state import is_sharded, join_tensors, load_full_state_dict, pack, split_tensors, unpack, unwrap
 from .mapped_reader import MappedFileSystemReader
 from .optim_state import frozen_state_loaded, unstepped
 from .protocol import LoadedState, SaveItem, meta_problem
-from ..publish.rotation import follow_hashes, intact_note, on_main, prepare, publish, remove_quietly, short_error, wait_for_purges, without_zip_crc32
-from ..tensors.safe_read import load_failure
-from ..select.selection import TRAINER_DCP, WEIGHTS, WEIGHTS_FIELD
 from .sharded import EMA, MODEL, ema_targets, model_targets, sharded_items
-from ..tensors.state import is_sharded, join_tensors, load_full_state_dict, pack, split_tensors, unpack, unwrap
 from .weights_file import check_compatible, check_dtypes, dtype_casts, read_weights_file, weights_payload
 
 

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from ...errors import CheckpointError, CheckpointParseError
-from ..records.manifest import sha256_file, write_manifest
 from ..publish.rotation import save_torch_file
+from ..records.manifest import sha256_file, write_manifest
 from ..tensors.safe_read import load_torch_file
 from ..tensors.state import full_state_dict, full_tensors, is_sharded
 

@@ -20,14 +20,14 @@ from typing import Any, Callable
 
 import torch
 
-from ...process import dist
-from ...process.dist import DistInfo
 from ...errors import CheckpointSaveError, first_line
 from ...faults import point, register
 from ...fsio import atomic_write, atomic_write_bytes, fsync_dir, fsync_tree, remove_tree, release_cached_pages
-from .follow import FollowingHasher
+from ...process import dist
+from ...process.dist import DistInfo
 from ..records.manifest import COMPLETE, MANIFEST, describe_files, write_manifest
 from ..select.selection import TRAINER_DCP, WEIGHTS, select_resume
+from .follow import FollowingHasher
 
 log = logging.getLogger("pimm")
 

@@ -24,10 +24,10 @@ from ...errors import RemoteStoreError, UsageError
 from ...faults import point, register
 from ..records.manifest import sha256_file
 from ..records.outputs import EXPORT_JSON, is_export_listing
+from ..select.selection import TRAINER_DCP
 from .source import open_url, store_errors
 from .store import STEP_RE, sha256_remote
 from .upload import with_retries
-from ..select.selection import TRAINER_DCP
 
 register("remote.export_files")
 

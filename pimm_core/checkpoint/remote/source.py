@@ -48,9 +48,9 @@ from ...faults import point, register
 from ..records.foreign import EXPORT_FILES
 from ..records.manifest import COMPLETE, MANIFEST
 from ..records.outputs import CONFIG_JSON, EXPORT_JSON, PIMM_CONFIG_JSON
-from .store import STEP_RE, remote_candidates
 from ..records.scratch import owned_temp_dir
 from ..select.selection import BEST, ITER_RE, TRAINER_DCP, WEIGHTS
+from .store import STEP_RE, remote_candidates
 
 register("remote.file_downloaded")
 

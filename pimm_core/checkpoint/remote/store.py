@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from ..records.manifest import COMPLETE, MANIFEST
+from ..select.selection import BEST, BEST_K_RE, ITER_RE
 from .candidate import STEP_RE, RemoteCandidate  # noqa: F401 (re-exported)
 from .choice import ResumeChoice, newest_complete, resume_choice
-from ..select.selection import BEST, BEST_K_RE, ITER_RE
 
 def is_mirrored_weights(name: str) -> bool:
     """A weights file of ``model/`` the mirror uploads: ``model_best.pth``, ``iter_<step>.pth``, ``best_<step>.pth``."""

@@ -32,8 +32,8 @@ from typing import Any, Callable
 
 from ...faults import point, register
 from ..records.manifest import COMPLETE, MANIFEST
-from .store import STEP_RE, is_mirrored_weights, open_store, sha256_remote
 from ..select.selection import BEST, BEST_K_RE, ITER_RE
+from .store import STEP_RE, is_mirrored_weights, open_store, sha256_remote
 
 log = logging.getLogger("pimm")
 

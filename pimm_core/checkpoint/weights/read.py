@@ -41,9 +41,9 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointError, CheckpointParseError, UsageError
-from ..tensors.safe_read import load_torch_file
 from ..formats.sharded import read_checkpoint_weights
 from ..records.generation import read_whole
+from ..tensors.safe_read import load_torch_file
 from .sources import checkpoint_record, resolve_weight_source
 
 WEIGHT_SETS = ("raw", "ema")

@@ -44,9 +44,9 @@ from ...run.layout import model_dir_of
 from ...run.status import read_run_status
 from ..records.foreign import BIN, EXPORT_FILES, HF_BIN, SAFETENSORS, directory_layout, not_a_checkpoint, sniff
 from ..records.generation import wait_for_rotation
-from .hub import is_remote, resolve_hf
 from ..records.manifest import COMPLETE, MANIFEST, read_manifest
 from ..select.selection import BEST, LEGACY_LAST, POINTERS, TRAINER_DCP, WEIGHTS, select_resume, weights_in_dcp
+from .hub import is_remote, resolve_hf
 
 #: ``iter_<step>`` or ``best_<step>`` as a keyword of a run (``.pth`` optional), unlike selection's
 #: file-name patterns.

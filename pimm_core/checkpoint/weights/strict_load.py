@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from ...errors import CheckpointError, UsageError
-from .key_rules import apply_key_rules
 from ..tensors.state import is_parallel_wrapper, load_full_state_dict
 from ..tensors.ties import follow_model_ties
+from .key_rules import apply_key_rules
 from .read import StateDict, read_source, select_weight_set
 
 

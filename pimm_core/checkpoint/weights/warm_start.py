@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from ...errors import CheckpointError
-from .key_rules import DEFAULT_KEY_RULES, apply_key_rules, format_rules, suggest_key_rule, toml_literal
 from ..tensors.state import load_full_state_dict, unwrap
 from ..tensors.ties import follow_model_ties
+from .key_rules import DEFAULT_KEY_RULES, apply_key_rules, format_rules, suggest_key_rule, toml_literal
 from .read import read_source, select_weight_set
 
 log = logging.getLogger("pimm")
