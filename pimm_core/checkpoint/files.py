@@ -46,6 +46,8 @@ from ..errors import CheckpointError, CheckpointParseError
 from ..faults import point, register
 from ..fsio import fsync_dir, temp_path
 from .manifest import sha256_file, write_manifest
+from .optim_structure import structure_fix, structure_problem
+from .safe_state import decode, encode
 from .optim_state import frozen_state_loaded, unstepped
 from .protocol import LoadedState, SaveItem, meta_problem
 from .publish import on_main, save_torch_file
@@ -141,9 +143,9 @@ def save_legacy(model_dir: Path, *, model: nn.Module, optimizer: torch.optim.Opt
         optim_sd = get_optimizer_state_dict(plain, optimizer)
     payload: dict[str, Any] = {
         "format": "legacy", "state_dict": plain.state_dict(), "optimizer": optim_sd,
-        "scheduler": meta["scheduler"], "scaler": meta["scaler"], "epoch": meta["trainer"]["epoch"],
-        "progress": meta["trainer"], "world_size": meta["world_size"], "workers_per_rank": meta["workers_per_rank"],
-        "rng": rank0_state["rng"],
+        **encode({"scheduler": meta["scheduler"], "scaler": meta["scaler"], "epoch": meta["trainer"]["epoch"],
+                  "progress": meta["trainer"], "world_size": meta["world_size"],
+                  "workers_per_rank": meta["workers_per_rank"], "rng": rank0_state["rng"]}),
     }
     if ema_state_dict is not None:
         payload["ema_state_dict"], payload["ema"] = ema_state_dict, meta["ema"]
@@ -189,9 +191,10 @@ def save_single(model_dir: Path, *, model: nn.Module, optimizer: torch.optim.Opt
         weights["ema"] = ema_state_dict
     with unstepped(optimizer, fill=False):
         optim_sd = get_optimizer_state_dict(plain, optimizer)
+    # (numpy values encoded so that torch.load(weights_only=True) reads them back: safe_state)
     payload = {"format": "single", "weights": weights, "optimizer": optim_sd,
-               **{k: meta[k] for k in ("trainer", "scheduler", "scaler", "ema", "world_size", "workers_per_rank")},
-               "rank_states": rank_states}
+               **encode({k: meta[k] for k in (*SINGLE_META, *OPTIONAL_META) if k in meta}),
+               "rank_states": encode(rank_states)}
     path = model_dir / f"step_{meta['trainer']['global_step']}.pth"
     _publish_file(path, payload, manifest, "single")
     for name in pointers:
@@ -258,7 +261,7 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
         CheckpointParseError: the file is hostile (it would run code) or malformed (not a
             pimm legacy or single checkpoint); names it, nothing in it ran.
     """
-    obj = load_torch_file(path)
+    obj = decode(load_torch_file(path))  # (numpy values as saved: safe_state)
     fmt = obj.get("format") if isinstance(obj, dict) else None
     if fmt not in ("legacy", "single"):
         raise CheckpointParseError(f"{path} is not a pimm legacy or single checkpoint")
@@ -278,7 +281,7 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
         rank_state = {"rng": obj["rng"], "loader": None} if rank == 0 and obj["world_size"] == world_size == 1 else None
         saved_ranks = [0]
     else:
-        meta = {k: obj[k] for k in ("trainer", "scheduler", "scaler", "ema", "world_size", "workers_per_rank")}
+        meta = {k: obj[k] for k in (*SINGLE_META, *OPTIONAL_META) if k in obj or k in SINGLE_META}
         states = obj["rank_states"]
         rank_state = states[rank] if rank < len(states) else None
         saved_ranks = list(range(len(states)))
@@ -288,6 +291,15 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
         raise CheckpointParseError(f"{path} is not a well-formed pimm {fmt} checkpoint: its trainer state {problem}")
     skipped: list[str] = check_dtypes(path, casts, strict)
     load_full_state_dict(plain, raw)
+    if optimizer is not None:
+        changed = structure_problem(obj["optimizer"], meta.get("optimizer_class"),
+                                    {"param_groups": _fqn_groups(plain, optimizer)},
+                                    f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
+        if changed:
+            if strict:
+                raise CheckpointError(f"cannot resume from {path}: {changed}; {structure_fix(path)}", exit_code=2)
+            skipped.append(changed + "; its state was not loaded: the optimizer starts fresh (resume_strict_state=false)")
+            optimizer = None
     if optimizer is not None:
         fresh = not optimizer.state
         try:
@@ -303,6 +315,17 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
             skipped.append(f"optimizer state in {path} skipped (resume_strict_state=false): {e}")
     return LoadedState(meta=meta, rank_state=rank_state, ema_state_dict=ema_sd, saved_ranks=saved_ranks,
                        skipped=skipped)
+
+
+#: The trainer state a single-format file holds; and what newer ones add (callbacks, objective, optimizer).
+SINGLE_META = ("trainer", "scheduler", "scaler", "ema", "world_size", "workers_per_rank")
+OPTIONAL_META = ("callbacks", "objective", "optimizer_class", "optimizer_built")
+
+
+def _fqn_groups(plain: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups with parameter names (FQNs) for parameters, without making state."""
+    names = {id(p): n for n, p in plain.named_parameters()}
+    return [{"params": [names.get(id(p), "?") for p in g["params"]]} for g in optimizer.param_groups]
 
 
 def _structure_problem(obj: dict[str, Any], fmt: str) -> str | None:

@@ -38,6 +38,7 @@ from ..faults import point
 from ..fsio import release_cached_pages
 from .mapped_reader import MappedFileSystemReader
 from .optim_state import frozen_state_loaded, unstepped
+from .optim_structure import structure_fix, structure_problem
 from .protocol import LoadedState, SaveItem, meta_problem
 from .publish import (follow_hashes, intact_note, on_main, prepare, publish, remove_quietly, short_error,
                       wait_for_purges, without_zip_crc32)
@@ -207,7 +208,18 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
     saved_ranks = sorted(int(k.split("/", 1)[1]) for k in saved
                          if k.startswith("rank_state/") and k.split("/", 1)[1].isdigit())
 
-    request: dict[str, Any] = {"meta": torch.empty(saved["meta"].size, dtype=torch.uint8)}
+    # the trainer state first (small): what it says is checked before anything is loaded
+    first: dict[str, Any] = {"meta": torch.empty(saved["meta"].size, dtype=torch.uint8)}
+    try:
+        dcp.load(first, storage_reader=reader, no_dist=not info.distributed)
+    except CheckpointException as e:
+        raise _load_failure(path, e) from None
+    meta = _unpack_checked(first["meta"], _item_file(path, metadata, "meta"), "meta")
+    problem = meta_problem(meta, "optim")
+    if problem:
+        raise CheckpointParseError(f"{path} is not a pimm trainer state: its 'meta' item {problem}")
+    skeleton = meta.pop("optim")
+    request: dict[str, Any] = {}
     weights = None
     if any(k.startswith(MODEL) for k in saved):  # a sharded save: the weights are DCP items
         model_sd, target = model_targets(plain, saved, path)
@@ -229,7 +241,12 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
     try:
         if optimizer is not None:
             with unstepped(optimizer, fill=True):  # (a fresh optimizer's state, made by no step of it)
-                target, _ = split_tensors(get_optimizer_state_dict(plain, optimizer), "optim")
+                target, now_skeleton = split_tensors(get_optimizer_state_dict(plain, optimizer), "optim")
+            changed = structure_problem(skeleton, meta.get("optimizer_class"), now_skeleton,
+                                        f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
+            if changed and strict:
+                raise CheckpointError(f"cannot resume from {ckpt}: {changed}; {structure_fix(ckpt / WEIGHTS)}",
+                                      exit_code=2)
             saved_optim = {k for k in saved if k.startswith("optim/")}
             if not saved_optim and fresh is not None and target:  # saved before the optimizer's first step
                 fresh.state.clear()  # (it stays fresh, as it was then)
@@ -240,7 +257,13 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
             mismatched = sorted(k for k in set(target) & saved_optim if tuple(target[k].shape) != tuple(saved[k].size))
             missing = sorted(set(target) - saved_optim)
             extra = sorted(saved_optim - set(target))  # e.g. state of a parameter frozen since the save
-            if mismatched or missing or extra:
+            if changed:  # (not strict) the saved state is the state of another optimizer
+                skipped.append(changed + "; its state was not loaded: the optimizer starts fresh "
+                               "(resume_strict_state=false)")
+                if fresh is not None:
+                    fresh.state.clear()
+                optimizer = None
+            elif mismatched or missing or extra:
                 parts = [f"{label}: {', '.join(keys[:3])}{f' (+{len(keys) - 3} more)' if len(keys) > 3 else ''}"
                          for label, keys in (("shape differs", mismatched), ("not in the checkpoint", missing),
                                              ("not in this optimizer", extra)) if keys]
@@ -267,11 +290,6 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
             raise _load_failure(path, e) from None
         if weights is None:  # DCP read into the model's own tensors; this applies them as FSDP expects
             set_model_state_dict(plain, model_sd)
-        meta = _unpack_checked(request.pop("meta"), _item_file(path, metadata, "meta"), "meta")
-        problem = meta_problem(meta, "optim")
-        if problem:
-            raise CheckpointParseError(f"{path} is not a pimm trainer state: its 'meta' item {problem}")
-        skeleton = meta.pop("optim")
         rank_state = (_unpack_checked(request.pop(rank_key), _item_file(path, metadata, rank_key), rank_key)
                       if rank_key in request else None)
         if rank_state is not None and not isinstance(rank_state, dict):

@@ -14,6 +14,7 @@ from ..errors import CheckpointError, CheckpointParseError
 from .manifest import sha256_file, write_manifest
 from .publish import save_torch_file
 from .safe_read import load_torch_file
+from .safe_state import is_extra_state_key
 from .state import full_state_dict, full_tensors, is_sharded
 
 
@@ -105,7 +106,8 @@ def check_compatible(model: nn.Module, sd: dict[str, torch.Tensor], source: str)
     missing = sorted(set(own) - set(sd))
     unexpected = sorted(set(sd) - set(own))
     shapes = sorted(f"{k} {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
-                    for k in set(own) & set(sd) if tuple(own[k].shape) != tuple(sd[k].shape))
+                    for k in set(own) & set(sd) if tuple(own[k].shape) != tuple(sd[k].shape)
+                    and not is_extra_state_key(k))  # (a module's encoded extra state: its length is its own)
     if missing or unexpected or shapes:
         parts = []
         for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):
