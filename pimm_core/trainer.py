@@ -313,7 +313,7 @@ class Trainer:
                     check_finite(self.model, self.state.global_step)
                 except BaseException as e:
                     e = name_the_hang(e, self.run_dir, self.info, self.config.dist.timeout, self.state.global_step)
-                    rec.status("failed", error=f"{e.__class__.__name__}: {e}")
+                    rec.failed(e)  # status.json, and the error line in train.log
                     if isinstance(e, ConfigError) and resume_from is None and self.state.global_step == 0:
                         rec.unstart()  # a config fault found at the first step: the launch leaves no run behind
                     raise e

@@ -272,7 +272,7 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
     raw = obj["state_dict"] if fmt == "legacy" else obj["weights"]["raw"]
     ema_sd = obj.get("ema_state_dict") if fmt == "legacy" else obj["weights"].get("ema")
     check_compatible(plain, raw, str(path))
-    casts = dtype_casts({k: v.dtype for k, v in raw.items()}, {k: v.dtype for k, v in plain.state_dict().items()})
+    casts = dtype_casts({k: v.dtype for k, v in raw.items()}, {k: v.dtype for k, v in plain.state_dict().items() if isinstance(v, torch.Tensor)})
     if optimizer is not None:
         casts += _optimizer_casts(plain, obj["optimizer"])
     if fmt == "legacy":

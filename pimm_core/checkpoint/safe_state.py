@@ -183,6 +183,18 @@ def decode_extra_states(sd: dict[str, Any]) -> dict[str, Any]:
     return {k: decode_extra(v) if is_extra_state_key(k) else v for k, v in sd.items()}
 
 
+def encode_extra_states(sd: dict[str, Any]) -> dict[str, Any]:
+    """``sd`` itself, or a copy with each non-tensor extra state encoded (a model without the codec).
+
+    Raises:
+        UnloadableStateError: an extra state with no safe encoding (names its module).
+    """
+    if all(isinstance(v, torch.Tensor) for v in sd.values()):
+        return sd
+    return {k: encode_extra(v, f"module `{k[:-len(EXTRA_SUFFIX)].rstrip('.') or '(the model)'}` (get_extra_state())")
+            if is_extra_state_key(k) else v for k, v in sd.items()}
+
+
 def extra_state_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of the modules of ``model`` that define their own ``get_extra_state``."""
     return [(n, m) for n, m in model.named_modules()

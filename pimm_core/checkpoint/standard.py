@@ -230,7 +230,7 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
         weights = read_weights_file(weights_path)
         check_compatible(plain, weights["state_dict"], str(weights_path))
         casts = dtype_casts({k: v.dtype for k, v in weights["state_dict"].items()},
-                            {k: v.dtype for k, v in plain.state_dict().items()})
+                            {k: v.dtype for k, v in plain.state_dict().items() if isinstance(v, torch.Tensor)})
     ema = ema_targets(ema_target, saved, path) if any(k.startswith(EMA) for k in saved) else None
     request.update({EMA + k: v for k, v in (ema or {}).items()})  # (EMA weights are kept in the params' dtype)
     rank_key = f"rank_state/{info.rank}"

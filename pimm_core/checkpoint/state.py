@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from .safe_state import UnloadableStateError, decode, decode_extra_states, encode
+from .safe_state import UnloadableStateError, decode, decode_extra_states, encode, encode_extra_states
 from .ties import tied_groups
 
 TENSOR_MARK = "__tensor__"
@@ -170,7 +170,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """
     plain = unwrap(model)
     if not is_sharded(plain):
-        return plain.state_dict()
+        return encode_extra_states(plain.state_dict())
     sd = get_model_state_dict(plain, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     for group in tied_groups(plain):  # gathered once per name: make the tied names one tensor again
         present = [n for n in group if n in sd]

@@ -106,8 +106,8 @@ def check_compatible(model: nn.Module, sd: dict[str, torch.Tensor], source: str)
     missing = sorted(set(own) - set(sd))
     unexpected = sorted(set(sd) - set(own))
     shapes = sorted(f"{k} {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
-                    for k in set(own) & set(sd) if tuple(own[k].shape) != tuple(sd[k].shape)
-                    and not is_extra_state_key(k))  # (a module's encoded extra state: its length is its own)
+                    for k in set(own) & set(sd) if not is_extra_state_key(k)  # (an encoded one's length is its own)
+                    and tuple(own[k].shape) != tuple(sd[k].shape))
     if missing or unexpected or shapes:
         parts = []
         for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):
