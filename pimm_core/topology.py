@@ -322,8 +322,20 @@ def config_diff(saved: dict[str, Any], now: dict[str, Any],
         if any(key == p or (p.endswith(".") and key.startswith(p)) for p in ignore):
             continue
         if a.get(key) != b.get(key):
-            lines.append(f"{key}: {a.get(key, '<unset>')!r} -> {b.get(key, '<unset>')!r}")
+            why = not_applied(key, b)
+            lines.append(f"{key}: {a.get(key, '<unset>')!r} -> {b.get(key, '<unset>')!r}"
+                         + (f" (not applied on resume: {why})" if why else ""))
     return lines
+
+
+def not_applied(key: str, now: dict[str, Any]) -> str | None:
+    """Why a change of flattened config ``key`` cannot take effect on a resume (``now``: the new
+    config, flattened), or None when it does: a ``[scheduler] target``'s settings are its own
+    ``state_dict()``, which the resume restores."""
+    if now.get("scheduler.target") and (key == "scheduler.target" or key.startswith("scheduler.args.")):
+        return ("a [scheduler] target's schedule is restored from its saved state_dict(); change it in a new run "
+                "(warm-started from this one) or in the scheduler's load_state_dict()")
+    return None
 
 
 def is_finished(position: dict[str, Any], *, epochs: int, max_steps: int | None,

@@ -250,12 +250,11 @@ def apply_schedule_overrides(tr: Trainer) -> list[str]:
         notes.append(f"train.min_lr changed {saved_min:g} -> {t.min_lr:g} on resume: applied from step {step}")
     sch.min_ratio = ratio  # the floor stays min_lr whatever the base LR
     for key, attr in (("warmup_steps", "warmup"), ("scheduler", "kind")):
-        if key == "scheduler" and named:
-            continue
-        if getattr(sch, attr) != getattr(t, key):
-            notes.append(f"train.{key} changed {getattr(sch, attr)!r} -> {getattr(t, key)!r} on resume: "
-                         f"applied from step {step}")
-            setattr(sch, attr, getattr(t, key))
+        value = tr.config.scheduler.name if key == "scheduler" and named else getattr(t, key)
+        if getattr(sch, attr) != value:
+            name = "scheduler.name" if key == "scheduler" and named else f"train.{key}"
+            notes.append(f"{name} changed {getattr(sch, attr)!r} -> {value!r} on resume: applied from step {step}")
+            setattr(sch, attr, value)
     # (every other hyperparameter of the optimizer's groups: optim_structure.apply_built_hyperparameters)
     if notes:
         sch.set_step(step)

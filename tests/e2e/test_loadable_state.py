@@ -311,3 +311,58 @@ def test_state_a_resume_could_not_load_is_refused_at_the_first_save_naming_its_o
     assert not list(model.iterdir()) if model.exists() else True  # no checkpoint, no last.tmp
     assert read_json(run / "status.json")["state"] == "failed"
     assert "state_dict()['handle']" in (run / "train.log").read_text()
+
+
+# ---------------------------------------------------------------- the config's settings take effect
+def _api_run(tmp_path: Path, *overrides: str, resume: bool = False):
+    import logging
+
+    from pimm_core import Trainer, load_config
+    from _helpers import DIGITS
+
+    logger = logging.getLogger("pimm")
+    before, level = list(logger.handlers), logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        cfg = load_config(DIGITS, ["train.epochs=1", "eval.every_epochs=0", "optimizer.name=AdamW",
+                                   "scheduler.name=cosine", "train.log_every_steps=1", *overrides])
+        tr = Trainer(cfg, run_dir=tmp_path / "r")
+        tr.train(checkpoint_dir=tmp_path / "r" / "model", resume_from=tmp_path / "r" / "model" if resume else None)
+        return tr
+    finally:
+        for h in [h for h in logger.handlers if h not in before]:
+            logger.removeHandler(h)
+            h.close()
+        logger.setLevel(level)
+
+
+def test_every_optimizer_and_schedule_setting_the_diff_reports_takes_effect_on_resume(tmp_path):
+    from pimm_core.topology import config_diff
+
+    first = _api_run(tmp_path, "train.max_steps=3")
+    saved = [dict(g) for g in first.optimizer.param_groups]
+    assert saved[0]["weight_decay"] == 0.01 and saved[1]["weight_decay"] == 0.0  # [optimizer]: decay and no-decay groups
+    changes = ["train.max_steps=4", "optimizer.args.betas=[0.8, 0.95]", "optimizer.args.eps=1e-6",
+               "train.weight_decay=0.05", "scheduler.name=linear"]
+    second = _api_run(tmp_path, *changes, resume=True)
+    groups = second.optimizer.param_groups
+    assert [tuple(g["betas"]) for g in groups] == [(0.8, 0.95), (0.8, 0.95)] and [g["eps"] for g in groups] == [1e-6] * 2
+    assert [g["weight_decay"] for g in groups] == [0.05, 0.0]  # each group its own: the no-decay group stays 0
+    assert second.scheduler.kind == "linear"
+    entry = read_json(tmp_path / "r" / "provenance.json")["starts"][-1]
+    assert "optimizer param_groups[0].weight_decay changed 0.01 -> 0.05 on resume (this config's value): applied " \
+           "from step 3" in entry["schedule"]
+    assert "optimizer param_groups[1].eps changed 1e-08 -> 1e-06 on resume (this config's value): applied from " \
+           "step 3" in entry["schedule"]
+    assert "scheduler.name changed 'cosine' -> 'linear' on resume: applied from step 3" in entry["schedule"]
+    log = (tmp_path / "r" / "train.log").read_text()
+    assert "param_groups[1].betas changed (0.9, 0.999) -> (0.8, 0.95)" in log
+    # a resume with the config unchanged keeps the saved values (a callback's change included) and says nothing
+    third = _api_run(tmp_path, *changes[1:], "train.max_steps=5", resume=True)
+    assert [g["weight_decay"] for g in third.optimizer.param_groups] == [0.05, 0.0]
+    assert not [n for n in read_json(tmp_path / "r" / "provenance.json")["starts"][-1]["schedule"] if "param_groups" in n]
+    # what cannot take effect says so in the diff itself
+    line = config_diff({"scheduler": {"target": "torch.optim.lr_scheduler:StepLR", "args": {"step_size": 10}}},
+                       {"scheduler": {"target": "torch.optim.lr_scheduler:StepLR", "args": {"step_size": 20}}})
+    assert any(x.startswith("scheduler.args.step_size: 10 -> 20 (not applied on resume: a [scheduler] target's")
+               for x in line), line
