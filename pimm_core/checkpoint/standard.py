@@ -130,12 +130,12 @@ def save_standard(
                 dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
                          no_dist=not info.distributed)
             point("standard.dcp_written", tmp / TRAINER_DCP)
-        except Exception as e:  # DCP raises on every rank when any rank's write failed
+        except (Exception, CheckpointException) as e:  # DCP raises on every rank when any rank's write failed
+            cause = short_error(e, tmp / TRAINER_DCP)
             if info.is_main:
                 hasher.close()
                 remove_quietly(tmp)
-            raise CheckpointSaveError(f"checkpoint save failed writing {tmp / TRAINER_DCP}: {short_error(e)}"
-                                      f"{intact_note(model_dir)}") from None
+            raise CheckpointSaveError(f"checkpoint save failed: {cause}{intact_note(model_dir)}") from None
 
         # (Writing weights.pth on a second thread during the DCP write was measured slower here:
         # the two writers contend for the page cache; see benchmarks/README.md.)

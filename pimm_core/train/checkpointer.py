@@ -43,7 +43,7 @@ from .. import dist
 from ..checkpoint.formats import make_format
 from ..checkpoint.protocol import SaveItem
 from ..checkpoint.optim_structure import built_hyperparameters
-from ..checkpoint.publish import on_main, retry_stale, wait_for_purges
+from ..checkpoint.publish import on_main, retry_stale, short_error, wait_for_purges
 from ..checkpoint.selection import ITER_RE
 from ..checkpoint.state import full_state_dict, full_tensors, is_sharded, load_problem, rng_state, unwrap
 from ..checkpoint.weights_file import weights_payload, write_weights_file
@@ -198,9 +198,8 @@ class Checkpointer:
     def meta(self) -> dict[str, Any]:
         """The trainer state a checkpoint holds: each part's ``state_dict()`` (None for an absent
         EMA) and the topology it was trained with, under :data:`META_ORDER`'s keys."""
-        objective = stateful_objective(self.objective)
         parts = {"trainer": self.state, "scheduler": self.scheduler, "scaler": self.scaler, "ema": self.ema,
-                 "callbacks": self.callbacks, "objective": objective}
+                 "callbacks": self.callbacks, "objective": stateful_objective(self.objective)}
         values: dict[str, Any] = {name: part.state_dict() if part is not None else None for name, part in parts.items()}
         values.update(world_size=self.info.world_size, workers_per_rank=self.config.data.num_workers,
                       data_length=self.data_length, data_fingerprint=self.data_fingerprint, **self._batching(),
@@ -343,10 +342,11 @@ class Checkpointer:
         try:
             write_weights_file(path, self.model, manifest, payload=payload)
             return True
-        except OSError as e:
-            log.error("ERROR: writing %s failed: %s", path, e.strerror or e)
+        except (OSError, RuntimeError) as e:  # (torch.save's zip writer raises RuntimeError for a failed write)
+            cause = short_error(e, path.parent)
+            log.error("ERROR: writing %s failed: %s", path, cause)
             if self.config.checkpoint.on_error == "stop":
-                error = CheckpointSaveError(f"checkpoint save failed: {path}: {e.strerror or e}")
+                error = CheckpointSaveError(f"checkpoint save failed: {cause}")
                 self.stop.request(str(error), cause=error)
             return False
 
