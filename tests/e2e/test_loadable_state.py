@@ -232,6 +232,8 @@ class FP8Like(nn.Module):
         self.meta = {"amax": np.ones(2, dtype=np.float32), "recipe": "delayed"}
 
     def forward(self, x):
+        if self.training:  # (the encoded state grows: a resume reads it at its saved length, not the model's)
+            self.meta["history"] = self.meta.get("history", []) + [len(x)]
         return self.net(x)
 
     def get_extra_state(self):
