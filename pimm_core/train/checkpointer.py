@@ -274,7 +274,7 @@ class Checkpointer:
         if selection_metric is not None:
             manifest["selection_metric"] = selection_metric
         meta = self.meta()
-        check_loadable(meta, self.model, self.info)  # (a walk of the non-tensor state; a gather at 2+ ranks)
+        check_loadable(meta, self.model, self.info, manifest)  # (a walk of the non-tensor state; a gather at 2+ ranks)
         item = SaveItem(model=self.model, optimizer=self.optimizer, meta=meta, rank_state=rank_state,
                         manifest=manifest, step=s.global_step, ema_weights=self.ema_weights, pointers=pointers,
                         gather_weights=self.config.checkpoint.gather_weights)

@@ -52,8 +52,10 @@ def loadable_problem(meta: dict[str, Any], model: nn.Module) -> str | None:
     return extra_state_problem(unwrap(model))
 
 
-def check_loadable(meta: dict[str, Any], model: nn.Module, info: DistInfo) -> None:
-    """Refuse, on every rank and before anything is written, a save a resume could not load.
+def check_loadable(meta: dict[str, Any], model: nn.Module, info: DistInfo, manifest: dict[str, Any]) -> None:
+    """Refuse, on every rank and before anything is written, a save a resume could not load; when it
+    can, ``manifest`` (the checkpoint's ``manifest.json`` fields) records the loader it was checked for
+    (``state_checked``).
 
     Raises:
         UnloadableStateError: (exit code 2) on every rank, when any rank found such state.
@@ -64,3 +66,4 @@ def check_loadable(meta: dict[str, Any], model: nn.Module, info: DistInfo) -> No
     if problem is not None:
         raise UnloadableStateError(f"cannot save a checkpoint a resume could load (torch.load(weights_only=True) "
                                    f"would refuse it; nothing was saved): {problem}")
+    manifest["state_checked"] = "torch.load(weights_only=True)"

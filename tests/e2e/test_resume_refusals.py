@@ -22,6 +22,8 @@ REFUSALS = {
     "model shape": (["model.hidden=64"], 1, "does not match the model"),
     "run key": (["run.group=other"], 2, "cannot change on pimm resume"),
     "corrupt checkpoint": ([], 1, "no intact checkpoint"),
+    "no checkpoint": ([], 2, "no complete checkpoint"),
+    "invalid override": (["data.batch_size=0"], 2, "data.batch_size"),
 }
 
 
@@ -50,6 +52,9 @@ def test_a_refused_resume_leaves_every_file_of_the_run_as_it_was(run, case):
         data = bytearray(weights.read_bytes())
         data[len(data) // 2] ^= 0xFF
         weights.write_bytes(bytes(data))
+    if case == "no checkpoint":  # (model/ emptied: a wiped disk)
+        shutil.rmtree(run / "model")
+        (run / "model").mkdir()
     before = _tree(run)
     r = pimm_here("resume", str(run), *(["--", *overrides] if overrides else []))
     assert r.returncode == code, describe(r)
