@@ -294,7 +294,8 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
     if optimizer is not None:
         changed = structure_problem(obj["optimizer"], meta.get("optimizer_class"),
                                     {"param_groups": _fqn_groups(plain, optimizer)},
-                                    f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
+                                    f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+                                    {n for n, p in plain.named_parameters() if not p.requires_grad})
         if changed:
             if strict:
                 raise CheckpointError(f"cannot resume from {path}: {changed}; {structure_fix(path)}", exit_code=2)

@@ -48,7 +48,8 @@ def _describe(cls: str | None, groups: list[list[str]]) -> str:
             f"{'s' if len(groups) != 1 else ''} ({sizes} parameters)")
 
 
-def structure_problem(saved: Any, saved_class: str | None, now: Any, now_class: str) -> str | None:
+def structure_problem(saved: Any, saved_class: str | None, now: Any, now_class: str,
+                      frozen: frozenset[str] | set[str] = frozenset()) -> str | None:
     """How the optimizer now differs from the one a checkpoint's state was saved from, or None.
 
     Args:
@@ -56,6 +57,8 @@ def structure_problem(saved: Any, saved_class: str | None, now: Any, now_class: 
             parameter names), as DCP's ``get_optimizer_state_dict`` gives them.
         saved_class: ``module.Class`` recorded with the checkpoint (None: an older checkpoint,
             whose class is not compared).
+        frozen: names of parameters frozen now (``requires_grad`` False): an optimizer built
+            without them is not another structure (the state check names their state instead).
     """
     a, b = _groups(saved), _groups(now)
     if a is None or b is None:
@@ -67,8 +70,8 @@ def structure_problem(saved: Any, saved_class: str | None, now: Any, now_class: 
         parts.append(f"the parameter groups ({len(a)} -> {len(b)})")
     else:
         for i, (x, y) in enumerate(zip(a, b)):
-            if set(x) != set(y):
-                moved = sorted(set(x) ^ set(y))
+            if set(x) - frozen != set(y) - frozen:
+                moved = sorted((set(x) ^ set(y)) - frozen)
                 parts.append(f"the parameters of group {i} ({len(x)} -> {len(y)}; e.g. {moved[0]} "
                              f"{'left it' if moved[0] in x else 'joined it'})")
                 break

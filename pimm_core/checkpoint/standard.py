@@ -243,7 +243,8 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
             with unstepped(optimizer, fill=True):  # (a fresh optimizer's state, made by no step of it)
                 target, now_skeleton = split_tensors(get_optimizer_state_dict(plain, optimizer), "optim")
             changed = structure_problem(skeleton, meta.get("optimizer_class"), now_skeleton,
-                                        f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
+                                        f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+                                        {n for n, p in plain.named_parameters() if not p.requires_grad})
             if changed and strict:
                 raise CheckpointError(f"cannot resume from {ckpt}: {changed}; {structure_fix(ckpt / WEIGHTS)}",
                                       exit_code=2)
