@@ -46,7 +46,7 @@ from ..errors import CheckpointError, CheckpointParseError
 from ..faults import point, register
 from ..fsio import fsync_dir, temp_path
 from .manifest import sha256_file, write_manifest
-from .optim_structure import structure_fix, structure_problem
+from .optim_structure import named_groups, structure_fix, structure_problem
 from .safe_state import decode, encode
 from .optim_state import frozen_state_loaded, unstepped
 from .protocol import LoadedState, SaveItem, meta_problem
@@ -292,8 +292,7 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
     skipped: list[str] = check_dtypes(path, casts, strict)
     load_full_state_dict(plain, raw)
     if optimizer is not None:
-        changed = structure_problem(obj["optimizer"], meta.get("optimizer_class"),
-                                    {"param_groups": _fqn_groups(plain, optimizer)},
+        changed = structure_problem(obj["optimizer"], meta.get("optimizer_class"), named_groups(plain, optimizer),
                                     f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
                                     {n for n, p in plain.named_parameters() if not p.requires_grad})
         if changed:
@@ -321,12 +320,6 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
 #: The trainer state a single-format file holds; and what newer ones add (callbacks, objective, optimizer).
 SINGLE_META = ("trainer", "scheduler", "scaler", "ema", "world_size", "workers_per_rank")
 OPTIONAL_META = ("callbacks", "objective", "optimizer_class", "optimizer_built")
-
-
-def _fqn_groups(plain: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """The optimizer's parameter groups with parameter names (FQNs) for parameters, without making state."""
-    names = {id(p): n for n, p in plain.named_parameters()}
-    return [{"params": [names.get(id(p), "?") for p in g["params"]]} for g in optimizer.param_groups]
 
 
 def _structure_problem(obj: dict[str, Any], fmt: str) -> str | None:

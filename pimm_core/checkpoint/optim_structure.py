@@ -88,6 +88,24 @@ def structure_fix(ckpt: Any) -> str:
             f"(its moments are lost), or warm-start a new run with --train.weight {ckpt}")
 
 
+def named_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"param_groups": [{"params": [name, ...]}, ...]}`` of ``optimizer`` over ``model``'s
+    parameters (the FQN-keyed layout :func:`structure_problem` compares), without making state."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {"param_groups": [{"params": [names.get(id(p), "?") for p in g["params"]]} for g in optimizer.param_groups]}
+
+
+def planned_change(meta: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
+    """:func:`structure_problem` of a checkpoint's trainer state ``meta`` against ``optimizer`` built
+    over ``model`` (a dry run's view of the optimizer row), or None."""
+    if not isinstance(meta, dict):
+        return None
+    cls = type(optimizer)
+    return structure_problem(meta.get("optim"), meta.get("optimizer_class"), named_groups(model, optimizer),
+                             f"{cls.__module__}.{cls.__qualname__}",
+                             {n for n, p in model.named_parameters() if not p.requires_grad})
+
+
 def apply_built_hyperparameters(optimizer: torch.optim.Optimizer, saved_built: Any,
                                 now_built: list[dict[str, Any]], step: int) -> list[str]:
     """After a load: give each group the hyperparameters this config builds where they differ from

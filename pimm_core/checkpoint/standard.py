@@ -308,6 +308,29 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
     return LoadedState(meta=meta, rank_state=rank_state, ema_state_dict=ema, saved_ranks=saved_ranks, skipped=skipped)
 
 
+def read_trainer_meta(ckpt: Path) -> dict[str, Any]:
+    """The trainer state (``meta``: counters, scheduler, optimizer structure...) of standard
+    checkpoint ``ckpt``, read alone, without a process group (a dry run's look before a resume).
+
+    Raises:
+        CheckpointError: a file cannot be read. CheckpointParseError: the item is malformed.
+    """
+    path = ckpt / TRAINER_DCP
+    reader = MappedFileSystemReader(path)
+    metadata = reader.read_metadata()
+    if "meta" not in metadata.state_dict_metadata:
+        raise CheckpointParseError(f"{path} is not a pimm trainer state (no 'meta' item)")
+    item = {"meta": torch.empty(metadata.state_dict_metadata["meta"].size, dtype=torch.uint8)}
+    try:
+        dcp.load(item, storage_reader=reader, no_dist=True)
+    except CheckpointException as e:
+        raise _load_failure(path, e) from None
+    meta = _unpack_checked(item["meta"], _item_file(path, metadata, "meta"), "meta")
+    if not isinstance(meta, dict):
+        raise CheckpointParseError(f"{path} is not a pimm trainer state: its 'meta' item is not a dict")
+    return meta
+
+
 def _load_failure(path: Path, e: CheckpointException) -> CheckpointError:
     """The error of a failed ``dcp.load``: a rank's own :class:`CheckpointError` (a refused
     shard), else one line naming ``path`` and the first rank's exception."""
