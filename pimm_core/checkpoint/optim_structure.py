@@ -114,7 +114,9 @@ def apply_built_hyperparameters(optimizer: torch.optim.Optimizer, saved_built: A
     ``saved_built`` None (a checkpoint from before they were recorded): the restored value is
     compared with the one this config builds instead.
     """
-    notes = []
+    notes: list[str] = []
+    if isinstance(saved_built, list) and len(saved_built) != len(optimizer.param_groups):
+        return notes  # another structure, whose state was not loaded (resume_strict_state=false): all this config's
     for i, (group, now) in enumerate(zip(optimizer.param_groups, now_built)):
         then = saved_built[i] if isinstance(saved_built, list) and i < len(saved_built) \
             and isinstance(saved_built[i], dict) else None
