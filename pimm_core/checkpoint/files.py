@@ -272,7 +272,8 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
     raw = obj["state_dict"] if fmt == "legacy" else obj["weights"]["raw"]
     ema_sd = obj.get("ema_state_dict") if fmt == "legacy" else obj["weights"].get("ema")
     check_compatible(plain, raw, str(path))
-    casts = dtype_casts({k: v.dtype for k, v in raw.items()}, {k: v.dtype for k, v in plain.state_dict().items() if isinstance(v, torch.Tensor)})
+    casts = dtype_casts({k: v.dtype for k, v in raw.items()},
+                        {k: v.dtype for k, v in plain.state_dict().items() if isinstance(v, torch.Tensor)})
     if optimizer is not None:
         casts += _optimizer_casts(plain, obj["optimizer"])
     if fmt == "legacy":
@@ -298,7 +299,8 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
         if changed:
             if strict:
                 raise CheckpointError(f"cannot resume from {path}: {changed}; {structure_fix(path)}", exit_code=2)
-            skipped.append(changed + "; its state was not loaded: the optimizer starts fresh (resume_strict_state=false)")
+            skipped.append(changed + "; its state was not loaded: the optimizer starts fresh "
+                           "(resume_strict_state=false)")
             optimizer = None
     if optimizer is not None:
         fresh = not optimizer.state

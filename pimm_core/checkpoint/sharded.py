@@ -78,8 +78,8 @@ def mismatch(path: Path, what: str, target: dict[str, torch.Tensor], saved: dict
     missing = sorted(set(target) - have)
     extra = [] if extra_ok else sorted(have - set(target))
     shapes = sorted(f"{k} {tuple(saved[prefix + k].size)} vs {tuple(target[k].shape)}"
-                    for k in set(target) & have if tuple(target[k].shape) != tuple(saved[prefix + k].size)
-                    and not is_extra_state_key(k))  # (an encoded extra state's length is its own)
+                    for k in set(target) & have if not is_extra_state_key(k)  # (an encoded one's length is its own)
+                    and tuple(target[k].shape) != tuple(saved[prefix + k].size))
     parts = [f"{label}: {', '.join(keys[:3])}{f' (+{len(keys) - 3} more)' if len(keys) > 3 else ''}"
              for label, keys in (("missing", missing), ("unexpected", extra), ("shape mismatch (saved vs now)", shapes))
              if keys]
