@@ -288,12 +288,15 @@ def _launch(user: Path, callback: str, *overrides: str):
                      fresh="loadpkg")
 
 
-def test_numpy_state_of_callbacks_and_objective_and_dict_extra_state_resume(user):
-    first = _launch(user, "NumpyCallback", "train.max_steps=3")
+@pytest.mark.parametrize("fmt", ["standard", "single"])
+def test_numpy_state_of_callbacks_and_objective_and_dict_extra_state_resume(user, fmt):
+    first = _launch(user, "NumpyCallback", "train.max_steps=3", f"checkpoint_format={fmt}")
     assert first.returncode == 0, describe(first)
     run = user / "exp" / "default" / "r"
     verify = pimm_here("checkpoints", "verify", str(run / "model" / "last"))
     assert verify.returncode == 0, describe(verify)
+    if fmt == "standard":
+        assert read_json(run / "model" / "last" / "manifest.json")["state_checked"] == "torch.load(weights_only=True)"
     second = pimm_here("resume", str(run), "--", "train.max_steps=6", fresh="loadpkg")
     assert second.returncode == 0, describe(second)
     restored = json.loads((user / "restored.json").read_text())
