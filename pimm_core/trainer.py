@@ -171,7 +171,7 @@ class Trainer:
                                          loader=self.loader, state=self.state, scaler=self.scaler, ema=self.ema,
                                          data_fingerprint=self.data.fingerprint, code_version=self._code_version,
                                          loader_state=self.data_resume == "exact",
-                                         data_length=data_length(d.train), callbacks=callbacks)
+                                         data_length=data_length(d.train), callbacks=callbacks, objective=self.objective)
         ref = weakref.ref(self)  # (a weak reference: a part holding the trainer keeps the loaders alive)
         self.checkpointer.on_saved = lambda path: ref().callbacks.fire("on_checkpoint_saved", ref(), path)
         self.stop_agreement = StopAgreement(self.stop, self.info, self.run_dir, self.device)
@@ -313,7 +313,7 @@ class Trainer:
                     check_finite(self.model, self.state.global_step)
                 except BaseException as e:
                     e = name_the_hang(e, self.run_dir, self.info, self.config.dist.timeout, self.state.global_step)
-                    rec.status("failed", error=f"{e.__class__.__name__}: {e}")
+                    rec.failed(e)  # status.json, and the error line in train.log
                     if isinstance(e, ConfigError) and resume_from is None and self.state.global_step == 0:
                         rec.unstart()  # a config fault found at the first step: the launch leaves no run behind
                     raise e

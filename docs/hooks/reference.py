@@ -182,6 +182,7 @@ _BASE = {"step": 10, "epoch": 1, "iter": 5, "epoch_start_step": 5, "world_size":
 _TRIGGERS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "legacy": ({}, {"legacy": True}),
     "non_strict": ({}, {"strict": False}),
+    "optimizer": ({}, {"optimizer_changed": True}),
     "world_size": ({"world_size": 4}, {}),
     "batch_size": ({"batch_size": 16}, {}),
     "grad_accum": ({"grad_accum": 2}, {}),
@@ -243,6 +244,8 @@ def policy_rows() -> list[tuple[str, str, str, str, str, str]]:
         condition, _, behaviour = ROWS[row].partition(": ")
         cursor = "restored" if plan.restore_cursor else "discarded"
         rng = "restored" if plan.restore_rng else "discarded"
+        if row == "optimizer":  # a refusal: nothing is loaded
+            cursor = rng = "not loaded (refused)"
         if any(r.startswith("loader cursor (samples consumed") for r in plan.restored):
             # the global order: the position is the samples consumed, the randomness rank-free streams
             cursor, rng = "kept as samples consumed", "drawn per (step, micro-batch), not per rank"

@@ -53,12 +53,18 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     else:
         cand, fallbacks = resolve_resume_path(source), []
     _dry_check_resume(cand.path, model)
+    changed = _dry_optimizer_change(cfg, config_path, cand, model)
     plan = plan_resume(cand.manifest or {}, world_size=world_size, strategy=cfg.train.strategy,
                        workers_per_rank=cfg.data.num_workers,
                        strict=cfg.resume_strict_state, grad_accum=cfg.train.grad_accum,
                        batch_size=cfg.data.batch_size, legacy=cand.format == "legacy",
                        data_length=data_length(data.train), data_fingerprint=data.fingerprint,
-                       order=cfg.data.order, global_batch=cfg.train.global_batch)
+                       order=cfg.data.order, global_batch=cfg.train.global_batch, optimizer_changed=bool(changed))
+    if changed and plan.row == "optimizer":  # the resume refuses it before anything is loaded: so does its dry run
+        from ..checkpoint.formats.optim_structure import structure_fix
+
+        raise CheckpointError(f"cannot resume from {cand.path}: {changed}; {structure_fix(Path(cand.path) / 'weights.pth')}",
+                              exit_code=2)
     t = plan.topology
     print(f"checkpoint: {cand.path} (step {cand.step}, epoch {cand.epoch}, iter {cand.iter})")
     for w in fallbacks:
@@ -206,6 +212,19 @@ def _dry_check_resume(path: str, model) -> None:
 
     weights = resolve_weight_source(path)
     check_compatible(model, read_weight_sets(weights)["raw"], str(weights))
+
+
+def _dry_optimizer_change(cfg: Config, config_path: Path | None, cand, model) -> str | None:
+    """How the optimizer this config builds differs from the one a standard checkpoint was saved
+    from (the resume policy's optimizer row), or None (also for the single-file formats, whose
+    whole file a dry run does not read)."""
+    if cand.format != "standard":
+        return None
+    from ..checkpoint.formats.optim_structure import planned_change
+    from ..checkpoint.formats.standard import read_trainer_meta
+    from ..optim import build_optimizer
+
+    return planned_change(read_trainer_meta(Path(cand.path)), model, build_optimizer(cfg, model, config_path))
 
 
 def _remote_only(cfg: Config, run_dir: Path) -> bool:

@@ -4,6 +4,7 @@ The resume policy, one row per condition (checked in this order)::
 
     legacy mid-epoch checkpoint            no structured cursor; replay from an epoch boundary
     resume_strict_state=False              best-effort state restore; loader cursor skipped
+    the optimizer's structure changes      refused before anything is loaded or written
     world size changes                     reshard compatible state (DCP); discard loader cursor
                                            and per-rank RNG; restart the saved epoch
     per-rank micro-batch size changes      discard loader cursor; restart the saved epoch
@@ -71,6 +72,7 @@ ROWS = {
     "data": "the training data changed (its length or fingerprint): discard loader cursor, restart the saved epoch",
     "no_loader_state": "checkpoint has no loader state: restart the saved epoch",
     "non_strict": "resume_strict_state=False: best-effort state restore; loader cursor skipped",
+    "optimizer": "the optimizer's structure changes (its class, its parameter groups, or the parameters in a group): refused in one line before anything is loaded or written; with resume_strict_state=false (the row above) the optimizer starts fresh instead",
     "legacy": "legacy mid-epoch checkpoint: no structured cursor; replay from an epoch boundary",
 }
 
@@ -134,7 +136,7 @@ def replay_step(manifest: dict[str, Any], grad_accum: int) -> int:
 def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, workers_per_rank: int, strict: bool,
                 grad_accum: int = 1, batch_size: int | None = None, legacy: bool = False,
                 data_length: int | None = None, data_fingerprint: str | None = None,
-                order: str = "rank", global_batch: int | None = None) -> ResumePlan:
+                order: str = "rank", global_batch: int | None = None, optimizer_changed: bool = False) -> ResumePlan:
     """Apply the resume policy to a checkpoint's manifest.
 
     Args:
@@ -152,6 +154,9 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
         data_length, data_fingerprint: the planned train split's length and fingerprint (None:
             not known, not compared), against the manifest's ``data_length`` and
             ``data_fingerprint``.
+        optimizer_changed: the planned optimizer's class or parameter groups differ from the saved
+            one's (:func:`pimm_core.checkpoint.formats.optim_structure.structure_problem`): the ``optimizer`` row,
+            which the load refuses (strict), before anything is loaded.
         order, global_batch: the planned ``data.order`` and ``train.global_batch``, against the
             manifest's ``data_order`` (absent: ``"rank"``) and ``global_batch``; under the global
             order ``grad_accum`` is derived here for ``world_size``.
@@ -186,6 +191,8 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
         row = "legacy"
     elif not strict:
         row = "non_strict"
+    elif optimizer_changed:
+        row = "optimizer"
     elif elastic:
         row = "same" if not (saved_ws != world_size or changed_batching or saved_workers != workers_per_rank
                              or strategy_changed) else "global_order"
@@ -222,6 +229,9 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
         restored[1] = "optimizer (resharded through DCP)"
     if row == "non_strict":
         restored = [f"{r} (best effort)" for r in restored]
+    if row == "optimizer":  # refused: nothing is restored, nothing replays
+        return ResumePlan(row, False, False, False, step, epoch, it, None, [], ["everything: the resume is refused"],
+                          [ROWS[row].split(":")[0]], topo)
     discarded = []
     if restore_rng:
         restored.append("per-rank RNG")
@@ -322,8 +332,20 @@ def config_diff(saved: dict[str, Any], now: dict[str, Any],
         if any(key == p or (p.endswith(".") and key.startswith(p)) for p in ignore):
             continue
         if a.get(key) != b.get(key):
-            lines.append(f"{key}: {a.get(key, '<unset>')!r} -> {b.get(key, '<unset>')!r}")
+            why = not_applied(key, b)
+            lines.append(f"{key}: {a.get(key, '<unset>')!r} -> {b.get(key, '<unset>')!r}"
+                         + (f" (not applied on resume: {why})" if why else ""))
     return lines
+
+
+def not_applied(key: str, now: dict[str, Any]) -> str | None:
+    """Why a change of flattened config ``key`` cannot take effect on a resume (``now``: the new
+    config, flattened), or None when it does: a ``[scheduler] target``'s settings are its own
+    ``state_dict()``, which the resume restores."""
+    if now.get("scheduler.target") and (key == "scheduler.target" or key.startswith("scheduler.args.")):
+        return ("a [scheduler] target's schedule is restored from its saved state_dict(); change it in a new run "
+                "(warm-started from this one) or in the scheduler's load_state_dict()")
+    return None
 
 
 def is_finished(position: dict[str, Any], *, epochs: int, max_steps: int | None,

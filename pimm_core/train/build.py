@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from ..checkpoint.tensors.safe_state import install_extra_state_codec
 from ..config import Config, TrainConfig
 from ..data.loaders import Datasets, as_datasets, data_spec
 from ..errors import ConfigError
@@ -95,6 +96,7 @@ def build_model(cfg: Config, config_path: str | Path | None, given: nn.Module | 
         label = spec.label()
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{label}: returned {type(model).__name__}, not a torch.nn.Module")
+    install_extra_state_codec(model)  # a module's non-tensor extra state is saved so that a resume loads it
     return model
 
 

@@ -40,9 +40,10 @@ import torch
 from torch import nn
 
 from ..checkpoint.formats.choose import make_format
+from ..checkpoint.formats.optim_structure import built_hyperparameters
 from ..checkpoint.formats.protocol import SaveItem
 from ..checkpoint.formats.weights_file import weights_payload, write_weights_file
-from ..checkpoint.publish.rotation import on_main, retry_stale, wait_for_purges
+from ..checkpoint.publish.rotation import on_main, retry_stale, short_error, wait_for_purges
 from ..checkpoint.select.selection import ITER_RE
 from ..checkpoint.tensors.state import full_state_dict, full_tensors, is_sharded, load_problem, rng_state, unwrap
 from ..config import CheckpointConfig, Config
@@ -56,6 +57,7 @@ from ..run.heartbeat import beat
 from . import best_files
 from .best_k import BestKeeper
 from .ema import EMA
+from .loadable import check_loadable, optimizer_class_name, stateful_objective
 from .state import TrainState
 
 log = logging.getLogger("pimm")
@@ -64,7 +66,7 @@ log = logging.getLogger("pimm")
 #: stored them (the packed bytes stay the same): the parts' state dicts and the topology.
 META_ORDER = ("trainer", "scheduler", "scaler", "world_size", "ema", "workers_per_rank", "batch_size", "grad_accum",
               "data_length", "data_fingerprint",
-              "callbacks")
+              "callbacks", "objective", "optimizer_class", "optimizer_built")
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,7 @@ class Checkpointer:
                  optimizer: torch.optim.Optimizer, loader: Any, state: TrainState, scaler: torch.amp.GradScaler,
                  ema: EMA | None, data_fingerprint: str | None, code_version: str | None,
                  loader_state: bool = True, data_length: int | None = None,
-                 callbacks: Any = None):
+                 callbacks: Any = None, objective: Any = None):
         c = config.checkpoint
         self.config, self.info, self.stop = config, info, stop
         self.format = make_format(config.checkpoint_format, info, background=c.async_, keep_last=c.keep_last,
@@ -161,6 +163,8 @@ class Checkpointer:
         self.cursor_problem: str | None = None  # why the loader cursor cannot be saved (load_problem)
         self.loader_state = loader_state
         self.callbacks = callbacks  # their state_dict() goes into every checkpoint
+        self.objective = objective  # its state_dict(), when it has one, too
+        self.optimizer_built = built_hyperparameters(optimizer)  # each group's settings as the config built them
         self.on_saved: Callable[[Path], None] = lambda path: None  # a checkpoint was published
         self.dir: Path | None = None
         self.failed = False  # a save failed under on_error = "stop": no more saves
@@ -172,6 +176,8 @@ class Checkpointer:
         """A ``train()`` call starts: where its checkpoints go, its LR schedule and accumulation
         window. Rank 0 creates the directory and removes temporaries an interrupted save left."""
         self.dir, self.scheduler, self.grad_accum = checkpoint_dir, scheduler, grad_accum
+        if not self.optimizer.state:  # never stepped: its settings are the config's (train() may have rebuilt it)
+            self.optimizer_built = built_hyperparameters(self.optimizer)
         if checkpoint_dir is not None and self.info.is_main:
             checkpoint_dir.mkdir(parents=True, exist_ok=True)
             for name in remove_stale_temporaries(checkpoint_dir):
@@ -193,10 +199,11 @@ class Checkpointer:
         """The trainer state a checkpoint holds: each part's ``state_dict()`` (None for an absent
         EMA) and the topology it was trained with, under :data:`META_ORDER`'s keys."""
         parts = {"trainer": self.state, "scheduler": self.scheduler, "scaler": self.scaler, "ema": self.ema,
-                 "callbacks": self.callbacks}
+                 "callbacks": self.callbacks, "objective": stateful_objective(self.objective)}
         values: dict[str, Any] = {name: part.state_dict() if part is not None else None for name, part in parts.items()}
         values.update(world_size=self.info.world_size, workers_per_rank=self.config.data.num_workers,
-                      data_length=self.data_length, data_fingerprint=self.data_fingerprint, **self._batching())
+                      data_length=self.data_length, data_fingerprint=self.data_fingerprint, **self._batching(),
+                      optimizer_class=optimizer_class_name(self.optimizer), optimizer_built=self.optimizer_built)
         return {key: values[key] for key in META_ORDER}
 
     def _batching(self) -> dict[str, Any]:
@@ -266,7 +273,9 @@ class Checkpointer:
             manifest["loader_state_problem"] = self.cursor_problem
         if selection_metric is not None:
             manifest["selection_metric"] = selection_metric
-        item = SaveItem(model=self.model, optimizer=self.optimizer, meta=self.meta(), rank_state=rank_state,
+        meta = self.meta()
+        check_loadable(meta, self.model, self.info, manifest)  # (a walk of the non-tensor state; a gather at 2+ ranks)
+        item = SaveItem(model=self.model, optimizer=self.optimizer, meta=meta, rank_state=rank_state,
                         manifest=manifest, step=s.global_step, ema_weights=self.ema_weights, pointers=pointers,
                         gather_weights=self.config.checkpoint.gather_weights)
         started = time.monotonic()
@@ -333,10 +342,11 @@ class Checkpointer:
         try:
             write_weights_file(path, self.model, manifest, payload=payload)
             return True
-        except OSError as e:
-            log.error("ERROR: writing %s failed: %s", path, e.strerror or e)
+        except (OSError, RuntimeError) as e:  # (torch.save's zip writer raises RuntimeError for a failed write)
+            cause = short_error(e, path.parent)
+            log.error("ERROR: writing %s failed: %s", path, cause)
             if self.config.checkpoint.on_error == "stop":
-                error = CheckpointSaveError(f"checkpoint save failed: {path}: {e.strerror or e}")
+                error = CheckpointSaveError(f"checkpoint save failed: {cause}")
                 self.stop.request(str(error), cause=error)
             return False
 

@@ -36,6 +36,7 @@ from ..process.console_log import attach_console
 from ..process.dist import DistInfo
 from ..run import (CONFIG, METRICS, PROVENANCE, MetricsWriter, append_provenance, launch_record, log_handler,
                    now_iso, scheduler_record, supersede_after, write_status)
+from ..errors import PimmError
 from ..run.entries import MLFLOW_ID, TENSORBOARD_DIR, WANDB_FILES, WANDB_ID, check_run_entries
 from .rate import StepClock
 from .sinks import Sink, open_sinks
@@ -166,6 +167,13 @@ class Recorder:
                               epoch=s.epoch, iter=s.iter, total_steps=self.total,
                               steps_per_epoch=self.steps_per_epoch, epochs=self.epochs,
                               world_size=self.info.world_size, stop_reason=s.stop_reason, **extra)
+
+    def failed(self, e: BaseException) -> None:
+        """The session failed with ``e``: ``status.json`` says so, and ``train.log`` ends with the line the
+        terminal shows (``error: ...``, printed there by the CLI; so written to the file alone)."""
+        self.status("failed", error=f"{e.__class__.__name__}: {e}")
+        if self._log_handler is not None and isinstance(e, PimmError):
+            self._log_handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, "error: %s", (e,), None))
 
     def record(self, record: dict[str, Any]) -> None:
         """Append one record to ``metrics.jsonl`` (``time`` is added), and to the sinks asked for."""

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..checkpoint.formats.choose import make_format
+from ..checkpoint.formats.optim_structure import apply_built_hyperparameters
 from ..checkpoint.select.branch import set_aside_later
 from ..checkpoint.select.resume_path import resolve_resume_path
 from ..checkpoint.select.selection import is_model_dir, select_verified, verify_candidate
@@ -33,6 +34,7 @@ from ..run.metrics import MAX_LINE, records_from_end
 from ..run.topology import config_diff, is_finished, plan_resume
 from ..run.values import json_number
 from .build import data_length
+from .loadable import stateful_objective
 from .schedule import WarmupCosine
 
 if TYPE_CHECKING:
@@ -43,8 +45,8 @@ log = logging.getLogger("pimm")
 
 def resume(tr: TrainerHost, source: Path | str, checkpoint_dir: Path | None) -> dict[str, Any]:
     """Restore state from ``source`` following the resume policy; returns the provenance entry."""
-    cand, fallback = choose_intact(tr, Path(str(source)) if not str(source).startswith("hf://") else source,
-                                   checkpoint_dir)
+    cand, fallback, set_aside = choose_intact(tr, Path(str(source)) if not str(source).startswith("hf://") else source,
+                                              checkpoint_dir)
     strict = tr.config.resume_strict_state
     loaded = make_format(cand.format, tr.info).load(Path(cand.path), model=tr.model, optimizer=tr.optimizer,
                                                     strict=strict, ema_target=tr.ema.shadow if tr.ema else None)
@@ -77,6 +79,8 @@ def resume(tr: TrainerHost, source: Path | str, checkpoint_dir: Path | None) -> 
         tr.state.best_metric = tr.state.best_epoch = tr.state.best_of = None
         warnings.append(rebased)
     tr.callbacks.load_state_dict(meta.get("callbacks"))  # (None: a checkpoint from before callbacks)
+    if meta.get("objective") is not None and stateful_objective(tr.objective) is not None:
+        stateful_objective(tr.objective).load_state_dict(meta["objective"])
     tr.scheduler.load_state_dict(meta["scheduler"])
     if meta.get("scaler"):
         tr.scaler.load_state_dict(meta["scaler"])
@@ -104,7 +108,9 @@ def resume(tr: TrainerHost, source: Path | str, checkpoint_dir: Path | None) -> 
     if own:
         tr.scheduler.set_step(tr.state.global_step)
     warnings += check_against_metrics(tr) if own else []
-    notes = apply_schedule_overrides(tr) + retarget_schedule(tr) if own else []
+    notes = apply_built_hyperparameters(tr.optimizer, meta.get("optimizer_built"), tr.checkpointer.optimizer_built,
+                                        tr.state.global_step)
+    notes += apply_schedule_overrides(tr) + retarget_schedule(tr) if own else []
     if tr.info.is_main:
         for n in notes:
             log.info("%s", n)
@@ -112,6 +118,9 @@ def resume(tr: TrainerHost, source: Path | str, checkpoint_dir: Path | None) -> 
                  tr.state.epoch, tr.state.iter, plan.description)
         for w in warnings[len(fallback):]:  # the fallback lines were logged as errors when chosen
             log.warning("warning: %s", w)
+    # the resume is accepted and its state applied: only now is anything in the run directory changed
+    # (a refused or failed resume leaves it as it was)
+    warnings += set_aside()
     return {"kind": "resume", "checkpoint": cand.path, "checkpoint_step": manifest.get("step"),
             "step": tr.state.global_step, "epoch": tr.state.epoch, "iter": tr.state.iter,
             "policy": plan.row, "exact": plan.exact, "topology": plan.topology,
@@ -146,7 +155,8 @@ def choose_intact(tr: TrainerHost, source: Path | str, checkpoint_dir: Path | No
     Raises:
         CheckpointError: nothing intact to resume from (names each problem).
     """
-    verdict: tuple[str | None, list[str], Any, list[str]] = (None, [], None, [])
+    verdict: tuple[str | None, list[str], Any] = (None, [], None)
+    aside: Any = list
     if tr.info.is_main:
         try:
             if isinstance(source, Path) and is_model_dir(source):
@@ -154,8 +164,8 @@ def choose_intact(tr: TrainerHost, source: Path | str, checkpoint_dir: Path | No
                 if chosen is None:
                     detail = "; ".join(warnings) or "no complete candidate"
                     raise CheckpointError(f"no intact checkpoint to resume in {source}: {detail}", exit_code=1)
-                warnings += set_aside_corrupt_last(source, chosen)
-                verdict = (chosen.path, warnings, None, [])
+                aside = lambda: set_aside_corrupt_last(source, chosen)  # noqa: E731
+                verdict = (chosen.path, warnings, None)
             else:
                 cand = resolve_resume_path(source)
                 problems = verify_candidate(cand)
@@ -163,23 +173,44 @@ def choose_intact(tr: TrainerHost, source: Path | str, checkpoint_dir: Path | No
                     raise CheckpointError(f"checkpoint {cand.path} is corrupt ({'; '.join(problems)}); resume "
                                           "from another candidate (see pimm checkpoints ls)", exit_code=1)
                 # an earlier point of this run's own line: the later checkpoints are set aside
-                try:
-                    notes = set_aside_later(cand) if checkpoint_dir is not None and \
-                        Path(cand.path).parent.resolve() == Path(checkpoint_dir).resolve() else []
-                except OSError as e:
-                    raise CheckpointError(f"cannot set aside the checkpoints after {cand.path}: {e}") from None
-                verdict = (cand.path, [], None, notes)
+                if checkpoint_dir is not None and Path(cand.path).parent.resolve() == Path(checkpoint_dir).resolve():
+                    aside = lambda: _set_aside_later(cand)  # noqa: E731
+                verdict = (cand.path, [], None)
         except CheckpointError as e:
-            verdict = (None, [], e, [])  # PimmError pickles with its class and exit code
-    path, warnings, error, notes = dist.broadcast_object(verdict)
+            verdict = (None, [], e)  # PimmError pickles with its class and exit code
+    path, warnings, error = dist.broadcast_object(verdict)
     if error is not None:
         raise error
     if tr.info.is_main:
         for w in warnings:
             log.error("ERROR: %s", w)
-        for n in notes:
-            log.warning("warning: %s", n)
-    return resolve_resume_path(path), warnings + notes
+
+    def set_aside() -> list[str]:
+        """Rank 0, once the checkpoint loaded: move aside what the choice supersedes; the notes, on every rank."""
+        outcome: tuple[list[str], Any] = ([], None)
+        if tr.info.is_main:
+            try:
+                outcome = (aside(), None)
+            except CheckpointError as e:
+                outcome = ([], e)
+            except OSError as e:  # (renaming the corrupt `last` aside)
+                outcome = ([], CheckpointError(f"cannot move aside a checkpoint of {path}'s run: {e}"))
+        notes, failure = dist.broadcast_object(outcome)
+        if failure is not None:
+            raise failure
+        if tr.info.is_main:
+            for n in notes:
+                log.warning("warning: %s", n)
+        return notes
+
+    return resolve_resume_path(path), warnings, set_aside
+
+
+def _set_aside_later(cand: Any) -> list[str]:
+    try:
+        return set_aside_later(cand)
+    except OSError as e:
+        raise CheckpointError(f"cannot set aside the checkpoints after {cand.path}: {e}") from None
 
 
 def set_aside_corrupt_last(model_dir: Path, chosen) -> list[str]:
@@ -219,23 +250,12 @@ def apply_schedule_overrides(tr: TrainerHost) -> list[str]:
         notes.append(f"train.min_lr changed {saved_min:g} -> {t.min_lr:g} on resume: applied from step {step}")
     sch.min_ratio = ratio  # the floor stays min_lr whatever the base LR
     for key, attr in (("warmup_steps", "warmup"), ("scheduler", "kind")):
-        if key == "scheduler" and named:
-            continue
-        if getattr(sch, attr) != getattr(t, key):
-            notes.append(f"train.{key} changed {getattr(sch, attr)!r} -> {getattr(t, key)!r} on resume: "
-                         f"applied from step {step}")
-            setattr(sch, attr, getattr(t, key))
-    o = tr.config.optimizer
-    # [optimizer]'s groups (no decay on biases and norms) and args are restored as saved
-    hyper = {"weight_decay": t.weight_decay} if o.name is None and o.target is None else {}
-    if hyper and t.optimizer == "sgd":
-        hyper["momentum"] = t.momentum
-    for key, value in hyper.items():
-        saved = tr.optimizer.param_groups[0].get(key)
-        if saved is not None and saved != value:
-            notes.append(f"train.{key} changed {saved:g} -> {value:g} on resume: applied from step {step}")
-            for group in tr.optimizer.param_groups:
-                group[key] = value
+        value = tr.config.scheduler.name if key == "scheduler" and named else getattr(t, key)
+        if getattr(sch, attr) != value:
+            name = "scheduler.name" if key == "scheduler" and named else f"train.{key}"
+            notes.append(f"{name} changed {getattr(sch, attr)!r} -> {value!r} on resume: applied from step {step}")
+            setattr(sch, attr, value)
+    # (every other hyperparameter of the optimizer's groups: optim_structure.apply_built_hyperparameters)
     if notes:
         sch.set_step(step)
     return notes

@@ -137,7 +137,8 @@ def test_meta_is_the_parts_state_dicts_with_the_keys_checkpoints_have(tmp_path):
     c.state.global_step, c.state.stop_reason, c.state.finished = 7, "budget", True
     meta = c.meta()
     assert list(meta) == ["trainer", "scheduler", "scaler", "world_size", "ema", "workers_per_rank", "batch_size",
-                          "grad_accum", "data_length", "data_fingerprint", "callbacks"]
+                          "grad_accum", "data_length", "data_fingerprint", "callbacks", "objective", "optimizer_class",
+                          "optimizer_built"]
     assert list(meta["trainer"]) == ["global_step", "epoch", "iter", "best_metric", "best_epoch", "best_of", "epoch_start_step",
                                      "last_eval", "eval_step", "stop_reason", "error", "finished"]
     assert (meta["trainer"]["global_step"], meta["trainer"]["stop_reason"], meta["trainer"]["finished"]) == (7, None, True)

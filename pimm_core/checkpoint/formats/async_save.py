@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.staging import AsyncStager
 
@@ -102,6 +103,7 @@ class AsyncStandardFormat:
         self._future = None
         self._thread = None
         self._error: str | None = None
+        self._tmp: Path | None = None  # where the save in flight writes
         # Staging copies run on this thread while the training thread goes on with the next
         # forward/backward passes; the trainer calls wait_staged() before the optimizer
         # step, the first thing that changes what is being copied.
@@ -135,6 +137,7 @@ class AsyncStandardFormat:
         ema_state_dict = item.ema_weights()
         self.wait()
         final, tmp = model_dir / name, model_dir / f"{name}.tmp"
+        self._tmp = tmp
 
         on_main(self.info, lambda: prepare(tmp), tmp, model_dir)
         if self.info.local_rank == 0:  # on the staging thread, which runs before the write starts
@@ -185,10 +188,11 @@ class AsyncStandardFormat:
                 logging.getLogger("pimm").info("saved %s (step %s, epoch %s, iter %s; written in the background)",
                                                final, manifest.get("step"), manifest.get("epoch"),
                                                manifest.get("iter"))
-            except Exception as e:
+            except (Exception, CheckpointException) as e:  # (DCP's is a BaseException)
                 hasher.close()
+                cause = short_error(e, tmp)  # (before the removal: the file system's state names the cause)
                 remove_quietly(tmp)
-                self._error = f"checkpoint save failed: {short_error(e)}{intact_note(model_dir)}"
+                self._error = f"checkpoint save failed: {cause}{intact_note(model_dir)}"
 
         self._thread = threading.Thread(target=finish, name="pimm-async-save", daemon=False)
         self._thread.start()
@@ -239,8 +243,8 @@ class AsyncStandardFormat:
         try:
             if self._future is not None:
                 self._future.result()
-        except Exception as e:
-            error = f"checkpoint save failed: {short_error(e)}"
+        except (Exception, CheckpointException) as e:  # (DCP's is a BaseException)
+            error = f"checkpoint save failed: {short_error(e, self._tmp)}"
         if self._thread is not None:
             self._thread.join()
         error = self._error or error  # rank 0's publishing thread adds what a resume would now select

@@ -49,7 +49,9 @@ from ..publish.rotation import on_main, save_torch_file
 from ..records.manifest import sha256_file, write_manifest
 from ..select.selection import LEGACY_LAST, POINTERS, SINGLE_RE
 from ..tensors.safe_read import load_torch_file
+from ..tensors.safe_state import decode, encode
 from ..tensors.state import is_sharded, load_full_state_dict, unwrap
+from .optim_structure import named_groups, structure_fix, structure_problem
 from .optim_state import frozen_state_loaded, unstepped
 from .protocol import LoadedState, SaveItem, meta_problem
 from .weights_file import DtypeCast, check_compatible, check_dtypes, dtype_casts
@@ -141,9 +143,9 @@ def save_legacy(model_dir: Path, *, model: nn.Module, optimizer: torch.optim.Opt
         optim_sd = get_optimizer_state_dict(plain, optimizer)
     payload: dict[str, Any] = {
         "format": "legacy", "state_dict": plain.state_dict(), "optimizer": optim_sd,
-        "scheduler": meta["scheduler"], "scaler": meta["scaler"], "epoch": meta["trainer"]["epoch"],
-        "progress": meta["trainer"], "world_size": meta["world_size"], "workers_per_rank": meta["workers_per_rank"],
-        "rng": rank0_state["rng"],
+        **encode({"scheduler": meta["scheduler"], "scaler": meta["scaler"], "epoch": meta["trainer"]["epoch"],
+                  "progress": meta["trainer"], "world_size": meta["world_size"],
+                  "workers_per_rank": meta["workers_per_rank"], "rng": rank0_state["rng"]}),
     }
     if ema_state_dict is not None:
         payload["ema_state_dict"], payload["ema"] = ema_state_dict, meta["ema"]
@@ -189,9 +191,10 @@ def save_single(model_dir: Path, *, model: nn.Module, optimizer: torch.optim.Opt
         weights["ema"] = ema_state_dict
     with unstepped(optimizer, fill=False):
         optim_sd = get_optimizer_state_dict(plain, optimizer)
+    # (numpy values encoded so that torch.load(weights_only=True) reads them back: safe_state)
     payload = {"format": "single", "weights": weights, "optimizer": optim_sd,
-               **{k: meta[k] for k in ("trainer", "scheduler", "scaler", "ema", "world_size", "workers_per_rank")},
-               "rank_states": rank_states}
+               **encode({k: meta[k] for k in (*SINGLE_META, *OPTIONAL_META) if k in meta}),
+               "rank_states": encode(rank_states)}
     path = model_dir / f"step_{meta['trainer']['global_step']}.pth"
     _publish_file(path, payload, manifest, "single")
     for name in pointers:
@@ -258,7 +261,7 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
         CheckpointParseError: the file is hostile (it would run code) or malformed (not a
             pimm legacy or single checkpoint); names it, nothing in it ran.
     """
-    obj = load_torch_file(path)
+    obj = decode(load_torch_file(path))  # (numpy values as saved: safe_state)
     fmt = obj.get("format") if isinstance(obj, dict) else None
     if fmt not in ("legacy", "single"):
         raise CheckpointParseError(f"{path} is not a pimm legacy or single checkpoint")
@@ -269,7 +272,8 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
     raw = obj["state_dict"] if fmt == "legacy" else obj["weights"]["raw"]
     ema_sd = obj.get("ema_state_dict") if fmt == "legacy" else obj["weights"].get("ema")
     check_compatible(plain, raw, str(path))
-    casts = dtype_casts({k: v.dtype for k, v in raw.items()}, {k: v.dtype for k, v in plain.state_dict().items()})
+    casts = dtype_casts({k: v.dtype for k, v in raw.items()},
+                        {k: v.dtype for k, v in plain.state_dict().items() if isinstance(v, torch.Tensor)})
     if optimizer is not None:
         casts += _optimizer_casts(plain, obj["optimizer"])
     if fmt == "legacy":
@@ -278,7 +282,7 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
         rank_state = {"rng": obj["rng"], "loader": None} if rank == 0 and obj["world_size"] == world_size == 1 else None
         saved_ranks = [0]
     else:
-        meta = {k: obj[k] for k in ("trainer", "scheduler", "scaler", "ema", "world_size", "workers_per_rank")}
+        meta = {k: obj[k] for k in (*SINGLE_META, *OPTIONAL_META) if k in obj or k in SINGLE_META}
         states = obj["rank_states"]
         rank_state = states[rank] if rank < len(states) else None
         saved_ranks = list(range(len(states)))
@@ -288,6 +292,16 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
         raise CheckpointParseError(f"{path} is not a well-formed pimm {fmt} checkpoint: its trainer state {problem}")
     skipped: list[str] = check_dtypes(path, casts, strict)
     load_full_state_dict(plain, raw)
+    if optimizer is not None:
+        changed = structure_problem(obj["optimizer"], meta.get("optimizer_class"), named_groups(plain, optimizer),
+                                    f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+                                    {n for n, p in plain.named_parameters() if not p.requires_grad})
+        if changed:
+            if strict:
+                raise CheckpointError(f"cannot resume from {path}: {changed}; {structure_fix(path)}", exit_code=2)
+            skipped.append(changed + "; its state was not loaded: the optimizer starts fresh "
+                           "(resume_strict_state=false)")
+            optimizer = None
     if optimizer is not None:
         fresh = not optimizer.state
         try:
@@ -303,6 +317,11 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
             skipped.append(f"optimizer state in {path} skipped (resume_strict_state=false): {e}")
     return LoadedState(meta=meta, rank_state=rank_state, ema_state_dict=ema_sd, saved_ranks=saved_ranks,
                        skipped=skipped)
+
+
+#: The trainer state a single-format file holds; and what newer ones add (callbacks, objective, optimizer).
+SINGLE_META = ("trainer", "scheduler", "scaler", "ema", "world_size", "workers_per_rank")
+OPTIONAL_META = ("callbacks", "objective", "optimizer_class", "optimizer_built")
 
 
 def _structure_problem(obj: dict[str, Any], fmt: str) -> str | None:

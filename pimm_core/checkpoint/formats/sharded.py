@@ -31,6 +31,7 @@ from ..select.selection import TRAINER_DCP
 from ..tensors.state import pack, unpack
 from ..tensors.ties import tied_groups
 from .mapped_reader import MappedFileSystemReader
+from ..tensors.safe_state import is_extra_state_key
 
 MODEL = "model/"
 EMA = "ema/"
@@ -77,7 +78,8 @@ def mismatch(path: Path, what: str, target: dict[str, torch.Tensor], saved: dict
     missing = sorted(set(target) - have)
     extra = [] if extra_ok else sorted(have - set(target))
     shapes = sorted(f"{k} {tuple(saved[prefix + k].size)} vs {tuple(target[k].shape)}"
-                    for k in set(target) & have if tuple(target[k].shape) != tuple(saved[prefix + k].size))
+                    for k in set(target) & have if not is_extra_state_key(k)  # (an encoded one's length is its own)
+                    and tuple(target[k].shape) != tuple(saved[prefix + k].size))
     parts = [f"{label}: {', '.join(keys[:3])}{f' (+{len(keys) - 3} more)' if len(keys) > 3 else ''}"
              for label, keys in (("missing", missing), ("unexpected", extra), ("shape mismatch (saved vs now)", shapes))
              if keys]
@@ -101,6 +103,9 @@ def model_targets(plain: nn.Module, saved: dict[str, Any],
     problem = mismatch(path, "model weights", target, saved, MODEL)
     if problem:
         raise CheckpointError(problem)
+    for k in [k for k in target if is_extra_state_key(k) and tuple(target[k].shape) != tuple(saved[MODEL + k].size)]:
+        # a module's encoded extra state (safe_state) read at its saved length; load_state_dict decodes it
+        sd[k] = target[k] = torch.empty(tuple(saved[MODEL + k].size), dtype=saved[MODEL + k].properties.dtype)
     return sd, target
 
 

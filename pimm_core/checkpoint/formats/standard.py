@@ -42,6 +42,7 @@ from ..tensors.safe_read import load_failure
 from ..tensors.state import is_sharded, join_tensors, load_full_state_dict, pack, split_tensors, unpack, unwrap
 from .mapped_reader import MappedFileSystemReader
 from .optim_state import frozen_state_loaded, unstepped
+from .optim_structure import structure_fix, structure_problem
 from .protocol import LoadedState, SaveItem, meta_problem
 from .sharded import EMA, MODEL, ema_targets, model_targets, sharded_items
 from .weights_file import check_compatible, check_dtypes, dtype_casts, read_weights_file, weights_payload
@@ -128,12 +129,12 @@ def save_standard(
                 dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
                          no_dist=not info.distributed)
             point("standard.dcp_written", tmp / TRAINER_DCP)
-        except Exception as e:  # DCP raises on every rank when any rank's write failed
+        except (Exception, CheckpointException) as e:  # DCP raises on every rank when any rank's write failed
+            cause = short_error(e, tmp / TRAINER_DCP)
             if info.is_main:
                 hasher.close()
                 remove_quietly(tmp)
-            raise CheckpointSaveError(f"checkpoint save failed writing {tmp / TRAINER_DCP}: {short_error(e)}"
-                                      f"{intact_note(model_dir)}") from None
+            raise CheckpointSaveError(f"checkpoint save failed: {cause}{intact_note(model_dir)}") from None
 
         # (Writing weights.pth on a second thread during the DCP write was measured slower here:
         # the two writers contend for the page cache; see benchmarks/README.md.)
@@ -206,7 +207,18 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
     saved_ranks = sorted(int(k.split("/", 1)[1]) for k in saved
                          if k.startswith("rank_state/") and k.split("/", 1)[1].isdigit())
 
-    request: dict[str, Any] = {"meta": torch.empty(saved["meta"].size, dtype=torch.uint8)}
+    # the trainer state first (small): what it says is checked before anything is loaded
+    first: dict[str, Any] = {"meta": torch.empty(saved["meta"].size, dtype=torch.uint8)}
+    try:
+        dcp.load(first, storage_reader=reader, no_dist=not info.distributed)
+    except CheckpointException as e:
+        raise _load_failure(path, e) from None
+    meta = _unpack_checked(first["meta"], _item_file(path, metadata, "meta"), "meta")
+    problem = meta_problem(meta, "optim")
+    if problem:
+        raise CheckpointParseError(f"{path} is not a pimm trainer state: its 'meta' item {problem}")
+    skeleton = meta.pop("optim")
+    request: dict[str, Any] = {}
     weights = None
     if any(k.startswith(MODEL) for k in saved):  # a sharded save: the weights are DCP items
         model_sd, target = model_targets(plain, saved, path)
@@ -217,7 +229,7 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
         weights = read_weights_file(weights_path)
         check_compatible(plain, weights["state_dict"], str(weights_path))
         casts = dtype_casts({k: v.dtype for k, v in weights["state_dict"].items()},
-                            {k: v.dtype for k, v in plain.state_dict().items()})
+                            {k: v.dtype for k, v in plain.state_dict().items() if isinstance(v, torch.Tensor)})
     ema = ema_targets(ema_target, saved, path) if any(k.startswith(EMA) for k in saved) else None
     request.update({EMA + k: v for k, v in (ema or {}).items()})  # (EMA weights are kept in the params' dtype)
     rank_key = f"rank_state/{info.rank}"
@@ -228,7 +240,13 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
     try:
         if optimizer is not None:
             with unstepped(optimizer, fill=True):  # (a fresh optimizer's state, made by no step of it)
-                target, _ = split_tensors(get_optimizer_state_dict(plain, optimizer), "optim")
+                target, now_skeleton = split_tensors(get_optimizer_state_dict(plain, optimizer), "optim")
+            changed = structure_problem(skeleton, meta.get("optimizer_class"), now_skeleton,
+                                        f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+                                        {n for n, p in plain.named_parameters() if not p.requires_grad})
+            if changed and strict:
+                raise CheckpointError(f"cannot resume from {ckpt}: {changed}; {structure_fix(ckpt / WEIGHTS)}",
+                                      exit_code=2)
             saved_optim = {k for k in saved if k.startswith("optim/")}
             if not saved_optim and fresh is not None and target:  # saved before the optimizer's first step
                 fresh.state.clear()  # (it stays fresh, as it was then)
@@ -239,7 +257,13 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
             mismatched = sorted(k for k in set(target) & saved_optim if tuple(target[k].shape) != tuple(saved[k].size))
             missing = sorted(set(target) - saved_optim)
             extra = sorted(saved_optim - set(target))  # e.g. state of a parameter frozen since the save
-            if mismatched or missing or extra:
+            if changed:  # (not strict) the saved state is the state of another optimizer
+                skipped.append(changed + "; its state was not loaded: the optimizer starts fresh "
+                               "(resume_strict_state=false)")
+                if fresh is not None:
+                    fresh.state.clear()
+                optimizer = None
+            elif mismatched or missing or extra:
                 parts = [f"{label}: {', '.join(keys[:3])}{f' (+{len(keys) - 3} more)' if len(keys) > 3 else ''}"
                          for label, keys in (("shape differs", mismatched), ("not in the checkpoint", missing),
                                              ("not in this optimizer", extra)) if keys]
@@ -266,11 +290,6 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
             raise _load_failure(path, e) from None
         if weights is None:  # DCP read into the model's own tensors; this applies them as FSDP expects
             set_model_state_dict(plain, model_sd)
-        meta = _unpack_checked(request.pop("meta"), _item_file(path, metadata, "meta"), "meta")
-        problem = meta_problem(meta, "optim")
-        if problem:
-            raise CheckpointParseError(f"{path} is not a pimm trainer state: its 'meta' item {problem}")
-        skeleton = meta.pop("optim")
         rank_state = (_unpack_checked(request.pop(rank_key), _item_file(path, metadata, rank_key), rank_key)
                       if rank_key in request else None)
         if rank_state is not None and not isinstance(rank_state, dict):
@@ -286,6 +305,29 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
     if ema is None and weights is not None:
         ema = weights.get("ema_state_dict")
     return LoadedState(meta=meta, rank_state=rank_state, ema_state_dict=ema, saved_ranks=saved_ranks, skipped=skipped)
+
+
+def read_trainer_meta(ckpt: Path) -> dict[str, Any]:
+    """The trainer state (``meta``: counters, scheduler, optimizer structure...) of standard
+    checkpoint ``ckpt``, read alone, without a process group (a dry run's look before a resume).
+
+    Raises:
+        CheckpointError: a file cannot be read. CheckpointParseError: the item is malformed.
+    """
+    path = ckpt / TRAINER_DCP
+    reader = MappedFileSystemReader(path)
+    metadata = reader.read_metadata()
+    if "meta" not in metadata.state_dict_metadata:
+        raise CheckpointParseError(f"{path} is not a pimm trainer state (no 'meta' item)")
+    item = {"meta": torch.empty(metadata.state_dict_metadata["meta"].size, dtype=torch.uint8)}
+    try:
+        dcp.load(item, storage_reader=reader, no_dist=True)
+    except CheckpointException as e:
+        raise _load_failure(path, e) from None
+    meta = _unpack_checked(item["meta"], _item_file(path, metadata, "meta"), "meta")
+    if not isinstance(meta, dict):
+        raise CheckpointParseError(f"{path} is not a pimm trainer state: its 'meta' item is not a dict")
+    return meta
 
 
 def _load_failure(path: Path, e: CheckpointException) -> CheckpointError:

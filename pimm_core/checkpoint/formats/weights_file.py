@@ -14,6 +14,7 @@ from ...errors import CheckpointError, CheckpointParseError
 from ..publish.rotation import save_torch_file
 from ..records.manifest import sha256_file, write_manifest
 from ..tensors.safe_read import load_torch_file
+from ..tensors.safe_state import is_extra_state_key
 from ..tensors.state import full_state_dict, full_tensors, is_sharded
 
 
@@ -105,7 +106,8 @@ def check_compatible(model: nn.Module, sd: dict[str, torch.Tensor], source: str)
     missing = sorted(set(own) - set(sd))
     unexpected = sorted(set(sd) - set(own))
     shapes = sorted(f"{k} {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
-                    for k in set(own) & set(sd) if tuple(own[k].shape) != tuple(sd[k].shape))
+                    for k in set(own) & set(sd) if not is_extra_state_key(k)  # (an encoded one's length is its own)
+                    and tuple(own[k].shape) != tuple(sd[k].shape))
     if missing or unexpected or shapes:
         parts = []
         for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):

@@ -22,12 +22,13 @@ import torch
 
 from ...errors import CheckpointSaveError, first_line
 from ...faults import point, register
-from ...fsio import atomic_write, atomic_write_bytes, fsync_dir, fsync_tree, remove_tree, release_cached_pages
+from ...fsio import atomic_write, atomic_write_bytes, fsync_dir, fsync_tree, release_cached_pages, remove_tree
 from ...process import dist
 from ...process.dist import DistInfo
 from ..records.manifest import COMPLETE, MANIFEST, describe_files, write_manifest
 from ..select.selection import TRAINER_DCP, WEIGHTS, select_resume
 from .follow import FollowingHasher
+from .save_errors import short_error, torch_save
 
 log = logging.getLogger("pimm")
 
@@ -90,7 +91,7 @@ def save_torch_file(path: Path, obj: Any) -> None:
             fsync_dir(path.parent)
 
     # torch.save: zip CRCs as it is set (see without_zip_crc32)
-    atomic_write(path, lambda tmp: torch.save(obj, tmp), points="file", before_replace=drop_sidecar)
+    atomic_write(path, lambda tmp: torch_save(obj, tmp), points="file", before_replace=drop_sidecar)
 
 
 def rotate_into_place(tmp: Path, final: Path, keep_full: int = 1) -> None:
@@ -329,13 +330,6 @@ def publish(tmp: Path, final: Path, weights: dict[str, Any] | None, manifest: di
     rotate_into_place(tmp, final, keep_full)
 
 
-def short_error(e: BaseException) -> str:
-    """One line for a save's error message: ``<path>: <OS error>``, else ``<class>: <first line>``."""
-    if isinstance(e, OSError) and e.filename:
-        return f"{e.filename}: {e.strerror or e}"
-    return f"{e.__class__.__name__}: {first_line(e, empty='')}"
-
-
 def remove_quietly(tmp: Path) -> None:
     """Remove a failed save's temporary directory, if it can be removed."""
     try:
@@ -366,8 +360,9 @@ def on_main(info: DistInfo, fn: Callable[[], None], tmp: Path, model_dir: Path) 
         try:
             fn()
         except Exception as e:
+            cause = short_error(e, tmp)  # (before the removal: the file system's state names the cause)
             remove_quietly(tmp)
-            error = f"checkpoint save failed: {short_error(e)}{intact_note(model_dir)}"
+            error = f"checkpoint save failed: {cause}{intact_note(model_dir)}"
     errors = dist.all_gather_object(error) if info.distributed else [error]
     first = next((e for e in errors if e), None)
     if first:

@@ -18,15 +18,22 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from .safe_state import UnloadableStateError, decode, decode_extra_states, encode, encode_extra_states
 from .ties import tied_groups
 
 TENSOR_MARK = "__tensor__"
 
 
 def pack(obj: Any) -> torch.Tensor:
-    """Serialise ``obj`` (dicts/lists/tuples of tensors, numbers, strings, None) to a 1-D uint8 tensor."""
+    """Serialise ``obj`` (dicts/lists/tuples of tensors, numbers, strings, None, numpy values) to a 1-D
+    uint8 tensor; numpy values are encoded so that :func:`unpack` reads them back
+    (:func:`~.safe_state.encode`).
+
+    Raises:
+        UnloadableStateError: ``obj`` holds a value ``torch.load(weights_only=True)`` would refuse.
+    """
     buf = io.BytesIO()
-    torch.save(obj, buf)
+    torch.save(encode(obj), buf)
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
@@ -37,7 +44,7 @@ def unpack(t: torch.Tensor) -> Any:
         pickle.UnpicklingError: the bytes hold anything but plain containers, numbers,
             strings and tensors.
     """
-    return torch.load(io.BytesIO(t.cpu().numpy().tobytes()), weights_only=True, map_location="cpu")
+    return decode(torch.load(io.BytesIO(t.cpu().numpy().tobytes()), weights_only=True, map_location="cpu"))
 
 
 def load_problem(obj: Any) -> str | None:
@@ -52,6 +59,8 @@ def load_problem(obj: Any) -> str | None:
 
     try:
         unpack(pack(obj))
+    except UnloadableStateError as e:
+        return str(e)
     except pickle.UnpicklingError as e:
         m = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = m.group(1) if m else "a value"
@@ -161,7 +170,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """
     plain = unwrap(model)
     if not is_sharded(plain):
-        return plain.state_dict()
+        return encode_extra_states(plain.state_dict())
     sd = get_model_state_dict(plain, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     for group in tied_groups(plain):  # gathered once per name: make the tied names one tensor again
         present = [n for n in group if n in sd]
@@ -206,7 +215,7 @@ def load_full_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor], st
         RuntimeError: ``strict`` and keys differ, or a shape differs (``load_state_dict``'s).
     """
     plain = unwrap(model)
-    if not is_sharded(plain):
-        return plain.load_state_dict(sd, strict=strict)
+    if not is_sharded(plain):  # (a module's encoded extra state is decoded for set_extra_state: safe_state)
+        return plain.load_state_dict(decode_extra_states(sd), strict=strict)
     # (a copy: set_model_state_dict puts its own entries into the dict it is given)
     return set_model_state_dict(plain, dict(sd), options=StateDictOptions(full_state_dict=True, strict=strict))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ...errors import CheckpointError, UsageError
+from ..tensors.safe_state import is_extra_state_key
 from ..tensors.state import is_parallel_wrapper, load_full_state_dict
 from ..tensors.ties import follow_model_ties
 from .key_rules import apply_key_rules
@@ -40,7 +41,7 @@ def check_strict(model: nn.Module, sd: StateDict, source: str, show: int = 5) ->
     missing = sorted(own.keys() - sd.keys())
     unexpected = sorted(sd.keys() - own.keys())
     shapes = sorted(f"{k} {list(sd[k].shape)} in checkpoint vs {list(own[k].shape)} in model"
-                    for k in own.keys() & sd.keys() if tuple(own[k].shape) != tuple(sd[k].shape))
+                    for k in own.keys() & sd.keys() if not is_extra_state_key(k) and tuple(own[k].shape) != tuple(sd[k].shape))
     if missing or unexpected or shapes:
         parts = []
         for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ...errors import CheckpointError
+from ..tensors.safe_state import is_extra_state_key
 from ..tensors.state import load_full_state_dict, unwrap
 from ..tensors.ties import follow_model_ties
 from .key_rules import DEFAULT_KEY_RULES, apply_key_rules, format_rules, suggest_key_rule, toml_literal
@@ -135,13 +136,14 @@ def warm_start(model: nn.Module, source: str | os.PathLike[str], *, weight_set: 
     sd = follow_model_ties(target, sd)  # a tied name the file lacks is filled by its twin
     own = target.state_dict()
     param_names = {n for n, _ in target.named_parameters(remove_duplicate=False)}
-    loaded = sorted(k for k in own.keys() & sd.keys() if tuple(own[k].shape) == tuple(sd[k].shape))
+    # (a module's extra state is opaque: an encoded one's length is its own, safe_state)
+    loaded = sorted(k for k in own.keys() & sd.keys() if is_extra_state_key(k) or tuple(own[k].shape) == tuple(sd[k].shape))
     report = WarmStartReport(
         source=os.fspath(source), resolved=info.get("remote_file") or str(path), weight_set=weight_set,
         rules=used_rules, renamed=renamed,
         loaded=loaded, missing=sorted(own.keys() - sd.keys()), unexpected=sorted(sd.keys() - own.keys()),
         mismatched=sorted((k, tuple(sd[k].shape), tuple(own[k].shape)) for k in own.keys() & sd.keys()
-                          if tuple(own[k].shape) != tuple(sd[k].shape)),
+                          if not is_extra_state_key(k) and tuple(own[k].shape) != tuple(sd[k].shape)),
         loaded_params=sum(1 for k in loaded if k in param_names), model_params=len(param_names),
     )
     if report.loaded_params == 0:
