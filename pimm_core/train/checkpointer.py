@@ -197,7 +197,10 @@ class Checkpointer:
         values: dict[str, Any] = {name: part.state_dict() if part is not None else None for name, part in parts.items()}
         values.update(world_size=self.info.world_size, workers_per_rank=self.config.data.num_workers,
                       data_length=self.data_length, data_fingerprint=self.data_fingerprint, **self._batching())
-        return {key: values[key] for key in META_ORDER}
+        out = {key: values[key] for key in META_ORDER}
+        if self.config.parallel.tp > 1:  # (absent: 1; a checkpoint without TP packs the same bytes as before)
+            out["tp"] = self.config.parallel.tp
+        return out
 
     def _batching(self) -> dict[str, Any]:
         """Per-rank micro-batch size and accumulation window (recorded with every checkpoint), and
@@ -214,7 +217,7 @@ class Checkpointer:
                 "workers_per_rank": self.config.data.num_workers,
                 **self._batching(), "epoch_start_step": s.epoch_start_step, "metrics": s.last_eval,
                 "created": now_iso(), "torch_version": torch.__version__, "data_fingerprint": self.data_fingerprint,
-                "data_length": self.data_length}
+                "data_length": self.data_length, **({"tp": self.config.parallel.tp} if self.config.parallel.tp > 1 else {})}
 
     def ema_weights(self) -> dict[str, torch.Tensor] | None:
         """The EMA weight set of the model as it is now, or None without EMA."""
