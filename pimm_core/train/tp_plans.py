@@ -59,6 +59,7 @@ class Conv1DRowwise(RowwiseParallel):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         part = lambda _, m, mesh: _distribute(m, mesh, {"weight": [Shard(0)], "bias": [Replicate()]},  # noqa: E731
                                               self.src_data_rank)
+        self.desired_input_layouts = (Shard(-1),)  # (as RowwiseParallel sets it for nn.Linear)
         return distribute_module(module, device_mesh, part,
                                  partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
                                  partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
