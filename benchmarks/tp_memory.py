@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -54,7 +55,7 @@ def worker(args) -> None:
                  f"model.args.n_heads={args.heads}", "model.args.dropout=0.0", "train.log_every_steps=1000",
                  "ema.enabled=false", "eval.weights=raw", *args.overrides]
     if args.layout == "tp":
-        overrides.append(f"parallel.tp={args.nproc}")
+        overrides.append(f"parallel.tp={os.environ['WORLD_SIZE']}")  # (all ranks of the launch)
     cfg = load_config(REPO / "configs" / "charlm.toml", overrides)
     trainer = Trainer(cfg)
     stamps: list[float] = []
@@ -92,7 +93,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pimm-tp-") as work:
         for _ in range(args.repeats):
             for layout in LAYOUTS:
-                common = ["--layout", layout, "--nproc", str(args.nproc), "--d-model", str(args.d_model), "--layers",
+                common = ["--layout", layout, "--d-model", str(args.d_model), "--layers",
                           str(args.layers), "--heads", str(args.heads), "--steps", str(args.steps), "--warmup",
                           str(args.warmup), "--", *args.overrides]
                 runs[layout].append(torchrun(Path(__file__), args.nproc, common, Path(work) / layout, args.timeout))

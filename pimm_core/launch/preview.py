@@ -28,6 +28,9 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     from ..topology import config_diff, plan_resume
     from ..train.build import data_length
 
+    from ..train.tensor_parallel import check_layout
+
+    check_layout(cfg, world_size)
     run_dir = resolve_run_dir(cfg, config_path)
     check_before_launch(cfg, run_dir, warm_start=False, config_path=config_path)
     try:
@@ -58,7 +61,7 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
                        strict=cfg.resume_strict_state, grad_accum=cfg.train.grad_accum,
                        batch_size=cfg.data.batch_size, legacy=cand.format == "legacy",
                        data_length=data_length(data.train), data_fingerprint=data.fingerprint,
-                       order=cfg.data.order, global_batch=cfg.train.global_batch)
+                       order=cfg.data.order, global_batch=cfg.train.global_batch, tp=cfg.parallel.tp)
     t = plan.topology
     print(f"checkpoint: {cand.path} (step {cand.step}, epoch {cand.epoch}, iter {cand.iter})")
     for w in fallbacks:
@@ -81,6 +84,9 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
           f"per-rank workers {t['saved_workers_per_rank']} -> {t['workers_per_rank']}, "
           f"per-rank micro-batch {t['saved_batch_size']} -> {t['batch_size']}, "
           f"grad_accum {t['saved_grad_accum']} -> {t['grad_accum']}")
+    if "tp" in t:  # (the world sizes above are then the data-parallel ranks)
+        print(f"tensor parallel: tp {t['saved_tp']} on {t['saved_processes']} ranks -> tp {t['tp']} on "
+              f"{t['processes']} ranks")
     if "data_length" in t:
         print(f"data: train samples {t['saved_data_length'] if t['saved_data_length'] is not None else 'not recorded'}"
               f" -> {t['data_length']}")
@@ -142,6 +148,10 @@ def _dry_model(cfg: Config, config_path: Path | None):
     data = build_data(cfg, config_path)
     model = build_model(cfg, config_path)
     check_blocks(model, cfg, config_path)
+    if cfg.parallel.tp > 1:  # the plan the launch would apply, checked against the model
+        from ..train.tensor_parallel import planned_modules, resolve_plan
+
+        planned_modules(model, resolve_plan(model, cfg, config_path), cfg.parallel.tp)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {cfg.model.target or cfg.model.name} ({params:,} parameters), data: "
           f"{cfg.data.target or cfg.data.name} ({_size(data.train)} train / {_size(data.val)} val samples)")

@@ -223,7 +223,7 @@ def resume_diff(run_dir: Path, *, world_size: int | None = None, workers: int | 
                            workers_per_rank=cfg.data.num_workers,
                            strict=cfg.resume_strict_state, grad_accum=cfg.train.grad_accum,
                            batch_size=cfg.data.batch_size, legacy=cand.format == "legacy",
-                           order=cfg.data.order, global_batch=cfg.train.global_batch).to_json()
+                           order=cfg.data.order, global_batch=cfg.train.global_batch, tp=cfg.parallel.tp).to_json()
         planned["grad_accum"] = plan["topology"]["grad_accum"]  # (derived under the global data order)
     diff = config_diff(saved or {}, cfg.to_dict())
     cj = cand.to_json()

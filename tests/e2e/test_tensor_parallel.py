@@ -254,3 +254,15 @@ def test_hugging_face_plans_compute_the_whole_models_logits_and_gradients(tmp_pa
     assert got["GPT2LMHeadModel"][2] == 2 * 2 * 2 and got["LlamaForCausalLM"][2] == 2 * 7  # weights (+ biases) sharded
     for name, (logits, grads, _) in got.items():
         assert logits < 1e-5 and grads < 1e-3, (name, logits, grads)
+
+
+def test_dry_run_refuses_what_the_launch_refuses(tmp_path):
+    base = ["launch", "--dry-run", "--train.config", str(CHARLM), "--run.root", str(tmp_path)]
+    done = pimm_here(*base, "--nproc-per-node", "4", "--", *TINY, "parallel.tp=3")
+    assert done.returncode != 0 and "error: parallel.tp = 3 does not divide the world size 4" in done.stderr, \
+        describe(done)
+    done = pimm_here(*base, "--nproc-per-node", "4", "--", *TINY, "parallel.tp=4", "train.strategy=fsdp",
+                     "model.args.d_model=18")
+    assert done.returncode != 0, describe(done)
+    assert "error: parallel.tp = 4 does not divide the 18 output features of 'blocks.0.q'" in done.stderr, describe(done)
+    assert not list(tmp_path.iterdir())  # nothing written
