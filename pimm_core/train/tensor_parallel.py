@@ -100,7 +100,7 @@ def resolve_plan(model: nn.Module, cfg: Config, config_path=None) -> dict[str, A
                               "tensor-parallel plan (built in: " + ", ".join(sorted(BUILT_IN)) + "); set "
                               "parallel.tp_plan = 'package.module:fn' returning {module FQN: ColwiseParallel() or "
                               f"RowwiseParallel()...}} ({HELP}), or parallel.tp = 1")
-        plan = fn(model)
+        plan, entry = fn(model), f"the built-in plan of {type(model).__name__}"
     else:
         plan = call(TargetSpec("parallel.tp_plan", entry), model, config_path=config_path)
     if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, ParallelStyle)

@@ -236,11 +236,10 @@ def test_bad_layouts_are_one_line(tmp_path):
                 *TINY, "model.args.n_heads=1", "parallel.tp=2", timeout=240)
     assert done.returncode != 0
     lines = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
-    assert lines and "parallel.tp = 2 does not divide the 1 attention heads of blocks.0 (n_heads)" in lines[0], \
-        describe(done)
+    assert len(lines) == 1, describe(done)
+    assert "parallel.tp = 2 does not divide the 1 attention heads of blocks.0 (n_heads)" in lines[0], describe(done)
     assert "Traceback" not in done.stderr + done.stdout
-    assert not list(tmp_path.rglob("metrics.jsonl")) or not any(
-        r.get("split") == "train" for p in tmp_path.rglob("metrics.jsonl") for r in read_jsonl(p))
+    assert not [r for p in tmp_path.rglob("metrics.jsonl") for r in read_jsonl(p) if r.get("split") == "train"]
 
 
 def test_hugging_face_plans_compute_the_whole_models_logits_and_gradients(tmp_path):
