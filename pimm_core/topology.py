@@ -317,8 +317,8 @@ def data_change(manifest: dict[str, Any], length: int | None, fingerprint: str |
 
 def layout_warning(saved_tp: int, tp: int, saved_procs: int, procs: int, row: str) -> str:
     """The warning line of a tensor-parallel layout change (``parallel.tp`` ``saved_tp`` -> ``tp``)."""
-    head = (f"parallel layout changed: tp {saved_tp} x dp {saved_procs // saved_tp} ({saved_procs} ranks) -> tp {tp} "
-            f"x dp {procs // tp} ({procs} ranks); model weights, optimizer state and EMA are resharded exactly "
+    head = (f"parallel layout changed: tp {saved_tp} x dp {saved_procs // saved_tp} -> tp {tp} x dp {procs // tp}; "
+            "model weights, optimizer state and EMA are resharded exactly "
             "through DCP")
     if row == "layout":
         return (head + "; the data-parallel ranks are the same, so each keeps its loader cursor and RNG (the same "

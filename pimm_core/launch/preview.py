@@ -85,8 +85,8 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
           f"per-rank micro-batch {t['saved_batch_size']} -> {t['batch_size']}, "
           f"grad_accum {t['saved_grad_accum']} -> {t['grad_accum']}")
     if "tp" in t:  # (the world sizes above are then the data-parallel ranks)
-        print(f"tensor parallel: tp {t['saved_tp']} on {t['saved_processes']} ranks -> tp {t['tp']} on "
-              f"{t['processes']} ranks")
+        print(f"tensor parallel: tp {t['saved_tp']} x dp {t['saved_processes'] // t['saved_tp']} -> tp {t['tp']} x dp "
+              f"{t['processes'] // t['tp']}")
     if "data_length" in t:
         print(f"data: train samples {t['saved_data_length'] if t['saved_data_length'] is not None else 'not recorded'}"
               f" -> {t['data_length']}")
@@ -96,7 +96,8 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     print(f"continue at: step {plan.step}, epoch {plan.epoch}, iter {plan.iter}"
           + (f" (replay boundary: epoch {rb['epoch']} start, step {rb['step']}; {rb['from_iter']} batches replay)" if rb else
              " (exact continuation)" if plan.exact else
-             " (loader cursor restored; not bitwise: the strategy changed)" if plan.restore_cursor else ""))
+             f" (loader cursor restored; not bitwise: the {_what_changed(plan.row)} changed)" if plan.restore_cursor
+             else ""))
     saved_cfg = run_dir / "config.toml"
     if saved_cfg.is_file():
         diff = config_diff(tomllib.loads(saved_cfg.read_text()), cfg.to_dict())
@@ -137,6 +138,11 @@ def best_starts_over(cfg: Config, model_dir: Path) -> str | None:
         return None
     epoch = sel.get("epoch", record.get("epoch"))
     return BestTracker(cfg.eval.metric, cfg.eval.mode, best=float(value), epoch=epoch).rebase(sel)
+
+
+def _what_changed(row: str) -> str:
+    """What keeps a continuation with the cursor restored from being exact (its policy row)."""
+    return "parallel layout" if row == "layout" else "strategy"
 
 
 def _dry_model(cfg: Config, config_path: Path | None):

@@ -57,7 +57,8 @@ def plan_rows(plan: dict[str, Any] | None) -> list[tuple[str, str, str]]:
         rows.append(("replay boundary", f"epoch {rb['epoch']} restarts at step {rb['step']}; "
                      f"the {rb['from_iter']} batches already run in that epoch train again", "warn"))
     else:
-        why = ("exact continuation" if p["exact"] else "loader cursor restored; not bitwise: the strategy changed"
+        changed = "parallel layout" if p.get("row") == "layout" else "strategy"
+        why = ("exact continuation" if p["exact"] else f"loader cursor restored; not bitwise: the {changed} changed"
                if p.get("restore_cursor") else "global data order: the samples consumed are kept"
                if p.get("row") == "global_order" else "nothing to replay")
         rows.append(("replay boundary", f"none ({why}) "

@@ -265,3 +265,13 @@ def test_dry_run_refuses_what_the_launch_refuses(tmp_path):
     assert done.returncode != 0, describe(done)
     assert "error: parallel.tp = 4 does not divide the 18 output features of 'blocks.0.q'" in done.stderr, describe(done)
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_dry_run_of_a_resume_names_the_layout_change(runs, tmp_path):
+    done = pimm_here("launch", "--dry-run", "--train.config", str(CHARLM), "--run.root", str(tmp_path),
+                     "--train.resume-from", str(runs / "cut" / "model" / f"full_{STOP}"), "--", *TINY)
+    assert done.returncode == 0, describe(done)
+    assert "policy: parallel layout changes" in done.stdout, describe(done)
+    assert "tensor parallel: tp 2 x dp 1 -> tp 1 x dp 1" in done.stdout
+    assert f"continue at: step {STOP}, epoch 0, iter {2 * STOP} (loader cursor restored; not bitwise: the parallel " \
+           "layout changed)" in done.stdout
