@@ -63,6 +63,7 @@ from .train.ema import EMA
 from .train.evaluator import Evaluator
 from .train.hang import name_the_hang
 from .train.parallel import is_fsdp, parallelize
+from .train.tensor_parallel import ranks_of
 from .train.recorder import Recorder
 from .train.resume import nothing_left, resume
 from .train.session import (after_step, end_session, evaluate_and_record, start_epoch, start_files,
@@ -133,10 +134,10 @@ class Trainer:
         self.stop = stop or StopRequest()
         self.stopped_before_start = False  # train() ended at once: a stop was asked during start-up
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.info = dist.env_world()
+        self.info, self.data_info = ranks_of(config)  # data_info: data-parallel ranks (a TP group shares batches)
         # data.order = "global": the window is derived from train.global_batch and the world size
         if config.data.order == "global":
-            config = dataclasses.replace(config, train=ordered(config.train, config.data, self.info.world_size))
+            config = dataclasses.replace(config, train=ordered(config.train, config.data, self.data_info.world_size))
         self.config = config
         self.device = dist.pick_device(config.train.device, self.info)
         dist.init(self.device, self.info, always=config.train.strategy == "fsdp", timeout_min=config.dist.timeout)
@@ -152,12 +153,12 @@ class Trainer:
         self.model: nn.Module = parallelize(model, config, self.info, self.device, config_path)
         # (after sharding: under FSDP the averaged copies are sharded like the parameters)
         self.ema = EMA(model, config.ema.decay, config.ema.warmup) if config.ema.enabled else None
-        seed_everything(config.train.seed + self.info.rank)  # rank-distinct dropout streams
+        seed_everything(config.train.seed + self.data_info.rank)  # rank-distinct dropout streams (dp ranks)
 
         d = self.data
-        self.loader, self.sampler = train_loader(d.train, config.data, self.info, config.train.seed, d.collate_fn,
+        self.loader, self.sampler = train_loader(d.train, config.data, self.data_info, config.train.seed, d.collate_fn,
                                                  config.train.global_batch)
-        self.val_loader = eval_loader(d.val, config.data, self.info, d.collate_fn, config.eval.batch_size)
+        self.val_loader = eval_loader(d.val, config.data, self.data_info, d.collate_fn, config.eval.batch_size)
         self.data_resume = data_resume_policy(d.train, self.info.is_main)  # "exact" or "replay_from_boundary"
         self.optimizer = build_optimizer(config, unwrap(self.model), config_path)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.train.amp == "fp16")
@@ -268,7 +269,7 @@ class Trainer:
                 incomplete ("Incomplete checkpoint directory"), is a Hub artifact, or its
                 state does not fit the model (names the tensors).
         """
-        t = self._t = ordered(train_config or self.config.train, self.config.data, self.info.world_size)
+        t = self._t = ordered(train_config or self.config.train, self.config.data, self.data_info.world_size)
         self.time_limit = TimeLimit.from_config(t.max_time)  # this session's budget starts now
         if resume_from is None and t != self.config.train:
             # A fresh run trains with `t`: the optimizer (built in __init__ from the config) takes its
@@ -330,7 +331,7 @@ class Trainer:
         step = WindowStep(self.model, self.optimizer, self.scaler, self.ema, t, autocast=autocast,
                           distributed=self.info.distributed or is_fsdp(self.model), objective=self.objective,
                           before_step=fmt.wait_staged if fmt.asynchronous else None,
-                          before_forward=micro_batch_seeder(self.config.train.seed, self.state, self.info)
+                          before_forward=micro_batch_seeder(self.config.train.seed, self.state, self.data_info)
                           if self.config.data.order == "global" else None)
         self.model.train()
         evaluated_at_end = False

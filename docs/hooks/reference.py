@@ -190,6 +190,7 @@ _TRIGGERS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "data": ({"data_length": 90}, {}),
     "no_loader_state": ({"has_loader_state": False}, {}),
     "strategy": ({"strategy": "fsdp"}, {}),
+    "layout": ({"tp": 2}, {"world_size": 1}),  # tp 2 x dp 1 -> tp 1 x dp 1
     "global_order": ({"data_order": "global", "global_batch": 128, "world_size": 4}, {"order": "global", "global_batch": 128}),
     "order": ({}, {"order": "global", "global_batch": 128}),
     "same": ({}, {}),

@@ -18,14 +18,14 @@ saved config naming them) works as it did when this was one module.
 from .checks import OBJECTIVES, RANGES, TARGET_KEYS, validate
 from .load import config_from_dict, flatten, load_config, parse_override, read_saved_config, write_config
 from .schema import (SCHEDULER_KINDS, CallbackConfig, CheckpointConfig, Config, DataConfig, DistConfig, EmaConfig,
-                     EvalConfig, FsdpConfig, LogConfig, MlflowConfig, ModelConfig, OptimizerConfig, RunConfig,
-                     SchedulerConfig, SchedulerKind, TrainConfig, WandbConfig)
+                     EvalConfig, FsdpConfig, LogConfig, MlflowConfig, ModelConfig, OptimizerConfig, ParallelConfig,
+                     RunConfig, SchedulerConfig, SchedulerKind, TrainConfig, WandbConfig)
 from .tables import Where, build, toml_key
 
 __all__ = [
     "OBJECTIVES", "RANGES", "SCHEDULER_KINDS", "TARGET_KEYS", "CallbackConfig", "CheckpointConfig", "Config",
     "DataConfig", "DistConfig", "EmaConfig", "EvalConfig", "FsdpConfig", "LogConfig", "MlflowConfig", "ModelConfig",
-    "OptimizerConfig", "RunConfig", "SchedulerConfig", "SchedulerKind", "TrainConfig", "WandbConfig", "Where",
+    "OptimizerConfig", "ParallelConfig", "RunConfig", "SchedulerConfig", "SchedulerKind", "TrainConfig", "WandbConfig", "Where",
     "build", "config_from_dict", "flatten", "load_config", "parse_override", "read_saved_config", "toml_key",
     "validate", "write_config",
 ]

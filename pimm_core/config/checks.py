@@ -67,6 +67,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "checkpoint.remote_timeout": (0, None),
     "dist.timeout": (0.01, None),  # minutes (0.6 s): a collective needs some time even when all is well
     "ema.decay": (0, 1),
+    "parallel.tp": (1, None),
 }
 
 
@@ -103,6 +104,13 @@ def validate(cfg: Config, where: Where, origins: dict[str, str]) -> None:
         raise ConfigError(f"{where('train.activation_checkpointing', origins.get('train.activation_checkpointing', 'file'))}: "
                           "train.activation_checkpointing needs train.blocks, the model's block classes to recompute "
                           "(e.g. train.blocks = [\"Block\"])")
+    if cfg.parallel.tp > 1 and cfg.checkpoint_format != "standard":
+        raise ConfigError(f"{where('checkpoint_format', origins.get('checkpoint_format', 'file'))}: checkpoint_format = "
+                          f"{cfg.checkpoint_format!r} cannot hold tensor-parallel (parallel.tp > 1) sharded state; use "
+                          "checkpoint_format = 'standard'")
+    if cfg.parallel.tp_plan is not None and not is_target(cfg.parallel.tp_plan):
+        raise ConfigError(f"{where('parallel.tp_plan', origins.get('parallel.tp_plan', 'file'))}: parallel.tp_plan = "
+                          f"{cfg.parallel.tp_plan!r} is not a target; write 'package.module:function'")
     if cfg.eval.weights == "ema" and not cfg.ema.enabled:
         raise ConfigError(f"{where('eval.weights', origins.get('eval.weights', 'file'))}: eval.weights = 'ema' "
                           "needs ema.enabled = true")

@@ -94,6 +94,9 @@ KEY_HELP: dict[str, str] = {
     "fsdp.param_dtype": "compute dtype of the gathered parameters; unset: their own",
     "fsdp.reduce_dtype": "dtype of the gradient reduce-scatter; unset: the parameters'",
     "fsdp.cpu_offload": "keep the shards, gradients and optimizer state in CPU memory between uses",
+    # [parallel]
+    "parallel.tp": "tensor-parallel degree: ranks that share each layer; the data-parallel degree is the world size / tp",
+    "parallel.tp_plan": "`package.module:fn` returning the model's `parallelize_module` plan; unset: the built-in plan of its class",
     "dist.timeout": "minutes a rank waits in a collective for its peers before the run fails, naming the rank it waited for and its phase",
     # [optimizer]
     "optimizer.name": "a `torch.optim` class (case-insensitive, e.g. \"AdamW\"); overrides `train.optimizer`",

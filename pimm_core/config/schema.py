@@ -237,6 +237,21 @@ class FsdpConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """``[parallel]``: how each layer is split across ranks (tensor parallel, as torchtitan).
+
+    The ranks form a 2-D ``DeviceMesh`` ``("dp", "tp")``: ``tp`` ranks share each layer
+    (``parallelize_module`` with ``tp_plan``'s styles), and the data-parallel degree is the world
+    size / ``tp`` (each data-parallel rank reads its own batches; ``train.strategy = "fsdp"``
+    shards over ``dp``). See docs/scaling.md.
+    """
+
+    tp: int = 1  # tensor-parallel degree: ranks that share each layer; it must divide the world size
+    tp_plan: str | None = None  # "package.module:fn" with fn(model) -> {module FQN: ParallelStyle}; unset: the
+    # built-in plan of the model's class (the bundled char LM, Hugging Face GPT-2 and Llama)
+
+
+@dataclass
 class DistConfig:
     """``[dist]``: the process group of a multi-rank run (``torch.distributed``)."""
 
@@ -275,6 +290,7 @@ class Config:
     ema: EmaConfig = field(default_factory=EmaConfig)
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     log: LogConfig = field(default_factory=LogConfig)

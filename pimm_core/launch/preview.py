@@ -28,6 +28,9 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     from ..run.topology import config_diff, plan_resume
     from ..train.build import data_length
 
+    from ..train.tensor_parallel import check_layout
+
+    check_layout(cfg, world_size)
     run_dir = resolve_run_dir(cfg, config_path)
     check_before_launch(cfg, run_dir, warm_start=False, config_path=config_path)
     try:
@@ -59,7 +62,8 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
                        strict=cfg.resume_strict_state, grad_accum=cfg.train.grad_accum,
                        batch_size=cfg.data.batch_size, legacy=cand.format == "legacy",
                        data_length=data_length(data.train), data_fingerprint=data.fingerprint,
-                       order=cfg.data.order, global_batch=cfg.train.global_batch, optimizer_changed=bool(changed))
+                       order=cfg.data.order, global_batch=cfg.train.global_batch, optimizer_changed=bool(changed),
+                       tp=cfg.parallel.tp)
     if changed and plan.row == "optimizer":  # the resume refuses it before anything is loaded: so does its dry run
         from ..checkpoint.formats.optim_structure import structure_fix
 
@@ -87,6 +91,9 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
           f"per-rank workers {t['saved_workers_per_rank']} -> {t['workers_per_rank']}, "
           f"per-rank micro-batch {t['saved_batch_size']} -> {t['batch_size']}, "
           f"grad_accum {t['saved_grad_accum']} -> {t['grad_accum']}")
+    if "tp" in t:  # (the world sizes above are then the data-parallel ranks)
+        print(f"tensor parallel: tp {t['saved_tp']} x dp {t['saved_processes'] // t['saved_tp']} -> tp {t['tp']} x dp "
+              f"{t['processes'] // t['tp']}")
     if "data_length" in t:
         print(f"data: train samples {t['saved_data_length'] if t['saved_data_length'] is not None else 'not recorded'}"
               f" -> {t['data_length']}")
@@ -96,7 +103,8 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
     print(f"continue at: step {plan.step}, epoch {plan.epoch}, iter {plan.iter}"
           + (f" (replay boundary: epoch {rb['epoch']} start, step {rb['step']}; {rb['from_iter']} batches replay)" if rb else
              " (exact continuation)" if plan.exact else
-             " (loader cursor restored; not bitwise: the strategy changed)" if plan.restore_cursor else ""))
+             f" (loader cursor restored; not bitwise: the {_what_changed(plan.row)} changed)" if plan.restore_cursor
+             else ""))
     saved_cfg = run_dir / "config.toml"
     if saved_cfg.is_file():
         diff = config_diff(tomllib.loads(saved_cfg.read_text()), cfg.to_dict())
@@ -139,6 +147,11 @@ def best_starts_over(cfg: Config, model_dir: Path) -> str | None:
     return BestTracker(cfg.eval.metric, cfg.eval.mode, best=float(value), epoch=epoch).rebase(sel)
 
 
+def _what_changed(row: str) -> str:
+    """What keeps a continuation with the cursor restored from being exact (its policy row)."""
+    return "parallel layout" if row == "layout" else "strategy"
+
+
 def _dry_model(cfg: Config, config_path: Path | None):
     """Build the data and the model as the trainer would, and pick ``train.blocks`` (a bad name,
     target, size or block fails as at launch); returns ``(model, datasets)``."""
@@ -148,6 +161,10 @@ def _dry_model(cfg: Config, config_path: Path | None):
     data = build_data(cfg, config_path)
     model = build_model(cfg, config_path)
     check_blocks(model, cfg, config_path)
+    if cfg.parallel.tp > 1:  # the plan the launch would apply, checked against the model
+        from ..train.tensor_parallel import planned_modules, resolve_plan
+
+        planned_modules(model, resolve_plan(model, cfg, config_path), cfg.parallel.tp)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {cfg.model.target or cfg.model.name} ({params:,} parameters), data: "
           f"{cfg.data.target or cfg.data.name} ({_size(data.train)} train / {_size(data.val)} val samples)")

@@ -28,6 +28,12 @@ class DistInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    tp: int = 1  # ranks that share each layer (parallel.tp); they read the same batches
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that read distinct batches: ``world_size // tp``."""
+        return max(1, self.world_size // self.tp)
 
     @property
     def is_main(self) -> bool:

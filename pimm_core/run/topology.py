@@ -14,6 +14,9 @@ The resume policy, one row per condition (checked in this order)::
     checkpoint has no loader state         restart the saved epoch
     strategy changes (ddp <-> fsdp) alone  reshard model, optimizer and EMA exactly (DCP); keep loader
                                            cursor and per-rank RNG; continue from the saved iteration
+    layout changes (parallel.tp, and the   reshard model, optimizer and EMA exactly (DCP); keep each
+    world size with it) at the same number data-parallel rank's loader cursor and RNG; continue from
+    of data-parallel ranks                 the saved iteration
     same world size, strategy, batching,   restore cursor; continue from the saved iteration
     workers
 
@@ -50,6 +53,15 @@ data of another length it would skip samples, or run past the end. So when eithe
 over the new data, with a warning. Checkpoints that did not record a length (older ones)
 and datasets without a fingerprint are compared by what is known, and resume as before.
 
+Under tensor parallel (``parallel.tp = T``) the ``T`` ranks of one group read the same
+batches, so every row above compares *data-parallel* ranks (world size / ``T``): "world
+size changes" means the number of data-parallel ranks changed (the LR horizon follows the
+new steps per epoch, as for any world-size change). A change of ``T`` that keeps them (tp 2
+on 2 ranks -> 1 rank; FSDP 2 x TP 2 on 4 ranks -> FSDP on 2) is the ``layout`` row: the state
+is resharded by DCP and each data-parallel rank continues from its saved cursor and RNG
+(read from the first rank of its saved group); not promised bitwise (the layers' sums are
+reduced another way). A manifest without ``tp`` was written at ``tp = 1``.
+
 Torch-free: ``--dry-run``, ``pimm checkpoints diff`` and the console use it.
 """
 
@@ -65,6 +77,7 @@ ROWS = {
     "global_order": "global data order, world size (or window, workers, strategy) changes: keep the cursor (samples consumed), derive the window, continue from the saved iteration; nothing replayed; the same trajectory up to the order of floating-point additions",
     "order": "data order (data.order or train.global_batch) changes: discard loader cursor, restart the saved epoch",
     "strategy": "strategy changes at the same world size (ddp <-> fsdp): reshard model, optimizer and EMA state exactly (DCP); keep loader cursor and per-rank RNG; continue from the saved iteration",
+    "layout": "parallel layout changes (parallel.tp, with the strategy or world size) at the same number of data-parallel ranks: reshard model, optimizer and EMA state exactly (DCP); keep each data-parallel rank's loader cursor and RNG; continue from the saved iteration",
     "world_size": "world size changes: reshard compatible state, discard loader cursor, restart the saved epoch",
     "batch_size": "per-rank micro-batch size changes: discard loader cursor, restart the saved epoch",
     "grad_accum": "accumulation window changes: discard loader cursor, restart the saved epoch",
@@ -136,7 +149,8 @@ def replay_step(manifest: dict[str, Any], grad_accum: int) -> int:
 def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, workers_per_rank: int, strict: bool,
                 grad_accum: int = 1, batch_size: int | None = None, legacy: bool = False,
                 data_length: int | None = None, data_fingerprint: str | None = None,
-                order: str = "rank", global_batch: int | None = None, optimizer_changed: bool = False) -> ResumePlan:
+                order: str = "rank", global_batch: int | None = None, optimizer_changed: bool = False,
+                tp: int = 1) -> ResumePlan:
     """Apply the resume policy to a checkpoint's manifest.
 
     Args:
@@ -160,15 +174,22 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
         order, global_batch: the planned ``data.order`` and ``train.global_batch``, against the
             manifest's ``data_order`` (absent: ``"rank"``) and ``global_batch``; under the global
             order ``grad_accum`` is derived here for ``world_size``.
+        tp: the planned ``parallel.tp``, against the manifest's ``tp`` (absent: 1); the data
+            decisions compare data-parallel ranks (``world_size // tp``).
 
     Raises:
         ConfigError: the global order with a ``global_batch`` that ``world_size`` ranks cannot share.
     """
     saved_order = (str(manifest.get("data_order") or "rank"), manifest.get("global_batch"))
+    step, epoch, it = int(manifest.get("step", 0)), int(manifest.get("epoch", 0)), int(manifest.get("iter", 0))
+    saved_tp = max(1, int(manifest.get("tp") or 1))
+    layout_changed = saved_tp != tp
+    # Below, "world size" is the number of data-parallel ranks (all ranks without TP); the
+    # processes themselves are reported in the topology.
+    saved_procs, procs = int(manifest.get("world_size", world_size)), world_size
+    saved_ws, world_size = max(1, saved_procs // saved_tp), max(1, world_size // max(1, tp))
     if order == "global":
         grad_accum = window_of(int(global_batch or 0), int(batch_size or manifest.get("batch_size") or 1), world_size)
-    step, epoch, it = int(manifest.get("step", 0)), int(manifest.get("epoch", 0)), int(manifest.get("iter", 0))
-    saved_ws = int(manifest.get("world_size", world_size))
     saved_strategy = str(manifest.get("strategy") or "ddp")
     strategy_changed = saved_strategy != strategy
     saved_workers = int(manifest.get("workers_per_rank", workers_per_rank))
@@ -178,6 +199,8 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
     topo = {"saved_world_size": saved_ws, "world_size": world_size, "saved_strategy": saved_strategy, "strategy": strategy,
             "saved_workers_per_rank": saved_workers, "workers_per_rank": workers_per_rank,
             **{f"saved_{k}": saved[k] for k in BATCHING_KEYS}, **planned}
+    if tp > 1 or saved_tp > 1:  # processes and tensor-parallel degree (world_size above: data-parallel ranks)
+        topo.update(saved_tp=saved_tp, tp=tp, saved_processes=saved_procs, processes=procs)
     data_changes = data_change(manifest, data_length, data_fingerprint)
     if manifest.get("data_length") is not None or data_length is not None:
         topo.update(saved_data_length=manifest.get("data_length"), data_length=data_length)
@@ -195,7 +218,7 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
         row = "optimizer"
     elif elastic:
         row = "same" if not (saved_ws != world_size or changed_batching or saved_workers != workers_per_rank
-                             or strategy_changed) else "global_order"
+                             or strategy_changed or layout_changed) else "global_order"
     elif order_changed:
         row = "order"
     elif saved_ws != world_size:
@@ -208,20 +231,23 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
         row = "data"
     elif it > 0 and not has_loader:
         row = "no_loader_state"
+    elif layout_changed:
+        row = "layout"
     elif strategy_changed:
         row = "strategy"
     else:
         row = "same"
     # The sample order and the RNG streams depend on rank and world size, never on the strategy.
-    restore_cursor = row in ("same", "strategy") and it > 0
+    restore_cursor = row in ("same", "strategy", "layout") and it > 0
     # A legacy file carries rank 0's RNG only: usable when rank 0 is the whole run, before and after.
-    restore_rng = row in ("same", "strategy", "workers", "data", "no_loader_state", *BATCHING_KEYS) \
+    restore_rng = row in ("same", "strategy", "layout", "workers", "data", "no_loader_state", *BATCHING_KEYS) \
         or (row == "order" and saved_ws == world_size) \
         or (row == "non_strict" and saved_ws == world_size) or (row == "legacy" and saved_ws == world_size == 1)
     restored = ["model weights", "optimizer", "scheduler", "AMP scaler", "epoch/step counters", "best-metric state",
                 "EMA (when the run keeps one)"]
     # Sharded state (FSDP on either side, or a strategy change) is laid out anew by DCP.
-    resharded = strategy_changed or (saved_ws != world_size and "fsdp" in (saved_strategy, strategy))
+    resharded = strategy_changed or layout_changed or (saved_ws != world_size and (
+        "fsdp" in (saved_strategy, strategy) or max(tp, saved_tp) > 1))
     if resharded:
         restored[0] = "model weights (resharded through DCP)"
         restored[6] = "EMA (when the run keeps one; resharded through DCP)"
@@ -259,8 +285,11 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
                         f"samples, batching and randomness; window {saved['grad_accum']} -> {grad_accum} micro-batches "
                         "per rank (the same trajectory up to the order of floating-point additions)")
     elif saved_ws != world_size:
-        warnings.append(f"world size changed {saved_ws} -> {world_size}: sample order and per-rank RNG differ "
+        ranks = "world size" if max(tp, saved_tp) == 1 else "data-parallel ranks"
+        warnings.append(f"{ranks} changed {saved_ws} -> {world_size}: sample order and per-rank RNG differ "
                         "from the interrupted run (recovery, not bitwise continuation)")
+    if layout_changed:
+        warnings.append(layout_warning(saved_tp, tp, saved_procs, procs, row))
     if strategy_changed:
         warnings.append(strategy_warning(saved_strategy, strategy, row, saved_ws != world_size))
     if saved_workers != workers_per_rank:
@@ -279,7 +308,8 @@ def plan_resume(manifest: dict[str, Any], *, world_size: int, strategy: str, wor
         label = "per-rank micro-batch size" if k == "batch_size" else "accumulation window (train.grad_accum)"
         warnings.append(f"{label} changed {saved[k]} -> {planned[k]}: optimizer steps from here on average over "
                         "different micro-batches than the interrupted run")
-    exact = (row == "same" or (row == "legacy" and it == 0 and restore_rng)) and not strategy_changed
+    exact = (row == "same" or (row == "legacy" and it == 0 and restore_rng)) and not strategy_changed \
+        and not layout_changed
     return ResumePlan(row, restore_cursor, restore_rng, exact, new_step, epoch, new_iter, replay,
                       restored, discarded, warnings, topo)
 
@@ -294,6 +324,17 @@ def data_change(manifest: dict[str, Any], length: int | None, fingerprint: str |
     if saved_fp is not None and fingerprint is not None and str(saved_fp) != str(fingerprint):
         out.append(f"data fingerprint {saved_fp} -> {fingerprint}")
     return out
+
+
+def layout_warning(saved_tp: int, tp: int, saved_procs: int, procs: int, row: str) -> str:
+    """The warning line of a tensor-parallel layout change (``parallel.tp`` ``saved_tp`` -> ``tp``)."""
+    head = (f"parallel layout changed: tp {saved_tp} x dp {saved_procs // saved_tp} -> tp {tp} x dp {procs // tp}; "
+            "model weights, optimizer state and EMA are resharded exactly "
+            "through DCP")
+    if row == "layout":
+        return (head + "; the data-parallel ranks are the same, so each keeps its loader cursor and RNG (the same "
+                "data in the same order; not promised bitwise: the layers' sums are reduced another way)")
+    return head + f"; {ROWS[row].split(':')[0]} decides the loader cursor and RNG"
 
 
 def strategy_warning(saved: str, planned: str, row: str, world_size_changed: bool) -> str:

@@ -126,6 +126,12 @@ class SaveSchedule:
                     background=False, pointers=("last", "final") if finished else ("last",))
 
 
+
+def tp_entry(config: Config) -> dict[str, int]:
+    """``{"tp": T}`` when tensor parallel is on; nothing at ``tp = 1`` (absent means 1), so a checkpoint
+    without TP holds the same bytes as before."""
+    return {"tp": config.parallel.tp} if config.parallel.tp > 1 else {}
+
 class Checkpointer:
     """Saves the trainer's parts when the schedule says so; every rank calls every method.
 
@@ -204,7 +210,7 @@ class Checkpointer:
         values.update(world_size=self.info.world_size, workers_per_rank=self.config.data.num_workers,
                       data_length=self.data_length, data_fingerprint=self.data_fingerprint, **self._batching(),
                       optimizer_class=optimizer_class_name(self.optimizer), optimizer_built=self.optimizer_built)
-        return {key: values[key] for key in META_ORDER}
+        return {key: values[key] for key in META_ORDER} | tp_entry(self.config)
 
     def _batching(self) -> dict[str, Any]:
         """Per-rank micro-batch size and accumulation window (recorded with every checkpoint), and
@@ -221,7 +227,7 @@ class Checkpointer:
                 "workers_per_rank": self.config.data.num_workers,
                 **self._batching(), "epoch_start_step": s.epoch_start_step, "metrics": s.last_eval,
                 "created": now_iso(), "torch_version": torch.__version__, "data_fingerprint": self.data_fingerprint,
-                "data_length": self.data_length}
+                "data_length": self.data_length, **tp_entry(self.config)}
 
     def ema_weights(self) -> dict[str, torch.Tensor] | None:
         """The EMA weight set of the model as it is now, or None without EMA."""

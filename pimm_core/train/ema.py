@@ -65,9 +65,15 @@ class EMA:
         d = self.current_decay()
         names = list(self.shadow)
         params = dict(model.named_parameters())
-        ema = [self.shadow[n] for n in names]
-        cur = [params[n].detach().float() for n in names]
-        torch._foreach_lerp_(ema, cur, 1.0 - d)
+        groups: dict[Any, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for n in names:  # one foreach per kind of tensor: plain, or DTensors of one mesh and layout (TP, FSDP)
+            p = params[n]
+            kind = (getattr(p, "device_mesh", None), getattr(p, "placements", None))
+            ema, cur = groups.setdefault(kind, ([], []))
+            ema.append(self.shadow[n])
+            cur.append(p.detach().float())
+        for ema, cur in groups.values():  # (elementwise: the same values however grouped)
+            torch._foreach_lerp_(ema, cur, 1.0 - d)
         self.updates += 1
 
     def parameters_for(self, model: nn.Module) -> dict[str, torch.Tensor]:

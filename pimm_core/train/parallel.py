@@ -10,6 +10,10 @@ checkpointing and ``train.compile``, applied in that order by :func:`parallelize
   ``reshard_after_forward`` and CPU offload. The order (blocks, then the root) and the
   per-block units follow torchtitan's ``apply_fsdp``.
 
+With ``[parallel] tp = T`` (:mod:`.tensor_parallel`) the ranks form a 2-D mesh ``("dp", "tp")``:
+the plan's layers are split across each row of ``T`` ranks first (``parallelize_module``), then
+FSDP shards over ``dp``, as torchtitan orders them; DDP wraps nothing then (``dp = 1``).
+
 Activation checkpointing wraps each block's ``forward`` in ``torch.utils.checkpoint``
 (non-reentrant), and ``train.compile`` uses ``nn.Module.compile`` (in place): neither
 changes a parameter's name, so state dicts, checkpoints and exports carry no
@@ -43,14 +47,23 @@ def parallelize(model: nn.Module, cfg: Config, info: DistInfo, device: torch.dev
     """
     t = cfg.train
     blocks = check_blocks(model, cfg, config_path)
+    mesh = None
+    if cfg.parallel.tp > 1:
+        from .tensor_parallel import apply_tp, check_layout, device_mesh, planned_modules, resolve_plan
+
+        check_layout(cfg, info.world_size)
+        plan = resolve_plan(model, cfg, config_path)
+        planned_modules(model, plan, cfg.parallel.tp)  # (refuses before any module is changed)
+        mesh = device_mesh(device, info.world_size, cfg.parallel.tp)
+        apply_tp(model, plan, mesh["tp"])
     if t.activation_checkpointing:
         for block in blocks:
             checkpoint_activations(block)
     if t.strategy == "fsdp":
-        shard(model, blocks, cfg, device)
+        shard(model, blocks, cfg, device, mesh["dp"] if mesh is not None else None)
     if t.compile:
         model.compile()  # in place: parameter names unchanged (no _orig_mod.)
-    if t.strategy == "ddp" and info.distributed:
+    if t.strategy == "ddp" and info.distributed and mesh is None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         return DDP(model, find_unused_parameters=t.find_unused_parameters)
@@ -155,14 +168,16 @@ def checkpoint_activations(block: nn.Module) -> None:
     block.forward = functools.wraps(forward)(functools.partial(checkpoint, forward, use_reentrant=False))
 
 
-def shard(model: nn.Module, blocks: list[nn.Module], cfg: Config, device: torch.device) -> None:
-    """``fully_shard`` each block, then the root (in place), over all ranks of the default group;
-    ``blocks`` as :func:`check_blocks` returns them."""
+def shard(model: nn.Module, blocks: list[nn.Module], cfg: Config, device: torch.device, mesh=None) -> None:
+    """``fully_shard`` each block, then the root (in place), over ``mesh`` (the data-parallel
+    dimension under TP), else all ranks of the default group; ``blocks`` as :func:`check_blocks`
+    returns them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     f = cfg.fsdp
-    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    if mesh is None:
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES.get(f.param_dtype or ""),
                               reduce_dtype=_DTYPES.get(f.reduce_dtype or ""))
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if f.cpu_offload else OffloadPolicy()

@@ -222,7 +222,7 @@ class Recorder:
                 ``grad_norm``; None: not recorded.
         """
         s = self.state
-        self.clock.add(samples * self.info.world_size)
+        self.clock.add(samples * self.info.data_ranks)  # (the ranks of a tensor-parallel group share batches)
         ends_epoch = s.global_step - s.epoch_start_step == self.steps_per_epoch
         if s.global_step % self.log_every_steps == 0 or s.global_step == 1 or ends_epoch or s.global_step == self.total:
             rate, steps_rate = self.clock.take()

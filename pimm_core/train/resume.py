@@ -9,6 +9,8 @@ overrides and the new LR horizon, and returns the ``provenance.json`` entry.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import math
 import os
@@ -48,7 +50,11 @@ def resume(tr: TrainerHost, source: Path | str, checkpoint_dir: Path | None) -> 
     cand, fallback, set_aside = choose_intact(tr, Path(str(source)) if not str(source).startswith("hf://") else source,
                                               checkpoint_dir)
     strict = tr.config.resume_strict_state
-    loaded = make_format(cand.format, tr.info).load(Path(cand.path), model=tr.model, optimizer=tr.optimizer,
+    # Under TP the ranks of one group saved the same cursor and RNG: each rank reads those of
+    # the first rank of its data-parallel rank's group in the saved layout (topology.py)
+    saved_tp = int((cand.manifest or {}).get("tp") or 1)
+    source = tr.data_info.rank * saved_tp if max(saved_tp, tr.info.tp) > 1 else tr.info.rank
+    loaded = make_format(cand.format, dataclasses.replace(tr.info, rank=source)).load(Path(cand.path), model=tr.model, optimizer=tr.optimizer,
                                                     strict=strict, ema_target=tr.ema.shadow if tr.ema else None)
     meta = loaded.meta
     saved = meta["trainer"]
@@ -60,7 +66,7 @@ def resume(tr: TrainerHost, source: Path | str, checkpoint_dir: Path | None) -> 
             if meta["world_size"] == tr.info.world_size else saved["iter"] > 0
     # (absent from older checkpoints)
     for key in ("batch_size", "grad_accum", "epoch_start_step", "data_length", "data_fingerprint", "data_order",
-                "global_batch"):
+                "global_batch", "tp"):
         if meta.get(key, saved.get(key)) is not None:
             manifest[key] = meta.get(key, saved.get(key))
     plan = plan_resume(manifest, world_size=tr.info.world_size, strategy=tr.config.train.strategy,
@@ -68,7 +74,7 @@ def resume(tr: TrainerHost, source: Path | str, checkpoint_dir: Path | None) -> 
                        strict=strict, grad_accum=tr._t.grad_accum, batch_size=tr.config.data.batch_size,
                        legacy=cand.format == "legacy", data_length=data_length(tr.data.train),
                        data_fingerprint=tr.data.fingerprint, order=tr.config.data.order,
-                       global_batch=tr.config.train.global_batch)
+                       global_batch=tr.config.train.global_batch, tp=tr.config.parallel.tp)
     warnings = fallback + list(plan.warnings) + provenance_diff(tr, manifest) + loaded.skipped
     if plan.row == "global_order" and manifest["world_size"] != tr.info.world_size:
         warnings += running_stats_warning(unwrap(tr.model))

@@ -26,6 +26,7 @@ from ..run.heartbeat import beat
 from .ema import EMA
 from .evaluator import to_device
 from .parallel import is_fsdp
+from .tensor_parallel import clip_grad_norm_, mixed_grads
 from .state import TrainState
 from .window_average import WindowAverage
 
@@ -73,7 +74,9 @@ def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContext
     if is_fsdp(model):
         model.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
-    return contextlib.nullcontext() if enabled else model.no_sync()
+    if enabled or not hasattr(model, "no_sync"):  # (TP alone: no data-parallel reduction to defer)
+        return contextlib.nullcontext()
+    return model.no_sync()
 
 
 class WindowStep:
@@ -178,7 +181,9 @@ class WindowStep:
         t = self.train
         params = [p for p in self.model.parameters() if p.grad is not None]
         self.scaler.unscale_(self.optimizer)  # (a no-op without loss scaling) the norm is of the true gradients
-        if t.grad_clip:
+        if mixed_grads(params):  # TP: DTensors of several meshes and plain tensors
+            norm = clip_grad_norm_(params, t.grad_clip)
+        elif t.grad_clip:
             norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)  # the norm before clipping
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])

@@ -57,7 +57,8 @@ def plan_rows(plan: dict[str, Any] | None) -> list[tuple[str, str, str]]:
         rows.append(("replay boundary", f"epoch {rb['epoch']} restarts at step {rb['step']}; "
                      f"the {rb['from_iter']} batches already run in that epoch train again", "warn"))
     else:
-        why = ("exact continuation" if p["exact"] else "loader cursor restored; not bitwise: the strategy changed"
+        changed = "parallel layout" if p.get("row") == "layout" else "strategy"
+        why = ("exact continuation" if p["exact"] else f"loader cursor restored; not bitwise: the {changed} changed"
                if p.get("restore_cursor") else "global data order: the samples consumed are kept"
                if p.get("row") == "global_order" else "nothing to replay")
         rows.append(("replay boundary", f"none ({why}) "
@@ -223,7 +224,7 @@ def resume_diff(run_dir: Path, *, world_size: int | None = None, workers: int | 
                            workers_per_rank=cfg.data.num_workers,
                            strict=cfg.resume_strict_state, grad_accum=cfg.train.grad_accum,
                            batch_size=cfg.data.batch_size, legacy=cand.format == "legacy",
-                           order=cfg.data.order, global_batch=cfg.train.global_batch).to_json()
+                           order=cfg.data.order, global_batch=cfg.train.global_batch, tp=cfg.parallel.tp).to_json()
         planned["grad_accum"] = plan["topology"]["grad_accum"]  # (derived under the global data order)
     diff = config_diff(saved or {}, cfg.to_dict())
     cj = cand.to_json()

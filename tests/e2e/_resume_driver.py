@@ -19,6 +19,10 @@ As a script (one process, or every rank under ``python -m torch.distributed.run`
   mid-run does; ``freeze_now`` also freezes it before training (a resume past that step).
 - ``full_dump``: rank 0 writes ``<full_dump>.pt``: the whole (gathered) model and optimizer
   state by parameter name, the EMA average and the :class:`TrainState`, for any strategy.
+- ``stop_first``: a stop is requested before ``train()``: the resume restores everything, then
+  the session ends before its first step (nothing trained or saved), whatever step it resumed
+  at; for ``full_dump`` right after a resume.
+- ``config``: another config file than ``configs/digits.toml`` (then BASE is not added).
 - ``env``: ``{name: value}`` set in ``os.environ`` for that job only, restored after it (a name
   unset before is unset again): e.g. a ``USERPKG_SEEN`` of its own for each job of one launch.
 
@@ -46,8 +50,10 @@ BASE = ("model.dropout=0.3", "train.log_every_steps=1")
 def run_job(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), *, stop_at: int | None = None,
             resume_from: str | Path | None = None, max_steps: int | None = None, checkpoint: bool = True,
             dump: str | Path | None = None, full_dump: str | Path | None = None,
-            freeze: tuple[str, int] | list | None = None, freeze_now: bool = False) -> Any:
-    """Build a Trainer for ``configs/digits.toml`` + BASE + ``overrides`` and train it; returns the trainer."""
+            freeze: tuple[str, int] | list | None = None, freeze_now: bool = False,
+            config: str | Path | None = None, stop_first: bool = False) -> Any:
+    """Build a Trainer for ``configs/digits.toml`` + BASE + ``overrides`` (or ``config`` +
+    ``overrides``) and train it; returns the trainer."""
     import torch
 
     from pimm_core import Trainer, load_config
@@ -58,10 +64,12 @@ def run_job(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), *,
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)  # in-process: train.log gets the INFO lines, as under the CLI
     handlers_before = list(logger.handlers)
-    cfg = load_config(DIGITS, [*BASE, *overrides])
+    cfg = load_config(DIGITS, [*BASE, *overrides]) if config is None else load_config(Path(config), list(overrides))
     trainer = Trainer(cfg, run_dir=run_dir)
     if stop_at is not None:
         trainer.callbacks.append(lambda tr: tr.stop.request("test") if tr.state.global_step == stop_at else None)
+    if stop_first:
+        trainer.stop.request("test")
     if freeze is not None:
         layer = unwrap(trainer.model).get_submodule(freeze[0])
 
@@ -127,7 +135,8 @@ def main(argv: list[str]) -> int:
             run_job(job["run_dir"], job.get("overrides", []), stop_at=job.get("stop_at"),
                     resume_from=job.get("resume_from"), max_steps=job.get("max_steps"),
                     checkpoint=job.get("checkpoint", True), dump=job.get("dump"), full_dump=job.get("full_dump"),
-                    freeze=job.get("freeze"), freeze_now=job.get("freeze_now", False))
+                    freeze=job.get("freeze"), freeze_now=job.get("freeze_now", False), config=job.get("config"),
+                    stop_first=job.get("stop_first", False))
             restore()
     finally:
         dist.shutdown()

@@ -114,6 +114,7 @@ _FIELDS: dict[str, tuple[str, bool]] = {
     "grad_accum": (_INT, True), "epoch_start_step": (_INT, True), "format": (_STR, False), "kind": (_STR, True),
     "created": (_STR, True), "torch_version": (_STR, True), "code_version": (_STR, True), "strategy": (_STR, True),
     "data_fingerprint": (_STR, True), "weights": (_STR, True), "has_loader_state": (_BOOL, True),
+    "tp": (_INT, True),
 }
 _REQUIRED = ("step", "epoch", "iter", "files")
 
