@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .generation import READ_TRIES, identity, wait_for_rotation
+from ..faults import point
+from .generation import READ_TRIES, GenerationChanged, changed_message, identity, wait_for_rotation
 from .manifest import COMPLETE, MANIFEST, ManifestError, read_manifest
 from .verify import verify_candidate
 
@@ -288,11 +289,16 @@ def select_resume(model_dir: Path, *, verify: bool = True) -> tuple[Candidate | 
     chosen while a newer ``last`` is there, and "nothing" is answered only when the resume
     candidates stayed the same through the listing; otherwise ``model/`` is listed again
     (at most ``RELIST_TRIES`` times).
+
+    Raises:
+        GenerationChanged: saves changed the resume candidates during every listing (exit
+            code 75: try again); never a wrong answer.
     """
     model_dir = Path(model_dir)
     for attempt in range(1, RELIST_TRIES + 1):
         before = _resume_names(model_dir)
         cands = list_candidates(model_dir)
+        point("selection.listed", model_dir)  # (tests: a save lands here, between the listing and the checks)
         chosen, changed = _first_intact(cands, verify)
         if not changed:
             if chosen is None and _resume_names(model_dir) == before:
@@ -301,7 +307,7 @@ def select_resume(model_dir: Path, *, verify: bool = True) -> tuple[Candidate | 
             if chosen is not None and not (chosen.name == "last.prev" and identity(model_dir / "last") != listed_last):
                 return chosen, cands
         wait_for_rotation(model_dir / "last", 0.02 * attempt)
-    return chosen, cands
+    raise GenerationChanged(changed_message(str(model_dir), RELIST_TRIES))
 
 
 #: How many times :func:`select_resume` lists ``model/`` again when a save changed it under the read.

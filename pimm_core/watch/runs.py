@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.generation import GenerationChanged
 from ..checkpoint.selection import select_resume
 from ..run.jsonfile import read_json
 from ..config import read_saved_config
@@ -160,7 +161,7 @@ def summarize(run_dir: Path, root: Path, *, now: float | None = None) -> RunRow:
                 "epoch": json_int(sidecar.get("epoch"))}
     try:
         chosen, _ = select_resume(run_dir / MODEL, verify=False) if (run_dir / MODEL).is_dir() else (None, [])
-    except OSError:
+    except (OSError, GenerationChanged):  # (saves kept replacing `last`: no resume choice shown this time)
         chosen = None
     last = tail.last_train or {}
     loss = json_number(last.get("loss"))  # (NaN and +-Inf too: a diverged run says so)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.generation import GenerationChanged
 from ..checkpoint.selection import Candidate, select_resume
 from ..config import read_saved_config
 from ..run.layout import CONFIG, LOG, METRICS, MODEL, PROVENANCE, run_markers
@@ -126,6 +127,8 @@ class RunReader:
         for _ in range(3):
             try:
                 chosen, cands = select_resume(model)
+            except GenerationChanged:
+                return self._cands  # saves kept replacing `last`: what was shown stays, read again next poll
             except OSError:
                 chosen, cands = None, []
             after = self._mtime_key(model)
