@@ -19,9 +19,11 @@ DCP metadata or manifest are rejected with the reason.
 
 from __future__ import annotations
 
+import copy
 import os
 import re
-from dataclasses import asdict, dataclass, field
+import stat
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -82,22 +84,37 @@ class Candidate:
     generation: tuple[Any, ...] | None = None  # generation.identity() of the path this was read from
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("manifest")
-        d.pop("generation")
+        """The listing's row (``pimm checkpoints ls --json``): every field but the manifest and
+        the generation (no deep copy of the manifest's file table only to drop it)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("manifest", "generation")}
+        d["metrics"] = copy.deepcopy(self.metrics)
+        d["verify_problems"] = None if self.verify_problems is None else list(self.verify_problems)
         return d
 
 
 def _tree_size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    total = 0
-    for dirpath, _d, files in os.walk(path):
-        for f in files:
-            try:
-                total += (Path(dirpath) / f).stat().st_size
-            except OSError:
-                pass
+    """Bytes of the files at or under ``path`` (``os.scandir``: one stat per file, no ``Path``
+    objects: a listing of many checkpoints calls this once for each)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return 0
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size
+    total, stack = 0, [os.fspath(path)]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    try:
+                        if e.is_dir(follow_symlinks=False):
+                            stack.append(e.path)
+                        elif e.is_file(follow_symlinks=False):
+                            total += e.stat(follow_symlinks=False).st_size
+                    except OSError:
+                        pass
+        except OSError:
+            pass
     return total
 
 
@@ -107,13 +124,13 @@ def _apply_manifest(c: Candidate, manifest_path: Path) -> str | None:
     A manifest that is not the schema of :mod:`.manifest` is ``invalid manifest: <what>``
     and fills nothing (the candidate is then incomplete, and passed over by a resume).
     """
-    if not manifest_path.is_file():
-        return f"missing {manifest_path.name}"
     try:
-        m = read_manifest(manifest_path)
+        m = read_manifest(manifest_path)  # (no stat first: one open tells a missing one)
     except ManifestError as e:
         c.manifest_problem = f"invalid manifest: {e}"
         return c.manifest_problem
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return f"missing {manifest_path.name}"
     except OSError as e:
         c.manifest_problem = f"unreadable {manifest_path.name} ({e.strerror or e.__class__.__name__})"
         return c.manifest_problem
@@ -159,11 +176,9 @@ def _sidecar(path: Path) -> Path:
 
 def _weights_file(path: Path, kind: str, resumable: bool, fmt: str) -> Candidate:
     c = Candidate(path.name, str(path), kind, fmt, resumable=resumable, complete=True, size=_tree_size(path))
-    side = _sidecar(path)
-    if side.exists():
-        problem = _apply_manifest(c, side)
-        if problem:
-            c.complete, c.reason = False, problem
+    problem = _apply_manifest(c, _sidecar(path))
+    if problem and not problem.startswith("missing"):  # (no sidecar: the file is the authority)
+        c.complete, c.reason = False, problem
     if c.size == 0:
         c.complete, c.reason = False, "empty file"
     return c
