@@ -5,11 +5,11 @@ levels deep at most (``<root>/<group>/<run>``), never following links out of it.
 :func:`summarize` reads what a row shows from small files only, so a root of hundreds of
 runs lists in a fraction of a second: ``status.json`` (state, step, epoch, host, world
 size, heartbeat) judged live or stale by the console's rule (:func:`~.status.read_status`
-with :func:`~.status.stale_after_for` of the logging interval of the newest training records
-of ``metrics.jsonl``, read backwards from its end), the last training loss from those, the best selection metric
-from ``model/model_best.pth.json`` (written when the metric improves), and what a resume
-would load from ``last``'s manifest (the other candidates only when ``last`` is not
-complete; completeness only: ``pimm checkpoints
+with :func:`~.status.stale_after_for` of the logging interval of the newest training
+records of ``metrics.jsonl``, read backwards from its end), the last training loss from
+those, the best selection metric from ``model/model_best.pth.json`` (written when the
+metric improves), and what a resume would load from ``last``'s manifest (the other
+candidates' only when ``last`` is not complete; completeness only: ``pimm checkpoints
 verify`` runs the sha256 pass).
 """
 
