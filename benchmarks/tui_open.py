@@ -52,11 +52,16 @@ def write_run(run: Path, lines: int) -> int:
                                     "loss": 1.0 / (1 + step / 1000), "acc": 1 - 1 / (1 + step / 1000),
                                     "time": round(t0 + step * 0.001, 3)}) + "\n")
     (run / "train.log").write_text("".join(f"12:00:00,000 INFO step {s}\n" for s in range(0, lines, 1000)))
+    write_status(run, lines)
+    return (run / "metrics.jsonl").stat().st_size
+
+
+def write_status(run: Path, lines: int) -> None:
+    now = time.time()
     (run / "status.json").write_text(json.dumps({
         "state": "running", "host": socket.gethostname(), "pid": os.getpid(), "heartbeat": now, "step": lines,
         "epoch": lines // 10_000, "iter": lines % 10_000, "total_steps": lines * 2, "steps_per_epoch": 10_000,
         "epochs": lines * 2 // 10_000}))
-    return (run / "metrics.jsonl").stat().st_size
 
 
 def baseline_read(path: Path) -> tuple[float, int]:
@@ -81,6 +86,7 @@ async def app_open(run: Path, lines: int) -> dict[str, float]:
         await pilot.pause(0)  # let the Live view draw
         out["app_open_s"] = time.perf_counter() - t
         out["plot_points"] = float(app.query_one("#loss-plot").points_shown)
+        before = (run / "metrics.jsonl").stat().st_size
         with open(run / "metrics.jsonl", "a", encoding="utf-8") as f:
             for step in range(lines + 1, lines + 1001):
                 f.write(json.dumps({"step": step, "split": "train", "loss": 0.1, "lr": 1e-3, "time": time.time()}) + "\n")
@@ -91,13 +97,18 @@ async def app_open(run: Path, lines: int) -> dict[str, float]:
         t = time.perf_counter()
         await pilot.press("2")
         out["tab_switch_s"] = time.perf_counter() - t
+    os.truncate(run / "metrics.jsonl", before)  # (as written: a --keep run is measured again the same)
     return out
 
 
-def measure(run: Path, lines: int) -> dict[str, object]:
+def measure(run: Path, lines: int, reuse: bool = False) -> dict[str, object]:
     import subprocess
 
-    size = write_run(run, lines)
+    if reuse and (run / "metrics.jsonl").is_file():
+        write_status(run, lines)  # (the file from an earlier --keep run; app_open appended 1,000 lines to it)
+        size = (run / "metrics.jsonl").stat().st_size
+    else:
+        size = write_run(run, lines)
     wc = []
     for _ in range(3):
         t = time.perf_counter()
@@ -136,7 +147,8 @@ def measure(run: Path, lines: int) -> dict[str, object]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lines", default="10000,1000000,5000000", help="comma-separated metrics.jsonl lengths")
-    ap.add_argument("--keep", type=Path, default=None, help="write the runs here and keep them")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="write the runs here and keep them (a later run with the same DIR reuses them)")
     args = ap.parse_args()
     counts = [int(n) for n in args.lines.split(",")]
     base = args.keep if args.keep is not None else Path(tempfile.mkdtemp(prefix="pimm-tui-bench-"))
@@ -150,7 +162,7 @@ def main() -> int:
         rows = []
         for n in counts:
             run = base / "bench" / f"l{n}"
-            rows.append(measure(run, n))
+            rows.append(measure(run, n, reuse=args.keep is not None))
             if args.keep is None:
                 shutil.rmtree(run, ignore_errors=True)  # (the 5M-line file is ~800 MB)
         result = {

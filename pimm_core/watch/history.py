@@ -41,11 +41,9 @@ def lines_holding(body: bytes, token: bytes, begin: int = 0, stop: int | None = 
         i = body.find(token, end, stop)
 
 
-def note_finite(into: dict[str, NonFinite], rec: Record, split: str, step: float | None,
-                first_finite: dict[str, float] | None = None) -> None:
+def note_finite(into: dict[str, NonFinite], rec: Record, split: str, step: float | None) -> None:
     """Note NaN/+-Inf values of ``rec`` in ``into`` (key ``loss``; ``val/<name>`` for an
-    evaluation), and finite ones after them; ``first_finite``: also the first step at which
-    each metric was seen finite (what a scan read later needs to say where one recovered)."""
+    evaluation), and finite ones after them."""
     prefix = "" if split == "train" else f"{split}/"
     for k, v in rec.items():
         if k in NOT_METRICS:
@@ -57,8 +55,6 @@ def note_finite(into: dict[str, NonFinite], rec: Record, split: str, step: float
             nf = into.get(prefix + k)
             if nf is not None:
                 nf.finite(step)
-            if first_finite is not None and step is not None:
-                first_finite.setdefault(prefix + k, step)
         else:
             into.setdefault(prefix + k, NonFinite(prefix + k)).seen(step, f)
 
@@ -133,11 +129,15 @@ class HeadResults:
         note_finite(self.nonfinite, rec, "val", finite_number(rec.get("step")))
         self.records += 1
 
-    def merge_into(self, tail: Any, first_finite: dict[str, float]) -> None:
+    def merge_into(self, tail: Any, first_finite: Callable[[dict[str, float]], dict[str, float]]) -> None:
         """Put these earlier records before what ``tail`` (a
         :class:`~pimm_core.watch.metrics.MetricsTail`) read after them: evaluations first, the
         best of each metric (an earlier one wins a tie), non-finite stretches joined (a stretch
-        that ended here recovers at the first finite value read later: ``first_finite``)."""
+        that ended here recovers at the first finite value read later: ``first_finite`` of
+        ``{metric: its last non-finite step}`` gives those steps)."""
+        waiting = {key: h.last_step for key, h in self.nonfinite.items()
+                   if key not in tail.nonfinite and h.finite_again is None and h.last_step is not None}
+        again_at = first_finite(waiting) if waiting else {}
         tail.val = deque([*self.val, *tail.val], maxlen=tail.val.maxlen)
         if tail.last_val is None and self.val:
             tail.last_val = self.val[-1]
@@ -151,9 +151,8 @@ class HeadResults:
                 t.count += h.count
                 merged[key] = t
                 continue
-            again = first_finite.get(key)
-            if h.finite_again is None and again is not None and h.last_step is not None and again > h.last_step:
-                h.finite_again = again
+            if key in again_at:
+                h.finite_again = again_at[key]
             merged[key] = h
         for key, t in tail.nonfinite.items():
             merged.setdefault(key, t)

@@ -86,7 +86,6 @@ class MetricsTail:
         self.nonfinite: dict[str, NonFinite] = {}
         self._history: HeadScan | None = None  # a lazy scan of the part before the tail, under way
         self._head: HeadResults | None = None
-        self._first_finite: dict[str, float] = {}  # (while it is: the first finite value of each metric since)
 
     @property
     def pending(self) -> int:
@@ -116,12 +115,12 @@ class MetricsTail:
             self.val.append(rec)
             self._best.add(rec, NOT_METRICS)
             self.last_val = rec
-        if not sampled and split in ("train", "val") and (odd or self.nonfinite or self._history is not None):
+        if not sampled and split in ("train", "val") and (odd or self.nonfinite):
             self._check_finite(rec, split, step)
 
     def _check_finite(self, rec: dict[str, Any], split: str, step: float | None) -> None:
         """Note NaN/+-Inf values of ``rec`` in :attr:`nonfinite` (and finite ones after them)."""
-        note_finite(self.nonfinite, rec, split, step, self._first_finite if self._history is not None else None)
+        note_finite(self.nonfinite, rec, split, step)
 
     def _parse_lines(self, data: bytes) -> None:
         for line in data.split(b"\n"):
@@ -174,7 +173,7 @@ class MetricsTail:
         if self.scan_head:
             scan = HeadScan(start, head_end, self.chunk)
             if self.lazy_history and start == 0:
-                self._history, self._head, self._first_finite = scan, HeadResults(self.max_points), {}
+                self._history, self._head = scan, HeadResults(self.max_points)
             else:
                 scan.run(f, None, self._odd_train, self._val_record)
         self.sampled = True
@@ -198,9 +197,37 @@ class MetricsTail:
         except OSError:
             return False
         if done:
-            head.merge_into(self, self._first_finite)
-            self._history, self._head, self._first_finite = None, None, {}
+            head.merge_into(self, lambda keys: self._first_finite(keys, scan.end))
+            self._history, self._head = None, None
         return True
+
+    def _first_finite(self, keys: dict[str, float], start: int) -> dict[str, float]:
+        """For each metric of ``keys`` (name -> the step after which to look), the first step at
+        which the lines read since ``start`` (a line start) hold it finite: where a metric that
+        stopped being finite before the tail recovered (read again now, not held meanwhile)."""
+        found: dict[str, float] = {}
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(start)
+                pos = start
+                while len(found) < len(keys) and pos < self.offset:
+                    line = f.readline(MAX_LINE + 1)
+                    if not line:
+                        break
+                    pos += len(line)
+                    rec = parse_record(line) if line.endswith(b"\n") else None
+                    if rec is None:
+                        continue
+                    split, step = rec.get("split", "train"), finite_number(rec.get("step"))
+                    prefix = "" if split == "train" else f"{split}/"
+                    for k, v in rec.items():
+                        after = keys.get(prefix + k)
+                        if after is not None and prefix + k not in found and step is not None and step > after \
+                                and finite_number(v) is not None:
+                            found[prefix + k] = step
+        except OSError:
+            pass
+        return found
 
     def _consume(self, data: bytes) -> None:
         if self._overlong:
