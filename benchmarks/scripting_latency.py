@@ -63,7 +63,8 @@ def fabricate(run_dir: Path, n: int) -> None:
     save_standard(model_dir, model=model, optimizer=opt, meta={"trainer": {"global_step": step}},
                   rank_state={"rng": torch.get_rng_state()}, manifest={"kind": "last", **base}, info=DistInfo())
     best = model_dir / "model_best.pth"
-    write_weights_file(best, model, {"kind": "best", **base})
+    write_weights_file(best, model, {"kind": "best", **base,  # (as a run's best_files writes it)
+                                     "selection_metric": {"name": "val/acc", "value": 0.97, "mode": "max"}})
     template = model_dir / ".iter_template.pth"
     shutil.copyfile(best, template)
     size, digest = template.stat().st_size, sha256_file(template)

@@ -146,20 +146,22 @@ def weights_in_dcp(manifest: dict[str, Any] | None) -> bool:
     return isinstance(manifest, dict) and manifest.get(WEIGHTS_FIELD) == TRAINER_DCP
 
 
-def _standard_dir(path: Path, kind: str) -> Candidate:
-    c = Candidate(path.name, str(path), kind, "standard", resumable=True, complete=False, size=_tree_size(path))
+def _standard_dir(path: Path, kind: str, sized: bool = True) -> Candidate:
+    c = Candidate(path.name, str(path), kind, "standard", resumable=True, complete=False,
+                  size=_tree_size(path) if sized else 0)
     missing = []
+    p = os.fspath(path)  # (os.path on strings: a listing of many runs calls this for each)
     problem = _apply_manifest(c, path / MANIFEST)
-    if not (path / WEIGHTS).is_file() and not weights_in_dcp(c.manifest):
+    if not os.path.isfile(os.path.join(p, WEIGHTS)) and not weights_in_dcp(c.manifest):
         missing.append(WEIGHTS)
-    dcp = path / TRAINER_DCP
-    if not (dcp / DCP_METADATA).is_file():
+    dcp = os.path.join(p, TRAINER_DCP)
+    if not os.path.isfile(os.path.join(dcp, DCP_METADATA)):
         missing.append(f"{TRAINER_DCP}/{DCP_METADATA}")
-    if not (dcp / COMPLETE).is_file():
+    if not os.path.isfile(os.path.join(dcp, COMPLETE)):
         missing.append(f"{TRAINER_DCP}/{COMPLETE}")
     if problem and problem.startswith("missing"):
         missing.append(MANIFEST)
-    if not (path / COMPLETE).is_file():
+    if not os.path.isfile(os.path.join(p, COMPLETE)):
         missing.append(COMPLETE)
     reasons = (["missing " + ", ".join(missing)] if missing else []) + \
         ([problem] if problem and not problem.startswith("missing") else [])
@@ -196,8 +198,11 @@ def _pointer(link: Path) -> Candidate:
     return c
 
 
-def describe_entry(entry: Path) -> Candidate | None:
+def describe_entry(entry: Path, *, sized: bool = True) -> Candidate | None:
     """The candidate one entry of a model directory is, read from one generation of it.
+
+    ``sized=False``: a checkpoint directory's files are not summed (its ``size`` is 0), for a
+    reader that does not show it (``pimm runs ls``).
 
     Returns ``None`` for an entry that is not a checkpoint (a sidecar manifest, another
     file), or that a save removed while it was read. An entry a save replaced while it was
@@ -209,7 +214,7 @@ def describe_entry(entry: Path) -> Candidate | None:
     for _ in range(READ_TRIES):
         before = identity(entry)
         try:
-            c = _describe(entry)
+            c = _describe(entry, sized)
         except OSError:  # removed (or replaced) under the read: a live save
             c = None
         if c is not None and c.kind == "tmp":
@@ -223,7 +228,7 @@ def describe_entry(entry: Path) -> Candidate | None:
     return c
 
 
-def _describe(entry: Path) -> Candidate | None:
+def _describe(entry: Path, sized: bool = True) -> Candidate | None:
     name = entry.name
     if name.endswith(".tmp") or (name.startswith(".") and ".tmp" in name):
         return Candidate(name, str(entry), "tmp", "unknown", False, False,
@@ -235,9 +240,9 @@ def _describe(entry: Path) -> Candidate | None:
         c.step = c.step if c.step is not None else int(m.group(1))
         return c
     if name in ("last", "last.prev") and entry.is_dir():
-        return _standard_dir(entry, name)
+        return _standard_dir(entry, name, sized)
     if (m := FULL_RE.match(name)) and entry.is_dir() and not entry.is_symlink():
-        c = _standard_dir(entry, "full")
+        c = _standard_dir(entry, "full", sized)
         c.step = c.step if c.step is not None else int(m.group(1))
         return c
     if name == LEGACY_LAST and entry.is_file():

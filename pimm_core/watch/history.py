@@ -158,3 +158,33 @@ class HeadResults:
             merged.setdefault(key, t)
         tail.nonfinite = merged
         tail.records += self.records
+
+
+def first_finite(path: Any, keys: dict[str, float], start: int, stop: int) -> dict[str, float]:
+    """For each metric of ``keys`` (name -> the step after which to look), the first step at
+    which the lines of ``path`` in ``[start, stop)`` (``start`` a line start) hold it finite:
+    where a metric that stopped being finite before a reader's tail recovered (read again when
+    the scan of the earlier part ends, not held meanwhile)."""
+    found: dict[str, float] = {}
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            pos = start
+            while len(found) < len(keys) and pos < stop:
+                line = f.readline(MAX_LINE + 1)
+                if not line:
+                    break
+                pos += len(line)
+                rec = parse_record(line) if line.endswith(b"\n") else None
+                if rec is None:
+                    continue
+                split, step = rec.get("split", "train"), finite_number(rec.get("step"))
+                prefix = "" if split == "train" else f"{split}/"
+                for k, v in rec.items():
+                    after = keys.get(prefix + k)
+                    if after is not None and prefix + k not in found and step is not None and step > after \
+                            and finite_number(v) is not None:
+                        found[prefix + k] = step
+    except OSError:
+        pass
+    return found

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..run.metrics import MAX_LINE, parse_record
 from ..run.values import finite_number
-from .history import NOT_METRICS, HeadResults, HeadScan, note_finite
+from .history import NOT_METRICS, HeadResults, HeadScan, first_finite, note_finite
 from .series import NonFinite, RunningBest, Series
 
 
@@ -197,37 +197,9 @@ class MetricsTail:
         except OSError:
             return False
         if done:
-            head.merge_into(self, lambda keys: self._first_finite(keys, scan.end))
+            head.merge_into(self, lambda keys: first_finite(self.path, keys, scan.end, self.offset))
             self._history, self._head = None, None
         return True
-
-    def _first_finite(self, keys: dict[str, float], start: int) -> dict[str, float]:
-        """For each metric of ``keys`` (name -> the step after which to look), the first step at
-        which the lines read since ``start`` (a line start) hold it finite: where a metric that
-        stopped being finite before the tail recovered (read again now, not held meanwhile)."""
-        found: dict[str, float] = {}
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(start)
-                pos = start
-                while len(found) < len(keys) and pos < self.offset:
-                    line = f.readline(MAX_LINE + 1)
-                    if not line:
-                        break
-                    pos += len(line)
-                    rec = parse_record(line) if line.endswith(b"\n") else None
-                    if rec is None:
-                        continue
-                    split, step = rec.get("split", "train"), finite_number(rec.get("step"))
-                    prefix = "" if split == "train" else f"{split}/"
-                    for k, v in rec.items():
-                        after = keys.get(prefix + k)
-                        if after is not None and prefix + k not in found and step is not None and step > after \
-                                and finite_number(v) is not None:
-                            found[prefix + k] = step
-        except OSError:
-            pass
-        return found
 
     def _consume(self, data: bytes) -> None:
         if self._overlong:

@@ -177,14 +177,14 @@ def resume_choice(model: Path) -> Candidate | None:
     not every snapshot's manifest, as a listing of ``model/`` would."""
     if not model.is_dir():
         return None
-    last = describe_entry(model / "last")
+    last = describe_entry(model / "last", sized=False)  # (a row shows no size)
     if last is not None and last.complete and last.resumable:
         return last
     return select_resume(model, verify=False)[0]
 
 
 #: How many of the newest training records give the logging interval (their median gap).
-INTERVAL_RECORDS = 32
+INTERVAL_RECORDS = 16
 
 
 def newest_training(path: Path) -> tuple[dict[str, Any] | None, float | None]:
