@@ -179,10 +179,15 @@ def _verify_targets(target: Path) -> tuple[list, bool]:
     from ..faults import point
 
     for _ in range(READ_TRIES):
+        siblings = _siblings(target)
         wait_for_rotation(target)  # `last` between a save's two renames
         if not os.path.lexists(target):
-            if rotating(target):
-                continue  # (a rotation slower than the wait: once more)
+            if rotating(target) and (_siblings(target) != siblings or _recently_changed(target.parent)):
+                continue  # (a live rotation slower than the wait: once more)
+            if rotating(target):  # nothing moved for a while: a rotation a crash interrupted
+                raise UsageError(f"{target} does not exist: a save was interrupted between its two renames and "
+                                 f"{target}.prev holds the newest complete checkpoint; verify that, or resume the "
+                                 "run (its next save finishes the rotation)")
             raise UsageError(f"{target} does not exist; pass a run directory or a checkpoint")
         point("checkpoints.verify.located", target)  # (tests: a rotation lands here)
         one = (target / "manifest.json").exists() or target.is_file()
@@ -199,6 +204,23 @@ def _verify_targets(target: Path) -> tuple[list, bool]:
             raise UsageError(f"no checkpoint found at {target}")
         return cands, one
     raise GenerationChanged(changed_message(str(target), READ_TRIES))
+
+
+def _siblings(target: Path) -> tuple:
+    """What ``<target>.prev`` and ``<target>.tmp`` hold now (a live rotation changes them)."""
+    from ..checkpoint.generation import identity
+
+    return tuple(identity(target.with_name(target.name + s)) for s in (".prev", ".tmp")) if target.name else ()
+
+
+def _recently_changed(folder: Path, within_s: float = 30.0) -> bool:
+    """Whether an entry of ``folder`` was renamed, added or removed in the last ``within_s`` seconds."""
+    import time
+
+    try:
+        return time.time() - os.stat(folder).st_mtime < within_s
+    except OSError:
+        return False
 
 
 def _verify_one(c, *, named: bool) -> tuple[str, str]:

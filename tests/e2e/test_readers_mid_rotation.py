@@ -148,3 +148,24 @@ def test_verify_while_retention_removes_a_snapshot(tmp_path: Path) -> None:
     assert verify.stdout.splitlines() == ["last: ok", "iter_2.pth: ok"]
     assert code == 0
     assert sorted(p.name for p in (run / "model").glob("iter_*")) == ["iter_3.pth", "iter_3.pth.json"]
+
+
+def test_verify_of_last_after_a_crash_between_the_renames_names_last_prev(tmp_path: Path) -> None:
+    """A rotation that a crash cut between its renames leaves `last.prev` and no `last` for good:
+    `verify model/last` says so and names `last.prev` (exit 2), not "try again" forever."""
+    import os
+
+    from pimm_core.cli import main
+
+    model = tmp_path / "run" / "model"
+    _generation(model / "last.prev", 10)
+    old = time.time() - 120
+    os.utime(model, (old, old))  # (the crash was two minutes ago)
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["checkpoints", "verify", str(model / "last")])
+    assert code == 2
+    assert "interrupted between its two renames" in err.getvalue() and "last.prev" in err.getvalue()
