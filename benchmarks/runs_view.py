@@ -18,9 +18,15 @@ Each measurement runs in a fresh interpreter (imports included, peak RSS its own
 - ``one_run_console``: ``pimm tui RUN`` on one of those runs (first paint: its Live view drawn),
   the console's fixed cost (Textual) without the table;
 - ``ratio``: view / baseline for the time to first paint and the peak RSS (and view / one-run
-  console: what the 200 runs add to the console's own start).
+  console: what the 200 runs add to the console's own start);
+- ``runs_ls_per_run_ms``: what one row of ``pimm runs ls`` costs, in-process after the imports
+  (``find_runs`` + ``summarize`` of every run, median of 5, divided by the runs; target <= 2 ms).
 
-Usage: ``uv run python benchmarks/runs_view.py [--runs 200] [--lines 100000] [--repeats 3] [--keep DIR]``
+Each run also holds a ``model/`` as a run saving with ``checkpoint.keep_iter`` does: a standard
+``last/``, ``model_best.pth`` and ``--snapshots`` ``iter_<step>.pth`` with their sidecars (hard
+links of one fabricated set, from ``scripting_latency.fabricate``).
+
+Usage: ``uv run python benchmarks/runs_view.py [--runs 200] [--lines 100000] [--snapshots 5] [--repeats 3] [--keep DIR]``
 """
 
 from __future__ import annotations
@@ -123,9 +129,37 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2])))
 """
 
 
-def write_root(root: Path, runs: int, lines: int) -> int:
+_PER_RUN = """
+import json, sys, time
+from pathlib import Path
+from pimm_core.watch.runs import find_runs, summarize
+root = Path(sys.argv[1])
+runs = find_runs(root)
+[summarize(r, root) for r in runs]  # (page cache)
+times = []
+for _ in range(5):
+    t = time.perf_counter()
+    rows = [summarize(r, root) for r in find_runs(root)]
+    times.append(time.perf_counter() - t)
+assert all(r.resume == "last" for r in rows), [r.resume for r in rows][:3]
+print(json.dumps({"per_run_ms": sorted(times)[2] * 1000 / len(runs), "rows": len(rows)}))
+"""
+
+
+def write_model(template: Path, snapshots: int) -> None:
+    """One ``model/`` (last, model_best.pth, ``snapshots`` iter files with sidecars) to hard-link into each run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from scripting_latency import fabricate
+
+    fabricate(template, snapshots)
+
+
+def write_root(root: Path, runs: int, lines: int, snapshots: int = 5) -> int:
     """The synthetic root; returns the bytes of one metrics.jsonl."""
     root.mkdir(parents=True, exist_ok=True)
+    template = root.parent / "model-template"
+    shutil.rmtree(template, ignore_errors=True)
+    write_model(template, snapshots)
     metrics = root / "metrics.jsonl.src"
     now = time.time()
     t0 = now - lines * 0.01
@@ -150,6 +184,7 @@ def write_root(root: Path, runs: int, lines: int) -> int:
             "iter": lines % 10_000, "total_steps": lines * (2 if live else 1), "steps_per_epoch": 10_000,
             "epochs": 10, "world_size": 1}))
         os.link(metrics, run / "metrics.jsonl")
+        shutil.copytree(template / "model", run / "model", copy_function=os.link)
     return metrics.stat().st_size
 
 
@@ -170,6 +205,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--lines", type=int, default=100_000)
+    ap.add_argument("--snapshots", type=int, default=5, help="iter_<step>.pth snapshots in each run's model/")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--keep", type=Path, default=None, help="write the root here and keep it")
     args = ap.parse_args()
@@ -177,7 +213,7 @@ def main() -> int:
     tmp = None if args.keep is not None else tempfile.mkdtemp(prefix="pimm-runs-bench-")
     root = args.keep if args.keep is not None else Path(tmp) / "exp"
     try:
-        size = write_root(root, args.runs, args.lines)
+        size = write_root(root, args.runs, args.lines, args.snapshots)
         child(_BASELINE, str(root))  # warm-up (page cache, .pyc), discarded
         base: list[dict] = []
         view: list[dict] = []
@@ -187,6 +223,7 @@ def main() -> int:
             one.append(child(_ONE_RUN, str(root / "bench" / "r001")))
             view.append(child(_VIEW, str(root), str(args.runs)))
         assert all(b["rows"] == args.runs for b in base) and all(v["rows"] == args.runs for v in view)
+        per_run = [child(_PER_RUN, str(root))["per_run_ms"] for _ in range(args.repeats)]
 
         def med(rows: list[dict], key: str) -> float:
             return round(median([r[key] for r in rows]), 4)
@@ -199,6 +236,8 @@ def main() -> int:
         v["compare_points"] = view[-1]["compare_points"]
         result = {
             "runs": args.runs, "lines_per_run": args.lines, "metrics_bytes_per_run": size, "repeats": args.repeats,
+            "snapshots_per_run": args.snapshots,
+            "runs_ls_per_run_ms": round(median(per_run), 3), "runs_ls_per_run_target_ms": 2.0,
             "baseline_runs_ls_json": b, "one_run_console": o, "view": v,
             "ratio": {"first_paint": round(v["first_paint_s"] / b["first_paint_s"], 2),
                       "peak_rss": round(v["peak_rss_mib"] / b["peak_rss_mib"], 2),

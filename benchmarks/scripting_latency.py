@@ -14,7 +14,9 @@ selected).
 the README spells it (``uv run`` adds its own start-up: a lock-file check, and no bytecode
 compilation, since pimm compiles at install, not per call).
 
-Prints one JSON object; ``ratio = pimm / import torch`` (target <= 0.3). Usage::
+Prints one JSON object; ``ratio = pimm / import torch`` (target <= 0.3), and
+``per_snapshot_ms``: (the listing of the run minus the listing of the same run without its
+snapshots) / snapshots, what each ``iter_<step>.pth`` adds to ``checkpoints ls --json``. Usage::
 
     uv run python benchmarks/scripting_latency.py [--checkpoints 200] [--repeats 15]
 """
@@ -61,7 +63,8 @@ def fabricate(run_dir: Path, n: int) -> None:
     save_standard(model_dir, model=model, optimizer=opt, meta={"trainer": {"global_step": step}},
                   rank_state={"rng": torch.get_rng_state()}, manifest={"kind": "last", **base}, info=DistInfo())
     best = model_dir / "model_best.pth"
-    write_weights_file(best, model, {"kind": "best", **base})
+    write_weights_file(best, model, {"kind": "best", **base,  # (as a run's best_files writes it)
+                                     "selection_metric": {"name": "val/acc", "value": 0.97, "mode": "max"}})
     template = model_dir / ".iter_template.pth"
     shutil.copyfile(best, template)
     size, digest = template.stat().st_size, sha256_file(template)
@@ -98,8 +101,10 @@ def main() -> None:
     env["PYTHONPATH"] = str(REPO)
     work = Path(tempfile.mkdtemp(prefix="pimm-ls-bench-", dir=args.dir))
     run_dir = work / "exp" / "bench" / "run"
+    empty_dir = work / "exp" / "bench" / "run0"  # the same checkpoints without the snapshots
     commands = {
         "pimm_ls_json": [str(pimm_script), "checkpoints", "ls", "--json", str(run_dir)],
+        "pimm_ls_json_no_snapshots": [str(pimm_script), "checkpoints", "ls", "--json", str(empty_dir)],
         "pimm_ls_json_python_m": [py, "-m", "pimm_core.cli", "checkpoints", "ls", "--json", str(run_dir)],
         "import_torch": [py, "-c", "import torch"],
         "python_startup": [py, "-c", "pass"],
@@ -110,16 +115,19 @@ def main() -> None:
                                            str(run_dir)]
     if not pimm_script.exists():
         commands.pop("pimm_ls_json")
+        commands["pimm_ls_json_no_snapshots"][0:1] = [py, "-m", "pimm_core.cli"]
     times: dict[str, list[float]] = {k: [] for k in commands}
     try:
         fabricate(run_dir, args.checkpoints)
+        fabricate(empty_dir, 0)
         for repeat in range(args.repeats + 1):
             for name, cmd in commands.items():
                 t, out = timed(cmd, env)
                 if name.startswith("pimm"):
                     listing = json.loads(out)
                     iters = [c for c in listing["candidates"] if c["name"].startswith("iter_")]
-                    assert len(iters) == args.checkpoints and listing["selected"] == "last", listing["selected"]
+                    want = 0 if "no_snapshots" in name else args.checkpoints
+                    assert len(iters) == want and listing["selected"] == "last", listing["selected"]
                 if repeat:
                     times[name].append(t)
     finally:
@@ -134,6 +142,7 @@ def main() -> None:
         "ratio_python_m": r(med["pimm_ls_json_python_m"] / med["import_torch"]),
         "ratio_uv_run": r(med["pimm_ls_json_uv_run"] / med["import_torch"]) if "pimm_ls_json_uv_run" in med else None,
         "target_ratio": 0.3,
+        "per_snapshot_ms": r((med[main_key] - med["pimm_ls_json_no_snapshots"]) * 1000 / args.checkpoints),
         "pimm_command": " ".join(Path(c).name if i == 0 else c for i, c in enumerate(commands[main_key][:4])),
         "seconds_all": {k: [r(x) for x in v] for k, v in times.items()},
         "repeats": args.repeats,

@@ -16,12 +16,19 @@ from .fsio import atomic_write_bytes
 from .text import printable
 
 
+#: Exit status of a reader (``pimm checkpoints verify|ls|latest``, ``pimm export``) whose
+#: checkpoint a live run's saves replaced during every try: "changed while reading; try again".
+#: Not a verdict on any checkpoint; a script retries on it. 75 is ``EX_TEMPFAIL`` of sysexits.h.
+CHANGED_EXIT_CODE = 75
+
+
 class PimmError(Exception):
     """An error with a one-line, actionable message.
 
     Attributes:
         exit_code: process exit status the CLI uses: 2 for bad usage or input
-            (config, paths, flags), 1 for an operation that failed.
+            (config, paths, flags), 1 for an operation that failed, :data:`CHANGED_EXIT_CODE`
+            (75) for a read that a live run's saves kept overtaking (retry it).
     """
 
     exit_code = 1

@@ -58,7 +58,7 @@ from .train.best import BestTracker
 from .train.build import (build_data, build_model, build_objective, data_length, data_resume_policy,
                           user_code_of, warm_start_model)
 from .train.callbacks import Callbacks
-from .train.checkpointer import Checkpointer
+from .train.checkpointer import Checkpointer, export_live
 from .train.ema import EMA
 from .train.evaluator import Evaluator
 from .train.hang import name_the_hang
@@ -247,7 +247,7 @@ class Trainer:
         Raises:
             UsageError: ``weights="ema"`` without ``ema.enabled``.
         """
-        return self.checkpointer.export(Path(path), weights=weights)
+        return export_live(self.checkpointer, Path(path), weights=weights)
 
     # ------------------------------------------------------------------ train
     def train(self, train_config: TrainConfig | None = None, *, checkpoint_dir: Path | None = None,

@@ -7,6 +7,7 @@ modules they use are imported inside each command.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -145,51 +146,119 @@ def checkpoints_verify(
     """Check sizes and sha256 of checkpoint files against their manifests (exit 1 on mismatch).
 
     Beside a live run each candidate is checked against the manifest of the generation its
-    files belong to; one that saves kept replacing is reported as changed, never as corrupt.
+    files belong to; one that saves kept replacing is reported as changed, never as corrupt
+    (exit 75: try again).
     """
-    from ..checkpoint.records.generation import wait_for_rotation
-    from ..checkpoint.select.selection import describe_entry, list_candidates
+    from ..errors import CHANGED_EXIT_CODE
 
-    wait_for_rotation(target)  # `last` between a save's two renames
-    if not target.exists():
-        raise UsageError(f"{target} does not exist; pass a run directory or a checkpoint")
-    one = (target / "manifest.json").exists() or target.is_file()
-    if one:
-        found = describe_entry(target)
-        cands = [found] if found is not None and found.kind != "tmp" else []
-    else:
-        cands = [c for c in list_candidates(_model_dir(target)) if c.kind != "tmp"]
-    if not cands:
-        raise UsageError(f"no checkpoint found at {target}")
-    bad = 0
+    cands, one = _verify_targets(target)
+    failed = changed = 0
     for c in cands:
-        line, ok = _verify_one(c, named=one)
+        line, verdict = _verify_one(c, named=one)
         print(printable(line))  # names and reasons are user text: never terminal control
-        bad += not ok
-    if bad:
+        failed += verdict == "failed"
+        changed += verdict == "changed"
+    if failed:
         raise typer.Exit(1)
+    if changed:
+        raise typer.Exit(CHANGED_EXIT_CODE)
 
 
-def _verify_one(c, *, named: bool) -> tuple[str, bool]:
-    """``(line, ok)`` for one candidate, checked on one generation (a changed one is read again)."""
+def _verify_targets(target: Path) -> tuple[list, bool]:
+    """``(candidates, one)``: what ``verify TARGET`` checks, and whether TARGET names one candidate.
+
+    ``last`` is absent for an instant in each rotation (between its two renames): a target
+    that a rotation is replacing is waited for, and looked at again, never called missing.
+
+    Raises:
+        UsageError: TARGET does not exist (and no rotation is replacing it), or holds no checkpoint.
+        GenerationChanged: saves kept replacing TARGET while it was looked at (exit 75).
+    """
+    from ..checkpoint.records.generation import READ_TRIES, GenerationChanged, changed_message, rotating, wait_for_rotation
+    from ..checkpoint.select.selection import describe_entry, list_candidates
+    from ..faults import point
+
+    for _ in range(READ_TRIES):
+        siblings = _siblings(target)
+        wait_for_rotation(target)  # `last` between a save's two renames
+        if not os.path.lexists(target):
+            if rotating(target) and (_siblings(target) != siblings or _recently_changed(target.parent)):
+                continue  # (a live rotation slower than the wait: once more)
+            if rotating(target):  # nothing moved for a while: a rotation a crash interrupted
+                raise UsageError(f"{target} does not exist: a save was interrupted between its two renames and "
+                                 f"{target}.prev holds the newest complete checkpoint; verify that, or resume the "
+                                 "run (its next save finishes the rotation)")
+            raise UsageError(f"{target} does not exist; pass a run directory or a checkpoint")
+        point("checkpoints.verify.located", target)  # (tests: a rotation lands here)
+        one = (target / "manifest.json").exists() or target.is_file()
+        if not one and not os.path.lexists(target):
+            continue  # rotated away between the two looks: `one` is unknown
+        if one:
+            found = describe_entry(target)
+            if found is None and not os.path.lexists(target):
+                continue
+            cands = [found] if found is not None and found.kind != "tmp" else []
+        else:
+            cands = [c for c in list_candidates(_model_dir(target)) if c.kind != "tmp"]
+        if not cands:
+            raise UsageError(f"no checkpoint found at {target}")
+        return cands, one
+    raise GenerationChanged(changed_message(str(target), READ_TRIES))
+
+
+def _siblings(target: Path) -> tuple:
+    """What ``<target>.prev`` and ``<target>.tmp`` hold now (a live rotation changes them)."""
+    from ..checkpoint.records.generation import identity
+
+    return tuple(identity(target.with_name(target.name + s)) for s in (".prev", ".tmp")) if target.name else ()
+
+
+def _recently_changed(folder: Path, within_s: float = 30.0) -> bool:
+    """Whether an entry of ``folder`` was renamed, added or removed in the last ``within_s`` seconds."""
+    import time
+
+    try:
+        return time.time() - os.stat(folder).st_mtime < within_s
+    except OSError:
+        return False
+
+
+def _verify_one(c, *, named: bool) -> tuple[str, str]:
+    """``(line, verdict)`` for one candidate, checked on one generation (a changed one is read
+    again); ``verdict`` is ``ok``, ``failed`` (damaged, incomplete or unverifiable) or
+    ``changed`` (saves kept replacing it, or one removed the candidate named: no verdict)."""
     from ..checkpoint.records.generation import READ_TRIES, changed_message, wait_for_rotation
     from ..checkpoint.select.selection import describe_entry, verify_stable
+    from ..faults import point
 
     path = Path(c.path)
     for _ in range(READ_TRIES):
+        point("checkpoints.verify.described", path)  # (tests: a rotation lands here)
         if c.manifest is None and not _sidecar_arrived(c):
-            return f"{c.name}: cannot verify ({c.reason or 'no manifest'})", False
-        problems = None if c.manifest is None else verify_stable(c)
+            if _identity_now(c):  # still this file, still no manifest: a verdict
+                return f"{c.name}: cannot verify ({c.reason or 'no manifest'})", "failed"
+            problems = None  # removed (retention) or replaced meanwhile: described again below
+        else:
+            problems = None if c.manifest is None else verify_stable(c)
         if problems is not None:
             if not c.complete:
                 problems.insert(0, c.reason or "incomplete")
-            return f"{c.name}: {'ok' if not problems else 'FAILED: ' + '; '.join(problems)}", not problems
+            return f"{c.name}: {'ok' if not problems else 'FAILED: ' + '; '.join(problems)}", \
+                "failed" if problems else "ok"
         wait_for_rotation(path)
         fresh = describe_entry(path)  # the generation a save put there
         if fresh is None:
-            return f"{c.name}: removed by a save while it was checked (nothing left to verify)", not named
+            return (f"{c.name}: removed by a save while it was checked (nothing left to verify)",
+                    "changed" if named else "ok")
         c = fresh
-    return f"{c.name}: {changed_message('it', READ_TRIES)}", False
+    return f"{c.name}: {changed_message('it', READ_TRIES)}", "changed"
+
+
+def _identity_now(c) -> bool:
+    """Whether ``c.path`` still holds the generation ``c`` was described from."""
+    from ..checkpoint.records.generation import identity
+
+    return c.generation is None or identity(c.path) == c.generation
 
 
 def _sidecar_arrived(c, recent_s: float = 2.0, wait_s: float = 1.0) -> bool:

@@ -11,34 +11,15 @@ counted as damaged without being held, and of the evaluations only the newest
 
 from __future__ import annotations
 
-import math
 import os
 from collections import deque
 from pathlib import Path
 from typing import Any
 
 from ..run.metrics import MAX_LINE, parse_record
-from ..run.values import finite_number, json_number
+from ..run.values import finite_number
+from .history import NOT_METRICS, HeadResults, HeadScan, first_finite, note_finite
 from .series import NonFinite, RunningBest, Series
-
-#: Record fields that are bookkeeping, not metric values.
-_NOT_METRICS = frozenset(("step", "epoch", "iter", "split", "time"))
-
-
-def _lines_holding(body: bytes, token: bytes, begin: int = 0, stop: int | None = None):
-    """``(offset, record)`` for each whole line of ``body[begin:stop]`` (which ends with a
-    newline) that contains ``token`` and parses as a JSON object (byte scan: lines without
-    the token are never parsed; nothing is copied but the lines parsed)."""
-    stop = len(body) if stop is None else stop
-    i = body.find(token, begin, stop)
-    while i >= 0:
-        start = body.rfind(b"\n", begin, i) + 1 or begin
-        end = body.find(b"\n", i, stop)
-        end = stop if end < 0 else end
-        rec = parse_record(body[start:end])
-        if rec is not None:
-            yield start, rec
-        i = body.find(token, end, stop)
 
 
 class MetricsTail:
@@ -51,6 +32,12 @@ class MetricsTail:
     scanned, for a reader that needs only the tail, like ``pimm runs ls``: then what it reads
     is bounded by ``tail_bytes`` plus ``sample_lines`` short reads, whatever the file's size).
 
+    ``lazy_history=True`` (the console): the first poll reads only the tail and the sample, so
+    its cost does not grow with the file; each later poll scans at most ``scan_budget`` more
+    bytes of the earlier part (:mod:`.history`) until :attr:`history_pending` is None, and what it
+    finds is merged as if it had been read first (the evaluations, best values and non-finite
+    stretches are then what an eager open gives).
+
     Attributes:
         loss, lr: decimated ``(step, value)`` series of training records.
         recent: the last training records (for rate and ETA).
@@ -61,10 +48,13 @@ class MetricsTail:
         sampled: the early history was sampled, not read line by line.
         records: complete lines read (sampled lines count once).
         version: increases whenever something new was read.
+        history_pending: the fraction (0..1) of the earlier part scanned so far while a lazy
+            scan is under way, else None.
     """
 
     def __init__(self, path: Path, *, full_read_bytes: int = 8 << 20, tail_bytes: int = 2 << 20,
-                 sample_lines: int = 2000, max_points: int = 2000, chunk: int = 8 << 20, scan_head: bool = True):
+                 sample_lines: int = 2000, max_points: int = 2000, chunk: int = 8 << 20, scan_head: bool = True,
+                 lazy_history: bool = False, scan_budget: int = 64 << 20):
         self.path = Path(path)
         self.full_read_bytes = full_read_bytes
         self.tail_bytes = tail_bytes
@@ -72,6 +62,8 @@ class MetricsTail:
         self.max_points = max_points
         self.chunk = chunk
         self.scan_head = scan_head
+        self.lazy_history = lazy_history
+        self.scan_budget = scan_budget
         self._reset()
 
     def _reset(self) -> None:
@@ -92,10 +84,16 @@ class MetricsTail:
         self.version = 0
         self.exists = False
         self.nonfinite: dict[str, NonFinite] = {}
+        self._history: HeadScan | None = None  # a lazy scan of the part before the tail, under way
+        self._head: HeadResults | None = None
 
     @property
     def pending(self) -> int:
         return len(self._partial)
+
+    @property
+    def history_pending(self) -> float | None:
+        return None if self._history is None else self._history.fraction
 
     def _take(self, rec: dict[str, Any], *, sampled: bool = False, odd: bool = True) -> None:
         """Apply one record; ``odd=False``: its line has no ``NaN``/``Infinity`` token (skip the check
@@ -115,26 +113,14 @@ class MetricsTail:
                 self.recent.append(rec)
         elif split == "val" and not sampled:
             self.val.append(rec)
-            self._best.add(rec, _NOT_METRICS)
+            self._best.add(rec, NOT_METRICS)
             self.last_val = rec
         if not sampled and split in ("train", "val") and (odd or self.nonfinite):
             self._check_finite(rec, split, step)
 
     def _check_finite(self, rec: dict[str, Any], split: str, step: float | None) -> None:
         """Note NaN/+-Inf values of ``rec`` in :attr:`nonfinite` (and finite ones after them)."""
-        prefix = "" if split == "train" else f"{split}/"
-        for k, v in rec.items():
-            if k in _NOT_METRICS:
-                continue
-            f = json_number(v)
-            if f is None:
-                continue
-            if math.isfinite(f):
-                nf = self.nonfinite.get(prefix + k)
-                if nf is not None:
-                    nf.finite(step)
-            else:
-                self.nonfinite.setdefault(prefix + k, NonFinite(prefix + k)).seen(step, f)
+        note_finite(self.nonfinite, rec, split, step)
 
     def _parse_lines(self, data: bytes) -> None:
         for line in data.split(b"\n"):
@@ -182,34 +168,38 @@ class MetricsTail:
             if rec is not None and rec.get("split", "train") == "train":
                 self._take(rec, sampled=True)
                 self.last_train = rec  # the newest known, until the tail has one
-        # Every evaluation record in the head, by a byte scan (no JSON parse of training lines),
-        # one chunk at a time; a line longer than MAX_LINE is dropped up to its newline.
-        f.seek(start)
-        pos, carry, skip = start, b"", False
-        while pos < head_end and self.scan_head:
-            n = min(self.chunk, head_end - pos)
-            data = carry + f.read(n)  # (no second copy of the chunk: lines are found in place)
-            pos += n
-            begin = 0
-            if skip:
-                nl = data.find(b"\n")
-                begin, skip = (len(data), True) if nl < 0 else (nl + 1, False)
-            end = data.rfind(b"\n", begin) + 1
-            carry = data[max(end, begin):]
-            if len(carry) > MAX_LINE:
-                carry, skip = b"", True
-            # Training records with NaN/Infinity (the sample may have missed them), in file order.
-            odd = {at: rec for token in (b"NaN", b"Infinity") for at, rec in _lines_holding(data, token, begin, end)
-                   if rec.get("split", "train") == "train"}
-            for _, rec in sorted(odd.items()):
-                self._check_finite(rec, "train", finite_number(rec.get("step")))
-            for _, rec in _lines_holding(data, b'"val"', begin, end):
-                if rec.get("split") == "val":
-                    self._take(rec)
-                    self.records += 1
-            del data
+        # Every evaluation record (and training record with NaN/Infinity) in the head, by a byte
+        # scan: now, or (lazy, on a first open) a slice per later poll.
+        if self.scan_head:
+            scan = HeadScan(start, head_end, self.chunk)
+            if self.lazy_history and start == 0:
+                self._history, self._head = scan, HeadResults(self.max_points)
+            else:
+                scan.run(f, None, self._odd_train, self._val_record)
         self.sampled = True
         self._consume(tail)
+
+    def _odd_train(self, rec: dict[str, Any]) -> None:
+        self._check_finite(rec, "train", finite_number(rec.get("step")))
+
+    def _val_record(self, rec: dict[str, Any]) -> None:
+        self._take(rec)
+        self.records += 1
+
+    def _advance_history(self) -> bool:
+        """Scan the next ``scan_budget`` bytes of a lazy scan; merge its results once it ends."""
+        scan, head = self._history, self._head
+        if scan is None or head is None:
+            return False
+        try:
+            with open(self.path, "rb") as f:
+                done = scan.run(f, self.scan_budget, head.odd_train, head.add_val)
+        except OSError:
+            return False
+        if done:
+            head.merge_into(self, lambda keys: first_finite(self.path, keys, scan.end, self.offset))
+            self._history, self._head = None, None
+        return True
 
     def _consume(self, data: bytes) -> None:
         if self._overlong:
@@ -248,12 +238,18 @@ class MetricsTail:
         self._ident = ident
         self.exists = True
         if st.st_size == self.offset:
+            if self._advance_history():
+                self.version += 1
+                return True
             return False
+        lazy_now = self._history is not None
         try:
             with open(self.path, "rb") as f:
                 self._read(f, st.st_size)
         except OSError:
             return False
+        if lazy_now:  # (not on the poll that started it: that one is the first paint)
+            self._advance_history()
         self.version += 1
         return True
 

@@ -5,10 +5,11 @@ levels deep at most (``<root>/<group>/<run>``), never following links out of it.
 :func:`summarize` reads what a row shows from small files only, so a root of hundreds of
 runs lists in a fraction of a second: ``status.json`` (state, step, epoch, host, world
 size, heartbeat) judged live or stale by the console's rule (:func:`~.status.read_status`
-with :func:`~.status.stale_after_for` of the logging interval seen in the last 16 KiB of
-``metrics.jsonl``), the last training loss from that same tail, the best selection metric
-from ``model/model_best.pth.json`` (written when the metric improves), and what a resume
-would load from the checkpoints' manifests (completeness only: ``pimm checkpoints
+with :func:`~.status.stale_after_for` of the logging interval of the newest training
+records of ``metrics.jsonl``, read backwards from its end), the last training loss from
+those, the best selection metric from ``model/model_best.pth.json`` (written when the
+metric improves), and what a resume would load from ``last``'s manifest (the other
+candidates' only when ``last`` is not complete; completeness only: ``pimm checkpoints
 verify`` runs the sha256 pass).
 """
 
@@ -20,18 +21,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.select.selection import select_resume
+from ..checkpoint.records.generation import GenerationChanged
+from ..checkpoint.select.selection import Candidate, describe_entry, select_resume
 from ..config import read_saved_config
 from ..run.jsonfile import read_json
 from ..run.layout import CONFIG, METRICS, MODEL, is_run_dir
+from ..run.metrics import records_from_end
 from ..run.values import finite_number, json_int, json_number
 from .fmt import fmt_value
-from .metrics import MetricsTail
 from .status import read_status, stale_after_for
 
-#: Bytes of ``metrics.jsonl`` read from its end per run (the last loss and the logging interval: about a
-#: hundred records of a typical run; the JSON parse of this tail is most of what a row costs).
-TAIL_BYTES = 16 << 10
+#: Bytes of ``metrics.jsonl`` read at a time from its end per run (one read holds the
+#: :data:`INTERVAL_RECORDS` newest training records of a typical run).
+TAIL_BYTES = 8 << 10
 #: The display states, in the order ``--sort state`` uses.
 STATES = ("live", "stopping", "starting", "stale", "stopped", "failed", "finished", "unknown")
 
@@ -129,14 +131,9 @@ def summarize(run_dir: Path, root: Path, *, now: float | None = None) -> RunRow:
     """The :class:`RunRow` of ``run_dir`` (never raises for missing or damaged files)."""
     now = time.time() if now is None else now
     run_dir = Path(run_dir)
-    # Only the tail: the last loss and the logging interval (no scan of the rest for evaluations).
-    tail = MetricsTail(run_dir / METRICS, full_read_bytes=TAIL_BYTES, tail_bytes=TAIL_BYTES, sample_lines=0,
-                       max_points=2, chunk=TAIL_BYTES, scan_head=False)
-    try:
-        tail.poll()
-    except OSError:
-        pass
-    view = read_status(run_dir, now=now, stale_after=stale_after_for(tail.log_interval()))
+    # Only the newest training records: the last loss and the logging interval.
+    last, interval = newest_training(run_dir / METRICS)
+    view = read_status(run_dir, now=now, stale_after=stale_after_for(interval))
     rec = view.record
     age = view.heartbeat_age
     if age is None:
@@ -159,10 +156,10 @@ def summarize(run_dir: Path, root: Path, *, now: float | None = None) -> RunRow:
         best = {"metric": metric, "value": finite_number(sidecar["metrics"].get(metric)),
                 "epoch": json_int(sidecar.get("epoch"))}
     try:
-        chosen, _ = select_resume(run_dir / MODEL, verify=False) if (run_dir / MODEL).is_dir() else (None, [])
-    except OSError:
+        chosen = resume_choice(run_dir / MODEL)
+    except (OSError, GenerationChanged):  # (saves kept replacing `last`: no resume choice shown this time)
         chosen = None
-    last = tail.last_train or {}
+    last = last or {}
     loss = json_number(last.get("loss"))  # (NaN and +-Inf too: a diverged run says so)
     name = run_dir.relative_to(root).as_posix() if run_dir != root and root in run_dir.parents else run_dir.name
     return RunRow(
@@ -172,6 +169,42 @@ def summarize(run_dir: Path, root: Path, *, now: float | None = None) -> RunRow:
         age_s=None if age is None else round(age, 1), host=rec.host, world_size=rec.world_size,
         note=view.note or view.problem,
         loss_nonfinite=None if loss is None or finite_number(loss) is not None else fmt_value(loss))
+
+
+def resume_choice(model: Path) -> Candidate | None:
+    """What :func:`~pimm_core.checkpoint.select.selection.select_resume` (``verify=False``) chooses in
+    ``model``, reading only ``last`` when it is complete (it comes first in the resume order):
+    not every snapshot's manifest, as a listing of ``model/`` would."""
+    if not model.is_dir():
+        return None
+    last = describe_entry(model / "last", sized=False)  # (a row shows no size)
+    if last is not None and last.complete and last.resumable:
+        return last
+    return select_resume(model, verify=False)[0]
+
+
+#: How many of the newest training records give the logging interval (their median gap).
+INTERVAL_RECORDS = 16
+
+
+def newest_training(path: Path) -> tuple[dict[str, Any] | None, float | None]:
+    """``(record, interval)``: the newest training record of a ``metrics.jsonl`` and the median
+    seconds between its newest :data:`INTERVAL_RECORDS` training records (None: unknown), read
+    backwards from its end (:data:`TAIL_BYTES` at a time) and stopping there: what a row costs
+    does not grow with the file."""
+    newest: dict[str, Any] | None = None
+    times: list[float] = []
+    for rec in records_from_end(path, block=TAIL_BYTES):
+        if rec is None or rec.get("split", "train") != "train":
+            continue
+        newest = newest or rec
+        t = finite_number(rec.get("time"))
+        if t is not None:
+            times.append(t)
+        if len(times) >= INTERVAL_RECORDS:
+            break
+    gaps = sorted(a - b for a, b in zip(times, times[1:]) if a > b)
+    return newest, (gaps[len(gaps) // 2] if gaps else None)
 
 
 def sort_rows(rows: list[RunRow], key: str) -> list[RunRow]:

@@ -134,6 +134,20 @@ class RunningBest:
             if f < best[1][0]:
                 best[1] = (f, rec)
 
+    def then(self, later: RunningBest) -> RunningBest:
+        """This one with the records ``later`` saw after them added (a tie keeps this one's); returns self."""
+        for key, (hi, lo) in later._best.items():
+            mine = self._best.get(key)
+            if mine is None:
+                if len(self._best) < self.max_names:
+                    self._best[key] = [hi, lo]
+                continue
+            if hi[0] > mine[0][0]:
+                mine[0] = hi
+            if lo[0] < mine[1][0]:
+                mine[1] = lo
+        return self
+
     def best(self, key: str, mode: str) -> dict[str, Any] | None:
         """The record with the highest (``mode="max"``) or lowest value of ``key``, or None."""
         best = self._best.get(key)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.records.generation import GenerationChanged
 from ..checkpoint.select.selection import Candidate, select_resume
 from ..config import read_saved_config
 from ..run.layout import CONFIG, LOG, METRICS, MODEL, PROVENANCE, run_markers
@@ -71,6 +72,9 @@ class RunSnapshot:
     ranks: tuple[RankBeat, ...] = ()
     #: the ranks the others wait for (:func:`~pimm_core.run.ranks.lagging_ranks`), only while the run is live
     lagging: tuple[int, ...] = ()
+    #: while the part of a large metrics.jsonl before its tail is still being scanned for evaluations and
+    #: non-finite values (a slice per poll, after the first paint): the fraction done; else None
+    metrics_history: float | None = None
 
     def nonfinite_of(self, key: str) -> NonFinite | None:
         """The :class:`NonFinite` record of metric ``key`` (``loss``, ``lr``, ``val/loss``), or None."""
@@ -83,7 +87,9 @@ class RunReader:
 
     def __init__(self, run_dir: Path, *, checkpoint_every_s: float = 2.0, **metrics_kw: Any):
         self.run_dir = Path(run_dir)
-        self.metrics = MetricsTail(self.run_dir / METRICS, **metrics_kw)
+        # The first poll reads the tail (and a sample) only: the console's open does not grow with the
+        # file; the rest is scanned a slice per later poll (MetricsTail's lazy_history).
+        self.metrics = MetricsTail(self.run_dir / METRICS, **{"lazy_history": True, **metrics_kw})
         self.log = LogTail(self.run_dir / LOG)
         self.checkpoint_every_s = checkpoint_every_s
         self._cands: tuple[tuple[Candidate, ...], str | None, tuple[Any, ...]] = ((), None, ())
@@ -126,6 +132,8 @@ class RunReader:
         for _ in range(3):
             try:
                 chosen, cands = select_resume(model)
+            except GenerationChanged:
+                return self._cands  # saves kept replacing `last`: what was shown stays, read again next poll
             except OSError:
                 chosen, cands = None, []
             after = self._mtime_key(model)
@@ -224,5 +232,6 @@ class RunReader:
             log_lines=tuple(self.log.lines), log_version=self.log.version,
             candidates=cands, chosen=chosen, candidates_key=ckey, config=config, provenance=prov,
             nonfinite=nonfinite, candidate_ids=self._ids, ranks=ranks, lagging=tuple(b.rank for b in lagging),
+            metrics_history=m.history_pending,
         )
 

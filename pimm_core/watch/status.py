@@ -139,7 +139,7 @@ def liveness(run_dir: Path, *, now: float | None = None) -> StatusView:
     ``pimm stop`` and the console share (never raises for missing or damaged files)."""
     from .metrics import MetricsTail
 
-    metrics = MetricsTail(Path(run_dir) / METRICS)
+    metrics = MetricsTail(Path(run_dir) / METRICS, scan_head=False)  # (the interval needs the newest records only)
     try:
         metrics.poll()
     except OSError:

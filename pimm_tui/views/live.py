@@ -115,8 +115,10 @@ class LiveView(Vertical):
                 b = snap.best_val
                 t.append("  best ", style="bold")
                 t.append(f"{key} {fmt_num(b.get(key))} (epoch {b.get('epoch', '?')})", style="green")
-        else:
+        elif snap.metrics_history is None:
             t.append("\nno evaluation yet", style="dim")
+        if snap.metrics_history is not None:  # a large metrics.jsonl: its earlier part is read after the first paint
+            t.append(f"\nreading earlier evaluations ({snap.metrics_history:.0%})", style="dim")
         self.query_one("#stats", Static).update(clean_text(t))  # metric names are user text
         ranks = self.query_one("#ranks", Static)
         line = ranks_text(snap)

@@ -3,7 +3,8 @@
 in a loop. Each must see one checkpoint generation whole: an export's ``export.json`` step and
 its tensors come from the same save (compared with that step's ``iter_<step>.pth`` snapshot),
 verify never calls the healthy ``last`` corrupt or missing, ``ls``/``latest`` always select a
-checkpoint, and nothing raises.
+checkpoint, and nothing raises. A CLI reader may instead say "changed while reading; try again"
+with exit code 75 (saves overtook each of its tries): never another failure.
 
 The loop ends after a fixed number of saves completed (counted by their snapshots), not after
 a time; the writer is then stopped with SIGTERM and must exit 0.
@@ -22,11 +23,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from _helpers import DIGITS, REPO, clean_env, pimm_here
+from _helpers import DIGITS, REPO, clean_env, pimm, pimm_here
 from pimm_core import load_weights
 from pimm_core.checkpoint.export.model_dir import export
 from pimm_core.config import config_from_dict
 from pimm_core.data.loaders import build_datasets
+from pimm_core.errors import CHANGED_EXIT_CODE
 from pimm_core.models import build_model
 from pimm_core.watch.candidates import verify_checkpoint
 from pimm_core.watch.snapshot import RunReader
@@ -68,7 +70,8 @@ def test_readers_beside_a_run_saving_every_step(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "pimm_core.cli", *args], cwd=REPO, env=clean_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     problems: list[str] = []
-    counts = dict.fromkeys(("export", "verify", "ls", "latest", "load_weights", "console"), 0)
+    retries: list[str] = []  # answers "changed while reading; try again" (exit 75): allowed, counted
+    counts = dict.fromkeys(("export", "export_cli", "verify", "ls", "latest", "load_weights", "console"), 0)
     try:
         _wait_for("first complete save", lambda: (model_dir / "last" / ".complete").is_file(), proc)
         cfg = config_from_dict(tomllib.loads((run / "config.toml").read_text()))
@@ -80,6 +83,7 @@ def test_readers_beside_a_run_saving_every_step(tmp_path: Path) -> None:
         while len(list(model_dir.glob("iter_*.pth.json"))) < saves_at_start + SAVES:
             i += 1
             for name, read in (("export", lambda: _export(model_dir, tmp_path / "ex" / str(i), proc)),
+                               ("export_cli", lambda: _cli_export(model_dir, tmp_path / "cx" / str(i), proc)),
                                ("verify", lambda: _cli_verify(model_dir)),
                                ("ls", lambda: _cli_ls(run)),
                                ("latest", lambda: _cli_latest(model_dir)),
@@ -90,7 +94,9 @@ def test_readers_beside_a_run_saving_every_step(tmp_path: Path) -> None:
                     problem = read()
                 except Exception as e:  # noqa: BLE001 - any exception is a failed read
                     problem = f"raised {e.__class__.__name__}: {e}"
-                if problem:
+                if problem == "retry":
+                    retries.append(name)
+                elif problem:
                     problems.append(f"{name} {i}: {problem}")
     finally:
         if proc.poll() is None:
@@ -99,6 +105,7 @@ def test_readers_beside_a_run_saving_every_step(tmp_path: Path) -> None:
     assert proc.returncode == 0, output[-3000:]
     assert not problems, f"{len(problems)} bad reads of {counts}:\n" + "\n".join(problems[:20])
     assert all(counts.values()), counts
+    assert len(retries) < sum(counts.values()) // 2, (retries, counts)  # mostly answers, not retries
 
 
 def _export(model_dir: Path, out: Path, proc: subprocess.Popen) -> str | None:
@@ -113,8 +120,30 @@ def _export(model_dir: Path, out: Path, proc: subprocess.Popen) -> str | None:
     return f"export.json says step {rec['step']}, its tensors differ: {differ[:2]}" if differ else None
 
 
+def _retry(r) -> bool:
+    """The CLI said the checkpoint changed while it read (exit 75, one line to try again)."""
+    return r.returncode == CHANGED_EXIT_CODE and "changed while reading" in r.stdout + r.stderr \
+        and "try again" in r.stdout + r.stderr
+
+
+def _cli_export(model_dir: Path, out: Path, proc: subprocess.Popen) -> str | None:
+    """`pimm export last OUT` in its own process: as :func:`_export`, or exit 75."""
+    r = pimm("export", model_dir / "last", out)
+    if _retry(r):
+        return "retry"
+    if r.returncode != 0:
+        return f"exit {r.returncode}: {(r.stdout + r.stderr).strip()[-500:]}"
+    rec = json.loads((out / "export.json").read_text())
+    snap = _snapshot_weights(model_dir, rec["step"], proc)
+    got = load_file(out / "model.safetensors")
+    differ = [k for k in snap if not torch.equal(got[k], snap[k])]
+    return f"export.json says step {rec['step']}, its tensors differ: {differ[:2]}" if differ else None
+
+
 def _cli_verify(model_dir: Path) -> str | None:
     r = pimm_here("checkpoints", "verify", model_dir / "last")
+    if _retry(r):
+        return "retry"
     if r.returncode != 0 or r.stdout.strip() != "last: ok":
         return f"exit {r.returncode}: {(r.stdout + r.stderr).strip()}"
     return None
@@ -122,6 +151,8 @@ def _cli_verify(model_dir: Path) -> str | None:
 
 def _cli_ls(run: Path) -> str | None:
     r = pimm_here("checkpoints", "ls", run, "--json")
+    if _retry(r):
+        return "retry"
     listing = json.loads(r.stdout) if r.returncode == 0 else {}
     if r.returncode != 0 or listing.get("selected") not in ("last", "last.prev"):
         return f"exit {r.returncode}, selected {listing.get('selected')}: {r.stderr.strip()}"
@@ -130,6 +161,8 @@ def _cli_ls(run: Path) -> str | None:
 
 def _cli_latest(model_dir: Path) -> str | None:
     r = pimm_here("checkpoints", "latest", model_dir)
+    if _retry(r):
+        return "retry"
     if r.returncode != 0 or Path(r.stdout.strip()).name not in ("last", "last.prev"):
         return f"exit {r.returncode}: {(r.stdout + r.stderr).strip()}"
     return None

@@ -100,7 +100,7 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
         UsageError: bad ``weights`` or ``fmt``; ``out_dir`` is refused by
             :func:`~pimm_core.checkpoint.records.outputs.check_output_dir` (not empty without
             ``force``; with it, not a previous export; inside a checkpoint; not a directory).
-        GenerationChanged: a live run replaced the checkpoint during every read.
+        GenerationChanged: a live run replaced the checkpoint during every read (exit code 75: try again).
         WeightNotFoundError, IncompleteCheckpointError: ``source`` does not resolve.
         CheckpointError: unreadable or unsafe checkpoint; no such weight set; bad config.toml.
         OSError: a write failed (``out_dir`` is untouched).

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from ...errors import CheckpointError, IncompleteCheckpointError, WeightNotFoundError
+from ...errors import CHANGED_EXIT_CODE, CheckpointError, IncompleteCheckpointError, WeightNotFoundError
+from ...faults import point
 from .manifest import COMPLETE, MANIFEST
 from .outputs import EXPORT_JSON
 
@@ -40,7 +41,10 @@ Identity = tuple[Any, ...]
 
 
 class GenerationChanged(CheckpointError):
-    """A save replaced the checkpoint being read on every try (not a verdict on any checkpoint; exit code 1)."""
+    """A save replaced the checkpoint being read on every try: not a verdict on any checkpoint
+    (exit code :data:`~pimm_core.errors.CHANGED_EXIT_CODE`, 75: try again)."""
+
+    exit_code = CHANGED_EXIT_CODE
 
 
 def _file_key(path: str) -> tuple[int, int, int] | None:
@@ -115,6 +119,7 @@ def read_whole(locate: Callable[[], Path], read: Callable[[Path], T], *, tries: 
             continue
         unit = unit_of(target)
         before = identity(unit)
+        point("generation.located", target)  # (tests: a rotation lands here, between locate and read)
         try:
             result = read(target)
         except Exception:
@@ -150,6 +155,8 @@ def wait_for_rotation(path: str | os.PathLike[str], timeout_s: float = ROTATION_
     interrupted leaves ``<path>.prev`` for good, and then this returns False after the wait.
     """
     deadline = time.monotonic() + timeout_s
+    if rotating(path):
+        point("generation.rotating", path)  # (tests: the rotation completes while a reader waits here)
     while rotating(path) and time.monotonic() < deadline:
         time.sleep(0.005)
     return os.path.lexists(path)

@@ -7,8 +7,9 @@ manifest. Both import this module and not each other.
 
 from __future__ import annotations
 
+import copy
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 WEIGHTS = "weights.pth"
@@ -63,7 +64,9 @@ class Candidate:
     generation: tuple[Any, ...] | None = None  # generation.identity() of the path this was read from
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("manifest")
-        d.pop("generation")
+        """The listing's row (``pimm checkpoints ls --json``): every field but the manifest and
+        the generation (no deep copy of the manifest's file table only to drop it)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("manifest", "generation")}
+        d["metrics"] = copy.deepcopy(self.metrics)
+        d["verify_problems"] = None if self.verify_problems is None else list(self.verify_problems)
         return d

@@ -19,26 +19,42 @@ DCP metadata or manifest are rejected with the reason.
 
 from __future__ import annotations
 
+import copy
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
-from ..records.generation import READ_TRIES, identity, wait_for_rotation
+from ...faults import point
+from ..records.generation import READ_TRIES, GenerationChanged, changed_message, identity, wait_for_rotation
 from ..records.manifest import COMPLETE, MANIFEST, ManifestError, read_manifest
 from .candidate import (BEST, BEST_K_RE, DCP_METADATA, FULL_RE, ITER_RE, LEGACY_LAST, POINTERS,  # noqa: F401 (re-exported)
                         RESUME_ORDER, SINGLE_RE, TRAINER_DCP, WEIGHTS, WEIGHTS_FIELD, Candidate)
 from .verify import verify_candidate
 
 def _tree_size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    total = 0
-    for dirpath, _d, files in os.walk(path):
-        for f in files:
-            try:
-                total += (Path(dirpath) / f).stat().st_size
-            except OSError:
-                pass
+    """Bytes of the files at or under ``path`` (``os.scandir``: one stat per file, no ``Path``
+    objects: a listing of many checkpoints calls this once for each)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return 0
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size
+    total, stack = 0, [os.fspath(path)]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    try:
+                        if e.is_dir(follow_symlinks=False):
+                            stack.append(e.path)
+                        elif e.is_file(follow_symlinks=False):
+                            total += e.stat(follow_symlinks=False).st_size
+                    except OSError:
+                        pass
+        except OSError:
+            pass
     return total
 
 
@@ -48,13 +64,13 @@ def _apply_manifest(c: Candidate, manifest_path: Path) -> str | None:
     A manifest that is not the schema of :mod:`..records.manifest` is ``invalid manifest: <what>``
     and fills nothing (the candidate is then incomplete, and passed over by a resume).
     """
-    if not manifest_path.is_file():
-        return f"missing {manifest_path.name}"
     try:
-        m = read_manifest(manifest_path)
+        m = read_manifest(manifest_path)  # (no stat first: one open tells a missing one)
     except ManifestError as e:
         c.manifest_problem = f"invalid manifest: {e}"
         return c.manifest_problem
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return f"missing {manifest_path.name}"
     except OSError as e:
         c.manifest_problem = f"unreadable {manifest_path.name} ({e.strerror or e.__class__.__name__})"
         return c.manifest_problem
@@ -70,20 +86,22 @@ def weights_in_dcp(manifest: dict[str, Any] | None) -> bool:
     return isinstance(manifest, dict) and manifest.get(WEIGHTS_FIELD) == TRAINER_DCP
 
 
-def _standard_dir(path: Path, kind: str) -> Candidate:
-    c = Candidate(path.name, str(path), kind, "standard", resumable=True, complete=False, size=_tree_size(path))
+def _standard_dir(path: Path, kind: str, sized: bool = True) -> Candidate:
+    c = Candidate(path.name, str(path), kind, "standard", resumable=True, complete=False,
+                  size=_tree_size(path) if sized else 0)
     missing = []
+    p = os.fspath(path)  # (os.path on strings: a listing of many runs calls this for each)
     problem = _apply_manifest(c, path / MANIFEST)
-    if not (path / WEIGHTS).is_file() and not weights_in_dcp(c.manifest):
+    if not os.path.isfile(os.path.join(p, WEIGHTS)) and not weights_in_dcp(c.manifest):
         missing.append(WEIGHTS)
-    dcp = path / TRAINER_DCP
-    if not (dcp / DCP_METADATA).is_file():
+    dcp = os.path.join(p, TRAINER_DCP)
+    if not os.path.isfile(os.path.join(dcp, DCP_METADATA)):
         missing.append(f"{TRAINER_DCP}/{DCP_METADATA}")
-    if not (dcp / COMPLETE).is_file():
+    if not os.path.isfile(os.path.join(dcp, COMPLETE)):
         missing.append(f"{TRAINER_DCP}/{COMPLETE}")
     if problem and problem.startswith("missing"):
         missing.append(MANIFEST)
-    if not (path / COMPLETE).is_file():
+    if not os.path.isfile(os.path.join(p, COMPLETE)):
         missing.append(COMPLETE)
     reasons = (["missing " + ", ".join(missing)] if missing else []) + \
         ([problem] if problem and not problem.startswith("missing") else [])
@@ -100,11 +118,9 @@ def _sidecar(path: Path) -> Path:
 
 def _weights_file(path: Path, kind: str, resumable: bool, fmt: str) -> Candidate:
     c = Candidate(path.name, str(path), kind, fmt, resumable=resumable, complete=True, size=_tree_size(path))
-    side = _sidecar(path)
-    if side.exists():
-        problem = _apply_manifest(c, side)
-        if problem:
-            c.complete, c.reason = False, problem
+    problem = _apply_manifest(c, _sidecar(path))
+    if problem and not problem.startswith("missing"):  # (no sidecar: the file is the authority)
+        c.complete, c.reason = False, problem
     if c.size == 0:
         c.complete, c.reason = False, "empty file"
     return c
@@ -122,8 +138,11 @@ def _pointer(link: Path) -> Candidate:
     return c
 
 
-def describe_entry(entry: Path) -> Candidate | None:
+def describe_entry(entry: Path, *, sized: bool = True) -> Candidate | None:
     """The candidate one entry of a model directory is, read from one generation of it.
+
+    ``sized=False``: a checkpoint directory's files are not summed (its ``size`` is 0), for a
+    reader that does not show it (``pimm runs ls``).
 
     Returns ``None`` for an entry that is not a checkpoint (a sidecar manifest, another
     file), or that a save removed while it was read. An entry a save replaced while it was
@@ -135,7 +154,7 @@ def describe_entry(entry: Path) -> Candidate | None:
     for _ in range(READ_TRIES):
         before = identity(entry)
         try:
-            c = _describe(entry)
+            c = _describe(entry, sized)
         except OSError:  # removed (or replaced) under the read: a live save
             c = None
         if c is not None and c.kind == "tmp":
@@ -149,7 +168,7 @@ def describe_entry(entry: Path) -> Candidate | None:
     return c
 
 
-def _describe(entry: Path) -> Candidate | None:
+def _describe(entry: Path, sized: bool = True) -> Candidate | None:
     name = entry.name
     if name.endswith(".tmp") or (name.startswith(".") and ".tmp" in name):
         return Candidate(name, str(entry), "tmp", "unknown", False, False,
@@ -161,9 +180,9 @@ def _describe(entry: Path) -> Candidate | None:
         c.step = c.step if c.step is not None else int(m.group(1))
         return c
     if name in ("last", "last.prev") and entry.is_dir():
-        return _standard_dir(entry, name)
+        return _standard_dir(entry, name, sized)
     if (m := FULL_RE.match(name)) and entry.is_dir() and not entry.is_symlink():
-        c = _standard_dir(entry, "full")
+        c = _standard_dir(entry, "full", sized)
         c.step = c.step if c.step is not None else int(m.group(1))
         return c
     if name == LEGACY_LAST and entry.is_file():
@@ -230,11 +249,16 @@ def select_resume(model_dir: Path, *, verify: bool = True) -> tuple[Candidate | 
     chosen while a newer ``last`` is there, and "nothing" is answered only when the resume
     candidates stayed the same through the listing; otherwise ``model/`` is listed again
     (at most ``RELIST_TRIES`` times).
+
+    Raises:
+        GenerationChanged: saves changed the resume candidates during every listing (exit
+            code 75: try again); never a wrong answer.
     """
     model_dir = Path(model_dir)
     for attempt in range(1, RELIST_TRIES + 1):
         before = _resume_names(model_dir)
         cands = list_candidates(model_dir)
+        point("selection.listed", model_dir)  # (tests: a save lands here, between the listing and the checks)
         chosen, changed = _first_intact(cands, verify)
         if not changed:
             if chosen is None and _resume_names(model_dir) == before:
@@ -243,7 +267,7 @@ def select_resume(model_dir: Path, *, verify: bool = True) -> tuple[Candidate | 
             if chosen is not None and not (chosen.name == "last.prev" and identity(model_dir / "last") != listed_last):
                 return chosen, cands
         wait_for_rotation(model_dir / "last", 0.02 * attempt)
-    return chosen, cands
+    raise GenerationChanged(changed_message(str(model_dir), RELIST_TRIES))
 
 
 #: How many times :func:`select_resume` lists ``model/`` again when a save changed it under the read.

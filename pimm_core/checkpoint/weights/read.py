@@ -108,7 +108,7 @@ def read_source(source: str | os.PathLike[str], *, run_dir: Path | None = None,
     ``info["remote_file"]`` is then the URL of the file read (``path`` no longer exists).
 
     Raises:
-        GenerationChanged: saves replaced the checkpoint during every try (exit code 1).
+        GenerationChanged: saves replaced the checkpoint during every try (exit code 75: try again).
         as :func:`resolve_weight_source` and :func:`read_checkpoint`;
         as :func:`~pimm_core.checkpoint.remote.source.local_copy` for a remote source.
     """
