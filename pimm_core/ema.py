@@ -47,6 +47,7 @@ class EMA:
         """Start the average over from ``model``'s current parameters (after a warm start, or
         a resume from a checkpoint without EMA weights)."""
         self.updates = 0
+        self._params: tuple[nn.Module, list[torch.Tensor], list[torch.Tensor], bool] | None = None  # update()'s lists
         # named_parameters() drops duplicates by identity: a tied tensor is averaged once
         self.shadow = {n: p.detach().float().clone() for n, p in model.named_parameters()}
         # every name of each averaged tensor, canonical first: a saved set is read by any of them
@@ -61,13 +62,20 @@ class EMA:
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        """Fold the model's current parameters into the average (call after each optimizer step)."""
+        """Fold the model's current parameters into the average (call after each optimizer step).
+
+        The parameter objects are looked up once per ``model`` (like the optimizer, the average
+        follows the parameters it was made from, updated in place; :meth:`restart` after replacing
+        them): a walk of the module tree per step costs more than the update at a small model.
+        """
         d = self.current_decay()
-        names = list(self.shadow)
-        params = dict(model.named_parameters())
-        ema = [self.shadow[n] for n in names]
-        cur = [params[n].detach().float() for n in names]
-        torch._foreach_lerp_(ema, cur, 1.0 - d)
+        if self._params is None or self._params[0] is not model:
+            params = dict(model.named_parameters())
+            cur = [params[n] for n in self.shadow]
+            self._params = (model, [self.shadow[n] for n in self.shadow], cur,
+                            all(p.dtype == torch.float32 for p in cur))
+        _, ema, cur, fp32 = self._params
+        torch._foreach_lerp_(ema, cur if fp32 else [p.detach().float() for p in cur], 1.0 - d)
         self.updates += 1
 
     def parameters_for(self, model: nn.Module) -> dict[str, torch.Tensor]:
