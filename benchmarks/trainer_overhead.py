@@ -21,13 +21,23 @@ batch, forward, backward, the update and all per-step bookkeeping. The first int
 of each repeat (loader start-up) is dropped. Repeats alternate pimm / hand loop; the
 first pair is a warm-up and is discarded.
 
+A third comparison (``small_model``) is the quickstart's own size: configs/digits.toml's
+64-128-10 MLP at batch 32, with the features on (EMA, metrics.jsonl and status.json every
+``--log-every`` steps, the stop agreement, the progress display), where a step is ~1 ms and
+a fixed per-step cost shows. It also gives ``parts_us``: each per-step part of pimm's step
+and of the hand loop's, timed alone (the best of 5 rounds of ``--part-calls`` calls on the
+trained objects; ``logged_step`` is the extra of a step that writes its records, once per
+``log_every_steps``).
+
 Prints one JSON object::
 
     {"pimm_step_ms": ..., "hand_step_ms": ..., "ratio": pimm/hand,
-     "with_features": {"pimm_step_ms": ..., "hand_step_ms": ..., "ratio": ..., ...}, "machine": {...}, ...}
+     "with_features": {"pimm_step_ms": ..., "hand_step_ms": ..., "ratio": ..., ...},
+     "small_model": {"pimm_step_ms": ..., "hand_step_ms": ..., "ratio": ..., "parts_us": {...}, ...},
+     "machine": {...}, ...}
 
 Usage: ``uv run python benchmarks/trainer_overhead.py [--steps 60] [--repeats 5] [--hidden 2048] [--batch-size 64]
-[--log-every 10] [--no-features]``
+[--log-every 10] [--no-features] [--small-steps 300] [--no-small] [--threads N]``
 """
 
 from __future__ import annotations
@@ -57,10 +67,15 @@ from pimm_core.models import build_model  # noqa: E402
 from pimm_core.trainer import Trainer  # noqa: E402
 
 
+CPU: list[list[float]] = []  # each run_pimm / run_hand's CPU-time step intervals, in call order
+
+
 def step_timer(optimizer: torch.optim.Optimizer) -> list[float]:
     """Record ``perf_counter`` after every optimizer step; returns the list it appends to."""
     stamps: list[float] = []
-    optimizer.register_step_post_hook(lambda *_: stamps.append(time.perf_counter()))
+    cpu: list[float] = []  # the process's CPU time at the same moments (all its threads)
+    optimizer.register_step_post_hook(lambda *_: (stamps.append(time.perf_counter()), cpu.append(time.process_time())))
+    CPU.append(cpu)
     return stamps
 
 
@@ -119,6 +134,128 @@ def run_hand(cfg, metrics_path: Path | None = None) -> tuple[list[float], float]
     return intervals(stamps), wall
 
 
+def _best_us(fn, calls: int, rounds: int = 5) -> float:
+    """The best of ``rounds`` mean CPU times (this thread's: other processes' load moves it
+    less than wall time) of ``calls`` calls of ``fn``, in microseconds."""
+    for _ in range(min(calls, 50)):
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.thread_time()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.thread_time() - start) / calls)
+    return round(best * 1e6, 1)
+
+
+def parts_us(cfg, run_dir: Path, calls: int) -> dict:
+    """Each part of a pimm step and of the hand loop's step on the small model, timed alone (µs)."""
+    import contextlib
+
+    from pimm_core.checkpoint.tensors.state import unwrap
+    from pimm_core.train.evaluator import to_device
+    from pimm_core.train.session import after_step
+    from pimm_core.train.step import APPLIED, WindowStep
+
+    trainer = Trainer(cfg, run_dir=run_dir)
+    trainer.train()  # (the run's files, scheduler and recorder exist, as after any step)
+    model, opt, rec = trainer.model, trainer.optimizer, trainer.recorder
+    step = WindowStep(model, opt, trainer.scaler, trainer.ema, trainer.config.train, autocast=contextlib.nullcontext,
+                      distributed=False, objective=trainer.objective)
+    batch = next(iter(trainer.loader))
+    loaders = {"pimm": trainer.loader, "hand": torch.utils.data.DataLoader(
+        trainer.data.train, batch_size=cfg.data.batch_size, shuffle=True, num_workers=0, drop_last=False)}
+    its = {k: iter(v) for k, v in loaders.items()}
+
+    def next_batch(k):
+        try:
+            return next(its[k])
+        except StopIteration:
+            its[k] = iter(loaders[k])
+            return next(its[k])
+
+    def pimm_forward_backward():
+        step.backward(batch, window_len=1, last_in_window=True)
+        step.average.finish(model.parameters())
+
+    def hand_forward_backward():
+        F.cross_entropy(model(batch[0]), batch[1]).backward()
+
+    ema = [p.detach().float().clone() for p in model.parameters()]
+    params = list(model.parameters())
+    loss = torch.tensor(0.5)
+    rec.log_every_steps = 10**9  # the bookkeeping of a step that writes nothing
+    s = trainer.state
+    s.epoch_start_step = -10**9
+
+    def bookkeeping():
+        after_step(trainer, APPLIED, loss, cfg.data.batch_size, 0, None)
+        trainer.checkpointer.on_step(run_ends=False)
+
+    def logged():
+        rec.log_every_steps = 1
+        rec.on_step(0, loss, 1e-3, cfg.data.batch_size, grad_norm=loss)
+        rec.log_every_steps = 10**9
+
+    def unlogged():
+        rec.on_step(0, loss, 1e-3, cfg.data.batch_size, grad_norm=loss)
+
+    with rec.training():
+        pimm = {
+            "data (next batch)": _best_us(lambda: next_batch("pimm"), calls),
+            "to_device": _best_us(lambda: to_device(batch, trainer.device), calls),
+            "forward + backward + window average": _best_us(pimm_forward_backward, calls),
+            "gradient norm + finite check": _best_us(step.gradients_finite, calls),
+            "optimizer step (via GradScaler)": _best_us(lambda: (trainer.scaler.step(opt), trainer.scaler.update()), calls),
+            "zero_grad": _best_us(lambda: opt.zero_grad(set_to_none=True), calls),
+            "ema update": _best_us(lambda: trainer.ema.update(unwrap(model)), calls),
+            "bookkeeping (schedule, recorder, callbacks, time limit, stop agreement, saves due)":
+                _best_us(bookkeeping, calls),
+            "logged step extra (metrics.jsonl + status.json + progress)":
+                round(_best_us(logged, max(calls // 10, 20)) - _best_us(unlogged, calls), 1),
+        }
+    hand = {
+        "data (next batch)": _best_us(lambda: next_batch("hand"), calls),
+        "forward + backward": _best_us(hand_forward_backward, calls),
+        "optimizer step": _best_us(opt.step, calls),
+        "zero_grad": _best_us(lambda: opt.zero_grad(set_to_none=True), calls),
+        "ema update (torch._foreach_lerp_)": _best_us(
+            lambda: torch._foreach_lerp_(ema, [p.detach().float() for p in params], 0.001), calls),
+    }
+    rec.close()
+    del trainer
+    return {"pimm": pimm, "hand": hand}
+
+
+def compare(cfg, hand_metrics: bool, repeats: int, steps: int, scratch: Path, tag: str) -> dict:
+    """Alternated repeats of pimm (with a run directory) and the hand loop; medians (ms)."""
+    feat: dict[str, list[float]] = {"pimm": [], "hand": [], "pimm_wall": [], "hand_wall": [], "pimm_cpu": [],
+                                    "hand_cpu": []}
+    for repeat in range(repeats + 1):
+        run_dir = scratch / f"{tag}-run{repeat}"
+        fp, fpw = run_pimm(cfg, run_dir)
+        fh, fhw = run_hand(cfg, scratch / f"{tag}-hand{repeat}.jsonl" if hand_metrics else None)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if repeat == 0:
+            continue  # warm-up
+        feat["pimm_cpu"] += intervals(CPU[-2])
+        feat["hand_cpu"] += intervals(CPU[-1])
+        feat["pimm"] += fp
+        feat["hand"] += fh
+        feat["pimm_wall"].append(fpw / steps)
+        feat["hand_wall"].append(fhw / steps)
+    fp_ms, fh_ms = statistics.median(feat["pimm"]) * 1e3, statistics.median(feat["hand"]) * 1e3
+    fpw_ms, fhw_ms = statistics.median(feat["pimm_wall"]) * 1e3, statistics.median(feat["hand_wall"]) * 1e3
+    pc, hc = statistics.median(feat["pimm_cpu"]) * 1e3, statistics.median(feat["hand_cpu"]) * 1e3
+    return {"pimm_step_ms": round(fp_ms, 3), "hand_step_ms": round(fh_ms, 3), "ratio": round(fp_ms / fh_ms, 4),
+            "pimm_wall_per_step_ms": round(fpw_ms, 3), "hand_wall_per_step_ms": round(fhw_ms, 3),
+            "wall_ratio": round(fpw_ms / fhw_ms, 4),
+            # CPU time between consecutive steps (the process's, every thread): the load moves it far less
+            "pimm_cpu_step_ms": round(pc, 3), "hand_cpu_step_ms": round(hc, 3), "cpu_ratio": round(pc / hc, 4),
+            "pimm_cpu_step_ms_mean": round(statistics.mean(feat["pimm_cpu"]) * 1e3, 3),
+            "hand_cpu_step_ms_mean": round(statistics.mean(feat["hand_cpu"]) * 1e3, 3)}
+
+
 def machine() -> dict:
     cpu = platform.processor() or platform.machine()
     try:
@@ -140,7 +277,14 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--log-every", type=int, default=10, help="train.log_every_steps of the with_features comparison")
     ap.add_argument("--no-features", action="store_true", help="skip the with_features comparison")
+    ap.add_argument("--small-steps", type=int, default=300, help="optimizer steps per repeat of the small_model row")
+    ap.add_argument("--part-calls", type=int, default=300, help="calls per round of each part in parts_us")
+    ap.add_argument("--no-small", action="store_true", help="skip the small_model row")
+    ap.add_argument("--no-large", action="store_true", help="only the small_model row")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     warnings.filterwarnings("ignore")
     logging.getLogger("pimm").setLevel(logging.WARNING)
@@ -165,7 +309,21 @@ def main() -> None:
     hand_steps: list[float] = []
     pimm_walls: list[float] = []
     hand_walls: list[float] = []
-    for repeat in range(args.repeats + 1):
+    small = None
+    if not args.no_small:
+        small_cfg = load_config(REPO / "configs" / "digits.toml", [
+            "data.num_workers=0", "train.epochs=1000", f"train.max_steps={args.small_steps}", "train.grad_clip=0",
+            "train.scheduler=constant", "train.warmup_steps=0", "train.amp=none", "train.device=cpu",
+            "eval.every_epochs=0", "checkpoint.every_epochs=0", "checkpoint.every_steps=0",
+            "ema.enabled=true", f"train.log_every_steps={args.log_every}",
+        ])
+        small = {**compare(small_cfg, True, args.repeats, args.small_steps, scratch, "small"),
+                 "model": {"name": small_cfg.model.name, "hidden": small_cfg.model.hidden,
+                           "params": sum(p.numel() for p in build_model(small_cfg.model, 64, (1, 8, 8), 10).parameters())},
+                 "batch_size": small_cfg.data.batch_size, "log_every_steps": args.log_every,
+                 "features": ["ema", "metrics.jsonl + status.json", "stop agreement (control/stop poll)", "progress"],
+                 "parts_us": parts_us(small_cfg, scratch / "parts", args.part_calls)}
+    for repeat in range(0 if args.no_large else args.repeats + 1):
         p, pw = run_pimm(cfg)
         h, hw = run_hand(cfg)
         if features is not None:
@@ -186,6 +344,11 @@ def main() -> None:
             feat["hand_wall"].append(fhw / args.steps)
     shutil.rmtree(scratch, ignore_errors=True)
 
+    if args.no_large:
+        print(json.dumps({"small_model": small, "machine": {
+            **machine(), "load_average_start": load_start,
+            "load_average_end": [round(x, 2) for x in os.getloadavg()]}}, indent=2))
+        return
     pimm_ms = statistics.median(pimm_steps) * 1e3
     hand_ms = statistics.median(hand_steps) * 1e3
     with_features = None
@@ -214,6 +377,7 @@ def main() -> None:
                   "params": sum(p.numel() for p in build_model(cfg.model, 64, (1, 8, 8), 10).parameters())},
         "batch_size": cfg.data.batch_size,
         "with_features": with_features,
+        "small_model": small,
         "machine": {**machine(), "load_average_start": load_start, "load_average_end": [round(x, 2) for x in os.getloadavg()]},
     }, indent=2))
 

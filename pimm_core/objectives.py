@@ -113,11 +113,15 @@ class Objective:
         step: ``(model, batch) -> (loss, {metric: value})`` (see the module docstring).
         derived: ``means -> {metric: value}``: metrics computed from the reduced means
             (e.g. perplexity from the mean loss); ``None``: none.
+        train_loss: ``(model, batch) -> loss``: the loss alone, the same value ``step``
+            returns first, for training steps, which read no metric (the built-ins skip
+            their accuracy and the like there); ``None``: ``step``'s, its metrics unused.
     """
 
     name: str
     step: Callable[[nn.Module, Any], tuple[torch.Tensor, Mapping[str, Any]]]
     derived: Callable[[dict[str, float]], dict[str, float]] | None = None
+    train_loss: Callable[[nn.Module, Any], Any] | None = None
 
     def _bad(self, what: str) -> ConfigError:
         return ConfigError(f'objective = "{self.name}": {what}')
@@ -149,6 +153,21 @@ class Objective:
             pairs[name] = (s if is_pair else s * c, c.detach() if isinstance(c, torch.Tensor) else c)
         return loss, pairs
 
+    def loss(self, model: nn.Module, batch: Any) -> Loss:
+        """A training step's :class:`Loss` of ``batch``: :attr:`train_loss`, else ``step``'s loss
+        (its metrics are not read: evaluation checks and reduces them).
+
+        Raises:
+            ConfigError: the step returned something other than ``(loss, {metric: value})``, or
+                a loss that is neither a scalar tensor nor a ``(sum, count)`` pair.
+        """
+        if self.train_loss is not None:
+            return self._loss(self.train_loss(model, batch))
+        out = self.step(model, batch)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], Mapping)):
+            raise self._bad(f"must return (loss, {{metric: value}}), got {type(out).__name__}")
+        return self._loss(out[0])
+
     def _loss(self, loss: Any) -> Loss:
         """The step's loss as a :class:`Loss`: a scalar tensor (a mean) or a ``(sum, count)`` pair."""
         if isinstance(loss, torch.Tensor):
@@ -168,7 +187,10 @@ class Objective:
         if isinstance(count, torch.Tensor):
             if count.numel() != 1:
                 raise self._bad(f"the loss count must be a number, got shape {tuple(count.shape)}")
-            count = count.detach().reshape(())
+            if count.requires_grad:  # (each op costs at a small model: only those that change something)
+                count = count.detach()
+            if count.dim():
+                count = count.reshape(())
         elif isinstance(count, bool) or not isinstance(count, (int, float)):
             raise self._bad(f"the loss count must be an int or a 0-d tensor, got {type(count).__name__}")
         return Loss(total, count)
@@ -227,6 +249,14 @@ def classification(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str
     return (loss, n), {"loss": (total, n), "acc": (correct, n)}
 
 
+def classification_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`classification`'s loss alone, ``(sum, count)``: the same ops, without the metrics
+    (a training step reads none; at a small model they cost as much as the forward)."""
+    x, y = _inputs_targets("classification", batch)
+    logits = logits_of("classification", model(x))
+    return F.cross_entropy(logits, y, reduction="sum", ignore_index=IGNORE_INDEX), (y != IGNORE_INDEX).sum()
+
+
 def regression(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Pair]]:
     """Mean squared error of ``model(inputs)`` against float targets (see module docstring)."""
     x, y = _inputs_targets("regression", batch)
@@ -282,7 +312,7 @@ def _perplexity(means: dict[str, float]) -> dict[str, float]:
 
 #: The built-in objectives by ``objective`` name.
 BUILTIN: dict[str, Objective] = {
-    "classification": Objective("classification", classification),
+    "classification": Objective("classification", classification, train_loss=classification_loss),
     "regression": Objective("regression", regression),
     "language_modeling": Objective("language_modeling", language_modeling, _perplexity),
 }

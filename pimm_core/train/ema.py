@@ -47,6 +47,7 @@ class EMA:
         """Start the average over from ``model``'s current parameters (after a warm start, or
         a resume from a checkpoint without EMA weights)."""
         self.updates = 0
+        self._params: tuple[nn.Module, list[tuple[list[torch.Tensor], list[torch.Tensor], bool]]] | None = None  # update()'s lists
         # named_parameters() drops duplicates by identity: a tied tensor is averaged once
         self.shadow = {n: p.detach().float().clone() for n, p in model.named_parameters()}
         # every name of each averaged tensor, canonical first: a saved set is read by any of them
@@ -61,19 +62,24 @@ class EMA:
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        """Fold the model's current parameters into the average (call after each optimizer step)."""
+        """Fold the model's current parameters into the average (call after each optimizer step).
+
+        The parameter objects are looked up once per ``model`` (like the optimizer, the average
+        follows the parameters it was made from, updated in place; :meth:`restart` after replacing
+        them): a walk of the module tree per step costs more than the update at a small model.
+        """
         d = self.current_decay()
-        names = list(self.shadow)
-        params = dict(model.named_parameters())
-        groups: dict[Any, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for n in names:  # one foreach per kind of tensor: plain, or DTensors of one mesh and layout (TP, FSDP)
-            p = params[n]
-            kind = (getattr(p, "device_mesh", None), getattr(p, "placements", None))
-            ema, cur = groups.setdefault(kind, ([], []))
-            ema.append(self.shadow[n])
-            cur.append(p.detach().float())
-        for ema, cur in groups.values():  # (elementwise: the same values however grouped)
-            torch._foreach_lerp_(ema, cur, 1.0 - d)
+        if self._params is None or self._params[0] is not model:
+            params = dict(model.named_parameters())
+            groups: dict[Any, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+            for n in self.shadow:  # one foreach per kind of tensor: plain, or DTensors of one mesh and layout (TP, FSDP)
+                p = params[n]
+                ema, cur = groups.setdefault((getattr(p, "device_mesh", None), getattr(p, "placements", None)), ([], []))
+                ema.append(self.shadow[n])
+                cur.append(p)
+            self._params = (model, [(ema, cur, all(p.dtype == torch.float32 for p in cur)) for ema, cur in groups.values()])
+        for ema, cur, fp32 in self._params[1]:  # (elementwise: the same values however grouped)
+            torch._foreach_lerp_(ema, cur if fp32 else [p.detach().float() for p in cur], 1.0 - d)
         self.updates += 1
 
     def parameters_for(self, model: nn.Module) -> dict[str, torch.Tensor]:

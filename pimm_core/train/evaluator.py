@@ -25,8 +25,8 @@ from .parallel import is_fsdp, reshard
 
 def to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor in it (through tuples, lists and dicts) moved to ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+    if isinstance(batch, torch.Tensor):  # (already there: no dispatch, a CPU run's every batch)
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, (tuple, list)):
         return type(batch)(to_device(b, device) for b in batch)
     if isinstance(batch, dict):

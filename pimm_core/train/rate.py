@@ -13,9 +13,8 @@ The log line, ``metrics.jsonl`` and the console (which reads ``metrics.jsonl``) 
 
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 
 class StepClock:
@@ -41,17 +40,9 @@ class StepClock:
         self._samples += samples
         self._steps += steps
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Time spent inside is not training time (evaluation, checkpoint saving)."""
-        self._depth += 1
-        started = self.clock()
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if self._depth == 0:
-                self._excluded += self.clock() - started
+    def paused(self) -> "_Paused":
+        """A context in which time spent is not training time (evaluation, checkpoint saving)."""
+        return _Paused(self)
 
     def take(self) -> tuple[float, float]:
         """``(samples_per_s, steps_per_s)`` since the previous take (or :meth:`start`), then count anew.
@@ -64,3 +55,22 @@ class StepClock:
         rates = (self._samples / seconds, self._steps / seconds) if seconds > 0 else (0.0, 0.0)
         self._mark, self._excluded, self._samples, self._steps = now, 0.0, 0, 0
         return rates
+
+
+class _Paused:
+    """:meth:`StepClock.paused` (a class, not a generator: it wraps every step's due-save check)."""
+
+    __slots__ = ("c", "started")
+
+    def __init__(self, clock: StepClock):
+        self.c = clock
+
+    def __enter__(self) -> None:
+        self.c._depth += 1
+        self.started = self.c.clock()
+
+    def __exit__(self, *exc: object) -> None:
+        c = self.c
+        c._depth -= 1
+        if c._depth == 0:  # nested paused() spans count once
+            c._excluded += c.clock() - self.started

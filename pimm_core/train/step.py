@@ -13,6 +13,7 @@ steps the optimizer through the AMP GradScaler, clears the gradients and updates
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -44,6 +45,36 @@ def check_finite(model: nn.Module, step: int) -> None:
             raise TrainingError(f"the weights are not finite after step {step} ({name} holds "
                                 "NaN or Inf); the run failed: resume from an earlier checkpoint with a lower "
                                 "train.lr, or start over")
+
+
+def _plain(grads: list[torch.Tensor]) -> bool:
+    """Every gradient a plain tensor on one CPU or CUDA device, in one dtype (the common case)."""
+    if not grads:
+        return False
+    device, dtype = grads[0].device, grads[0].dtype
+    return device.type in ("cpu", "cuda") and all(
+        type(g) is torch.Tensor and g.device == device and g.dtype == dtype for g in grads)
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of ``grads`` as one vector (0-d tensor): :func:`torch.nn.utils.get_total_norm`'s
+    ops (so its bits), without its per-call grouping and dispatch checks in the common case (at
+    a small model they cost as much as the norm); FSDP's DTensors, several devices or dtypes go
+    through it."""
+    if not _plain(grads):
+        return torch.nn.utils.get_total_norm(grads)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """:func:`torch.nn.utils.clip_grad_norm_` (L2; its ops, so its bits) with :func:`total_norm`'s
+    fast path; returns the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not _plain(grads):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norm = total_norm(grads)
+    torch._foreach_mul_(grads, torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0))
+    return norm
 
 
 def _beating(batches: Iterable) -> Iterator[Any]:
@@ -108,6 +139,7 @@ class WindowStep:
         self.autocast, self.distributed, self.objective, self.before_step = autocast, distributed, objective, before_step
         self.grad_norm: torch.Tensor | None = None
         self.before_forward = before_forward
+        self._param_list: list[nn.Parameter] | None = None
         self.average = WindowAverage(torch.device("cpu"), distributed)  # windows() puts it on the step's device
 
     def windows(self, batches: Iterable, state: TrainState, micro_batches: int,
@@ -129,6 +161,7 @@ class WindowStep:
         """
         accum = self.train.grad_accum
         self.average = WindowAverage(device, self.distributed)
+        self._param_list = None
         window_start, samples = state.iter, 0  # windows run from where this epoch continues
         for batch in _beating(batches):
             batch = to_device(batch, device)
@@ -141,7 +174,7 @@ class WindowStep:
             samples += batch_size(batch)
             if not last_in_window:
                 continue
-            window_loss = self.average.finish(self.model.parameters())  # gradients divided before clipping
+            window_loss = self.average.finish(self._params())  # gradients divided before clipping
             yield self.finish(), window_loss, samples
             window_start, samples = state.iter, 0
 
@@ -161,7 +194,7 @@ class WindowStep:
                 frozen mid-run, a branch not taken) and ``train.find_unused_parameters`` is off.
         """
         try:
-            return self.objective(self.model, batch)[0]
+            return self.objective.loss(self.model, batch)
         except RuntimeError as e:
             if "Expected to have finished reduction in the prior iteration" not in str(e):
                 raise
@@ -179,20 +212,27 @@ class WindowStep:
         ``amp = "fp16"`` the GradScaler's own skip-and-rescale handles overflow instead.
         """
         t = self.train
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self._params() if p.grad is not None]
         self.scaler.unscale_(self.optimizer)  # (a no-op without loss scaling) the norm is of the true gradients
         if mixed_grads(params):  # TP: DTensors of several meshes and plain tensors
             norm = clip_grad_norm_(params, t.grad_clip)
         elif t.grad_clip:
-            norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)  # the norm before clipping
+            norm = clip_grad_norm(params, t.grad_clip)  # the norm before clipping
         else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            norm = total_norm([p.grad for p in params])
         if hasattr(norm, "full_tensor"):  # FSDP: a DTensor over the shards; full_tensor() reduces it
             norm = norm.full_tensor()
         self.grad_norm = norm.detach()  # logged as grad_norm (read only when a record is written)
         if t.on_nonfinite == "continue" or self.scaler.is_enabled():
             return True
-        return bool(torch.isfinite(norm))
+        return math.isfinite(norm.item())  # (one host read, as bool() of the tensor was)
+
+    def _params(self) -> list[nn.Parameter]:
+        """The model's parameters, listed once per :meth:`windows` call (like the optimizer's, they
+        are updated in place; a walk of the module tree per step costs as much as a small model's step)."""
+        if self._param_list is None:
+            self._param_list = list(self.model.parameters())
+        return self._param_list
 
     def finish(self) -> str:
         """End the window: :data:`APPLIED`, :data:`SKIPPED` (non-finite, ``on_nonfinite = "skip"``)

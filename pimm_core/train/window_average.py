@@ -31,6 +31,7 @@ count, issued between the first forward and its backward, with no host synchroni
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -67,9 +68,13 @@ class WindowAverage:
     def start(self) -> None:
         """A new window begins."""
         self.per_sample: bool | None = None  # set by the window's first micro-batch
-        self.scale: torch.Tensor | None = None  # K (float64, 0-d, on device)
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.count = torch.zeros((), dtype=torch.float64, device=self.device)
+        # On the host (one process, counts on the CPU or plain numbers): K and the counts are Python
+        # floats, the same float64 arithmetic without a dozen tiny tensor ops per micro-batch (at a
+        # small model they cost as much as the forward). Elsewhere tensors on ``device``: no sync.
+        self.host: bool | None = None
+        self.scale: torch.Tensor | float | None = None  # K (float64 0-d on device, or a float on the host)
+        self.loss_sum: torch.Tensor | None = None  # float64, 0-d; from the window's first micro-batch
+        self.count: torch.Tensor | float = 0.0
 
     def to_backward(self, loss: Loss, *, window_len: int) -> torch.Tensor:
         """The tensor to backpropagate for one micro-batch of a window of ``window_len``.
@@ -86,11 +91,20 @@ class WindowAverage:
                               "for another; return the same form for every batch (docs/objectives.md)")
         if not per_sample:  # a mean: the window averages its micro-batches' means
             out = loss.value / window_len
-            self.loss_sum += out.detach().double()
+            self._add_loss(out.detach().double())
             return out
-        count = _as_tensor(loss.count, self.device)
-        self.loss_sum += loss.value.detach().double()
-        self.count += count
+        count = loss.count
+        if self.host is None:
+            self.host = not self.distributed and (not isinstance(count, torch.Tensor) or count.device.type == "cpu")
+        self._add_loss(loss.value.detach().double())
+        if self.host:
+            count = float(count)  # (a CPU tensor, or a number: no device sync)
+            self.count += count
+            if self.scale is None:  # the window's first micro-batch: K, as below in float64
+                self.scale = 2.0 ** -round(math.log2(max(count * window_len, 1.0)))
+            return loss.value * self.scale  # (a power of two: exact, as the tensor K's product)
+        count = _as_tensor(count, self.device)
+        self.count = self.count + count if isinstance(self.count, torch.Tensor) else count.clone()
         if self.scale is None:  # the window's first micro-batch: K, the same on every rank
             first = count.clone()
             if self.distributed:
@@ -98,32 +112,52 @@ class WindowAverage:
             self.scale = torch.exp2(-torch.round(torch.log2(torch.clamp(first * window_len, min=1.0))))
         return loss.value * self.scale.to(loss.value.dtype)
 
+    def _add_loss(self, value: torch.Tensor) -> None:
+        self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+
     def finish(self, params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
         """At the window's end, after its last backward: divide the gradients by the window's total
         count (a per-sample window) and return the window's loss (0-d tensor; per counted item over
         every rank, or this rank's mean of micro-batch means). A window with no counted item gets a
         zero gradient and a logged loss of 0."""
+        loss_sum = self.loss_sum if self.loss_sum is not None else torch.zeros((), dtype=torch.float64,
+                                                                               device=self.device)
         if not self.per_sample:
-            loss = self.loss_sum.float()
             self.start()
-            return loss
-        totals = torch.stack([self.loss_sum, self.count])
+            return loss_sum.float()
+        if self.host:
+            n = self.count
+            # the same float64 arithmetic as the tensors' below; a factor of 1 (full windows of a
+            # power-of-two count) changes no gradient bit and is skipped
+            factor = _world_size() / (self.scale * max(n, 1.0)) if n > 0 else 0.0
+            if factor != 1.0:
+                _scale_grads(params, factor)
+            self.start()
+            return (loss_sum / max(n, 1.0)).float()
+        totals = torch.stack([loss_sum, self.count if isinstance(self.count, torch.Tensor)
+                              else torch.zeros((), dtype=torch.float64, device=self.device)])
         if self.distributed:
             dist.all_reduce_sum(totals)
         total, n = totals[0], totals[1]
         safe_n = torch.clamp(n, min=1.0)
         # DDP and FSDP averaged the ranks' gradients: the sum over ranks is W times that
         factor = torch.where(n > 0, _world_size() / (self.scale * safe_n), torch.zeros_like(n))
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for p in params:
-            if p.grad is not None:
-                groups.setdefault((p.grad.device, p.grad.dtype, hasattr(p.grad, "full_tensor")), []).append(p.grad)
-        for (device, dtype, sharded), grads in groups.items():
-            f = factor.to(device=device, dtype=dtype)
-            if sharded:  # FSDP's DTensors: one multiply each (each applies to the local shard)
-                for g in grads:
-                    g.mul_(f)
-            else:
-                torch._foreach_mul_(grads, f)
+        _scale_grads(params, factor)
         self.start()
         return (total / safe_n).float()
+
+
+def _scale_grads(params: Iterable[torch.nn.Parameter], factor: torch.Tensor | float) -> None:
+    """Multiply every gradient by ``factor`` (rounded to the gradient's dtype first, as a tensor)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault((p.grad.device, p.grad.dtype, hasattr(p.grad, "full_tensor")), []).append(p.grad)
+    for (device, dtype, sharded), grads in groups.items():
+        f = factor.to(device=device, dtype=dtype) if isinstance(factor, torch.Tensor) else \
+            torch.tensor(factor, device=device, dtype=dtype)
+        if sharded:  # FSDP's DTensors: one multiply each (each applies to the local shard)
+            for g in grads:
+                g.mul_(f)
+        else:
+            torch._foreach_mul_(grads, f)

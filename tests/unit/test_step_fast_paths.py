@@ -1,0 +1,109 @@
+"""The small-model step's fast paths give the bits of the general ones: the lean gradient norm and
+clipping are torch's, the training loss of the built-in classification is its evaluation loss, the
+host-side window average matches the device-side one, and the EMA follows its parameters."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pimm_core.config import TrainConfig
+from pimm_core.train.ema import EMA
+from pimm_core.objectives import BUILTIN, Objective, classification, classification_loss
+from pimm_core.train.state import TrainState
+from pimm_core.train.step import WindowStep, clip_grad_norm, total_norm
+from pimm_core.train.window_average import WindowAverage
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _with_grads(scale: float) -> nn.Module:
+    net = _net()
+    torch.manual_seed(1)
+    (net(torch.randn(9, 6) * scale) ** 2).sum().backward()
+    return net
+
+
+def test_total_norm_and_clipping_are_torch_bit_for_bit():
+    for scale in (1e-3, 1.0, 1e3):
+        net = _with_grads(scale)
+        grads = [p.grad for p in net.parameters()]
+        assert torch.equal(total_norm(grads), torch.nn.utils.get_total_norm(grads))
+        for max_norm in (1e-3, 1.0, 1e9):
+            ours, theirs = copy.deepcopy(net), copy.deepcopy(net)
+            for a, b, p in zip(ours.parameters(), theirs.parameters(), net.parameters()):
+                a.grad, b.grad = p.grad.clone(), p.grad.clone()
+            assert torch.equal(clip_grad_norm(list(ours.parameters()), max_norm),
+                               torch.nn.utils.clip_grad_norm_(list(theirs.parameters()), max_norm))
+            assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters()))
+
+
+def test_mixed_dtypes_go_through_torch():
+    grads = [torch.ones(3), torch.ones(2, dtype=torch.float64)]
+    assert torch.equal(total_norm(grads), torch.nn.utils.get_total_norm(grads))
+
+
+def test_the_training_loss_is_the_objectives_loss_without_its_metrics():
+    net, x = _net(), torch.randn(5, 6)
+    y = torch.tensor([0, 1, -100, 3, 2])
+    (loss, n), metrics = classification(net, (x, y))
+    total, count = classification_loss(net, (x, y))
+    assert torch.equal(total, loss) and int(count) == int(n) == 4 and "acc" in metrics
+    got = BUILTIN["classification"].loss(net, (x, y))
+    assert torch.equal(got.value, loss) and int(got.count) == 4
+    # a user objective's step is called once per training batch; its metrics are not read there
+    calls = []
+
+    def step(model, batch):
+        calls.append(1)
+        return F.cross_entropy(model(batch[0]), batch[1]), {"never_reduced": object()}
+    y2 = torch.tensor([0, 1, 2, 3, 0])
+    got = Objective("user", step).loss(net, (x, y2))
+    assert torch.equal(got.value, F.cross_entropy(net(x), y2)) and got.count is None and calls == [1]
+
+
+def test_host_window_average_gives_the_device_path_bits():
+    """Windows of 4+3 and a 5 (counts not powers of two): the Python-float path of one process
+    against the tensor path it replaces there (forced through ``host = False``)."""
+    torch.manual_seed(2)
+    x, y = torch.randn(12, 6), torch.randint(0, 4, (12,))
+    batches = [(x[:4], y[:4]), (x[4:7], y[4:7]), (x[7:], y[7:])]
+    nets = []
+    for host in (True, False):
+        net = _net()
+        avg = WindowAverage(torch.device("cpu"), False)
+        losses = []
+        for window in (batches[:2], batches[2:]):
+            for b in window:
+                avg.host = host if host is False else None
+                avg.to_backward(BUILTIN["classification"].loss(net, b), window_len=len(window)).backward()
+            assert avg.host is host
+            losses.append(avg.finish(net.parameters()))
+        nets.append(([p.grad.clone() for p in net.parameters()], losses))
+    (g1, l1), (g2, l2) = nets
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+    assert all(torch.equal(a, b) and a.dtype == b.dtype == torch.float32 for a, b in zip(l1, l2))
+
+
+def test_ema_follows_the_parameters_it_was_made_from():
+    net = _net()
+    ema = EMA(net, 0.5, warmup=False)
+    step = WindowStep(net, torch.optim.SGD(net.parameters(), lr=0.1), torch.amp.GradScaler("cpu", enabled=False),
+                      ema, TrainConfig(grad_accum=1, grad_clip=None), autocast=contextlib.nullcontext,
+                      distributed=False)
+    torch.manual_seed(3)
+    batches = [(torch.randn(4, 6), torch.randint(0, 4, (4,))) for _ in range(3)]
+    expected = {n: p.detach().clone() for n, p in net.named_parameters()}
+    for _ in step.windows(batches, TrainState(), len(batches), torch.device("cpu")):
+        for n, p in net.named_parameters():
+            expected[n] = 0.5 * expected[n] + 0.5 * p.detach()
+    for n, avg in ema.shadow.items():
+        assert torch.allclose(avg, expected[n], atol=1e-7, rtol=0)
+    assert any(not torch.equal(avg, p) for avg, p in zip(ema.shadow.values(), net.parameters()))
