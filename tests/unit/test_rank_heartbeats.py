@@ -154,3 +154,21 @@ def test_the_launcher_names_the_stuck_rank_when_the_ranks_were_aborted(tmp_path:
     code, line = _failure_report(failures, {}, tmp_path)
     assert code == 1 and line.startswith("error: rank 0 was killed by SIGABRT; rank 1 made no progress for 600 s "
                                          "(phase data, step 9); the run stopped"), line
+
+
+def test_rank_0_checks_control_stop_every_tenth_of_a_second_as_documented(tmp_path: Path):
+    """`pimm stop` used to let ~30 more steps run: rank 0 looked at control/stop once a second. The bound
+    docs/stop-resume.md gives (0.1 s) is the poll interval the trainer uses."""
+    import torch
+
+    from pimm_core.stop import StopRequest, write_stop_file
+    from pimm_core.train.stop_agreement import StopAgreement
+
+    agreement = StopAgreement(StopRequest(), DistInfo(0, 1, 0), tmp_path, torch.device("cpu"))
+    assert agreement.poll_every_s == 0.1
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "stop-resume.md").read_text()
+    assert "rank 0 checks it every 0.1 s" in doc
+    assert agreement.agree() is None  # polled: nothing asked
+    write_stop_file(tmp_path, "operator")
+    agreement._last_poll -= agreement.poll_every_s  # the interval has passed
+    assert agreement.agree() == "operator"
