@@ -90,3 +90,29 @@ def test_the_dry_run_warns_that_more_epochs_on_a_finished_run_move_the_lr_horizo
             f"ends)") in dry.stdout, dry.stdout
     same = pimm_here("resume", str(trained_run.run_dir), "--dry-run", "--", f"train.epochs={epochs}")
     assert "horizon" not in same.stdout, same.stdout
+
+
+def test_a_snapshot_the_retention_dropped_before_a_crash_is_removed_remotely_by_the_next_session(
+        tmp_path: Path) -> None:
+    """The local retention removed iter_10.pth, then the process died before the mirror removed it from the
+    remote (the state is made by removing it locally by hand). The next session's mirror removes it once
+    model/ holds checkpoint.keep_iter newer snapshots; a remote snapshot newer than those (a later life of
+    the run on another node) stays."""
+    remote = tmp_path / "shared"
+    root, run = tmp_path / "exp", tmp_path / "exp" / "digits" / "s"
+    common = ("train.epochs=1", "checkpoint.every_steps=10", "checkpoint.keep_iter=2", "eval.every_epochs=0",
+              f"checkpoint.remote=file://{remote}")
+    r = launch(root, "s", *common, "train.max_steps=20", here=True)
+    assert r.returncode == 0, describe(r)
+    model, mirror = run / "model", remote / "digits" / "s" / "model"
+    assert {p.name for p in mirror.glob("iter_*")} == {"iter_10.pth", "iter_10.pth.json", "iter_20.pth",
+                                                       "iter_20.pth.json"}
+    for name in ("iter_10.pth", "iter_10.pth.json"):
+        (model / name).unlink()  # what the retention did just before the crash
+    for suffix in ("", ".json"):  # a later life's snapshot, on the remote only
+        shutil.copy(mirror / f"iter_20.pth{suffix}", mirror / f"iter_90.pth{suffix}")
+    r = pimm_here("resume", str(run), "--", "train.max_steps=30")
+    assert r.returncode == 0, describe(r)
+    assert sorted(p.name for p in model.glob("iter_*.pth")) == ["iter_20.pth", "iter_30.pth"]
+    assert sorted(p.name for p in mirror.glob("iter_*.pth")) == ["iter_20.pth", "iter_30.pth", "iter_90.pth"]
+    assert not (mirror / "iter_10.pth.json").exists()
