@@ -81,8 +81,10 @@ def write_stack(run_dir: Path, rank: int, main: list[traceback.FrameSummary] | t
         if ident in (me, main_id):
             continue
         parts += [f"\nthread {names.get(ident, ident)} (most recent call last):\n", *traceback.format_stack(top)]
+    path = stack_file(run_dir, rank)
     try:
-        atomic_write_bytes(stack_file(run_dir, rank), "".join(parts).encode(errors="replace"), durable=False)
+        path.parent.mkdir(exist_ok=True)  # (a run whose heartbeat never started: ranks/ is not there yet)
+        atomic_write_bytes(path, "".join(parts).encode(errors="replace"), durable=False)
     except OSError:
         pass
     return frame

@@ -111,3 +111,20 @@ def test_too_few_steps_or_an_ended_rank_is_no_straggler(tmp_path: Path) -> None:
     assert [b.rank for b, _ in stragglers(read_rank_beats(tmp_path))] == [1]
     beats[1].close()  # phase end
     assert stragglers(read_rank_beats(tmp_path)) == []
+
+
+def _no_batch() -> None:
+    from pimm_core.data import DataTimeoutError
+
+    raise DataTimeoutError("rank 0: no batch from its 2 DataLoader workers in 5 s (data.timeout); ...")
+
+
+def test_a_data_timeout_writes_the_ranks_stack_and_names_its_frame(tmp_path: Path) -> None:
+    try:
+        _no_batch()
+    except Exception as e:
+        err = name_the_hang(e, tmp_path, DistInfo(0, 1, 0), 1.0, 3)
+    text = str(err)
+    assert text.startswith("rank 0: no batch from its 2 DataLoader workers in 5 s (data.timeout)"), text
+    assert f"; rank 0 waits in {__file__}:" in text and "in _no_batch;" in text, text
+    assert stacks.read_stack_frame(tmp_path, 0).endswith("in _no_batch")
