@@ -73,13 +73,14 @@ def requeue_if_asked(cfg: Config, run_dir: Path) -> int:
         signal.signal(sig, signal.SIG_IGN)
     try:
         done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=120)
+        why = None if done.returncode == 0 else (done.stderr or done.stdout).strip()
     except (OSError, subprocess.TimeoutExpired) as e:
-        print(f"error: train.requeue: scontrol requeue {job} failed: {e}; requeue the job yourself "
-              f"(scontrol requeue {job}) or resubmit it", file=sys.stderr)
-        return 1
-    if done.returncode != 0:
-        print(f"error: train.requeue: scontrol requeue {job} failed: {(done.stderr or done.stdout).strip()}; "
-              f"requeue the job yourself or resubmit it", file=sys.stderr)
-        return 1
+        why = str(e)
+    if why is not None:
+        # asked for (train.requeue = true): the job fails; by default: the clean stop stands, with a warning
+        kind, code = ("error: train.requeue", 1) if asked else ("warning: the default requeue (train.requeue unset)", 0)
+        print(f"{kind}: scontrol requeue {job} failed: {why}; requeue the job yourself (scontrol requeue {job}) "
+              "or resubmit it", file=sys.stderr)
+        return code
     print(f"requeued Slurm job {job}: it starts again and resumes with --train.auto-resume", flush=True)
     return 0
