@@ -14,9 +14,14 @@ The run directory is polled every millisecond:
   scheduler's grace period: torchrun kills ranks 30 s after SIGTERM by default, pimm gives
   them 600 s; Slurm ``KillWait`` after the time limit).
 
+With ``--via stop`` the stop is asked with ``pimm stop RUN`` instead (a real command process, the
+operator's way): ``to_save_start`` etc. count from the command's start, ``command`` is how long the
+command itself ran, and ``steps_after`` how many optimizer steps the run took between the command's
+start and the step it stopped at (``status.json`` is written at every step here).
+
 Prints one JSON object with the median of ``--repeats`` runs. Usage::
 
-    uv run python benchmarks/stop_latency.py [--repeats 3] [--nproc 2] [-- extra.overrides=...]
+    uv run python benchmarks/stop_latency.py [--repeats 3] [--nproc 2] [--via signal|stop] [-- extra.overrides=...]
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def one(nproc: int, extra: list[str], timeout: float = 600.0) -> dict:
+def one(nproc: int, extra: list[str], via: str = "signal", timeout: float = 600.0) -> dict:
     root = Path(tempfile.mkdtemp(prefix="pimm-stop-latency-"))
     run = root / "digits" / "b"
     cmd = [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(CONFIG), "--run.root", str(root),
@@ -77,7 +82,15 @@ def one(nproc: int, extra: list[str], timeout: float = 600.0) -> dict:
             time.sleep(0.01)
         pids = s["pids"]
         t0 = time.perf_counter()
-        os.kill(proc.pid, signal.SIGUSR1)
+        command = None
+        if via == "stop":
+            step0 = _status(run).get("step", 0)
+            subprocess.run([sys.executable, "-m", "pimm_core.cli", "stop", str(run)], cwd=REPO, env=env, check=True,
+                           stdout=subprocess.DEVNULL)
+            command = time.perf_counter() - t0
+        else:
+            step0 = s.get("step", 0)
+            os.kill(proc.pid, signal.SIGUSR1)
         save_start = published = ranks_gone = None
         while proc.poll() is None or any(_alive(p) for p in pids):
             now = time.perf_counter()
@@ -99,7 +112,8 @@ def one(nproc: int, extra: list[str], timeout: float = 600.0) -> dict:
         published = published or t_exit
         save_start = save_start or published
         return {"to_save_start": save_start - t0, "save": published - save_start, "to_published": published - t0,
-                "to_ranks_exited": (ranks_gone or t_exit) - t0, "to_exit": t_exit - t0, "stop_reason": final.get("stop_reason"), "step": final.get("step")}
+                "to_ranks_exited": (ranks_gone or t_exit) - t0, "to_exit": t_exit - t0, "stop_reason": final.get("stop_reason"), "step": final.get("step"),
+                "steps_after": final.get("step", 0) - step0, **({"command": command} if command is not None else {})}
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -111,13 +125,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--via", choices=("signal", "stop"), default="signal",
+                   help="SIGUSR1 to the launcher, or the `pimm stop RUN` command")
     p.add_argument("extra", nargs="*", help="config overrides (after --)")
     a = p.parse_args()
     load = load_average()
-    runs = [one(a.nproc, a.extra) for _ in range(a.repeats)]
-    out = {"benchmark": "stop_latency", "signal": "SIGUSR1", "world_size": a.nproc, "repeats": a.repeats,
-           **{f"{k}_s": r(median([x[k] for x in runs])) for k in ("to_save_start", "save", "to_published", "to_ranks_exited",
-                                                                  "to_exit")},
+    runs = [one(a.nproc, a.extra, a.via) for _ in range(a.repeats)]
+    keys = ("to_save_start", "save", "to_published", "to_ranks_exited", "to_exit") + (("command",) if a.via == "stop" else ())
+    out = {"benchmark": "stop_latency", "via": a.via, "signal": "SIGUSR1" if a.via == "signal" else None,
+           "world_size": a.nproc, "repeats": a.repeats,
+           **{f"{k}_s": r(median([x[k] for x in runs])) for k in keys},
+           "steps_after": median([x["steps_after"] for x in runs]),
            "runs": [{k: (r(v) if isinstance(v, float) else v) for k, v in x.items()} for x in runs],
            "machine": machine(load_at_start=load)}
     print(json.dumps(out, indent=2))

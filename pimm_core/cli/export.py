@@ -29,8 +29,9 @@ def export_cmd(
     fmt: Literal["safetensors", "bin"] = typer.Option("safetensors", "--format", help="File format."),
     force: bool = typer.Option(False, "--force", help="Replace OUT_DIR when it is a previous export."),
 ) -> None:
-    """Export a checkpoint's weights (model.safetensors or pytorch_model.bin, pimm_config.json, export.json);
-    a transformers model as its own save_pretrained writes it (config.json, weights, shards)."""
+    """Export a checkpoint's weights (model.safetensors or pytorch_model.bin, config.json: the training
+    config, export.json); a transformers model as its own save_pretrained writes it (its config.json,
+    weights, shards) with the training config as pimm_config.json."""
     import json
 
     from ..checkpoint.export.model_dir import EXPORT_JSON, export

@@ -72,6 +72,10 @@ def launch(
     from ..process.dist import under_launcher
 
     is_rank0 = not under_launcher() or os.environ.get("RANK", "0") == "0"
+    if auto_resume or resume or resume_from:
+        from ..launch.requeue import restart_resumes
+
+        restart_resumes()  # the job's command resumes: train.requeue unset may requeue it (Slurm)
     if auto_resume and not (resume or resume_from):
         cfg = auto_resume_cfg(cfg, resolve_run_dir(cfg, config), is_main=is_rank0 and not dry_run)
     if dry_run:
@@ -109,6 +113,9 @@ def resume(
 
     # The record is data: code is looked for in the recorded directories only for a config
     # target found nowhere else, and never in (or under) the run directory (targets.py).
+    from ..launch.requeue import restart_resumes
+
+    restart_resumes()  # (train.requeue unset may requeue a Slurm job that runs this command)
     mark_run_record(run_dir)
     add_search_dirs(recorded_search_path(run_dir))
     cfg = resume_config(run_dir, overrides or [])

@@ -44,9 +44,10 @@ KEY_HELP: dict[str, str] = {
     "train.blocks": "the model's repeated blocks (class names or a `pkg.mod:fn` target): FSDP units and activation-checkpointing units",
     "train.activation_checkpointing": "recompute each of `train.blocks`' activations in backward",
     "train.find_unused_parameters": "DDP: allow parameters without a gradient in a step (a layer frozen mid-run)",
-    "train.stop_signals": "signals that stop the run cleanly (save `last`, exit 0), e.g. add \"SIGUSR1\" for a scheduler",
+    "train.stop_signals": "signals that stop the run cleanly (save `last`, exit 0); inside a Slurm job SIGUSR1 too",
     "train.max_time": "wall-clock budget of one session (seconds or `HH:MM:SS`/`D-HH:MM:SS`): stop cleanly before it",
-    "train.requeue": "inside a Slurm job: `scontrol requeue` the job after a clean stop by a signal or the time limit",
+    "train.requeue": "inside a Slurm job: `scontrol requeue` the job after a clean stop by a signal or the time limit "
+                     "(unset: after SIGUSR1 or the time limit, when the job's command resumes)",
     # [data]
     "data.name": "built-in dataset (`digits`) when `data.target` is unset",
     "data.batch_size": "per-rank micro-batch size",

@@ -85,15 +85,16 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute each of train.blocks' activations in backward
     find_unused_parameters: bool = False  # DDP: allow parameters that get no gradient in a step (a layer frozen
     # mid-run, a branch not taken); costs a pass over the autograd graph each step
-    # signals that stop the run cleanly (save `last`, exit 0), on every rank; add the one a scheduler
-    # sends before its time limit, e.g. "SIGUSR1" for `sbatch --signal=B:USR1@60`
+    # signals that stop the run cleanly (save `last`, exit 0), on every rank; left as it is, inside a Slurm
+    # job ($SLURM_JOB_ID set) SIGUSR1 too (`sbatch --signal=B:USR1@60`); add the one another scheduler sends
     stop_signals: list[str] = field(default_factory=lambda: ["SIGINT", "SIGTERM", "SIGHUP"])
     # wall-clock budget of one session: seconds, or "HH:MM:SS" / "D-HH:MM:SS" like Slurm's --time; the
     # run stops cleanly with `last` saved before it (and before $SLURM_JOB_END_TIME); see docs/clusters-guide.md
     max_time: float | str | None = None
     # inside a Slurm job: after a clean stop by a signal or the time limit, `scontrol requeue` the job
-    # (it starts again under the same id; with --train.auto-resume it continues exactly)
-    requeue: bool = False
+    # (it starts again under the same id; with --train.auto-resume it continues exactly). Unset: inside a
+    # Slurm job whose command resumes (--train.auto-resume, pimm resume), after SIGUSR1 or the time limit
+    requeue: bool | None = None
 
 
 @dataclass

@@ -325,6 +325,10 @@ def _loader(ds: Any, cfg: DataConfig, info: DistInfo, seed: int, collate_fn: Cal
     return loader
 
 
+class DataTimeoutError(TrainingError):
+    """No batch from a rank's DataLoader workers within ``data.timeout`` (exit code 1)."""
+
+
 class TrainLoader(StatefulDataLoader):
     """A ``StatefulDataLoader`` whose worker failures are one line: a dataset the workers
     cannot receive is a :class:`ConfigError`, a batch not ready in ``data.timeout`` seconds a
@@ -357,7 +361,7 @@ class TrainLoader(StatefulDataLoader):
         if isinstance(error, RuntimeError) and self.timeout and "timed out" in str(error):
             if iterator is not None:
                 stop_workers(iterator)  # a stuck worker never exits by itself: the rank would hang at exit
-            return TrainingError(
+            return DataTimeoutError(
                 f"rank {self.rank}: no batch from its {self.num_workers} DataLoader workers in {self.timeout:g} s "
                 "(data.timeout); a worker is stuck or too slow in the dataset's __getitem__/collate_fn: fix it, "
                 "or raise data.timeout (0: wait forever)")

@@ -14,7 +14,7 @@ from ..faults import point
 from ..process.console_log import setup_logging
 from ..process.lock import follow_launcher, hold_run
 from ..process.shell import resume_command
-from ..process.stop import StopRequest, parse_signals, stop_signals
+from ..process.stop import StopRequest, configured_signals, parse_signals, stop_signals
 from ..run import LAUNCH_ENV, MODEL
 from .requeue import requeue_if_asked
 from .rundir import check_before_launch, claim, finished, resolve_run_dir, resume_source
@@ -27,7 +27,7 @@ def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = 
     ``leftovers_ok`` (``--train.auto-resume``): a model/ directory with nothing resumable
     in it does not stop a fresh start (rank 0 has moved it aside)."""
     with stop_signals() as stop:  # a stop asked from here on is kept for the trainer
-        stop.catch_only(parse_signals(cfg.train.stop_signals))  # the configured ones (validated with the config)
+        stop.catch_only(configured_signals(cfg.train.stop_signals))  # the configured ones (validated with the config)
         return _train_here(cfg, config_path, resume_from, leftovers_ok, stop)
 
 

@@ -11,7 +11,7 @@ from ..checkpoint.select.selection import fallback_warnings, select_resume
 from ..config import Config
 from ..errors import CheckpointError
 from ..run import MODEL
-from .rundir import check_before_launch, finished, resolve_run_dir, resume_source
+from .rundir import check_before_launch, finished_at, resolve_run_dir, resume_source
 
 
 def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, world_size: int) -> int:
@@ -55,9 +55,12 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
         fallbacks = fallback_warnings(cands, cand)
     else:
         cand, fallbacks = resolve_resume_path(source), []
-    _dry_check_resume(cand.path, model)
-    changed = _dry_optimizer_change(cfg, config_path, cand, model)
-    plan = plan_resume(cand.manifest or {}, world_size=world_size, strategy=cfg.train.strategy,
+    restored = _restored_from_remote(cfg, run_dir, cand) if Path(source) == run_dir / MODEL else None
+    if restored is None:
+        _dry_check_resume(cand.path, model)  # (a remote one's weights are matched once restored)
+    changed = _dry_optimizer_change(cfg, config_path, cand, model) if restored is None else None
+    manifest = restored[2] if restored is not None else (cand.manifest or {})
+    plan = plan_resume(manifest, world_size=world_size, strategy=cfg.train.strategy,
                        workers_per_rank=cfg.data.num_workers,
                        strict=cfg.resume_strict_state, grad_accum=cfg.train.grad_accum,
                        batch_size=cfg.data.batch_size, legacy=cand.format == "legacy",
@@ -70,17 +73,25 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
         raise CheckpointError(f"cannot resume from {cand.path}: {changed}; {structure_fix(Path(cand.path) / 'weights.pth')}",
                               exit_code=2)
     t = plan.topology
-    print(f"checkpoint: {cand.path} (step {cand.step}, epoch {cand.epoch}, iter {cand.iter})")
+    if restored is not None:  # the resume downloads it as model/last first: describe that one
+        url, reason, _ = restored
+        print(f"checkpoint: {url} (step {manifest.get('step')}, epoch {manifest.get('epoch')}, "
+              f"iter {manifest.get('iter')}), on the remote: the resume restores it as {run_dir / MODEL / 'last'}")
+    else:
+        print(f"checkpoint: {cand.path} (step {cand.step}, epoch {cand.epoch}, iter {cand.iter})")
     for w in fallbacks:
         print(f"warning: {w}")
     if cfg.checkpoint.remote and Path(source) == run_dir / MODEL:  # the restore's choice, nothing downloaded
         from ..checkpoint.remote.store import remote_choice
 
-        print(f"remote: {remote_choice(cfg.checkpoint.remote, cfg.checkpoint.remote_options, run_dir, cand).reason}")
-    later = later_checkpoints(cand) if Path(cand.path).parent.resolve() == (run_dir / MODEL).resolve() else []
+        reason = restored[1] if restored is not None else \
+            remote_choice(cfg.checkpoint.remote, cfg.checkpoint.remote_options, run_dir, cand).reason
+        print(f"remote: {reason}")
+    local_run = restored is None and Path(cand.path).parent.resolve() == (run_dir / MODEL).resolve()
+    later = later_checkpoints(cand) if local_run else []
     if later:
         print(f"branch: {describe_branch(cand, later, run_dir / MODEL / 'abandoned-<time>')}")
-    message = finished(cfg, cand.path, run_dir)
+    message = finished_at(cfg, manifest, run_dir)
     if message is not None:
         print(message)
         print("dry run: nothing was trained or written")
@@ -114,6 +125,8 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
         from ..data.global_order import running_stats_warning
 
         warnings += running_stats_warning(model)
+    horizon = horizon_moves(cfg, run_dir, manifest, plan)
+    warnings += [horizon] if horizon is not None else []
     for w in warnings:
         print(f"warning: {w}")
     note = best_starts_over(cfg, run_dir / MODEL)
@@ -121,6 +134,55 @@ def dry_run(cfg: Config, config_path: Path | None, resume_from: str | None, worl
         print(f"warning: {note}")
     print("dry run: nothing was trained or written")
     return 0
+
+
+def _restored_from_remote(cfg: Config, run_dir: Path, local) -> tuple[str, str, dict] | None:
+    """``(its URL, the choice's reason, its manifest)`` of the remote checkpoint the resume restores
+    over ``local`` (``checkpoint.remote`` newer than ``model/``'s), or None: the resume takes ``local``.
+    Only the manifest is read from the store."""
+    if not cfg.checkpoint.remote:
+        return None
+    from ..checkpoint.remote.store import remote_choice, remote_manifest, run_prefix
+
+    c = cfg.checkpoint
+    choice = remote_choice(c.remote, c.remote_options, run_dir, local)
+    if choice.remote is None:
+        return None
+    manifest = remote_manifest(c.remote, c.remote_options, run_dir, choice.remote.name)
+    if manifest is None:
+        return None
+    return f"{run_prefix(c.remote, run_dir)}/{choice.remote.name}", choice.reason, manifest
+
+
+def horizon_moves(cfg: Config, run_dir: Path, manifest: dict, plan) -> str | None:
+    """The warning the resume gives when its end differs from the horizon the run's LR schedule had
+    (:func:`pimm_core.train.resume.retarget_schedule`: more ``train.epochs`` on a finished run, a
+    new ``train.max_steps``), or None. The old horizon is ``status.json``'s ``total_steps``; the new
+    end is counted with its ``steps_per_epoch`` when the batching is the checkpoint's (else the line
+    says the horizon moves to where the resume ends)."""
+    from ..run import read_run_status
+    from ..train.state import TrainState, end_step
+
+    status = read_run_status(run_dir)
+    before, spe = status.total_steps, status.steps_per_epoch
+    t = cfg.train
+    if before is None or plan.step is None:
+        return None
+    same_batching = all(plan.topology.get(f"saved_{k}") == plan.topology.get(k)
+                        for k in ("world_size", "batch_size", "grad_accum"))
+    if spe and same_batching and not plan.iter:
+        state = TrainState(global_step=plan.step, epoch=plan.epoch, iter=0)
+        end = end_step(state, t, micro_batches=spe * t.grad_accum, steps_per_epoch=spe)
+        if end == before:
+            return None
+        where = f"step {end}"
+    elif t.epochs != status.epochs or (t.max_steps and t.max_steps != before):
+        where = "the step this resume ends at"
+    else:
+        return None
+    then = "stays constant" if t.scheduler == "constant" else f"decays to train.min_lr {t.min_lr:g} at {where}"
+    return (f"the LR schedule's horizon moves from step {before} to {where} (where this resume ends): the LR at "
+            f"step {plan.step} is kept and {then}")
 
 
 def best_starts_over(cfg: Config, model_dir: Path) -> str | None:

@@ -5,11 +5,13 @@ overwrite, a resume with nothing to resume, a finished run); ``--train.auto-resu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Iterator
 
 from ..checkpoint.select.resume_path import resolve_resume_path
 from ..checkpoint.select.selection import explain, list_candidates, select_resume
@@ -200,14 +202,40 @@ def restore_from_remote(cfg: Config, run_dir: Path) -> bool:
     Rank 0's node only (one node, or ``model/`` on a file system every node shares). A store
     that cannot be read is a warning: the run then resumes (or starts) as it would without a remote.
     """
+    if not cfg.checkpoint.remote:
+        return False
+    with _in_train_log(run_dir):  # the trainer's train.log is not open yet: these lines belong there too
+        return _restore_from_remote(cfg, run_dir)
+
+
+@contextlib.contextmanager
+def _in_train_log(run_dir: Path) -> Iterator[None]:
+    """The ``pimm`` log goes to ``run_dir/train.log`` too while inside (nothing when it cannot be
+    opened: the trainer reports a train.log it cannot write)."""
+    from ..run.log import log_handler
+
+    log = logging.getLogger("pimm")
+    try:
+        handler = log_handler(run_dir)
+    except (OSError, UsageError):
+        handler = None
+    if handler is not None:
+        log.addHandler(handler)
+    try:
+        yield
+    finally:
+        if handler is not None:
+            log.removeHandler(handler)
+            handler.close()
+
+
+def _restore_from_remote(cfg: Config, run_dir: Path) -> bool:
     from ..checkpoint.remote.choice import newest_complete, resume_choice
     from ..checkpoint.remote.store import RemoteError, download_newest, download_weights_files, open_store, remote_candidates, run_prefix
     from ..fsio import remove_tree
 
     c = cfg.checkpoint
     model = run_dir / MODEL
-    if not c.remote:
-        return False
     log = logging.getLogger("pimm")
     local = select_resume(model)[0]
     dest = model / "last.tmp"  # a save's temporary name: removed if a download is cut short
@@ -258,8 +286,11 @@ def finished(cfg: Config, source: str | None, run_dir: Path) -> str | None:
     the end this config sets (all epochs, or ``train.max_steps``); else None."""
     if source is None:
         return None
-    cand = resolve_resume_path(source)
-    m = cand.manifest or {}
+    return finished_at(cfg, resolve_resume_path(source).manifest or {}, run_dir)
+
+
+def finished_at(cfg: Config, m: dict, run_dir: Path) -> str | None:
+    """:func:`finished` for the checkpoint whose manifest is ``m`` (a remote one, too)."""
     state = read_run_status(run_dir).state  # None: no status.json (or a damaged one)
     if m.get("step") is None or not is_finished(m, epochs=cfg.train.epochs, max_steps=cfg.train.max_steps,
                                                 run_state=state):

@@ -20,6 +20,7 @@ from ..process.shell import PROGRAM_ENV, program, resume_command
 from ..process.stop import SIGNALS_ENV, StopRequest, parse_signals, signals_from_env, stop_signals
 from ..run import LAUNCH_ENV, STATUS, read_run_status
 from ..run.ranks import describe_lag, lagging_ranks, read_rank_beats
+from ..process.stop import configured_signals
 from ..targets import child_env
 from .forward import SignalForwarder
 from .options import LaunchOptions
@@ -48,7 +49,7 @@ def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOp
 
 def _spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOptions,
            worker_args: list[str] | None, leftovers_ok: bool, stop: StopRequest) -> int:
-    stop.catch_only(parse_signals(cfg.train.stop_signals))  # (validated with the config)
+    stop.catch_only(configured_signals(cfg.train.stop_signals))  # (validated with the config)
     run_dir = resolve_run_dir(cfg, config_path)
     check_before_launch(cfg, run_dir, leftovers_ok=leftovers_ok, config_path=config_path)
     single_node = opts.single_node()
@@ -76,7 +77,7 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
         worker_args = ["launch", *head, "--run.name", run_dir.name, "--run.no-timestamp", *sep, *tail]
     from torch.distributed.run import get_args_parser, run
 
-    signals = parse_signals(cfg.train.stop_signals)
+    signals = configured_signals(cfg.train.stop_signals)
     # several nodes: this agent passes stop signals on to its ranks (forward.py); one node:
     # torchrun's agent does, for its own four and train.stop_signals (e.g. a scheduler's SIGUSR1)
     forwarder = None if single_node or not SignalForwarder.available() else \

@@ -7,8 +7,9 @@ is saved, the final evaluation is skipped, and ``train()`` returns with
 communication happen in the training loop.
 
 A training process catches the stop signals (:data:`STOP_SIGNALS`: SIGINT, SIGTERM and
-SIGHUP, the terminal closing; ``train.stop_signals`` names others, e.g. the SIGUSR1 a scheduler
-sends before its time limit) from its very start (:func:`stop_signals`, entered by
+SIGHUP, the terminal closing; inside a Slurm job SIGUSR1 too, :func:`default_signals`;
+``train.stop_signals`` names others, e.g. the SIGUSR2 a scheduler sends before its time limit)
+from its very start (:func:`stop_signals`, entered by
 ``pimm launch``/``pimm resume`` before anything is imported or written), so a stop asked
 during start-up is kept and honoured: before the first step the run ends cleanly with
 the stop recorded and nothing saved; later, at the next step boundary.
@@ -63,13 +64,37 @@ def parse_signals(names: list[str] | tuple[str, ...]) -> tuple[signal.Signals, .
     return tuple(out)
 
 
+#: The environment variable that says the process runs inside a Slurm job.
+SLURM_JOB_ENV = "SLURM_JOB_ID"
+
+
+def default_signals() -> tuple[signal.Signals, ...]:
+    """:data:`STOP_SIGNALS`, and inside a Slurm job (``$SLURM_JOB_ID`` set) SIGUSR1 too: the signal
+    ``sbatch --signal=B:USR1@N`` sends before the time limit. Its default action ends the
+    process at once, nothing saved; as a stop signal, the run saves ``last`` and stops cleanly (and
+    ``train.requeue`` left unset requeues the job: :mod:`pimm_core.launch.requeue`)."""
+    return (*STOP_SIGNALS, signal.SIGUSR1) if os.environ.get(SLURM_JOB_ENV) else STOP_SIGNALS
+
+
+def configured_signals(names: list[str] | tuple[str, ...]) -> tuple[signal.Signals, ...]:
+    """The stop signals of ``train.stop_signals`` = ``names``: as named, except that the default list
+    (SIGINT, SIGTERM, SIGHUP, not set otherwise) means :func:`default_signals` (SIGUSR1 added
+    inside a Slurm job).
+
+    Raises:
+        ValueError: as :func:`parse_signals`.
+    """
+    signals = parse_signals(names)
+    return default_signals() if signals == STOP_SIGNALS else signals
+
+
 def signals_from_env() -> tuple[signal.Signals, ...]:
-    """:data:`SIGNALS_ENV`'s signals (set by the launcher for its ranks), else :data:`STOP_SIGNALS`."""
+    """:data:`SIGNALS_ENV`'s signals (set by the launcher for its ranks), else :func:`default_signals`."""
     text = os.environ.get(SIGNALS_ENV, "")
     try:
-        return parse_signals([n for n in text.split(",") if n.strip()]) or STOP_SIGNALS
+        return parse_signals([n for n in text.split(",") if n.strip()]) or default_signals()
     except ValueError:
-        return STOP_SIGNALS
+        return default_signals()
 
 
 def stop_file(run_dir: Path) -> Path:

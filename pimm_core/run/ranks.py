@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,13 @@ PHASES = ("start", "data", "forward/backward", "collective", "callback", "save",
 
 #: A rank with no progress for at least this long (seconds) can be named as lagging.
 LAG_MIN_S = 10.0
+
+#: A straggler's steps take at least this many times the median rank's (:func:`stragglers`)...
+STRAGGLER_RATIO = 1.5
+#: ...over this many of its latest optimizer steps (``work_s``)...
+STRAGGLER_WINDOW = 20
+#: ...and at least this much longer (seconds per step), so that noise in millisecond steps is not one.
+STRAGGLER_MIN_GAP_S = 0.005
 
 
 def rank_file(run_dir: Path, rank: int) -> Path:
@@ -57,6 +65,10 @@ class RankBeat:
     since: float | None = None
     progress: float | None = None
     updated: float | None = None
+    #: seconds per optimizer step this rank spends before it can communicate (waiting for its
+    #: batches and its forward passes), the mean of its last :data:`STRAGGLER_WINDOW` steps; None
+    #: before it has that many
+    work_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -70,7 +82,7 @@ class RankBeat:
         return cls(rank=rank, world_size=json_int(data.get("world_size")), pid=json_int(data.get("pid")),
                    host=text("host"), step=json_int(data.get("step")), phase=text("phase"), detail=text("detail"),
                    since=finite_number(data.get("since")), progress=finite_number(data.get("progress")),
-                   updated=finite_number(data.get("updated")))
+                   updated=finite_number(data.get("updated")), work_s=finite_number(data.get("work_s")))
 
     @property
     def doing(self) -> str:
@@ -160,3 +172,33 @@ def describe_lag(beat: RankBeat, now: float) -> str:
     step = f", step {beat.step}" if beat.step is not None else ""
     gone = "; its process is gone" if beat.gone() else ""
     return f"rank {beat.rank} made no progress{for_s} (phase {beat.doing}{step}){gone}"
+
+
+def stragglers(beats: list[RankBeat], *, ratio: float = STRAGGLER_RATIO) -> list[tuple[RankBeat, float]]:
+    """The ranks whose steps take at least ``ratio`` times the median rank's, over a window.
+
+    A step's own time is what a rank spends before it can communicate: waiting for its batches
+    and running its forward passes (``work_s``, the mean over its last :data:`STRAGGLER_WINDOW`
+    steps). The whole step cannot tell: the ranks wait for each other in its collectives (DDP's
+    gradient all-reduce), so each takes as long as the slowest. The median is the lower median of
+    the ranks that have a window (with two ranks, the faster one's); a straggler is also at least
+    :data:`STRAGGLER_MIN_GAP_S` slower per step. Ranks that ended are left out.
+
+    Returns:
+        ``(record, median work_s)`` of each straggler, slowest first.
+    """
+    timed = [b for b in beats if b.phase != "end" and b.work_s is not None]
+    if len(timed) < 2:
+        return []
+    median = statistics.median_low([b.work_s for b in timed])
+    slow = [b for b in timed if b.work_s >= ratio * median and b.work_s - median >= STRAGGLER_MIN_GAP_S]
+    return [(b, median) for b in sorted(slow, key=lambda b: -(b.work_s or 0.0))]
+
+
+def describe_straggler(beat: RankBeat, median: float) -> str:
+    """``rank 3 is a straggler: its steps take 2.1x the median rank's (batches and forward: 0.412 s vs
+    0.196 s per step over its last 20 steps)``."""
+    work = beat.work_s or 0.0
+    times = f"{work / median:.1f}x" if median > 0 else "far longer than"
+    return (f"rank {beat.rank} is a straggler: its steps take {times} the median rank's (batches and forward: "
+            f"{work:.3f} s vs {median:.3f} s per step over its last {STRAGGLER_WINDOW} steps)")

@@ -195,7 +195,7 @@ class Checkpointer:
 
                 c = self.config.checkpoint
                 self.uploader = Uploader(c.remote, c.remote_options, checkpoint_dir,
-                                         run_prefix(c.remote, checkpoint_dir.parent))
+                                         run_prefix(c.remote, checkpoint_dir.parent), keep_iter=c.keep_iter)
 
     def _upload(self) -> None:
         """Rank 0: what was just published is also uploaded to ``checkpoint.remote`` (in the background)."""

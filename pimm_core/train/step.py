@@ -23,7 +23,7 @@ from ..checkpoint.tensors.state import unwrap
 from ..config import TrainConfig
 from ..errors import ConfigError, TrainingError
 from ..objectives import BUILTIN, Loss, Objective, batch_size
-from ..run.heartbeat import beat
+from ..run.heartbeat import beat, forward_done
 from .ema import EMA
 from .evaluator import to_device
 from .parallel import is_fsdp
@@ -184,6 +184,7 @@ class WindowStep:
         with gradient_sync(self.model, last_in_window or not self.distributed):
             with self.autocast():
                 loss = self.average.to_backward(self._forward(batch), window_len=window_len)
+            forward_done()  # (the heartbeat's work_s: what a straggler is measured by)
             self.scaler.scale(loss).backward()
 
     def _forward(self, batch: Any) -> Loss:

@@ -2,7 +2,8 @@
 
 The sources of a stop are a :class:`~pimm_core.process.stop.StopRequest` (signals, ``request()``
 from any thread or a callback) and the run's ``control/stop`` file (``pimm stop``, the
-console), which rank 0 polls at most once a second (one ``stat``; no per-sample I/O).
+console), which rank 0 polls at most every 0.1 s (one ``stat``; no per-sample I/O): the stop
+step comes at most 0.1 s after the file is written, plus the rest of the window in progress.
 At each accumulation-window boundary :meth:`StopAgreement.agree` returns the same
 verdict on every rank: one all-reduce (MAX) of a flag; only when some rank wants to stop
 are the reasons gathered, and the lowest rank's reason wins (no deadlock, no rank left
@@ -36,7 +37,7 @@ class StopAgreement:
     """
 
     def __init__(self, stop: StopRequest, info: dist.DistInfo, run_dir: Path | None, device: torch.device, *,
-                 poll_every_s: float = 1.0):
+                 poll_every_s: float = 0.1):
         self.stop, self.info, self.run_dir, self.device = stop, info, run_dir, device
         self.poll_every_s = poll_every_s
         self._last_poll = float("-inf")

@@ -19,7 +19,8 @@ from ..config import read_saved_config
 from ..run.layout import CONFIG, LOG, METRICS, MODEL, PROVENANCE, run_markers
 from ..run.log import LogTail
 from ..run.provenance import read_provenance
-from ..run.ranks import RankBeat, describe_lag, lagging_ranks, ranks_alive, read_rank_beats
+from ..run.ranks import RankBeat, describe_lag, lagging_ranks, ranks_alive, read_rank_beats, stragglers
+from ..run.stacks import read_stack_frame
 from ..run.values import json_int
 from .candidates import candidate_identity
 from .metrics import MetricsTail
@@ -75,6 +76,14 @@ class RunSnapshot:
     #: while the part of a large metrics.jsonl before its tail is still being scanned for evaluations and
     #: non-finite values (a slice per poll, after the first paint): the fraction done; else None
     metrics_history: float | None = None
+    #: the ranks whose steps take 1.5x the median rank's (:func:`~pimm_core.run.ranks.stragglers`), while live
+    stragglers: tuple[int, ...] = ()
+    #: ``(rank, the frame it waits in)`` from ``ranks/<rank>.stack`` written at a hang, for ranks that have
+    #: not moved since (:mod:`pimm_core.run.stacks`)
+    frames: tuple[tuple[int, str], ...] = ()
+
+    def frame_of(self, rank: int) -> str | None:
+        return next((f for r, f in self.frames if r == rank), None)
 
     def nonfinite_of(self, key: str) -> NonFinite | None:
         """The :class:`NonFinite` record of metric ``key`` (``loss``, ``lr``, ``val/loss``), or None."""
@@ -98,7 +107,7 @@ class RunReader:
         self._model_key: Any = None
         self._config: tuple[Any, dict[str, Any] | None, str | None] = (None, None, None)
         self._prov: tuple[Any, dict[str, Any] | None] = (None, None)
-        self._ranks: tuple[float, tuple[RankBeat, ...]] = (float("-inf"), ())
+        self._ranks: tuple[float, tuple[RankBeat, ...], tuple[tuple[int, str], ...]] = (float("-inf"), (), ())
 
     def _mtime_key(self, path: Path) -> Any:
         try:
@@ -150,7 +159,10 @@ class RunReader:
     def _read_ranks(self, now: float, world_size: int | None) -> tuple[RankBeat, ...]:
         """The ranks' heartbeats, read at most once a second (they are written about as often)."""
         if now - self._ranks[0] >= 1.0 or now < self._ranks[0]:
-            self._ranks = (now, tuple(read_rank_beats(self.run_dir, world_size)))
+            beats = tuple(read_rank_beats(self.run_dir, world_size))
+            frames = tuple((b.rank, f) for b in beats
+                           if (f := read_stack_frame(self.run_dir, b.rank, since=b.progress)) is not None)
+            self._ranks = (now, beats, frames)
         return self._ranks[1]
 
     def poll(self, *, now: float | None = None, force_checkpoints: bool = False) -> RunSnapshot:
@@ -191,7 +203,10 @@ class RunReader:
         # (a hang silences status.json; the ranks' own files still say their processes live)
         watching = status.live or (status.state in LIVE_STATES and ranks_alive(list(ranks), now))
         lagging = lagging_ranks(list(ranks), now) if watching and len(ranks) > 1 else []
-        problems.extend(describe_lag(b, now) for b in lagging)
+        frames = dict(self._ranks[2])
+        problems.extend(describe_lag(b, now) + (f", waiting in {frames[b.rank]}" if b.rank in frames else "")
+                        for b in lagging)
+        slow = stragglers(list(ranks)) if watching else []
         nonfinite = tuple(dataclasses.replace(n) for n in m.nonfinite.values())
         if nonfinite:
             problems.append("; ".join(n.note() for n in nonfinite))
@@ -233,5 +248,6 @@ class RunReader:
             candidates=cands, chosen=chosen, candidates_key=ckey, config=config, provenance=prov,
             nonfinite=nonfinite, candidate_ids=self._ids, ranks=ranks, lagging=tuple(b.rank for b in lagging),
             metrics_history=m.history_pending,
+            stragglers=tuple(b.rank for b, _ in slow), frames=self._ranks[2],
         )
 

@@ -30,22 +30,29 @@ RANKS_SHOWN = 8
 def ranks_text(snap: RunSnapshot) -> Text:
     """``ranks  0 collective (stop agreement) step 5 2s  1 STUCK callback (...) step 5 41s``: each
     rank's phase, step and seconds since its last progress; the ranks the others wait for in bold
-    red (``ranks/<rank>.json``, :func:`pimm_core.run.ranks.lagging_ranks`)."""
+    red (``ranks/<rank>.json``, :func:`pimm_core.run.ranks.lagging_ranks`), stragglers ``SLOW`` in
+    yellow (:func:`~pimm_core.run.ranks.stragglers`), and the frame a rank waits in once a hang wrote
+    its stack (``in cb.py:12 in on_step_end``, ``ranks/<rank>.stack``)."""
     t = Text()
     if len(snap.ranks) < 2:
         return t  # (one rank: nobody waits for anybody)
     t.append("ranks ", style="bold")
-    lagging = set(snap.lagging)
-    shown = [b for b in snap.ranks if b.rank < RANKS_SHOWN or b.rank in lagging]
+    lagging, slow = set(snap.lagging), set(snap.stragglers)
+    shown = [b for b in snap.ranks if b.rank < RANKS_SHOWN or b.rank in lagging or b.rank in slow]
     for b in shown:
         idle = b.idle_s(snap.time)
         stuck = b.rank in lagging
         t.append(f" {b.rank}", style="bold")
         if stuck:
             t.append(" STUCK", style="bold red")
+        elif b.rank in slow:
+            t.append(" SLOW", style="bold yellow")
         t.append(f" {b.doing}" + (f" step {b.step}" if b.step is not None else ""), style="bold red" if stuck else "")
         if idle is not None and b.phase != "end":
             t.append(f" {human_duration(idle)}", style="bold red" if stuck else "dim")
+        frame = snap.frame_of(b.rank)
+        if frame is not None:  # its stack, written at a hang (ranks/<rank>.stack)
+            t.append(f" in {frame}", style="bold red" if stuck else "")
         t.append(" ·")
     if len(snap.ranks) > len(shown):
         t.append(f" and {len(snap.ranks) - len(shown)} more")

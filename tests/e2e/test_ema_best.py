@@ -177,7 +177,7 @@ def test_cli_export_best_loads_into_a_fresh_model(runs, tmp_path, capsys, name, 
     record = json.loads((out / "export.json").read_text())
     sel = _sidecar(run)["selection_metric"]
     assert (record["weights"], record["step"]) == (weights, (sel["epoch"] + 1) * STEPS)
-    assert "train" in json.loads((out / "pimm_config.json").read_text())
+    assert "train" in json.loads((out / "config.json").read_text())
     if weights == runs[name]["trainer"].config.eval.weights:  # the evaluated set reproduces the recorded value
         assert evaluate(run, sd)[sel["name"]] == pytest.approx(sel["value"], rel=1e-12, abs=0)
 

@@ -93,7 +93,7 @@ def test_export_standard_run(tmp_path: Path) -> None:
     model = Small()
     run = fake_run(tmp_path, {f"module.{k}": v for k, v in model.state_dict().items()})
     out = export("last", tmp_path / "art" / "small", run_dir=run)
-    assert sorted(p.name for p in out.iterdir()) == ["export.json", "model.safetensors", "pimm_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "export.json", "model.safetensors"]
     assert not (tmp_path / "art" / "small.tmp").exists()
 
     sd = read_weight_sets(out / "model.safetensors")["raw"]
@@ -102,7 +102,7 @@ def test_export_standard_run(tmp_path: Path) -> None:
     load_exported(fresh, out)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
 
-    cfg = json.loads((out / "pimm_config.json").read_text())
+    cfg = json.loads((out / "config.json").read_text())
     assert cfg["train"]["weight"] == "" and cfg["train"]["resume"] is False
     assert cfg["run"]["root"] == REDACTED and cfg["data"]["cache"] == [REDACTED, "relative/dir", REDACTED]
     assert not [s for s in strings(cfg) if os.path.isabs(s) or s.startswith("C:")]
@@ -120,14 +120,14 @@ def test_config_found_by_walking_up_and_bin_format(tmp_path: Path) -> None:
     model = Small()
     run = fake_run(tmp_path, model.state_dict(), step=9)
     out = export(run / "model" / "last", tmp_path / "o", fmt="bin")
-    assert (out / "pimm_config.json").is_file()
+    assert (out / "config.json").is_file()
     plain = torch.load(out / "pytorch_model.bin", weights_only=True)  # an ordinary state dict
     assert sorted(plain) == sorted(model.state_dict())
     assert json.loads((out / "export.json").read_text())["step"] == 9
-    # a file outside any run: no pimm_config.json
+    # a file outside any run: no config.json
     torch.save(model.state_dict(), tmp_path / "user.pt")
     out2 = export(tmp_path / "user.pt", tmp_path / "o2")
-    assert not (out2 / "pimm_config.json").exists()
+    assert not (out2 / "config.json").exists()
     assert json.loads((out2 / "export.json").read_text())["config"] is None
 
 
@@ -269,7 +269,7 @@ def test_trained_run_export_reproduces_val_accuracy(trained_run, tmp_path: Path)
 
     out = tmp_path / "artifact"
     assert main(["export", "--run-dir", str(run), "last", str(out)]) == 0
-    cfg = json.loads((out / "pimm_config.json").read_text())
+    cfg = json.loads((out / "config.json").read_text())
     assert cfg["run"]["root"] == REDACTED
     data = build_datasets(DataConfig(**cfg["data"]))
     model = build_model(ModelConfig(**cfg["model"]), data.in_features, data.in_shape, data.num_classes)
@@ -312,7 +312,7 @@ def test_export_twice_gives_the_same_bytes(tmp_path: Path, fmt: str) -> None:
                          env={**os.environ, "PYTHONHASHSEED": seed})
     assert res.returncode == 0, res.stderr[-2000:]
     outs = [_digests(tmp_path / "out0"), _digests(tmp_path / "out1")]
-    assert outs[0] == outs[1] and sorted(outs[0]) == sorted(["pimm_config.json", "export.json", WEIGHTS_FILE[fmt]])
+    assert outs[0] == outs[1] and sorted(outs[0]) == sorted(["config.json", "export.json", WEIGHTS_FILE[fmt]])
     rec = json.loads((tmp_path / "out0" / "export.json").read_text())
     assert "created" not in rec and rec["sha256"] == outs[0][WEIGHTS_FILE[fmt]]
 

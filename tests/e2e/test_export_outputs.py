@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import pimm, pimm_here, snapshot
+from _helpers import clean_env, pimm, pimm_here, snapshot
 from pimm_core.checkpoint.export.model_dir import export, export_weights
 from pimm_core.checkpoint.select.selection import select_resume
 from pimm_core.errors import UsageError
@@ -38,7 +38,7 @@ def test_export_leaves_siblings_named_like_its_temporaries(trained_run, tmp_path
     assert r.returncode == 0, r.stderr
     after = snapshot(ex)
     assert {k: v for k, v in after.items() if not k.startswith("out/")} == before
-    assert sorted(p.name for p in (ex / "out").iterdir()) == ["export.json", "model.safetensors", "pimm_config.json"]
+    assert sorted(p.name for p in (ex / "out").iterdir()) == ["config.json", "export.json", "model.safetensors"]
     assert sorted(p.name for p in ex.iterdir()) == [".out.tmp", "out", "out.old", "out.prev", "out.tmp"]
 
 
@@ -91,3 +91,37 @@ def test_exported_weights_files_never_overwrite_a_checkpoint(trained_run, tmp_pa
     assert snapshot(run) == before
     export_weights(model / "last", tmp_path / "w.safetensors")  # anywhere else is fine
     assert os.path.getsize(tmp_path / "w.safetensors") > 0
+
+
+def _hidden(ex: Path) -> list[str]:
+    return sorted(p.name for p in ex.iterdir() if p.name.startswith("."))
+
+
+def test_a_killed_exports_hidden_temporaries_are_cleaned_by_the_next_export(trained_run, tmp_path: Path) -> None:
+    """``kill -9`` while an export is written leaves ``.OUT.pimm-export-*.tmp`` (and its owner file);
+    killed in a ``--force`` replacement after the previous export was set aside, ``OUT`` is missing.
+    The next export to ``OUT`` cleans the first and puts the previous export back (so it still needs
+    ``--force`` to be replaced); a user's own hidden directory there is left alone."""
+    run = trained_run.copy_to(tmp_path)
+    ex = tmp_path / "ex"
+    _user_dir(ex / ".out.pimm-export-mine.tmp", "user's look-alike without an owner file")
+    killed = pimm("export", "--run-dir", run, "last", ex / "out", env={**clean_env(), "PIMM_FAILPOINT": "export.written"})
+    assert killed.returncode == -9, killed.stderr
+    left = [n for n in _hidden(ex) if n != ".out.pimm-export-mine.tmp"]
+    assert len(left) == 2 and left[1] == f"{left[0]}.lock", left  # the export's directory and owner file
+    r = pimm_here("export", "--run-dir", run, "last", ex / "out")
+    assert r.returncode == 0, r.stderr
+    assert _hidden(ex) == [".out.pimm-export-mine.tmp"]
+    first = snapshot(ex / "out")
+
+    killed = pimm("export", "--run-dir", run, "best", ex / "out", "--force",
+                  env={**clean_env(), "PIMM_FAILPOINT": "export.set_aside"})
+    assert killed.returncode == -9, killed.stderr
+    assert not (ex / "out").exists()
+    r = pimm_here("export", "--run-dir", run, "best", ex / "out")  # no --force: the previous export is back
+    assert r.returncode == 2 and "--force" in r.stderr, r.stderr
+    assert snapshot(ex / "out") == first
+    assert _hidden(ex) == [".out.pimm-export-mine.tmp"]
+    r = pimm_here("export", "--run-dir", run, "best", ex / "out", "--force")
+    assert r.returncode == 0, r.stderr
+    assert _hidden(ex) == [".out.pimm-export-mine.tmp"] and snapshot(ex / "out") != first

@@ -12,6 +12,7 @@ margin past the timeout), so the test waits the timeout once and no longer."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from _helpers import DIGITS, describe, pimm, read_json
@@ -94,6 +95,14 @@ def test_a_rank_stuck_in_a_callback_fails_the_run_naming_it_and_auto_resume_comp
     assert "rank 1 made no progress" in line and "phase callback (on_step_end of StallRank)" in line, line
     assert f"step {AT_STEP}" in line and "dist.timeout (0.5 min)" in line and "pimm resume" in line, line
     assert "Traceback" not in first.stderr, describe(first)
+    # every rank's stack, and the frame each waits in: rank 1 in the user's callback, rank 0 in the collective
+    stall = re.escape(str(tmp_path / "stall_rank.py"))
+    assert re.search(rf"rank 1 made no progress [^;]*, waiting in {stall}:\d+ in (on_step_end|_ended);", line), line
+    assert re.search(r"rank 0 waited for it in \S+/pimm_core/\S+\.py:\d+ in \w+ past dist.timeout", line), line
+    assert f"every rank's stack: {run}/ranks/<rank>.stack" in line, line
+    stacks = {r: (run / "ranks" / f"{r}.stack").read_text() for r in (0, 1)}
+    assert "in on_step_end" in stacks[1] and "StallRank" not in stacks[0], stacks
+    assert all(s.startswith(f"# rank {r} pid ") for r, s in stacks.items()), stacks
 
     status = read_json(run / "status.json")
     assert status["state"] == "failed" and "rank 1 made no progress" in status["error"], status

@@ -240,7 +240,7 @@ def test_export_to_a_remote_prefix_is_complete_only_with_export_json_and_force_r
     r = pimm("export", "--run-dir", str(src), "last", out, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert out in r.stdout
-    assert s3.ls("exports/a") == ["export.json", "model.safetensors", "pimm_config.json"]
+    assert s3.ls("exports/a") == ["config.json", "export.json", "model.safetensors"]
     assert_same(remote_weights(s3, "exports/a"), state_dict(src / "model" / "last" / "weights.pth"))
     rec = json.loads(s3.fs.cat_file(f"{BUCKET}/exports/a/export.json"))
     assert rec["step"] == 45 and rec["files"]["model.safetensors"]["size"] == s3.fs.size(
@@ -261,13 +261,13 @@ def test_export_to_a_remote_prefix_is_complete_only_with_export_json_and_force_r
     r = pimm("export", "--run-dir", str(src), "last", out, "--force",
              env={**env, "PIMM_FAILPOINT": "remote.export_files=kill"}, here=False)
     assert r.returncode == -9, r.stdout + r.stderr
-    assert s3.ls("exports/a") == ["model.safetensors", "pimm_config.json"]
+    assert s3.ls("exports/a") == ["config.json", "model.safetensors"]
     r = warm_launch(tmp_path, "w", out, env)
     assert r.returncode == 2 and "Incomplete export" in one_error_line(r)
     assert not (tmp_path / "digits" / "w").exists()
     r = pimm("export", "--run-dir", str(src), "last", out, "--force", env=env)  # not taken for an export
     assert r.returncode == 2 and "no export.json" in one_error_line(r)
-    assert s3.ls("exports/a") == ["model.safetensors", "pimm_config.json"]  # untouched
+    assert s3.ls("exports/a") == ["config.json", "model.safetensors"]  # untouched
 
 
 def test_export_from_a_remote_checkpoint_to_local_and_to_remote(tmp_path, s3, src):
@@ -347,7 +347,7 @@ def test_temporary_directories_of_killed_downloads_and_exports_are_removed_by_th
 
     saved, tempfile.tempdir = tempfile.tempdir, str(tmp)
     try:
-        live, fd = make_owned_dir("pimm-remote-")  # a live process's download (this process's)
+        live, lock = make_owned_dir("pimm-remote-")  # a live process's download (this process's)
     finally:
         tempfile.tempdir = saved
     try:
@@ -356,5 +356,5 @@ def test_temporary_directories_of_killed_downloads_and_exports_are_removed_by_th
         assert r.returncode == 0, r.stdout + r.stderr
         assert pimm_temps(tmp) == [live.name, f"{live.name}.lock"]
     finally:
-        release(live, fd)
+        release(live, lock)
     assert pimm_temps(tmp) == []

@@ -26,7 +26,8 @@ from _helpers import read_json
 from test_stop_runs import (TWO_RANKS, Session, _require_resumable, _reference, check_end, check_stopped,
                             finish_stage, resume_to_end, signal_stage)
 
-SCHED = (*TWO_RANKS, 'train.stop_signals=["SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1"]')
+# (the job's environment is faked, there is no Slurm to requeue it: train.requeue unset would try)
+SCHED = (*TWO_RANKS, 'train.stop_signals=["SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1"]', "train.requeue=false")
 NAME = "sched"
 
 

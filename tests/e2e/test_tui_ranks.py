@@ -66,3 +66,50 @@ async def test_live_view_marks_the_rank_the_others_wait_for(run: Path, tmp_path:
         await pilot.pause(1.5)  # (the ranks are read once a second)
         await loaded(pilot)
         assert app.snapshot.lagging == () and "STUCK" not in screen_text(app)
+
+
+@pytest.mark.asyncio
+async def test_live_view_marks_a_straggler_and_names_a_hung_ranks_frame(run: Path, tmp_path: Path) -> None:
+    """Heartbeat files written by real Heartbeats: rank 1's steps take 3x rank 0's before they can
+    communicate (SLOW); then rank 1 hangs in a callback and a stack written at the hang names its frame."""
+    from pimm_core.run.heartbeat import Heartbeat
+    from pimm_core.run.stacks import write_main_stack
+
+    rd = copy_run(run, tmp_path)
+    status = json.loads((rd / "status.json").read_text())
+    status.update(state="running", pid=os.getpid(), pids=[os.getpid(), os.getpid()], world_size=2, step=40,
+                  heartbeat=time.time())
+    (rd / "status.json").write_text(json.dumps(status))
+    clock = [time.time() - 30]
+    beats = [Heartbeat(rd, r, 2) for r in range(2)]
+    for hb, work in zip(beats, (0.02, 0.06)):
+        hb.clock = lambda: clock[0]
+        hb.arm()
+        for step in range(21, 41):
+            hb.enter("data")
+            clock[0] += work
+            hb.enter("forward/backward")
+            hb.forward_done()
+            hb.enter("collective", "stop agreement")
+            hb.at_step(step)
+        hb.enter("data")
+        hb._write()
+    app = make_app(rd, refresh_s=0.1)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        await wait_for(pilot, lambda: app.snapshot.stragglers == (1,), what="rank 1 marked slow")
+        await pilot.pause(0.1)
+        text = " ".join(screen_text(app).split())
+        assert re.search(r"ranks 0 data step 40 \d+ s · 1 SLOW data step 40", text), text
+        assert "0 SLOW" not in text
+
+        # rank 1 hangs in a callback, rank 0 waits; a hang's stack request is answered (here: this thread's)
+        _beat(rd, 0, "collective", "stop agreement", idle_s=40)
+        _beat(rd, 1, "callback", "on_step_end of Flaky", idle_s=41)
+        frame = write_main_stack(rd, 1)
+        await wait_for(pilot, lambda: app.snapshot.frame_of(1) == frame, what="rank 1's frame")
+        await pilot.pause(0.1)
+        assert "1 STUCK callback" in " ".join(screen_text(app).split())
+        shown = screen_text(app).replace("\n", "").replace(" ", "")  # (a long path wraps)
+        assert f"in{frame}".replace(" ", "") in shown, shown
+        assert f"waitingin{frame}".replace(" ", "") in shown, shown  # the run bar's line says it too

@@ -237,7 +237,7 @@ async def test_export_from_console_matches_pimm_export(run: Path, tmp_path: Path
         assert ja[key] == jb[key], key
     # (The safetensors header's metadata order varies between processes, so file hashes may differ.)
     assert _metadata(ours / "model.safetensors") == _metadata(theirs / "model.safetensors")
-    assert (ours / "pimm_config.json").read_text() == (theirs / "pimm_config.json").read_text()
+    assert (ours / "config.json").read_text() == (theirs / "config.json").read_text()
 
 
 # ------------------------------------------------------------------- robustness

@@ -12,6 +12,7 @@ import pytest
 
 from pimm_core.process.dist import DistInfo
 from pimm_core.run import heartbeat as hb_mod
+from pimm_core.run import stacks
 from pimm_core.run.heartbeat import Heartbeat, beat, beat_step, heartbeat
 from pimm_core.run.ranks import RankBeat, lagging_ranks, rank_file, ranks_alive, read_rank_beats
 from pimm_core.train.hang import CollectiveTimeoutError, name_the_hang
@@ -117,18 +118,20 @@ def test_alive_means_a_recent_write_by_a_rank_that_has_not_ended():
     assert not ranks_alive([_b(0, "end", 0)], 1000.0)
 
 
-def test_a_collective_timeout_names_the_stuck_rank_and_its_phase(tmp_path: Path):
+def test_a_collective_timeout_names_the_stuck_rank_and_its_phase(tmp_path: Path, monkeypatch):
     now = time.time()
     for r, phase, detail in ((0, "collective", "stop agreement"), (1, "save", "last")):
         rank_file(tmp_path, r).parent.mkdir(exist_ok=True)
         rank_file(tmp_path, r).write_text(json.dumps(RankBeat(rank=r, phase=phase, detail=detail, step=12,
                                                               progress=now - 90, updated=now).to_json()))
+    monkeypatch.setattr(stacks, "WAIT_S", 0.5)  # rank 1 is not there to answer
     gloo = RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 60000ms for recv operation")
     err = name_the_hang(gloo, tmp_path, DistInfo(0, 2, 0), 1.0, 12)
     assert isinstance(err, CollectiveTimeoutError) and err.exit_code == 1
     text = str(err)
-    assert text.startswith("rank 1 made no progress for 90 s (phase save (last), step 12); rank 0 waited for it "
-                           "past dist.timeout (1 min) at step 12"), text
+    assert text.startswith("rank 1 made no progress for 90 s (phase save (last), step 12), no stack from it in 0.5 s"
+                           ), text
+    assert "rank 0 waited for it past dist.timeout (1 min) at step 12" in text, text
     assert "pimm resume" in text and "\n" not in text
     other = ValueError("not a timeout")
     assert name_the_hang(other, tmp_path, DistInfo(0, 2, 0), 1.0, 12) is other
@@ -151,3 +154,21 @@ def test_the_launcher_names_the_stuck_rank_when_the_ranks_were_aborted(tmp_path:
     code, line = _failure_report(failures, {}, tmp_path)
     assert code == 1 and line.startswith("error: rank 0 was killed by SIGABRT; rank 1 made no progress for 600 s "
                                          "(phase data, step 9); the run stopped"), line
+
+
+def test_rank_0_checks_control_stop_every_tenth_of_a_second_as_documented(tmp_path: Path):
+    """`pimm stop` used to let ~30 more steps run: rank 0 looked at control/stop once a second. The bound
+    docs/stop-resume.md gives (0.1 s) is the poll interval the trainer uses."""
+    import torch
+
+    from pimm_core.process.stop import StopRequest, write_stop_file
+    from pimm_core.train.stop_agreement import StopAgreement
+
+    agreement = StopAgreement(StopRequest(), DistInfo(0, 1, 0), tmp_path, torch.device("cpu"))
+    assert agreement.poll_every_s == 0.1
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "stop-resume.md").read_text()
+    assert "rank 0 checks it every 0.1 s" in doc
+    assert agreement.agree() is None  # polled: nothing asked
+    write_stop_file(tmp_path, "operator")
+    agreement._last_poll -= agreement.poll_every_s  # the interval has passed
+    assert agreement.agree() == "operator"

@@ -5,7 +5,7 @@
     OUT_DIR/
       model.safetensors   one weight set (raw or EMA), no module./_orig_mod. prefixes
                           (or pytorch_model.bin: torch.save of the same tensors, --format bin)
-      pimm_config.json    the run's training config when discoverable, load triggers
+      config.json         the run's training config when discoverable, load triggers
                           cleared (train.weight = "", train.resume = false) and every
                           other absolute path replaced by "<redacted>"
       export.json         source checkpoint (path, layout, step, epoch, metrics, its
@@ -15,7 +15,9 @@
 A model that a library defines (a ``transformers`` model, recorded by the run: see
 :mod:`.library_model`) is written by that library's own ``save_pretrained``: its
 ``config.json`` and weights (sharded with an index above a size limit), so
-``from_pretrained(OUT_DIR)`` loads it; pimm's files are the two above.
+``from_pretrained(OUT_DIR)`` loads it. That ``config.json`` is the library's (the model's
+architecture, which ``from_pretrained`` reads), so the training config is written as
+``pimm_config.json`` instead; ``export.json`` names the file under ``config``.
 
 An export is reproducible: the same checkpoint exported again (same options, same torch
 and safetensors versions) gives the same bytes in every file. Nothing records the time
@@ -42,13 +44,22 @@ import torch
 from torch import nn
 
 from ...errors import UsageError
+from ...faults import point, register
 from ...fsio import atomic_write_bytes, fsync_tree, remove_tree
 from ...run.layout import find_run_dir
 from ...run.provenance import read_provenance
 from ..records.foreign import HF_BIN, SAFETENSORS
 from ..records.generation import read_whole
 from ..records.manifest import sha256_file
-from ..records.outputs import CONFIG_JSON, EXPORT_JSON, check_output_dir, check_output_file, new_temp_dir, replace_dir
+from ..records.outputs import (
+    CONFIG_JSON,
+    EXPORT_JSON,
+    PIMM_CONFIG_JSON,
+    check_output_dir,
+    check_output_file,
+    new_temp_dir,
+    replace_dir,
+)
 from ..records.scratch import make_owned_dir, release
 from ..remote.output import check_remote_output, upload_export
 from ..remote.source import is_store_url
@@ -63,9 +74,9 @@ from .config import read_run_config, sanitize_config
 from .files import write_bin, write_safetensors
 from .library_model import MAX_SHARD_SIZE, save_library_model
 
+register("export.written")
+
 FORMATS = {"safetensors": SAFETENSORS, "bin": HF_BIN}
-EXPORT_JSON = "export.json"
-CONFIG_JSON = "pimm_config.json"  # the run's config; config.json is the model's own (a library's)
 EXPORT_VERSION = 1
 
 
@@ -86,7 +97,7 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
         weights: ``raw`` or ``ema``.
         fmt: ``safetensors`` (``model.safetensors``) or ``bin`` (``pytorch_model.bin``).
         run_dir: the run the checkpoint belongs to; its ``config.toml`` becomes
-            ``pimm_config.json``, and the model its ``provenance.json`` records as a
+            ``config.json`` (``pimm_config.json`` beside a library's own ``config.json``), and the model its ``provenance.json`` records as a
             library's is written by that library. Default: the nearest directory above the checkpoint file
             (up to 4 levels) that holds ``config.toml``.
         force: replace an existing non-empty ``out_dir`` that is a previous export.
@@ -132,7 +143,8 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
 
     # a remote export is written in $TMPDIR first (pimm-export-*: a later one removes it if this is killed)
     owned = make_owned_dir("pimm-export-") if remote_out else None
-    tmp = owned[0] if owned is not None else new_temp_dir(target, "export")
+    owned = owned or new_temp_dir(target, "export")  # .OUT.pimm-export-*.tmp: cleaned by the next export if killed
+    tmp = owned[0]
     try:
         aliases = find_aliases(sd)
         if library is not None:
@@ -150,9 +162,11 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
         model_file = tmp / next(f for f in files if not f.endswith(".index.json"))
         cleared: list[str] = []
         redacted: list[str] = []
+        # the training config is config.json, unless the library's own config.json must sit there
+        config_name = PIMM_CONFIG_JSON if library is not None else CONFIG_JSON
         if cfg is not None:
             clean, cleared, redacted = sanitize_config(cfg)
-            atomic_write_bytes(tmp / CONFIG_JSON, (json.dumps(clean, indent=2) + "\n").encode())
+            atomic_write_bytes(tmp / config_name, (json.dumps(clean, indent=2) + "\n").encode())
 
         record_out = {
             "export_version": EXPORT_VERSION,
@@ -172,7 +186,7 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
             "num_tensors": len(sd),
             "aliases": aliases,
             "aliases_stored": "once",
-            "config": CONFIG_JSON if cfg is not None else None,
+            "config": config_name if cfg is not None else None,
             "config_cleared": cleared,
             "config_redacted": redacted,
             "source_created": record.get("created"),
@@ -184,13 +198,13 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, w
             remove_tree(tmp)
         else:
             fsync_tree(tmp)
+            point("export.written")
             replace_dir(tmp, target)
     except BaseException:
         remove_tree(tmp)
         raise
     finally:
-        if owned is not None:
-            release(*owned)
+        release(*owned)
     return out_dir
 
 

@@ -2,30 +2,39 @@
 
 An output (an export directory, an exported weights file) goes to the path the user
 named and nowhere else: its temporary and set-aside names are created fresh
-(``tempfile.mkdtemp`` beside it, a ``.<name>.pimm-*`` prefix only pimm uses), so no file
+(``mkstemp``-fresh beside it, a ``.<name>.pimm-*`` prefix only pimm uses), so no file
 that happens to be called ``<out>.tmp`` or ``<out>.old`` is touched. It is never written
 into a checkpoint or a run's ``model/`` directory, and replacing an existing directory
 (``--force``) is allowed only for a previous export, recognised by its own files.
+
+Each hidden directory comes with a held owner file (:mod:`.scratch`): what an export killed midway
+left (``kill -9``, the OOM killer) is cleaned by the next export to the same output, and a previous
+export it had set aside for ``--force`` goes back into place.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
+from filelock import FileLock
+
 from ...errors import UsageError
+from ...faults import point, register
 from ...fsio import fsync_dir, remove_tree
 from ...run.layout import MODEL, is_run_dir
 from .foreign import EXPORT_FILES
 from .manifest import COMPLETE, MANIFEST
+from .scratch import make_owned_dir, release, remove_stale
+
+register("export.set_aside")
 
 EXPORT_JSON = "export.json"
-CONFIG_JSON = "config.json"
+CONFIG_JSON = "config.json"  # an export's training config, or a library model's own config
 #: The files an export directory holds (``export.json`` names it one).
 EXPORT_DIR_FILES = (*EXPORT_FILES, CONFIG_JSON, EXPORT_JSON)
-PIMM_CONFIG_JSON = "pimm_config.json"  # the run's config in an export (config.json: the model's own)
+PIMM_CONFIG_JSON = "pimm_config.json"  # the training config beside a library model's own config.json
 LIBRARY_FILES = ("config.json", "generation_config.json")
 _CHECKPOINT_MARKS = (MANIFEST, COMPLETE, "trainer.dcp")
 
@@ -52,7 +61,8 @@ def inside_checkpoints(path: str | os.PathLike[str]) -> str | None:
 
 def is_previous_export(d: Path) -> bool:
     """True for a directory pimm's export wrote: ``export.json`` (with ``export_version``) and
-    nothing but :data:`EXPORT_DIR_FILES`, the weight files it lists, ``pimm_config.json`` and, for
+    nothing but :data:`EXPORT_DIR_FILES` (``config.json``: the training config), the weight files it
+    lists, ``pimm_config.json`` (the training config beside a library's ``config.json``) and, for
     a library's model, what its ``save_pretrained`` writes (:data:`LIBRARY_FILES`)."""
     try:
         names = {e.name for e in d.iterdir()}
@@ -99,6 +109,8 @@ def check_output_dir(out_dir: str | os.PathLike[str], *, force: bool) -> Path:
     """
     shown = os.fspath(out_dir)
     out = Path(os.path.abspath(out_dir))
+    if out.parent.is_dir():
+        remove_stale_temps(out)  # a killed export's leftovers first: a set-aside previous export is back
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise UsageError(f"{shown} exists and is not a directory; choose a directory for the export")
     where = inside_checkpoints(out)
@@ -135,16 +147,41 @@ def check_output_file(path: str | os.PathLike[str]) -> None:
         raise UsageError(f"will not write weights to {p}: {where}; choose a path outside the run's checkpoints")
 
 
-def new_temp_dir(out: Path, role: str) -> Path:
-    """A fresh empty directory beside ``out`` (``.<name>.pimm-<role>-XXXXXXXX.tmp``), its
-    parents created; a ``*.tmp`` name, so a crash leftover is recognisable."""
+def new_temp_dir(out: Path, role: str) -> tuple[Path, FileLock]:
+    """A fresh empty directory beside ``out`` (``.<name>.pimm-<role>-XXXXXXXX.tmp``), its parents
+    created, with its held owner file (``<that>.lock``, :mod:`.scratch`); returns both, for
+    :func:`~.scratch.release`. Those a killed export left are cleaned first
+    (:func:`remove_stale_temps`)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.pimm-{role}-", suffix=".tmp", dir=out.parent))
+    remove_stale_temps(out)
+    return make_owned_dir(f".{out.name}.pimm-{role}-", parent=out.parent, suffix=".tmp")
+
+
+def remove_stale_temps(out: Path) -> list[str]:
+    """Clean what an export to ``out`` killed midway left beside it: its hidden directories
+    (``.<name>.pimm-export-*.tmp``, ``.<name>.pimm-old-*.tmp``) whose owner process is gone
+    (their owner file's lock is free: :mod:`.scratch`). A previous export set aside for a
+    ``--force`` replacement that never came into place (``out`` is missing) is moved back to
+    ``out``; the rest is removed. Returns the names dealt with. Never raises."""
+
+    def settle(directory: Path) -> bool:
+        if ".pimm-old-" not in directory.name or os.path.lexists(out):
+            return False
+        try:
+            os.rename(directory, out)  # the previous export, back where it was
+            fsync_dir(out.parent)
+        except OSError:
+            return False
+        return True
+
+    roles = tuple(f".{out.name}.pimm-{role}-" for role in ("export", "old"))
+    return remove_stale(out.parent, roles, settle=settle)
 
 
 def replace_dir(tmp: Path, out: Path) -> None:
     """Put directory ``tmp`` in place as ``out``; an existing ``out`` (checked by
-    :func:`check_output_dir`) is set aside under a fresh name first and removed after.
+    :func:`check_output_dir`) is set aside under a fresh owned name first and removed after (a
+    kill in between: :func:`remove_stale_temps` moves it back).
 
     Raises:
         OSError: a rename failed (``out`` is put back when it had been set aside).
@@ -153,14 +190,16 @@ def replace_dir(tmp: Path, out: Path) -> None:
     aside = None
     if out.exists():
         aside = new_temp_dir(out, "old")
-        os.rename(out, aside)  # over the fresh, empty directory
+        os.rename(out, aside[0])  # over the fresh, empty directory
         fsync_dir(parent)
     try:
+        point("export.set_aside")
         os.rename(tmp, out)
+        fsync_dir(parent)
     except OSError:
         if aside is not None and not out.exists():
-            os.rename(aside, out)
+            os.rename(aside[0], out)
         raise
-    fsync_dir(parent)
-    if aside is not None:
-        remove_tree(aside)
+    finally:
+        if aside is not None:
+            release(*aside)  # (a directory moved back is no longer there to remove)

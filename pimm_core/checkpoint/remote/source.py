@@ -18,7 +18,8 @@ its ``weights.pth``                          ``manifest.json``; each file's sha2
 ``model_best.pth``, ``iter_<step>.pth``      the file and its sidecar ``<name>.json`` (written
                                              last): sha256 against it. Without it: refused
 an export directory (``export.json``)        the weight files ``export.json`` lists, their
-                                             sha256 against it; ``pimm_config.json`` without
+                                             sha256 against it; the training config
+                                             (``config.json``, or ``pimm_config.json``) without
                                              ``export.json`` is an export cut short: refused
 any other file (``.pth``, ``.safetensors``)  the file (checked against a sidecar when it has one)
 a directory with ``model.safetensors`` /     that file (``config.json`` beside it)
@@ -226,7 +227,7 @@ def _plan_dir(fs: Any, url: str, path: str, listing: dict[str, dict[str, Any]]) 
         return _plan_standard(fs, url, path, listing)
     if EXPORT_JSON in listing:
         return _plan_export(fs, url, path, listing)
-    if PIMM_CONFIG_JSON in listing:
+    if PIMM_CONFIG_JSON in listing or (CONFIG_JSON in listing and _is_training_config(fs, f"{path}/{CONFIG_JSON}")):
         raise IncompleteCheckpointError(
             f"Incomplete export {url}: no {EXPORT_JSON}, which an export writes last (an export cut short or "
             "still running); export again")
@@ -281,6 +282,16 @@ def _plan_export(fs: Any, url: str, path: str, listing: dict[str, dict[str, Any]
     if CONFIG_JSON in listing:  # a library model's own config, which from_pretrained reads
         plan.files[CONFIG_JSON] = int(listing[CONFIG_JSON].get("size") or 0)
     return plan
+
+
+def _is_training_config(fs: Any, path: str) -> bool:
+    """The ``config.json`` at ``path`` is a pimm export's training config (its ``train`` and
+    ``model`` tables), not a library model's own config."""
+    try:
+        data = _json(fs, path)
+    except OSError:
+        return False
+    return isinstance(data, dict) and isinstance(data.get("train"), dict) and isinstance(data.get("model"), dict)
 
 
 def _json(fs: Any, path: str) -> Any:

@@ -164,6 +164,19 @@ def remote_choice(url: str, options: dict[str, Any] | None, run_dir: Path, local
     return resume_choice(local, newest_complete(cands))
 
 
+def remote_manifest(url: str, options: dict[str, Any] | None, run_dir: Path, name: str) -> dict[str, Any] | None:
+    """The ``manifest.json`` of the remote checkpoint ``name`` (``step_<N>``) of run ``run_dir``: what
+    ``pimm resume --dry-run`` describes when the resume restores it (nothing else is downloaded).
+    None when it cannot be read."""
+    prefix = run_prefix(url, run_dir)
+    try:
+        fs, _ = open_store(url, options)
+        data = json.loads(fs.cat_file(f"{fs._strip_protocol(prefix)}/{name}/{MANIFEST}"))
+    except Exception:  # botocore/aiohttp errors are not OSErrors
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def download_newest(fs: Any, prefix: str, dest: Path) -> RemoteCandidate | None:
     """Download the newest complete remote ``step_<N>/`` into directory ``dest`` (created;
     it must not exist) and check every file against its manifest; None when there is none.

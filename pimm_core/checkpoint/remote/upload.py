@@ -7,10 +7,13 @@ published locally and not yet complete remotely, files of one checkpoint ``concu
 a time, each retried with exponential backoff, its sha256 read back and compared with the
 manifest, the marker (``.complete``, a weights file's sidecar) last; then it removes from
 the remote what the local retention removed (older ``step_<N>/``, rotated ``iter_<step>.pth`` and
-``best_<step>.pth``): only weights files this process saw in ``model/`` and no longer does. A
-remote file the run's ``model/`` never held in this process (a wiped ``model/`` whose restore
-could not download it, an older run's file) is never removed: the mirror loses nothing the
-local retention did not decide to drop.
+``best_<step>.pth``): the weights files this process saw in ``model/`` and no longer does, and an
+``iter_<step>.pth`` older than all ``checkpoint.keep_iter`` newest ones ``model/`` holds (the
+retention dropped it in an earlier session, and a crash came before the mirror removed it). Any
+other remote file the run's ``model/`` does not hold (a wiped ``model/`` whose restore could not
+download it, a later life of the run on another node, a ``best_<step>.pth`` dropped before a
+crash: whether the retention dropped it depends on metrics, not steps) is never removed: the
+mirror loses nothing the local retention did not decide to drop.
 
 A failure (unreachable store, credentials, full bucket) is a warning; the thread retries on
 the next request or after a backoff while training goes on. :meth:`Uploader.close` waits
@@ -62,11 +65,15 @@ class Uploader:
         model_dir: the run's local ``model/``.
         prefix: the remote path of this run's ``model/`` (:func:`~pimm_core.checkpoint.remote.store.run_prefix`).
         concurrency: files of one checkpoint uploaded at a time.
+        keep_iter: ``checkpoint.keep_iter``: with that many ``iter_<step>.pth`` in ``model/``, a remote
+            one older than all of them is one the local retention removed (before a crash, in an
+            earlier session) and is removed remotely too.
     """
 
     def __init__(self, url: str, options: dict[str, Any] | None, model_dir: Path, prefix: str, *,
-                 concurrency: int = 4, retry_after: float = 5.0):
+                 concurrency: int = 4, retry_after: float = 5.0, keep_iter: int = 0):
         self.url, self.options, self.model_dir, self.concurrency = url, options, model_dir, concurrency
+        self.keep_iter = keep_iter
         self.remote_prefix, self.retry_after = prefix, retry_after
         self._fs: Any = None
         self._prefix = ""
@@ -249,8 +256,21 @@ class Uploader:
             if m and step is not None and int(m.group(1)) < step:  # never one newer than model/last
                 self._retry(entry, lambda e=entry: fs.rm(e, recursive=True))
             base = name[:-5] if name.endswith(".pth.json") else name
-            if (ITER_RE.match(base) or BEST_K_RE.match(base)) and base in self._seen and base not in local_weights:
+            if base in local_weights:
+                continue
+            seen_go = bool(ITER_RE.match(base) or BEST_K_RE.match(base)) and base in self._seen
+            if seen_go or self._retention_dropped(base, local_weights):
                 self._retry(entry, lambda e=entry: fs.rm_file(e))
+
+    def _retention_dropped(self, name: str, local_weights: set[str]) -> bool:
+        """``iter_<step>.pth`` older than each of the ``keep_iter`` newest in ``model/``: the local retention
+        dropped it (in an earlier session of this run: a crash came before the mirror removed it
+        remotely). One newer than those (a later life of the run on another node) is kept."""
+        m = ITER_RE.match(name)
+        if m is None or not self.keep_iter:
+            return False
+        held = sorted(int(k.group(1)) for n in local_weights if (k := ITER_RE.match(n)))
+        return len(held) >= self.keep_iter and int(m.group(1)) < held[-self.keep_iter]
 
 
 def _newer_remote(fs: Any, sidecar: str, local_step: Any) -> bool:
