@@ -99,6 +99,9 @@ class TrainConfig:
     # inside a Slurm job: after a clean stop by a signal or the time limit, `scontrol requeue` the job
     # (it starts again under the same id; with --train.auto-resume it continues exactly)
     requeue: bool = False
+    # intra-op CPU threads per rank (torch.set_num_threads); None: OMP_NUM_THREADS if you set it, else
+    # chosen from the usable CPUs (affinity, cgroup quota) shared among the node's ranks (pimm_core.threads)
+    threads: int | None = None
 
 
 @dataclass
