@@ -13,7 +13,9 @@ Three whole processes, alternated, on the project's interpreter:
   ``step()`` imports ``torch._dynamo`` itself).
 
 ``ratio`` = median(pimm) / median(import_torch) (goal <= 1.5); ``plain_ratio`` the same for
-the plain script. Conditions: ``alone`` (the machine as it is; its load is in the output)
+the plain script. The CPU seconds each took (user + system, of the process and its descendants,
+read from ``/proc`` at the event) are reported beside the wall times, with ``cpu_ratio``: on a
+busy machine the wall times mostly measure the wait for a core, the CPU times the work. Conditions: ``alone`` (the machine as it is; its load is in the output)
 and ``busy`` (beside ``--busy`` processes running ``while True: pass``). One warm-up round
 per condition is discarded. ``--nproc N`` launches N ranks (``--nproc-per-node``).
 
@@ -65,24 +67,47 @@ def pimm_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "pimm_core.cli"]
 
 
-def time_import_torch(env: dict[str, str]) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its live descendants (and the children they waited for)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (ppid, cpu seconds)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), sum(int(x) for x in fields[11:15]) / tick)
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats.get(p, (0, 0.0))[1]
+        todo += [c for c, (ppid, _) in stats.items() if ppid == p]
+    return total
+
+
+def time_import_torch(env: dict[str, str]) -> tuple[float, float]:
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch"], env=env, check=True)
-    return time.perf_counter() - t0
+    proc = subprocess.Popen([sys.executable, "-c", "import torch"], env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit("import torch failed")
+    return time.perf_counter() - t0, usage.ru_utime + usage.ru_stime
 
 
-def time_plain(env: dict[str, str]) -> float:
+def time_plain(env: dict[str, str]) -> tuple[float, float]:
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", PLAIN], stdout=subprocess.PIPE, env=env, cwd=REPO, text=True)
     line = proc.stdout.readline()
-    t = time.perf_counter() - t0
+    t, cpu = time.perf_counter() - t0, cpu_seconds(proc.pid)
     proc.wait()
     if not line.startswith("step 1"):
         raise SystemExit("the plain script failed")
-    return t
+    return t, cpu
 
 
-def time_pimm(work: Path, name: str, nproc: int, overrides: list[str], env: dict[str, str]) -> float:
+def time_pimm(work: Path, name: str, nproc: int, overrides: list[str], env: dict[str, str]) -> tuple[float, float]:
     cmd = [*pimm_command(), "launch", "--train.config", str(CONFIG), "--run.root", str(work), "--run.name", name,
            "--run.no-timestamp", *(["--nproc-per-node", str(nproc)] if nproc > 1 else []),
            "--", "train.log_every_steps=1", *overrides]
@@ -92,13 +117,14 @@ def time_pimm(work: Path, name: str, nproc: int, overrides: list[str], env: dict
                             start_new_session=True)
     try:
         seen = first_step_after(work / "digits" / name / "metrics.jsonl", 0, proc)
+        cpu = cpu_seconds(proc.pid)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         _, err = proc.communicate()
     if seen is None:
         raise SystemExit(f"pimm launch reached no step: {err.decode()[-800:]}")
-    return seen - t0
+    return seen - t0, cpu
 
 
 def main() -> None:
@@ -121,6 +147,7 @@ def main() -> None:
             hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)] \
                 if condition == "busy" else []
             got: dict[str, list[float]] = {"import_torch": [], "pimm": [], "plain": []}
+            cpu: dict[str, list[float]] = {"import_torch": [], "pimm": [], "plain": []}
             loads = [load_average()]
             try:
                 for repeat in range(args.repeats + 1):
@@ -130,21 +157,26 @@ def main() -> None:
                     remove(work / "digits" / name)
                     t_plain = time_plain(env)
                     if repeat:  # the first round warms the page cache
-                        got["import_torch"].append(t_torch)
-                        got["pimm"].append(t_pimm)
-                        got["plain"].append(t_plain)
+                        for k, (wall, used) in (("import_torch", t_torch), ("pimm", t_pimm), ("plain", t_plain)):
+                            got[k].append(wall)
+                            cpu[k].append(used)
             finally:
                 for h in hogs:
                     h.kill()
                     h.wait()
             loads.append(load_average())
             med = {k: median(v) for k, v in got.items()}
+            med_cpu = {k: median(v) for k, v in cpu.items()}
             results[condition] = {
                 "import_torch_s": r(med["import_torch"]), "pimm_first_step_s": r(med["pimm"]),
                 "plain_first_step_s": r(med["plain"]), "ratio": r(med["pimm"] / med["import_torch"], 3),
                 "plain_ratio": r(med["plain"] / med["import_torch"], 3),
                 "pimm_over_plain": r(med["pimm"] / med["plain"], 3),
-                "seconds_all": {k: [r(x, 3) for x in v] for k, v in got.items()}, "load": loads}
+                "cpu_s": {k: r(v, 3) for k, v in med_cpu.items()},
+                "cpu_ratio": r(med_cpu["pimm"] / med_cpu["import_torch"], 3),
+                "plain_cpu_ratio": r(med_cpu["plain"] / med_cpu["import_torch"], 3),
+                "seconds_all": {k: [r(x, 3) for x in v] for k, v in got.items()},
+                "cpu_seconds_all": {k: [r(x, 3) for x in v] for k, v in cpu.items()}, "load": loads}
             print(json.dumps({condition: results[condition]}), file=sys.stderr, flush=True)
     finally:
         remove(work)
