@@ -41,9 +41,9 @@ from .weights_file import check_compatible, check_dtypes, dtype_casts, read_weig
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.api import CheckpointException
 
-# torch.distributed.checkpoint (with DTensor and FSDP, which it imports) costs about as much as
-# `import torch` itself: it, and the modules here that need it, are imported by the first save
-# or load, not by a run's start-up (benchmarks/startup.py).
+# torch.distributed.checkpoint (with DTensor and FSDP, which it imports) adds ~40 % to the CPU
+# time of `import torch`: it, and the modules here that need it, are imported by the first save
+# or load, not by a run's start-up (benchmarks/startup.py, docs/performance.md).
 
 
 class StandardFormat:
