@@ -53,6 +53,7 @@ from .process.stop import StopRequest
 from .process.time_limit import TimeLimit
 from .run import code_version
 from .run.heartbeat import heartbeat
+from .process.threads import set_threads
 from .run.topology import finished_message
 from .train.best import BestTracker
 from .train.build import (build_data, build_model, build_objective, data_length, data_resume_policy,
@@ -113,6 +114,7 @@ class Trainer:
         objective: instead of ``objective``: a built-in name, a target text, an
             :class:`~pimm_core.objectives.Objective` or a function
             ``(model, batch) -> (loss, {metric: value})``.
+        pick_threads: choose the intra-op threads (:mod:`pimm_core.process.threads`) also when ``train.threads`` is unset.
 
     Example with your own code (every keyword is optional; the config names the rest)::
 
@@ -129,7 +131,7 @@ class Trainer:
 
     def __init__(self, config: Config, run_dir: Path | None = None, *, stop: StopRequest | None = None,
                  config_path: str | Path | None = None, model: nn.Module | None = None, datasets: Any = None,
-                 objective: Objective | Callable | str | None = None):
+                 objective: Objective | Callable | str | None = None, pick_threads: bool = False):
         self.config_path = config_path
         self.stop = stop or StopRequest()
         self.stopped_before_start = False  # train() ended at once: a stop was asked during start-up
@@ -143,11 +145,11 @@ class Trainer:
         dist.init(self.device, self.info, always=config.train.strategy == "fsdp", timeout_min=config.dist.timeout)
         if config.train.amp == "fp16" and self.device.type != "cuda":
             raise ConfigError("train.amp = 'fp16' needs CUDA; use 'bf16' or 'none' on CPU")
-
         self.data = build_data(config, config_path, datasets)
         self.objective = build_objective(config, config_path, objective)
         torch.manual_seed(config.train.seed)  # identical initial weights on every rank
         model = build_model(config, config_path, model).to(self.device)
+        self.threads = set_threads(config.train.threads, model, auto=pick_threads)  # before the first training op
         self.warm_start_report = None  # set by train() when it warm-starts from train.weight
         # DDP, or FSDP2 sharding in place; activation checkpointing and compile (train/parallel.py)
         self.model: nn.Module = parallelize(model, config, self.info, self.device, config_path)
@@ -179,9 +181,8 @@ class Trainer:
         self.best = BestTracker(config.eval.metric, config.eval.mode)
         # (a plain function, not a bound method: a part holding the trainer would make a reference
         # cycle that keeps the loaders, and their worker processes, alive until interpreter exit)
-        self.evaluator = Evaluator(self.val_loader, self.device,
-                                   functools.partial(autocast_context, config.train.amp, self.device.type),
-                                   config.eval.weights, self.objective)
+        autocast = functools.partial(autocast_context, config.train.amp, self.device.type)
+        self.evaluator = Evaluator(self.val_loader, self.device, autocast, config.eval.weights, self.objective)
         self.recorder: Recorder | None = None  # one per train() call
 
     callbacks = property(lambda self: self.checkpointer.callbacks,  # (the checkpointer saves their state)

@@ -50,6 +50,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "train.min_lr": (0, None),
     "train.grad_clip": (0, None),
     "train.log_every_steps": (1, None),
+    "train.threads": (1, None),
     "data.batch_size": (1, None),
     "data.num_workers": (0, None),
     "data.timeout": (0, None),

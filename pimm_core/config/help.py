@@ -48,6 +48,7 @@ KEY_HELP: dict[str, str] = {
     "train.max_time": "wall-clock budget of one session (seconds or `HH:MM:SS`/`D-HH:MM:SS`): stop cleanly before it",
     "train.requeue": "inside a Slurm job: `scontrol requeue` the job after a clean stop by a signal or the time limit "
                      "(unset: after SIGUSR1 or the time limit, when the job's command resumes)",
+    "train.threads": "intra-op CPU threads per rank; unset: `OMP_NUM_THREADS` if you set it, else chosen from the usable CPUs shared among the node's ranks (1 for a model under 1M parameters)",
     # [data]
     "data.name": "built-in dataset (`digits`) when `data.target` is unset",
     "data.batch_size": "per-rank micro-batch size",

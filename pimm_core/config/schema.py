@@ -95,6 +95,9 @@ class TrainConfig:
     # (it starts again under the same id; with --train.auto-resume it continues exactly). Unset: inside a
     # Slurm job whose command resumes (--train.auto-resume, pimm resume), after SIGUSR1 or the time limit
     requeue: bool | None = None
+    # intra-op CPU threads per rank (torch.set_num_threads); None: OMP_NUM_THREADS if you set it, else
+    # chosen from the usable CPUs (affinity, cgroup quota) shared among the node's ranks (pimm_core.process.threads)
+    threads: int | None = None
 
 
 @dataclass

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 #: The public names of :mod:`.loaders`, importable from ``pimm_core.data``.
-LOADERS = ("DATASETS", "DatasetSplits", "Datasets", "ShardSampler", "TrainLoader", "as_datasets", "build_datasets",
+LOADERS = ("DATASETS", "DataTimeoutError", "DatasetSplits", "Datasets", "ShardSampler", "TrainLoader", "as_datasets", "build_datasets",
            "data_spec", "digits", "digits_arrays", "eval_loader", "ignore_stop_signals", "init_worker", "is_stateful",
            "is_stream", "stop_workers", "stream_shard", "train_loader")
 

@@ -85,7 +85,7 @@ def _train_and_report(cfg: Config, config_path: Path | None, run_dir: Path, sour
     with lock:
         trainer = None
         try:
-            trainer = Trainer(cfg, run_dir=run_dir, stop=stop, config_path=config_path)
+            trainer = Trainer(cfg, run_dir=run_dir, stop=stop, config_path=config_path, pick_threads=True)
             state = trainer.train(checkpoint_dir=run_dir / MODEL, resume_from=source)
             stopped_before_start = trainer.stopped_before_start
         finally:

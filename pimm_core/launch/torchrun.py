@@ -22,6 +22,7 @@ from ..run import LAUNCH_ENV, STATUS, read_run_status
 from ..run.ranks import describe_lag, lagging_ranks, read_rank_beats
 from ..process.stop import configured_signals
 from ..targets import child_env
+from ..process.threads import USER_OMP_ENV
 from .forward import SignalForwarder
 from .options import LaunchOptions
 from .rendezvous import use_ordered_shutdown
@@ -100,9 +101,11 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
         os.environ[PROGRAM_ENV] = json.dumps(program())  # the ranks print commands as the user started pimm
         os.environ[SIGNALS_ENV] = ",".join(s.name for s in signals)  # the ranks catch them from their start
         # torchrun sets OMP_NUM_THREADS=1 for the ranks when it is unset, with a four-line
-        # warning on every launch; set the same value here (a user's own value is kept).
+        # warning on every launch; set the same value here (a user's own value is kept), and
+        # tell the ranks whether it was the user's: if not, each rank chooses (threads.py).
         omp_was_set = "OMP_NUM_THREADS" in os.environ
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ[USER_OMP_ENV] = "1" if omp_was_set else "0"
         # the ranks import user code (model.target...) from where this process does (targets.py)
         old_pythonpath = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = child_env(config_path)["PYTHONPATH"]
@@ -118,6 +121,7 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
             os.environ.pop(LAUNCH_ENV, None)
             os.environ.pop(PROGRAM_ENV, None)
             os.environ.pop(SIGNALS_ENV, None)
+            os.environ.pop(USER_OMP_ENV, None)
             if not omp_was_set:
                 os.environ.pop("OMP_NUM_THREADS", None)
             if old_pythonpath is None:

@@ -146,6 +146,8 @@ def start_files(tr: TrainerHost, entry: dict[str, Any], *, fresh: bool) -> None:
     """The run's files at a ``train()`` start: config, status and the provenance start ``entry``
     with what this start knows of the code and data (``code_search_path``: where ``pimm resume``,
     reading the config from the run directory, finds user code)."""
+    if tr.threads is not None and tr.info.is_main:
+        log.info("%s", tr.threads.describe())  # (said once per train() call)
     entry = {**entry, "data_resume": tr.data_resume, "user_code": tr._user_code,
              "code_search_path": search_path(tr.config_path)}
     if tr._model_library is not None:

@@ -53,7 +53,7 @@ def test_the_page_has_what_a_newcomer_runs() -> None:
     for step in ("uv run pimm checkpoints ls ", "uv run pimm resume ", "uv run pimm export "):
         assert any(c.startswith(step) for c in cmds), step
     shell = [line.strip() for body in blocks(text, "shell") for line in body.splitlines() if line.strip()]
-    assert shell == ["uv sync", "uv run pimm tui exp/digits/first", "uv run pytest"], shell
+    assert shell == ["uv sync --compile-bytecode", "uv run pimm tui exp/digits/first", "uv run pytest"], shell
 
 
 def test_getting_started_runs_as_written(tmp_path: Path) -> None:

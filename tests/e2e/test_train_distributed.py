@@ -43,6 +43,9 @@ def test_two_ranks_summary_and_checkpoint(ddp_run):
     done = [line for line in result.stdout.splitlines() if line.startswith("done:")]
     assert len(done) == 1 and done[0].endswith(f"run {run}"), describe(result)  # printed by rank 0 only
     assert "OMP_NUM_THREADS" not in result.stdout + result.stderr, describe(result)  # no torchrun banner
+    # the OMP_NUM_THREADS=1 the launcher set for torchrun is not taken for the user's: the ranks chose, once
+    said = [line for line in (run / "train.log").read_text().splitlines() if "threads:" in line]
+    assert len(said) == 1 and "threads: 1 per rank (" in said[0] and "; 2 local ranks; a model under" in said[0], said
     _check_checkpoint(run, epochs=5, workers=2)
 
 

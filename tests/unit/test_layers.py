@@ -8,7 +8,8 @@ Layers, bottom to top (a module's layer is the longest prefix below that names i
 1. **run**: the run directory and the process it runs in: ``run.*`` (layout, status,
    metrics, log, provenance), ``lock``, ``stop``, ``shell``, ``console_log``, ``config``,
    ``config_tables``, ``config_checks``, ``config_help`` (each key's meaning, for the docs), ``targets`` (finding user code a config names), ``topology``, ``global_order`` (the
-   world-size-free batching the resume policy reads; torch imported lazily), and ``dist`` (the process group; the checkpoint formats and the
+   world-size-free batching the resume policy reads; torch imported lazily), ``threads`` (the intra-op threads
+   of the process: the trainer chooses them, the launcher tells the ranks whose ``OMP_NUM_THREADS`` it is), and ``dist`` (the process group; the checkpoint formats and the
    stop agreement both need it, and it imports nothing of pimm's).
 2. **checkpoint**: ``checkpoint.*``. Inside it nothing imports ``checkpoint.export``
    (export sits on top: it reads weight sets (``weights``), renames keys (``key_rules``),

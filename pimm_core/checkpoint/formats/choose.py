@@ -28,11 +28,20 @@ def make_format(name: str, info: DistInfo, *, background: bool = False, keep_las
     Raises:
         ConfigError: an unknown name.
     """
+    # (the other formats' modules import torch.distributed.checkpoint: imported when asked for)
     if name == "standard":
         standard = StandardFormat(info, keep_full=keep_full)
-        return AsyncStandardFormat(standard) if background else standard
+        if not background:
+            return standard
+        from .async_save import AsyncStandardFormat
+
+        return AsyncStandardFormat(standard)
     if name == "legacy":
+        from .files import LegacyFormat
+
         return LegacyFormat(info)
     if name == "single":
+        from .files import SingleFormat
+
         return SingleFormat(info, keep_last=keep_last)
     raise ConfigError(f"unknown checkpoint format {name!r}; expected one of {', '.join(FORMAT_NAMES)}")

@@ -37,8 +37,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
 
 from ...errors import CheckpointError, CheckpointParseError
 from ...faults import point, register
@@ -55,6 +53,9 @@ from .optim_structure import named_groups, structure_fix, structure_problem
 from .optim_state import frozen_state_loaded, unstepped
 from .protocol import LoadedState, SaveItem, meta_problem
 from .weights_file import DtypeCast, check_compatible, check_dtypes, dtype_casts
+
+# (torch.distributed.checkpoint's state-dict functions are imported by the save or load that
+# uses them: their import is not a run's start-up; see standard.py)
 
 register("file_format.published", "file_format.sidecar_written", "pointer.linked", "pointer.replaced",
          "single.pointers_set", "single.pruned")
@@ -138,6 +139,8 @@ def save_legacy(model_dir: Path, *, model: nn.Module, optimizer: torch.optim.Opt
                 rank0_state: dict[str, Any], manifest: dict[str, Any],
                 ema_state_dict: dict[str, torch.Tensor] | None) -> Path:
     """Publish ``model_dir/model_last.pth`` (rank 0 only)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     plain = unwrap(model)
     with unstepped(optimizer, fill=False):
         optim_sd = get_optimizer_state_dict(plain, optimizer)
@@ -185,6 +188,8 @@ def save_single(model_dir: Path, *, model: nn.Module, optimizer: torch.optim.Opt
                 rank_states: list[dict[str, Any]], manifest: dict[str, Any],
                 ema_state_dict: dict[str, torch.Tensor] | None, pointers: tuple[str, ...], keep_last: int) -> Path:
     """Publish ``model_dir/step_<step>.pth``, move ``pointers`` to it, apply retention (rank 0 only)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     plain = unwrap(model)
     weights = {"raw": plain.state_dict()}
     if ema_state_dict is not None:
@@ -261,6 +266,8 @@ def load_file_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim
         CheckpointParseError: the file is hostile (it would run code) or malformed (not a
             pimm legacy or single checkpoint); names it, nothing in it ran.
     """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
     obj = decode(load_torch_file(path))  # (numpy values as saved: safe_state)
     fmt = obj.get("format") if isinstance(obj, dict) else None
     if fmt not in ("legacy", "single"):

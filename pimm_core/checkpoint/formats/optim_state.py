@@ -19,8 +19,9 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim import optimizer as _optimizer_module
+
+from ..tensors.state import dtensor_type
 
 _HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
 _GLOBAL_HOOKS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
@@ -60,10 +61,11 @@ def _shadow_state(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, 
     the copy cannot be made or stepped."""
     memo: dict[int, Any] = {}
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    dtensor = dtensor_type()  # (None: nothing is sharded)
     for g, group in enumerate(optimizer.param_groups):
         metas: dict[tuple, torch.Tensor] = {}
         for p in group["params"]:
-            local = p.to_local() if isinstance(p, DTensor) else p
+            local = p.to_local() if dtensor is not None and isinstance(p, dtensor) else p
             if type(local) not in (torch.Tensor, nn.Parameter):
                 return None
             key = (g, tuple(local.shape), tuple(local.stride()), local.dtype, p.requires_grad)
@@ -105,8 +107,9 @@ def fill_empty_state(optimizer: torch.optim.Optimizer) -> str:
     if shadow is None:
         return "failed"
     state: dict[torch.Tensor, dict[str, Any]] = {}
+    dtensor = dtensor_type()  # (None: nothing is sharded)
     for p, saved in shadow:
-        sharded = isinstance(p, DTensor)
+        sharded = dtensor is not None and isinstance(p, dtensor)
         device = p.to_local().device if sharded else p.device
         local_shape = p.to_local().shape if sharded else p.shape
         state[p] = {}
@@ -119,7 +122,7 @@ def fill_empty_state(optimizer: torch.optim.Optimizer) -> str:
                 else:
                     value = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
                     if sharded:
-                        value = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
+                        value = dtensor.from_local(value, p.device_mesh, p.placements, run_check=False,
                                                    shape=p.shape, stride=p.stride())
             state[p][key] = value
     if not any(state.values()):

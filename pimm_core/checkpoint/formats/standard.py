@@ -22,30 +22,39 @@ directory fsync after each rename.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
-from torch.distributed.tensor import DTensor
 
 from ...errors import CheckpointError, CheckpointParseError, CheckpointSaveError
 from ...faults import point
 from ...fsio import release_cached_pages
 from ...process.dist import DistInfo
-from ..publish.rotation import follow_hashes, intact_note, on_main, prepare, publish, remove_quietly, short_error, wait_for_purges, without_zip_crc32
+from ..publish.rotation import (
+    follow_hashes,
+    intact_note,
+    on_main,
+    prepare,
+    publish,
+    remove_quietly,
+    short_error,
+    wait_for_purges,
+    without_zip_crc32,
+)
 from ..select.selection import TRAINER_DCP, WEIGHTS, WEIGHTS_FIELD
 from ..tensors.safe_read import load_failure
 from ..tensors.state import is_sharded, join_tensors, load_full_state_dict, pack, split_tensors, unpack, unwrap
-from .mapped_reader import MappedFileSystemReader
-from .optim_state import frozen_state_loaded, unstepped
 from .optim_structure import structure_fix, structure_problem
 from .protocol import LoadedState, SaveItem, meta_problem
-from .sharded import EMA, MODEL, ema_targets, model_targets, sharded_items
 from .weights_file import check_compatible, check_dtypes, dtype_casts, read_weights_file, weights_payload
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+# torch.distributed.checkpoint (with DTensor and FSDP, which it imports) adds ~40 % to the CPU
+# time of `import torch`: it, and the modules here that need it, are imported by the first save
+# or load, not by a run's start-up (benchmarks/startup.py, docs/performance.md).
 
 
 class StandardFormat:
@@ -110,6 +119,9 @@ def save_standard(
     Raises:
         OSError: a write failed; the previously published checkpoint is untouched.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     final = model_dir / name
     tmp = model_dir / f"{name}.tmp"
 
@@ -157,6 +169,11 @@ def dcp_state(plain: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str
               ema_state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """The flat dict ``trainer.dcp/`` stores: optimizer tensors by FQN, packed ``meta``, this rank's
     state; for a sharded model also its weights and ``ema_state_dict`` (:func:`.sharded.sharded_items`)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from .optim_state import unstepped
+    from .sharded import sharded_items
+
     with unstepped(optimizer, fill=False):  # (a stateless optimizer is not stepped to make state)
         tensors, skeleton = split_tensors(get_optimizer_state_dict(plain, optimizer), "optim")
     state: dict[str, Any] = dict(tensors)
@@ -197,6 +214,15 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
             optimizer's (exit code 2, names them); a file cannot be read.
         CheckpointParseError: a file is hostile or malformed (names it; nothing in it ran).
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    from .mapped_reader import MappedFileSystemReader
+    from .optim_state import frozen_state_loaded, unstepped
+    from .sharded import EMA, MODEL, ema_targets, model_targets
+
     plain = unwrap(model)
     path = ckpt / TRAINER_DCP
     reader = MappedFileSystemReader(path)
@@ -314,6 +340,11 @@ def read_trainer_meta(ckpt: Path) -> dict[str, Any]:
     Raises:
         CheckpointError: a file cannot be read. CheckpointParseError: the item is malformed.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .mapped_reader import MappedFileSystemReader
+
     path = ckpt / TRAINER_DCP
     reader = MappedFileSystemReader(path)
     metadata = reader.read_metadata()
@@ -353,6 +384,8 @@ def _unpack_checked(t: torch.Tensor, path: Path, key: str) -> Any:
     Raises:
         CheckpointParseError: ``torch.load(weights_only=True)`` refused or could not parse it.
     """
+    from ..tensors.safe_read import load_failure
+
     try:
         return unpack(t)
     except Exception as e:

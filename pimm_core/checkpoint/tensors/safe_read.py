@@ -27,40 +27,50 @@ named as such (``... is not a PyTorch checkpoint (a text file)``), from its firs
 
 from __future__ import annotations
 
+import functools
 import io
 import pathlib
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ...errors import CheckpointError, CheckpointParseError, first_line
 from ..records.foreign import not_a_checkpoint, sniff
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
 _DCP_CLASSES = ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
                 "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
 
-#: ``(module, name)`` of every global a DCP ``.metadata`` pickle written by pimm may name.
-#: Calling any of them with any arguments builds a value and nothing else. ``torch.<dtype>``
-#: names (``torch.float32``...) are admitted too.
-DCP_METADATA_GLOBALS: dict[tuple[str, str], Any] = {
-    **{("torch.distributed.checkpoint.metadata", n): getattr(dcp_metadata, n)
-       for n in _DCP_CLASSES if hasattr(dcp_metadata, n)},
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-    ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    ("pathlib", "PosixPath"): pathlib.PosixPath,  # StorageMeta.checkpoint_id: the directory DCP wrote to
-}
+@functools.cache
+def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
+    """``(module, name)`` of every global a DCP ``.metadata`` pickle written by pimm may name.
+
+    Calling any of them with any arguments builds a value and nothing else. ``torch.<dtype>``
+    names (``torch.float32``...) are admitted too. (A function: ``torch.distributed.checkpoint``
+    is imported by the first read of DCP metadata, not by every import of this module.)
+    """
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return {
+        **{("torch.distributed.checkpoint.metadata", n): getattr(dcp_metadata, n)
+           for n in _DCP_CLASSES if hasattr(dcp_metadata, n)},
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+        ("pathlib", "PosixPath"): pathlib.PosixPath,  # StorageMeta.checkpoint_id: the directory DCP wrote to
+    }
 
 
 class _DcpMetadataUnpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` whose globals are only :data:`DCP_METADATA_GLOBALS` and torch dtypes."""
+    """``pickle.Unpickler`` whose globals are only :func:`dcp_metadata_globals` and torch dtypes."""
 
     def find_class(self, module: str, name: str) -> Any:
-        found = DCP_METADATA_GLOBALS.get((module, name))
+        found = dcp_metadata_globals().get((module, name))
         if found is None and module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
             found = vars(torch)[name]  # vars(): no module __getattr__ (lazy imports) for a name the file chose
         if found is None:
@@ -71,7 +81,7 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("it holds a persistent reference, which DCP metadata never does")
 
 
-def read_dcp_metadata(path: Path) -> dcp_metadata.Metadata:
+def read_dcp_metadata(path: Path) -> "dcp_metadata.Metadata":
     """Read a DCP ``.metadata`` file admitting only DCP's metadata types.
 
     Besides the unpickler's allow-list, the result must describe tensors only (pimm never
@@ -101,6 +111,9 @@ def read_dcp_metadata(path: Path) -> dcp_metadata.Metadata:
 
 def _metadata_problem(md: Any) -> str | None:
     """What makes ``md`` other than the metadata of tensor-only DCP files in one directory, or None."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
     if type(md) is not dcp_metadata.Metadata:
         return f"it holds a {type(md).__name__}, not DCP Metadata"
     items, storage = getattr(md, "state_dict_metadata", None), getattr(md, "storage_data", None)

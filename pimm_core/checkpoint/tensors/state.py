@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import io
 import random
+import sys
 from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.tensor import DTensor
 
 from .safe_state import UnloadableStateError, decode, decode_extra_states, encode, encode_extra_states
 from .ties import tied_groups
@@ -153,9 +152,18 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 # ------------------------------------------------------------------ sharded models (FSDP2)
+def dtensor_type() -> type | None:
+    """``torch.distributed.tensor.DTensor``, or None while that module is not imported: then no
+    tensor can be one. (Importing it, and ``torch.distributed.checkpoint``, adds ~40 % to ``import torch``:
+    a run that shards nothing and saves nothing before its first step does not.)"""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     """True when any parameter of the (unwrapped) model is a ``DTensor`` (``fully_shard``)."""
-    return any(isinstance(p, DTensor) for p in unwrap(model).parameters())
+    dtensor = dtensor_type()
+    return dtensor is not None and any(isinstance(p, dtensor) for p in unwrap(model).parameters())
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -171,6 +179,8 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     plain = unwrap(model)
     if not is_sharded(plain):
         return encode_extra_states(plain.state_dict())
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     sd = get_model_state_dict(plain, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     for group in tied_groups(plain):  # gathered once per name: make the tied names one tensor again
         present = [n for n in group if n in sd]
@@ -187,14 +197,15 @@ def full_tensors(sd: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] 
     gathered with ``full_tensor()``; rank 0 gets every entry as a CPU tensor (entries that
     were one tensor object stay one), the other ranks ``{}``. None gives None.
     """
-    if sd is None or not any(isinstance(v, DTensor) for v in sd.values()):
+    dtensor = dtensor_type()
+    if sd is None or dtensor is None or not any(isinstance(v, dtensor) for v in sd.values()):
         return sd
     keep = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     made: dict[int, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for k, v in sd.items():
         if id(v) not in made:
-            t = v.full_tensor() if isinstance(v, DTensor) else v.detach()
+            t = v.full_tensor() if isinstance(v, dtensor) else v.detach()
             made[id(v)] = t.cpu() if keep else t
         if keep:
             out[k] = made[id(v)]
@@ -217,5 +228,7 @@ def load_full_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor], st
     plain = unwrap(model)
     if not is_sharded(plain):  # (a module's encoded extra state is decoded for set_extra_state: safe_state)
         return plain.load_state_dict(decode_extra_states(sd), strict=strict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     # (a copy: set_model_state_dict puts its own entries into the dict it is given)
     return set_model_state_dict(plain, dict(sd), options=StateDictOptions(full_state_dict=True, strict=strict))

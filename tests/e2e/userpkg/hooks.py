@@ -1,5 +1,6 @@
-"""A callback for the tests: counts the moments it sees, stops the run at a step, keeps its counts
-in checkpoints (``state_dict``), and writes them (rank 0) to ``out`` as JSON after each moment."""
+"""Callbacks for the tests. EventCounter: counts the moments it sees, stops the run at a step, keeps its counts
+in checkpoints (``state_dict``), and writes them (rank 0) to ``out`` as JSON after each moment.
+StartupProbe: what the process looked like at its first step (threads, imported modules)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,21 @@ class EventCounter:
 
     def load_state_dict(self, state):
         self.counts, self.saved, self.restored = dict(state["counts"]), list(state["saved"]), True
+
+
+class StartupProbe:
+    """Writes ``out`` (JSON) at the first step's end: the process's intra-op threads
+    (``torch.get_num_threads()``) and which of ``modules`` were imported by then."""
+
+    def __init__(self, out: str, modules: list[str]):
+        self.out, self.modules, self.done = out, modules, False
+
+    def on_step_end(self, trainer):
+        import sys
+
+        import torch
+
+        if not self.done:
+            self.done = True
+            Path(self.out).write_text(json.dumps({"threads": torch.get_num_threads(),
+                                                  "imported": [m for m in self.modules if m in sys.modules]}))
