@@ -137,7 +137,7 @@ class Pimm:
     name = "pimm"
 
     def __init__(self, total: int, width: int, work: Path):
-        self.total, self.width, self.dir = total, width, work / "pimm"
+        self.total, self.width, self.dir = total, width, work / self.name
         self.dir.mkdir()
         self.model = build_model(total, width)
         self.opt = one_adamw_step(self.model)
@@ -173,6 +173,27 @@ class Pimm:
         verify = time.perf_counter() - t1
         assert not problems, problems
         return {"load_s": t, "verify_s": verify}
+
+
+class PimmAtOnce(Pimm):
+    """pimm as it was before the previous checkpoint's pages were released in step with the
+    writes: all of them at once, before the first byte is written (the ablation)."""
+
+    name = "pimm_at_once"
+
+    def save(self) -> tuple[float, float, Path]:
+        from pimm_core.checkpoint import publish, standard
+
+        def at_once(tmp: Path, previous: Path | None = None):
+            if previous is not None:
+                release_cached_pages(previous)
+            return publish.follow_hashes(tmp)
+
+        standard.follow_hashes = at_once
+        try:
+            return super().save()
+        finally:
+            standard.follow_hashes = publish.follow_hashes
 
 
 # --------------------------------------------------------------------- raw
@@ -350,18 +371,19 @@ def busy(n: int):
 
 def measure(mib: float, args: argparse.Namespace, names: list[str]) -> dict:
     """Every engine at one state size, idle (and beside ``args.busy`` processes), alternated."""
-    classes = {"pimm": Pimm, "raw": Raw, "accelerate": Accelerate, "lightning": Lightning}
+    classes = {"pimm": Pimm, "pimm_at_once": PimmAtOnce, "raw": Raw, "accelerate": Accelerate,
+               "lightning": Lightning}
     total = int(mib * MiB)
     work = Path(tempfile.mkdtemp(prefix="pimm-peers-bench-", dir=args.dir))
     conditions = ["idle", "busy"] if args.busy else ["idle"]
     results: dict[str, dict[str, dict[str, list[float]]]] = {c: {} for c in conditions}
-    parts: dict[str, list[dict[str, float]]] = {c: [] for c in conditions}
+    parts: dict[tuple[str, str], list[dict[str, float]]] = {}
     on_disk: dict[str, int] = {}
     files: dict[str, list[str]] = {}
     load_start = load_average()
     try:
         engines = [classes[n](total, args.width, work) for n in names]
-        pimm = next(e for e in engines if e.name == "pimm")
+        pimm = engines[0]
         sizes = state_bytes(pimm.model, pimm.opt)
         for repeat in range(args.repeats + 1):
             for c_i in range(len(conditions)):
@@ -372,18 +394,23 @@ def measure(mib: float, args: argparse.Namespace, names: list[str]) -> dict:
                         if eng.name == "raw":
                             eng.nbytes = on_disk.get("pimm", eng.nbytes)  # the same bytes as pimm's checkpoint
                         settle()
+                        c0 = time.process_time()  # CPU seconds of this process, all its threads
                         save_s, durable_s, out = eng.save()
+                        save_cpu = time.process_time() - c0
                         settle()
+                        c0 = time.process_time()
                         loaded = eng.load()
+                        loaded["load_cpu_s"] = time.process_time() - c0  # (pimm: with the verify)
                         on_disk[eng.name] = tree_bytes(out)
                         files[eng.name] = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) \
                             if out.is_dir() else [out.name]
                         if repeat:
                             rec = results[cond].setdefault(eng.name, {})
-                            for key, v in {"save_s": save_s, "save_durable_s": durable_s, **loaded}.items():
+                            for key, v in {"save_s": save_s, "save_durable_s": durable_s, "save_cpu_s": save_cpu,
+                                           **loaded}.items():
                                 rec.setdefault(key, []).append(v)
-                            if eng.name == "pimm":
-                                parts[cond].append(eng.parts)
+                            if eng.name.startswith("pimm"):
+                                parts.setdefault((cond, eng.name), []).append(eng.parts)
     finally:
         remove(work)
 
@@ -403,9 +430,12 @@ def measure(mib: float, args: argparse.Namespace, names: list[str]) -> dict:
         pimm_to = {e: {"save_durable": r(p["save_durable_s"] / m["save_durable_s"]),
                        "load": r(p["load_s"] / m["load_s"]) if m["load_s"] else None}
                    for e, m in med.items() if e != "pimm"}
-        keys = sorted({k for ph in parts[cond] for k in ph})
-        out[cond] = {"engines": engines_out, "pimm_to": pimm_to,
-                     "pimm_parts_s": {k: r(median([ph.get(k, 0.0) for ph in parts[cond]])) for k in keys},
+        parts_out = {}
+        for (c, e), phs in parts.items():
+            if c == cond:
+                keys = sorted({k for ph in phs for k in ph})
+                parts_out[e] = {k: r(median([ph.get(k, 0.0) for ph in phs])) for k in keys}
+        out[cond] = {"engines": engines_out, "pimm_to": pimm_to, "pimm_parts_s": parts_out,
                      "seconds_all": {e: {k: [r(x) for x in v] for k, v in rec.items()}
                                      for e, rec in results[cond].items()}}
     out["busy_processes"] = args.busy
@@ -422,11 +452,12 @@ def main() -> None:
     ap.add_argument("--busy", type=int, default=0,
                     help="also measure beside N CPU-bound processes, alternating with idle rounds")
     ap.add_argument("--engines", default="pimm,raw,accelerate,lightning",
-                    help="comma-separated subset of pimm,raw,accelerate,lightning (pimm always runs)")
+                    help="comma-separated subset of pimm,raw,accelerate,lightning,pimm_at_once (pimm always "
+                         "runs; pimm_at_once: the ablation, the previous checkpoint's pages released at once)")
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     args = ap.parse_args()
     names = ["pimm"] + [n for n in args.engines.split(",") if n and n != "pimm"]
-    unknown = sorted(set(names) - {"pimm", "raw", "accelerate", "lightning"})
+    unknown = sorted(set(names) - {"pimm", "pimm_at_once", "raw", "accelerate", "lightning"})
     if unknown:
         ap.error(f"unknown engine(s): {', '.join(unknown)}")
 

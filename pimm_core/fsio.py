@@ -178,7 +178,7 @@ class PageRelease:
 
     GRAIN = 2 << 20
 
-    def __init__(self, old: Path, ahead: int = 256 << 20) -> None:
+    def __init__(self, old: Path, ahead: int = 128 << 20) -> None:
         old = Path(old)
         files = [old] if old.is_file() else sorted(Path(d) / n for d, _, names in os.walk(old) for n in names)
         self._files: list[tuple[Path, int]] = []

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 CHUNK = 8 << 20
-STEP = 64 << 20  # hashed per file per pass, so the writers' progress is seen (on_written) at least this often
+STEP = 32 << 20  # hashed per file per pass, so the writers' progress is seen (on_written) at least this often
 POLL_S = 0.005
 
 

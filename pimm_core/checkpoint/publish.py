@@ -287,7 +287,7 @@ def follow_hashes(tmp: Path, previous: Path | None = None) -> FollowingHasher:
     filesystem (NFS) a file opened while another client writes it may show a stale size.
 
     ``previous`` (the checkpoint this save replaces) has its page cache released in step
-    with the writes, 256 MiB ahead of them (:class:`~pimm_core.fsio.PageRelease`), so the
+    with the writes, 128 MiB ahead of them (:class:`~pimm_core.fsio.PageRelease`), so the
     writers take pages freed milliseconds before.
     """
     local = {f"__{r}_" for r in range(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))}
