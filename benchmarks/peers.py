@@ -3,7 +3,8 @@
 Runs in the benchmark environment only (``lightning`` and ``accelerate`` are in the
 ``bench`` dependency group, not runtime dependencies)::
 
-    uv run --group bench python benchmarks/peers.py [--mib 256] [--repeats 3] [--dir /tmp]
+    uv run --group bench python benchmarks/peers.py [--mib 108 624] [--width 1024] [--repeats 5] [--busy 2]
+        [--engines pimm,raw,accelerate,lightning] [--dir /tmp]
 
 State: a stack of ``Linear(--width, --width)`` layers + AdamW after one step (1/3
 parameters, 2/3 optimizer state), >= ``--mib`` MiB. Each engine saves its own
@@ -19,12 +20,23 @@ complete training state, then restores it into a freshly built model and optimiz
 - ``accelerate``: ``Accelerator.save_state`` (safetensors model + ``optimizer.bin`` + RNG)
   after one step on prepared objects; ``Accelerator.load_state`` into freshly
   prepared objects.
+- ``raw``: the floor: as many bytes as pimm's checkpoint written with ``os.write`` (64 MiB
+  buffers) into one new file, ``fsync``, the previous file removed; the previous file's
+  page cache is released first, as pimm does (``benchmarks/save_throughput.py``).
+  Its "load" reads the file back into one preallocated buffer (``readinto``).
+
+``--busy N`` measures every size twice in the same run, alternating round by round:
+idle, and beside N CPU-bound processes (``python3 -c "while True: pass"``) that the
+benchmark starts before the round and kills after it. pimm's save is also split into
+its parts (``pimm_parts_s``: state dict, DCP write, ``weights.pth``, the sha256 left
+after the writes, fsyncs, manifest and markers, rotation; ``other`` is what is left).
 
 Lightning and Accelerate do not fsync; ``save_durable_s`` adds an fsync of every file
 they wrote (what pimm's save includes), so ``ratio_to_pimm.save_durable`` compares like
 with like. Loads read from a warm page cache for every engine (the files were just written).
-Ratios are engine / pimm (time: > 1 means slower than pimm; bytes: > 1 means larger).
-Repeats interleave the engines; one warm-up round is discarded.
+Ratios are engine / pimm (time: > 1 means slower than pimm; bytes: > 1 means larger);
+``pimm_to`` gives pimm / engine (the issue's direction: <= 1 means pimm is as fast).
+Repeats interleave the engines (the order rotates); one warm-up round is discarded.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ import io
 import json
 import logging
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,9 +63,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (MiB, build_model, load_average, machine, median, one_adamw_step, r, remove,  # noqa: E402
                      settle, state_bytes, tree_bytes)
-from pimm_core.fsio import fsync_tree  # noqa: E402
-from pimm_core.checkpoint.formats.standard import load_standard, save_standard  # noqa: E402
-from pimm_core.process.dist import DistInfo  # noqa: E402
+from pimm_core.checkpoint.formats.standard import load_standard, save_standard
+from pimm_core.fsio import fsync_tree, release_cached_pages
+from pimm_core.process.dist import DistInfo
 
 
 @contextlib.contextmanager
@@ -76,23 +89,72 @@ def fsync_path(path: Path) -> float:
 
 
 # --------------------------------------------------------------------- pimm
+# pimm's save split into its parts: each function is wrapped while the save runs (summed
+# wall time; a part on a second thread overlaps, so `other` is clamped at 0).
+PARTS = {"state_dict": ("pimm_core.checkpoint.formats.standard", "dcp_state"),
+         "dcp_write": ("torch.distributed.checkpoint", "save"),
+         "weights_pth": ("pimm_core.checkpoint.publish.rotation", "save_torch_file"),
+         "sha256_left": ("pimm_core.checkpoint.publish.follow", "FollowingHasher.finish"),
+         "describe_files": ("pimm_core.checkpoint.publish.rotation", "describe_files"),
+         "fsync_tree": ("pimm_core.checkpoint.publish.rotation", "fsync_tree"),
+         "manifest": ("pimm_core.checkpoint.publish.rotation", "write_manifest"),
+         "rotate": ("pimm_core.checkpoint.publish.rotation", "rotate_into_place"),
+         "release_pages": ("pimm_core.checkpoint.formats.standard", "release_cached_pages"),
+         "set_up": ("pimm_core.checkpoint.publish.rotation", "prepare")}
+
+
+@contextlib.contextmanager
+def parts_timer(parts: dict[str, float]):
+    import importlib
+
+    undo = []
+    for label, (mod_name, attr) in PARTS.items():
+        owner = importlib.import_module(mod_name)
+        *outer, name = attr.split(".")
+        for o in outer:
+            owner = getattr(owner, o)
+        if not hasattr(owner, name):
+            continue  # (a part this version of pimm does not have)
+        fn = getattr(owner, name)
+
+        def timed(*a, __fn=fn, __label=label, **k):
+            t0 = time.perf_counter()
+            try:
+                return __fn(*a, **k)
+            finally:
+                parts[__label] = parts.get(__label, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, name, timed)
+        undo.append((owner, name, fn))
+    try:
+        yield
+    finally:
+        for owner, name, fn in reversed(undo):
+            setattr(owner, name, fn)
+
+
 class Pimm:
     name = "pimm"
 
     def __init__(self, total: int, width: int, work: Path):
-        self.total, self.width, self.dir = total, width, work / "pimm"
+        self.total, self.width, self.dir = total, width, work / self.name
         self.dir.mkdir()
         self.model = build_model(total, width)
         self.opt = one_adamw_step(self.model)
+        self.parts: dict[str, float] = {}
 
     def save(self) -> tuple[float, float, Path]:
-        t0 = time.perf_counter()
         meta = {"trainer": {"global_step": 1, "epoch": 0, "iter": 1}, "scheduler": {}, "scaler": {}, "world_size": 1,
                 "workers_per_rank": 0}  # what a resume needs (load_standard checks it)
-        save_standard(self.dir, model=self.model, optimizer=self.opt, meta=meta,
-                      rank_state={"rng": torch.get_rng_state()}, manifest={"kind": "last", "step": 1},
-                      info=DistInfo())
-        t = time.perf_counter() - t0
+        parts: dict[str, float] = {}
+        with parts_timer(parts):
+            t0 = time.perf_counter()
+            save_standard(self.dir, model=self.model, optimizer=self.opt, meta=meta,
+                          rank_state={"rng": torch.get_rng_state()}, manifest={"kind": "last", "step": 1, "epoch": 0, "iter": 1},
+                          info=DistInfo())
+            t = time.perf_counter() - t0
+        parts["other"] = max(0.0, t - sum(parts.values()))
+        self.parts = parts
         return t, t, self.dir / "last"  # already durable
 
     def load(self) -> dict:
@@ -103,7 +165,79 @@ class Pimm:
         t = time.perf_counter() - t0
         assert torch.equal(next(model.parameters()), next(self.model.parameters()))
         assert len(opt.state) == len(self.opt.state)
-        return {"load_s": t}
+        # what a resume does first: the sha256 of every file checked against the manifest
+        from pimm_core.checkpoint.records.manifest import read_manifest, verify_files
+
+        t1 = time.perf_counter()
+        problems = verify_files(self.dir / "last", read_manifest(self.dir / "last" / "manifest.json")["files"])
+        verify = time.perf_counter() - t1
+        assert not problems, problems
+        return {"load_s": t, "verify_s": verify}
+
+
+class PimmAtOnce(Pimm):
+    """pimm as it was before the previous checkpoint's pages were released in step with the
+    writes: all of them at once, before the first byte is written (the ablation)."""
+
+    name = "pimm_at_once"
+
+    def save(self) -> tuple[float, float, Path]:
+        from pimm_core.checkpoint.publish import rotation as publish
+        from pimm_core.checkpoint.formats import standard
+
+        def at_once(tmp: Path, previous: Path | None = None):
+            if previous is not None:
+                release_cached_pages(previous)
+            return publish.follow_hashes(tmp)
+
+        standard.follow_hashes = at_once
+        try:
+            return super().save()
+        finally:
+            standard.follow_hashes = publish.follow_hashes
+
+
+# --------------------------------------------------------------------- raw
+class Raw:
+    """One file of ``nbytes`` written with ``os.write`` + ``fsync`` (the floor); read back with ``readinto``."""
+
+    name = "raw"
+    CHUNK = 64 << 20
+
+    def __init__(self, total: int, width: int, work: Path):
+        self.dir, self.nbytes, self.n = work / "raw", total, 0
+        self.dir.mkdir()
+        self.buf = memoryview(os.urandom(self.CHUNK))
+        self.path: Path | None = None
+
+    def save(self) -> tuple[float, float, Path]:
+        self.n += 1
+        path = self.dir / f"state-{self.n}.bin"
+        t0 = time.perf_counter()
+        if self.path is not None:
+            release_cached_pages(self.path)  # as pimm does with its previous checkpoint
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            left = self.nbytes
+            while left > 0:
+                left -= os.write(fd, self.buf[:min(left, self.CHUNK)])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if self.path is not None:
+            self.path.unlink()
+        t = time.perf_counter() - t0
+        self.path = path
+        return t, t, path
+
+    def load(self) -> dict:
+        out = bytearray(self.nbytes)
+        t0 = time.perf_counter()
+        with open(self.path, "rb", buffering=0) as f:
+            view, got = memoryview(out), 0
+            while got < self.nbytes:
+                got += f.readinto(view[got:])
+        return {"load_s": time.perf_counter() - t0}
 
 
 # ---------------------------------------------------------------- lightning
@@ -220,13 +354,113 @@ class Accelerate:
         return {"load_s": t}
 
 
+@contextlib.contextmanager
+def busy(n: int):
+    """``n`` CPU-bound processes (``python3 -c "while True: pass"``) running while inside."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        if procs:
+            time.sleep(1.0)  # (running, and the scheduler has seen them)
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
+
+def measure(mib: float, args: argparse.Namespace, names: list[str]) -> dict:
+    """Every engine at one state size, idle (and beside ``args.busy`` processes), alternated."""
+    classes = {"pimm": Pimm, "pimm_at_once": PimmAtOnce, "raw": Raw, "accelerate": Accelerate,
+               "lightning": Lightning}
+    total = int(mib * MiB)
+    work = Path(tempfile.mkdtemp(prefix="pimm-peers-bench-", dir=args.dir))
+    conditions = ["idle", "busy"] if args.busy else ["idle"]
+    results: dict[str, dict[str, dict[str, list[float]]]] = {c: {} for c in conditions}
+    parts: dict[tuple[str, str], list[dict[str, float]]] = {}
+    on_disk: dict[str, int] = {}
+    files: dict[str, list[str]] = {}
+    load_start = load_average()
+    try:
+        engines = [classes[n](total, args.width, work) for n in names]
+        pimm = engines[0]
+        sizes = state_bytes(pimm.model, pimm.opt)
+        for repeat in range(args.repeats + 1):
+            for c_i in range(len(conditions)):
+                cond = conditions[(repeat + c_i) % len(conditions)]
+                k = repeat % len(engines)
+                with busy(args.busy if cond == "busy" else 0):
+                    for eng in engines[k:] + engines[:k]:
+                        if eng.name == "raw":
+                            eng.nbytes = on_disk.get("pimm", eng.nbytes)  # the same bytes as pimm's checkpoint
+                        settle()
+                        c0 = time.process_time()  # CPU seconds of this process, all its threads
+                        save_s, durable_s, out = eng.save()
+                        save_cpu = time.process_time() - c0
+                        settle()
+                        c0 = time.process_time()
+                        loaded = eng.load()
+                        loaded["load_cpu_s"] = time.process_time() - c0  # (pimm: with the verify)
+                        on_disk[eng.name] = tree_bytes(out)
+                        files[eng.name] = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) \
+                            if out.is_dir() else [out.name]
+                        if repeat:
+                            rec = results[cond].setdefault(eng.name, {})
+                            for key, v in {"save_s": save_s, "save_durable_s": durable_s, "save_cpu_s": save_cpu,
+                                           **loaded}.items():
+                                rec.setdefault(key, []).append(v)
+                            if eng.name.startswith("pimm"):
+                                parts.setdefault((cond, eng.name), []).append(eng.parts)
+    finally:
+        remove(work)
+
+    out: dict = {"state_bytes": sizes, "state_mib": r(sizes["total"] / MiB, 1),
+                 "layers": sum(1 for m in pimm.model if isinstance(m, torch.nn.Linear)), "width": args.width,
+                 "bytes_on_disk": on_disk, "files": files}
+    for cond in conditions:
+        med = {e: {k: median(v) for k, v in rec.items()} for e, rec in results[cond].items()}
+        p = med["pimm"]
+        engines_out = {}
+        for e, m in med.items():
+            engines_out[e] = {**{k: r(v) for k, v in m.items()},
+                              "ratio_to_pimm": {"save": r(m["save_s"] / p["save_s"]),
+                                                "save_durable": r(m["save_durable_s"] / p["save_durable_s"]),
+                                                "load": r(m["load_s"] / p["load_s"]) if p["load_s"] else None,
+                                                "bytes": r(on_disk[e] / on_disk["pimm"])}}
+        pimm_to = {e: {"save_durable": r(p["save_durable_s"] / m["save_durable_s"]),
+                       "load": r(p["load_s"] / m["load_s"]) if m["load_s"] else None}
+                   for e, m in med.items() if e != "pimm"}
+        parts_out = {}
+        for (c, e), phs in parts.items():
+            if c == cond:
+                keys = sorted({k for ph in phs for k in ph})
+                parts_out[e] = {k: r(median([ph.get(k, 0.0) for ph in phs])) for k in keys}
+        out[cond] = {"engines": engines_out, "pimm_to": pimm_to, "pimm_parts_s": parts_out,
+                     "seconds_all": {e: {k: [r(x) for x in v] for k, v in rec.items()}
+                                     for e, rec in results[cond].items()}}
+    out["busy_processes"] = args.busy
+    out["load_average_start"], out["load_average_end"] = load_start, load_average()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mib", type=float, default=256.0, help="minimum state size in MiB (params + AdamW state)")
+    ap.add_argument("--mib", type=float, nargs="+", default=[256.0],
+                    help="minimum state size(s) in MiB (params + AdamW state)")
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--busy", type=int, default=0,
+                    help="also measure beside N CPU-bound processes, alternating with idle rounds")
+    ap.add_argument("--engines", default="pimm,raw,accelerate,lightning",
+                    help="comma-separated subset of pimm,raw,accelerate,lightning,pimm_at_once (pimm always "
+                         "runs; pimm_at_once: the ablation, the previous checkpoint's pages released at once)")
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     args = ap.parse_args()
+    names = ["pimm"] + [n for n in args.engines.split(",") if n and n != "pimm"]
+    unknown = sorted(set(names) - {"pimm", "pimm_at_once", "raw", "accelerate", "lightning"})
+    if unknown:
+        ap.error(f"unknown engine(s): {', '.join(unknown)}")
 
     warnings.filterwarnings("ignore")
     import accelerate  # noqa: F401  (imported before the log levels are set: they set their own at import)
@@ -235,47 +469,12 @@ def main() -> None:
     for name in ("pimm", "lightning", "lightning.pytorch", "lightning.fabric", "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
     load_start = load_average()
-    total = int(args.mib * MiB)
-    work = Path(tempfile.mkdtemp(prefix="pimm-peers-bench-", dir=args.dir))
-    results: dict[str, dict[str, list[float]]] = {}
-    on_disk: dict[str, int] = {}
-    files: dict[str, list[str]] = {}
-    try:
-        engines = [Pimm(total, args.width, work), Lightning(total, args.width, work), Accelerate(total, args.width, work)]
-        sizes = state_bytes(engines[0].model, engines[0].opt)
-        for repeat in range(args.repeats + 1):
-            k = repeat % len(engines)
-            for eng in engines[k:] + engines[:k]:
-                settle()
-                save_s, durable_s, out = eng.save()
-                settle()
-                loaded = eng.load()
-                on_disk[eng.name] = tree_bytes(out)
-                files[eng.name] = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) \
-                    if out.is_dir() else [out.name]
-                if repeat:
-                    rec = results.setdefault(eng.name, {})
-                    for key, v in {"save_s": save_s, "save_durable_s": durable_s, **loaded}.items():
-                        rec.setdefault(key, []).append(v)
-    finally:
-        remove(work)
-
-    med = {e: {k: median(v) for k, v in rec.items()} for e, rec in results.items()}
-    p = med["pimm"]
-    out = {}
-    for e, m in med.items():
-        out[e] = {**{k: r(v) for k, v in m.items()}, "bytes_on_disk": on_disk[e], "files": files[e],
-                  "ratio_to_pimm": {"save": r(m["save_s"] / p["save_s"]),
-                                    "save_durable": r(m["save_durable_s"] / p["save_durable_s"]),
-                                    "load": r(m["load_s"] / p["load_s"]) if p["load_s"] else None,
-                                    "bytes": r(on_disk[e] / on_disk["pimm"])}}
+    by_size = {f"{mib:g}": measure(mib, args, names) for mib in args.mib}
     print(json.dumps({
-        "state_bytes": sizes, "state_mib": r(sizes["total"] / MiB, 1), "width": args.width,
-        "engines": out,
+        "sizes": by_size,
         "versions": {"lightning": lightning.__version__, "accelerate": accelerate.__version__},
-        "seconds_all": {e: {k: [r(x) for x in v] for k, v in rec.items()} for e, rec in results.items()},
         "repeats": args.repeats,
-        "machine": machine(work.parent, load_start),
+        "machine": machine(Path(args.dir), load_start),
     }, indent=2))
 
 

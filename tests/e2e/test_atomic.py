@@ -225,3 +225,30 @@ def test_release_cached_pages_drops_the_cache_and_keeps_the_bytes(tmp_path):
         assert _resident_pages(path) == 0
         assert path.read_bytes() == data
     atomic.release_cached_pages(tmp_path / "missing")  # nothing to release: no error
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="posix_fadvise is Linux/Unix only")
+def test_page_release_follows_the_writer_a_fixed_distance_ahead(tmp_path):
+    import mmap
+
+    MiB, page = 1 << 20, mmap.PAGESIZE
+    tree = tmp_path / "last"
+    (tree / "trainer.dcp").mkdir(parents=True)
+    shard, weights = tree / "trainer.dcp" / "__0_0.distcp", tree / "weights.pth"
+    files = {shard: os.urandom(8 * MiB), weights: os.urandom(4 * MiB)}  # released in path order: the shard first
+    for path, data in files.items():
+        path.write_bytes(data)
+        atomic.fsync_file(path)
+        assert _resident_pages(path) == len(data) // page
+    release = atomic.PageRelease(tree, ahead=2 * MiB)
+
+    release.advance(0)  # before anything is written: the first `ahead` bytes only
+    assert (_resident_pages(shard), _resident_pages(weights)) == (6 * MiB // page, 4 * MiB // page)
+    release.advance(7 * MiB)  # 9 MiB: the shard, and not yet a whole 2 MiB (a folio) of the next
+    assert (_resident_pages(shard), _resident_pages(weights)) == (0, 4 * MiB // page)
+    release.advance(8 * MiB)
+    assert _resident_pages(weights) == 2 * MiB // page
+    release.finish()
+    assert _resident_pages(weights) == 0
+    assert all(path.read_bytes() == data for path, data in files.items())  # advice only: the bytes stay
+    atomic.PageRelease(tmp_path / "missing").finish()  # nothing to release: no error

@@ -61,3 +61,21 @@ def test_close_without_finish_stops_the_thread_and_closes_the_files(tmp_path):
     hasher.close()
     assert not hasher._thread.is_alive()
     assert hasher._files == {}
+
+
+def test_reports_the_bytes_written_so_far_as_the_files_grow(tmp_path):
+    chunks = [os.urandom(1 << 20) for _ in range(6)]
+    seen: list[int] = []
+    first = threading.Event()
+
+    def on_written(n):
+        seen.append(n)
+        first.set()
+
+    hasher = FollowingHasher(tmp_path, lambda rel: rel.endswith(".distcp"), on_written=on_written).start()
+    assert first.wait(hang_s(10))  # the thread has looked once, before anything is written
+    _append_slowly(tmp_path / "__0_0.distcp", chunks[:3])
+    _append_slowly(tmp_path / "__1_0.distcp", chunks[3:])
+    hasher.finish()
+    assert seen[0] == 0 and seen[-1] == 6 << 20  # from nothing to every byte of both files
+    assert seen == sorted(seen)  # never backwards

@@ -129,9 +129,12 @@ def save_standard(
     # it finished long ago, during training): its failure then stops this save before it
     # writes anything, and the page cache it frees is reused by this save's writes.
     on_main(info, lambda: (wait_for_purges(), prepare(tmp)), tmp, model_dir)
-    if info.local_rank == 0:  # one process per node: the page cache is the node's
+    # The previous checkpoint's page cache is released so the writes reuse its pages: on rank 0
+    # in step with the writes (follow_hashes), on another node's first rank (the page cache
+    # is the node's) at once.
+    if info.local_rank == 0 and not info.is_main:
         release_cached_pages(final)
-    hasher = follow_hashes(tmp) if info.is_main else None
+    hasher = follow_hashes(tmp, previous=final) if info.is_main else None
     try:
         plain = unwrap(model)
         sharded = is_sharded(plain)

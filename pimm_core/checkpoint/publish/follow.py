@@ -23,16 +23,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 CHUNK = 8 << 20
+STEP = 32 << 20  # hashed per file per pass, so the writers' progress is seen (on_written) at least this often
 POLL_S = 0.005
 
 
 class _Followed:
-    __slots__ = ("fd", "sha", "pos", "ino", "broken")
+    __slots__ = ("fd", "sha", "pos", "size", "ino", "broken")
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.sha = hashlib.sha256()
         self.pos = 0
+        self.size = 0
         self.ino = os.fstat(fd).st_ino
         self.broken = False
 
@@ -47,11 +49,17 @@ class FollowingHasher:
     Args:
         root: directory the files appear in (searched recursively).
         match: called with the path relative to ``root`` (POSIX); True to follow it.
+        on_written: called on the hashing thread, at least once per ``STEP`` bytes hashed
+            of each file and whenever the files grew, with the bytes written so far to the
+            followed files together (the previous checkpoint's pages are released in step
+            with it: :class:`~pimm_core.fsio.PageRelease`).
     """
 
-    def __init__(self, root: Path, match: Callable[[str], bool]) -> None:
+    def __init__(self, root: Path, match: Callable[[str], bool],
+                 on_written: Callable[[int], None] | None = None) -> None:
         self.root = Path(root)
         self.match = match
+        self.on_written = on_written
         self._files: dict[str, _Followed] = {}
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -74,15 +82,16 @@ class FollowingHasher:
                     pass  # gone again (renamed, removed): hashed the ordinary way if it matters
 
     def _advance(self, f: _Followed) -> bool:
-        size = os.fstat(f.fd).st_size
+        size = f.size = os.fstat(f.fd).st_size
         if size < f.pos:
             f.broken = True  # truncated under us: what was hashed is not the file any more
         if f.broken:
             return False
         view = memoryview(self._buf)
         moved = False
-        while f.pos < size:
-            n = os.preadv(f.fd, [view[:min(CHUNK, size - f.pos)]], f.pos)
+        end = min(size, f.pos + STEP)
+        while f.pos < end:
+            n = os.preadv(f.fd, [view[:min(CHUNK, end - f.pos)]], f.pos)
             if n <= 0:
                 break
             f.sha.update(view[:n])  # hashlib releases the GIL for large updates
@@ -98,6 +107,8 @@ class FollowingHasher:
                 moved = False
                 for f in list(self._files.values()):
                     moved = self._advance(f) or moved
+                if self.on_written is not None:
+                    self.on_written(sum(f.size for f in self._files.values()))
                 if done and not moved:
                     return
                 if not moved:
