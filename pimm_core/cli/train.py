@@ -149,11 +149,19 @@ def stop(
     reason: str = typer.Option("operator", "--reason", help="Recorded as the run's stop_reason."),
 ) -> None:
     """Ask a live run to stop cleanly: it saves `last` at the next accumulation window and exits 0."""
-    from ..run.layout import was_started
+    from ..process.lock import claimed_since
     from ..process.stop import write_stop_file
+    from ..run.layout import was_started
     from ..watch.status import liveness
 
     if not was_started(run_dir):
+        if claimed_since(run_dir) is not None:  # a live launch has claimed it and not written its files yet
+            path = write_stop_file(run_dir, reason)
+            print(f"stop requested ({reason}): wrote {path}; the run is starting: it stops before its first step "
+                  "(nothing trained or saved)")
+            return
+        if not run_dir.exists():
+            raise UsageError(f"{run_dir} does not exist; pass exp/<group>/<run>")
         raise UsageError(f"{run_dir} is not a run directory (no status.json or config.toml); pass exp/<group>/<run>")
     view = liveness(run_dir)  # the console's verdict: a live state, a fresh heartbeat, a process not gone
     if not view.live:

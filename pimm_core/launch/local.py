@@ -54,6 +54,7 @@ def _train_here(cfg: Config, config_path: Path | None, resume_from: str | None, 
 def _train_claimed(cfg: Config, config_path: Path | None, run_dir: Path, resume_from: str | None, info,
                    stop: StopRequest) -> int:
     lock = hold_run(run_dir, info.is_main)  # see lock.py: who holds what
+    point("launch.claimed", run_dir)  # (tests: `pimm stop` while the run is starting lands here)
     try:
         source = resume_source(cfg, run_dir, resume_from)
         message = finished(cfg, source, run_dir)

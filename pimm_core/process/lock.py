@@ -100,7 +100,7 @@ class RunLock:
                                           f"running ({ranks} or their DataLoader workers)"))
         try:
             atomic_write_bytes(self.run_dir / HOLDER, json.dumps(
-                {"pid": os.getpid(), "host": socket.gethostname(), "since": now_iso()}).encode(), durable=False)
+                {"pid": os.getpid(), "host": socket.gethostname(), "since": now_iso(), "time": time.time()}).encode(), durable=False)
         except OSError as e:
             self._lock.release()
             raise writable_error(self.run_dir, e) from None
@@ -280,6 +280,24 @@ def die_with_parent(parent: int) -> None:
     if os.getppid() != parent and not _alive(parent):
         os.kill(os.getpid(), signal.SIGKILL)  # the parent died before the kernel was asked
     threading.Thread(target=_watch, args=(parent,), name="pimm-die-with-parent", daemon=True).start()
+
+
+def claimed_since(run_dir: Path) -> float | None:
+    """When the launch now holding ``run_dir`` claimed it (``lock.json``'s ``time``, UNIX seconds), if
+    that launch is alive (on another host: taken as alive); else None."""
+    from datetime import datetime
+
+    holder = read_json(Path(run_dir) / HOLDER)
+    if not isinstance(holder, dict):
+        return None
+    if holder.get("host") == socket.gethostname() and not (isinstance(holder.get("pid"), int) and _alive(holder["pid"])):
+        return None
+    if isinstance(holder.get("time"), (int, float)):
+        return float(holder["time"])
+    try:  # (an older launcher's lock.json: whole seconds; the next one, so a request of that second is stale)
+        return datetime.fromisoformat(str(holder.get("since"))).timestamp() + 1.0
+    except ValueError:
+        return None
 
 
 def _alive(pid: int) -> bool:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..process import dist
+from ..process.lock import claimed_since
 from ..process.stop import StopRequest, read_stop_file, stop_file
 from ..run.heartbeat import beat
 
@@ -45,10 +46,17 @@ class StopAgreement:
         self.cause: Exception | None = None  # the error of the agreed reason (see agree)
 
     def discard_stale(self) -> None:
-        """At the start of a session: a ``control/stop`` left from an earlier one never stops this run."""
+        """At the start of a session: a ``control/stop`` left from an earlier one never stops this run;
+        one written since this launch claimed the run directory (``pimm stop`` while the run was
+        starting: after ``lock.json``'s ``since``) stops it before its first step."""
         if self.run_dir is None or not self.info.is_main or not stop_file(self.run_dir).exists():
             return
         req = read_stop_file(self.run_dir) or {}
+        since = claimed_since(self.run_dir)
+        if since is not None and float(req.get("time") or 0) >= since:
+            log.info("stop asked while the run was starting (reason %r): it stops before its first step",
+                     req.get("reason"))
+            return
         log.warning("ignoring a stop request left from an earlier session (%s, reason %r); removed %s",
                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(req.get("time", 0))), req.get("reason"),
                     stop_file(self.run_dir))

@@ -42,6 +42,20 @@ def test_export_leaves_siblings_named_like_its_temporaries(trained_run, tmp_path
     assert sorted(p.name for p in ex.iterdir()) == [".out.tmp", "out", "out.old", "out.prev", "out.tmp"]
 
 
+def test_an_export_directory_has_the_permissions_of_any_directory_the_user_makes(trained_run, tmp_path: Path) -> None:
+    """The export is built in a private temporary directory and renamed into place: the output
+    must not stay owner-only (0700) but get what the umask gives a new directory (0755 at 022)."""
+    run = trained_run.copy_to(tmp_path)
+    old = os.umask(0o022)
+    try:
+        r = pimm_here("export", "--run-dir", run, "last", tmp_path / "out")
+        (tmp_path / "mine").mkdir()
+    finally:
+        os.umask(old)
+    assert r.returncode == 0, r.stderr
+    assert oct((tmp_path / "out").stat().st_mode & 0o777) == oct((tmp_path / "mine").stat().st_mode & 0o777) == "0o755"
+
+
 def test_force_never_replaces_a_run_a_checkpoint_or_what_holds_one(trained_run, tmp_path: Path) -> None:
     run = trained_run.copy_to(tmp_path / "runs")
     chosen, _ = select_resume(run / "model")

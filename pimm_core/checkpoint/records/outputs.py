@@ -154,7 +154,8 @@ def new_temp_dir(out: Path, role: str) -> tuple[Path, FileLock]:
     (:func:`remove_stale_temps`)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)
-    return make_owned_dir(f".{out.name}.pimm-{role}-", parent=out.parent, suffix=".tmp")
+    # (renamed into place as the user's output: the umask's permissions, as any directory they make)
+    return make_owned_dir(f".{out.name}.pimm-{role}-", parent=out.parent, suffix=".tmp", mode=0o777)
 
 
 def remove_stale_temps(out: Path) -> list[str]:

@@ -85,11 +85,14 @@ def remove_stale(tmp: Path | None = None, prefixes: tuple[str, ...] = PREFIXES, 
     return removed
 
 
-def make_owned_dir(prefix: str, *, parent: Path | None = None, suffix: str = "") -> tuple[Path, FileLock]:
+def make_owned_dir(prefix: str, *, parent: Path | None = None, suffix: str = "",
+                   mode: int = 0o700) -> tuple[Path, FileLock]:
     """Create ``<parent>/<prefix>XXXX<suffix>/`` (default ``parent``: ``$TMPDIR``) and its held owner
     file (see the module docstring); stale ones of earlier processes of the same ``prefix`` are
-    removed first (in ``$TMPDIR``: of every prefix of :data:`PREFIXES`). Returns ``(directory, owner
-    lock)``; give both to :func:`release` when done."""
+    removed first (in ``$TMPDIR``: of every prefix of :data:`PREFIXES`). ``mode`` is given to
+    ``mkdir`` (the umask applies): private scratch by default; a directory that becomes the
+    user's output is made with ``0o777`` so that it gets the permissions any directory they
+    make would. Returns ``(directory, owner lock)``; give both to :func:`release` when done."""
     if parent is None:
         assert prefix in PREFIXES, prefix
         remove_stale()
@@ -100,7 +103,7 @@ def make_owned_dir(prefix: str, *, parent: Path | None = None, suffix: str = "")
         lock.acquire(timeout=_OWN_WAIT_S)  # a fresh name: at most another clean-up's look holds it
         directory = Path(owner[: -len(OWNER_SUFFIX)])
         try:
-            directory.mkdir(mode=0o700)
+            directory.mkdir(mode=mode)
             return directory, lock
         except FileExistsError:  # a directory of that name that is not ours: another name
             os.unlink(owner)
