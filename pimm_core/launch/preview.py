@@ -175,14 +175,15 @@ def horizon_moves(cfg: Config, run_dir: Path, manifest: dict, plan) -> str | Non
         end = end_step(state, t, micro_batches=spe * t.grad_accum, steps_per_epoch=spe)
         if end == before:
             return None
-        where = f"step {end}"
+        where = f"step {end} (where this resume ends)"
     elif t.epochs != status.epochs or (t.max_steps and t.max_steps != before):
+        # (the batching changes: the steps an epoch takes are known once the resume's loaders are built)
         where = "the step this resume ends at"
     else:
         return None
-    then = "stays constant" if t.scheduler == "constant" else f"decays to train.min_lr {t.min_lr:g} at {where}"
-    return (f"the LR schedule's horizon moves from step {before} to {where} (where this resume ends): the LR at "
-            f"step {plan.step} is kept and {then}")
+    then = "stays constant" if t.scheduler == "constant" else f"decays to train.min_lr {t.min_lr:g} there"
+    return (f"the LR schedule's horizon moves from step {before} to {where}: the LR at step {plan.step} is kept "
+            f"and {then}")
 
 
 def best_starts_over(cfg: Config, model_dir: Path) -> str | None:
