@@ -14,7 +14,7 @@ from ..faults import point
 from ..process.console_log import setup_logging
 from ..process.lock import follow_launcher, hold_run
 from ..process.shell import resume_command
-from ..process.stop import StopRequest, configured_signals, parse_signals, stop_signals
+from ..process.stop import StopRequest, configured_signals, stop_signals
 from ..run import LAUNCH_ENV, MODEL
 from .requeue import requeue_if_asked
 from .rundir import check_before_launch, claim, finished, resolve_run_dir, resume_source

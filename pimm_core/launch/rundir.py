@@ -211,20 +211,29 @@ def restore_from_remote(cfg: Config, run_dir: Path) -> bool:
 @contextlib.contextmanager
 def _in_train_log(run_dir: Path) -> Iterator[None]:
     """The ``pimm`` log goes to ``run_dir/train.log`` too while inside (nothing when it cannot be
-    opened: the trainer reports a train.log it cannot write)."""
+    opened: the trainer reports a train.log it cannot write). Where no console handler is set up
+    yet, warnings still reach the terminal (stderr, as Python's last-resort handler shows them
+    when a logger has none: adding the file's handler would silence it)."""
+    import sys
+
     from ..run.log import log_handler
 
     log = logging.getLogger("pimm")
+    added: list[logging.Handler] = []
+    if not log.hasHandlers():
+        console = logging.StreamHandler(sys.stderr)
+        console.setLevel(logging.WARNING)
+        added.append(console)
     try:
-        handler = log_handler(run_dir)
+        added.append(log_handler(run_dir))
     except (OSError, UsageError):
-        handler = None
-    if handler is not None:
+        pass
+    for handler in added:
         log.addHandler(handler)
     try:
         yield
     finally:
-        if handler is not None:
+        for handler in added:
             log.removeHandler(handler)
             handler.close()
 

@@ -17,7 +17,7 @@ from ..config import Config
 from ..errors import RANK_ERRORS_ENV, rank_errors
 from ..process.lock import LauncherLock
 from ..process.shell import PROGRAM_ENV, program, resume_command
-from ..process.stop import SIGNALS_ENV, StopRequest, parse_signals, signals_from_env, stop_signals
+from ..process.stop import SIGNALS_ENV, StopRequest, signals_from_env, stop_signals
 from ..run import LAUNCH_ENV, STATUS, read_run_status
 from ..run.ranks import describe_lag, lagging_ranks, read_rank_beats
 from ..process.stop import configured_signals

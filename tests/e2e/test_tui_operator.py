@@ -270,7 +270,8 @@ async def test_header_of_a_live_run_fits_on_one_line(tmp_path: Path, size) -> No
         first = _lines(app)[0]
         assert "RUNNING" in first and "heartbeat" in first
         assert ("pid" in first) == (size[0] >= 120)  # left out first when the line is too short
-        assert "Stop run" in _lines(app)[-1]
+        # (the footer shows the key once the app has found the run live: an event, not the first frame)
+        await wait_for(pilot, lambda: "Stop run" in _lines(app)[-1], what="the stop key in the footer")
 
 
 # ------------------------------------------------------------------ stop dialog

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from ...errors import ConfigError
 from ...process.dist import DistInfo
-from .async_save import AsyncStandardFormat
-from .files import LegacyFormat, SingleFormat
 from .protocol import CheckpointFormat
 from .standard import StandardFormat
 

@@ -43,7 +43,6 @@ from ..publish.rotation import (
     without_zip_crc32,
 )
 from ..select.selection import TRAINER_DCP, WEIGHTS, WEIGHTS_FIELD
-from ..tensors.safe_read import load_failure
 from ..tensors.state import is_sharded, join_tensors, load_full_state_dict, pack, split_tensors, unpack, unwrap
 from .optim_structure import structure_fix, structure_problem
 from .protocol import LoadedState, SaveItem, meta_problem

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from ...errors import CheckpointSaveError, first_line
+from ...errors import CheckpointSaveError
 from ...faults import point, register
 from ...fsio import (
     PageRelease,

@@ -19,7 +19,6 @@ DCP metadata or manifest are rejected with the reason.
 
 from __future__ import annotations
 
-import copy
 import os
 import stat
 from pathlib import Path
