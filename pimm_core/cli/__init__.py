@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     except typer.Exit as e:
         return e.exit_code
     except typer.TyperException as e:  # Typer's usage errors (unknown option, bad value)
-        print(f"error: {e.format_message()}; see `pimm --help`", file=sys.stderr)
+        ctx = getattr(e, "ctx", None)  # click's UsageError knows the sub-command it came from
+        where = ctx.command_path if ctx is not None and ctx.command_path else "pimm"
+        print(f"error: {e.format_message()}; see `{where} --help`", file=sys.stderr)
         return 2
     except typer.Abort:
         print("error: aborted", file=sys.stderr)

@@ -13,7 +13,7 @@ from ..process.stop import parse_signals
 from ..process.time_limit import parse_duration
 from ..run.layout import NAME_SUFFIX_MAX, name_problem
 from ..targets import is_target
-from .tables import Where
+from .tables import Where, origin_of
 
 if TYPE_CHECKING:
     from .schema import Config
@@ -164,7 +164,7 @@ def _validate_places(cfg: Config, where: Where, origins: dict[str, str]) -> None
 def _validate_plugins(cfg: Config, where: Where, origins: dict[str, str]) -> None:
     """Checks of the target keys, the objective and the selection metric that need no import."""
     def at(dotted: str) -> str:
-        return where(dotted, "override" if any(o == dotted or o.startswith(dotted + ".") for o in origins) else "file")
+        return where(dotted, origin_of(origins, dotted))
 
     for key, args_key in TARGET_KEYS:
         section, name = key.split(".")

@@ -85,7 +85,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         origins[key] = "override"
     for key, value in (extra or {}).items():
         _set_dotted(data, key, value)
-        origins[key] = "override"
+        origins[key] = "flag"
     where = Where(p, source)
     cfg = build(Config, data, origins, where)
     validate(cfg, where, origins)

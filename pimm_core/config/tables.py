@@ -67,6 +67,8 @@ class Where:
     def __call__(self, dotted: str, origin: str) -> str:
         if origin == "override":
             return "override"
+        if origin == "flag":  # set by a command-line flag such as --run.name
+            return f"--{dotted}"
         line = line_of(self.source, dotted)
         if self.path is None:
             return "config"
@@ -133,6 +135,13 @@ def coerce(value: Any, hint: Any, dotted: str, where: str) -> Any:
     return float(value) if hint is float else value
 
 
+def origin_of(origins: dict[str, str], dotted: str) -> str:
+    """Where ``dotted`` (or a key under it) was set: ``override``, ``flag`` or ``file``."""
+    if dotted in origins:
+        return origins[dotted]
+    return next((o for key, o in origins.items() if key.startswith(dotted + ".")), "file")
+
+
 def build(cls: type, data: dict[str, Any], origins: dict[str, str], where: Where, prefix: str = "",
           root: type | None = None) -> Any:
     """``cls(**data)`` with every value coerced to its field's type, nested tables built
@@ -153,7 +162,7 @@ def build(cls: type, data: dict[str, Any], origins: dict[str, str], where: Where
             choices = sorted({k.rsplit(".", 1)[0] for k in all_keys(root) if "." in k}) if is_table else all_keys(root)
             close = difflib.get_close_matches(dotted, choices, n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]}?" if close else "; see configs/digits.toml for the known keys"
-            origin = "override" if any(o == dotted or o.startswith(dotted + ".") for o in origins) else "file"
+            origin = origin_of(origins, dotted)
             kind = "table" if is_table else "key"
             raise ConfigError(f"{where(dotted, origin)}: unknown {kind} {dotted}{hint}")
     kwargs = {}

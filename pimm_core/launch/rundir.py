@@ -18,7 +18,7 @@ from ..checkpoint.select.selection import explain, list_candidates, select_resum
 from ..config import Config
 from ..errors import CheckpointError, ConfigError, UsageError
 from ..process.shell import resume_command
-from ..run import (CONFIG, METRICS, SUPERSEDED, MODEL, PROVENANCE, STATUS, RunDirClaim, append_provenance, claim_run_dir,
+from ..run import (CONFIG, METRICS, SUPERSEDED, MODEL, STATUS, RunDirClaim, append_provenance, claim_run_dir,
                    free_run_dir, now_iso, read_run_status, recorded_launch, run_dir_for, run_name)
 from ..run.entries import check_run_entries, ensure_dir
 from ..run.layout import NAME_SUFFIX_MAX, name_problem

@@ -59,3 +59,20 @@ def test_launch_needs_a_config(tmp_path):
     r = pimm("launch", "--run.root", tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: pimm launch needs --train.config FILE"), r.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_usage_error_points_to_the_sub_commands_help():
+    """A mistyped option names the help of the command it was given to, which lists the right one."""
+    r = pimm("checkpoints", "ls", "--bogus")
+    assert r.returncode == 2 and r.stderr == "error: No such option: --bogus; see `pimm checkpoints ls --help`\n"
+    r = pimm("chekpoints")
+    assert r.returncode == 2 and r.stderr.endswith("see `pimm --help`\n") and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_a_bad_flag_value_is_named_as_the_flag(tmp_path):
+    """A value given by a flag is reported as that flag, not as an override the user never wrote."""
+    r = pimm("launch", "--train.config", REPO / "configs" / "digits.toml", "--run.root", tmp_path, "--run.name", "a/b")
+    assert r.returncode == 2 and r.stderr.startswith("error: --run.name: run.name = 'a/b' holds '/'"), r.stderr
+    r = pimm("launch", "--train.config", REPO / "configs" / "digits.toml", "--run.root", tmp_path, "--", "run.name='a/b'")
+    assert r.returncode == 2 and r.stderr.startswith("error: override: run.name = 'a/b' holds '/'"), r.stderr
+    assert not any(tmp_path.iterdir())  # nothing written

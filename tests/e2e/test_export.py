@@ -237,6 +237,14 @@ def test_cli_keywords_weights_and_errors(tmp_path: Path, capsys) -> None:
     assert main(["export", str(tmp_path / "missing.pth"), str(tmp_path / "m")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: No weight found:") and "missing.pth" in err and err.count("\n") == 1
+    # a name the run does not have: the line lists the names it has (a newcomer's typo)
+    assert main(["export", "--run-dir", str(run), "iter_21", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: No weight found: iter_21") and err.count("\n") == 1, err
+    assert "iter_20" in err, err
+    assert main(["export", "--run-dir", str(run), "lats", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert "lats is not a checkpoint of" in err and "pass one of: last" in err and err.count("\n") == 1, err
     assert main(["export", "--run-dir", str(run), "last", str(tmp_path / "f"), "--format", "onnx"]) == 2
     assert not (tmp_path / "m").exists() and not (tmp_path / "f").exists()
 

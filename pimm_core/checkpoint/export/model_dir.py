@@ -68,7 +68,7 @@ from ..tensors.ties import find_aliases, follow_model_ties, tie_parameters
 from ..weights.hub import is_remote
 from ..weights.key_rules import DEFAULT_KEY_RULES, apply_key_rules
 from ..weights.read import WEIGHT_SETS, read_checkpoint, read_source, retie, select_weight_set
-from ..weights.sources import checkpoint_record, resolve_weight_source
+from ..weights.sources import resolve_weight_source
 from ..weights.strict_load import check_strict, check_unwrapped
 from .config import read_run_config, sanitize_config
 from .files import write_bin, write_safetensors

@@ -22,7 +22,7 @@ from filelock import FileLock
 
 from ...errors import UsageError
 from ...faults import point, register
-from ...fsio import fsync_dir, remove_tree
+from ...fsio import fsync_dir
 from ...run.layout import MODEL, is_run_dir
 from .foreign import EXPORT_FILES
 from .manifest import COMPLETE, MANIFEST

@@ -92,10 +92,29 @@ def resolve_weight_source(path: str | os.PathLike[str], *, run_dir: Path | None 
                 if (base / p).exists():
                     p = base / p
                     break
+            else:
+                raise WeightNotFoundError(f"No weight found: {text} is not a checkpoint of {run_dir}; "
+                                          f"{_names_in_run(run_dir)}")
     elif text in POINTERS or ITER_NAME_RE.match(text):
         if not p.exists():
             raise UsageError(f"{text!r} names a checkpoint of a run; pass --run-dir RUN (or a path to the checkpoint)")
     return _resolve_local(p, shown=shown)
+
+
+def _names_in_run(run_dir: Path) -> str:
+    """What a user may pass for ``run_dir``'s checkpoints, for an error line (names sorted by step)."""
+    model = model_dir_of(run_dir)
+    try:
+        entries = sorted(e.name for e in model.iterdir())
+    except OSError:
+        entries = []
+    names = [n for n in POINTERS if n in entries or (n == "last" and "last.prev" in entries)]
+    steps = sorted((int(m.group(2)), m.group(0).removesuffix(".pth")) for e in entries if (m := ITER_NAME_RE.match(e)))
+    names += [name for _, name in steps]
+    if not names:
+        return "the run has no checkpoint yet"
+    shown = names if len(names) <= 8 else names[:4] + ["..."] + names[-3:]
+    return "pass one of: " + ", ".join(shown)
 
 
 def _resolve_local(p: Path, *, shown: str) -> Path:
