@@ -23,7 +23,6 @@ from typing import Any
 
 from ..checkpoint.records.generation import GenerationChanged
 from ..checkpoint.select.selection import Candidate, describe_entry, select_resume
-from ..config import read_saved_config
 from ..run.jsonfile import read_json
 from ..run.layout import CONFIG, METRICS, MODEL, is_run_dir
 from ..run.metrics import records_from_end
@@ -154,7 +153,9 @@ def summarize(run_dir: Path, root: Path, *, now: float | None = None) -> RunRow:
         best = {"metric": selected["name"], "value": finite_number(selected.get("value")),
                 "epoch": json_int(sidecar.get("epoch"))}
     elif isinstance(sidecar, dict) and isinstance(sidecar.get("metrics"), dict):  # (a sidecar from before
-        config, _ = read_saved_config(run_dir / CONFIG)  # selection_metric was recorded)
+        from ..config import read_saved_config  # selection_metric was recorded; the config package: only here)
+
+        config, _ = read_saved_config(run_dir / CONFIG)
         ev = (config or {}).get("eval") if isinstance((config or {}).get("eval"), dict) else {}
         metric = ev.get("metric") if isinstance(ev.get("metric"), str) else "val/acc"
         best = {"metric": metric, "value": finite_number(sidecar["metrics"].get(metric)),
