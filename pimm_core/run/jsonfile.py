@@ -12,7 +12,8 @@ from ..fsio import atomic_write_bytes
 def read_json(path: Path) -> dict[str, Any] | None:
     """A JSON object from ``path``, or None if missing, unreadable, not JSON, or not an object."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        with open(path, "rb") as f:  # (bytes: json.loads takes UTF-8 as read, no decode step; no Path made)
+            data = json.loads(f.read())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

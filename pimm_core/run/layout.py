@@ -23,6 +23,7 @@ Layout (``exp/<group>/<name>/``)::
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -99,7 +100,8 @@ def run_markers(path: Path) -> list[str]:
 
 def is_run_dir(path: Path) -> bool:
     """True when ``path`` is a directory holding config.toml, status.json, metrics.jsonl or model/."""
-    return Path(path).is_dir() and bool(run_markers(path))
+    p = os.fspath(path)  # (strings, and the first marker found: `pimm runs ls` asks this of every directory)
+    return os.path.isdir(p) and any(os.path.exists(os.path.join(p, m)) for m in RUN_MARKERS)
 
 
 def check_run_dir(path: Path) -> Path:

@@ -23,13 +23,13 @@ from typing import Any
 
 from ..checkpoint.records.generation import GenerationChanged
 from ..checkpoint.select.selection import Candidate, describe_entry, select_resume
-from ..config import read_saved_config
 from ..run.jsonfile import read_json
 from ..run.layout import CONFIG, METRICS, MODEL, is_run_dir
 from ..run.metrics import records_from_end
+from ..run.status import read_run_status
 from ..run.values import finite_number, json_int, json_number
 from .fmt import fmt_value
-from .status import read_status, stale_after_for
+from .status import LIVE_STATES, read_status, stale_after_for
 
 #: Bytes of ``metrics.jsonl`` read at a time from its end per run (one read holds the
 #: :data:`INTERVAL_RECORDS` newest training records of a typical run).
@@ -131,9 +131,12 @@ def summarize(run_dir: Path, root: Path, *, now: float | None = None) -> RunRow:
     """The :class:`RunRow` of ``run_dir`` (never raises for missing or damaged files)."""
     now = time.time() if now is None else now
     run_dir = Path(run_dir)
-    # Only the newest training records: the last loss and the logging interval.
-    last, interval = newest_training(run_dir / METRICS)
-    view = read_status(run_dir, now=now, stale_after=stale_after_for(interval))
+    status = read_run_status(run_dir)
+    # Only the newest training records: the last loss, and for a run in a live state the logging
+    # interval that judges its heartbeat (a finished run's row parses one record, not 16).
+    live = status.state in LIVE_STATES
+    last, interval = newest_training(run_dir / METRICS, interval=live)
+    view = read_status(run_dir, now=now, stale_after=stale_after_for(interval), record=status)
     rec = view.record
     age = view.heartbeat_age
     if age is None:
@@ -150,7 +153,9 @@ def summarize(run_dir: Path, root: Path, *, now: float | None = None) -> RunRow:
         best = {"metric": selected["name"], "value": finite_number(selected.get("value")),
                 "epoch": json_int(sidecar.get("epoch"))}
     elif isinstance(sidecar, dict) and isinstance(sidecar.get("metrics"), dict):  # (a sidecar from before
-        config, _ = read_saved_config(run_dir / CONFIG)  # selection_metric was recorded)
+        from ..config import read_saved_config  # selection_metric was recorded; the config package: only here)
+
+        config, _ = read_saved_config(run_dir / CONFIG)
         ev = (config or {}).get("eval") if isinstance((config or {}).get("eval"), dict) else {}
         metric = ev.get("metric") if isinstance(ev.get("metric"), str) else "val/acc"
         best = {"metric": metric, "value": finite_number(sidecar["metrics"].get(metric)),
@@ -187,17 +192,19 @@ def resume_choice(model: Path) -> Candidate | None:
 INTERVAL_RECORDS = 16
 
 
-def newest_training(path: Path) -> tuple[dict[str, Any] | None, float | None]:
+def newest_training(path: Path, *, interval: bool = True) -> tuple[dict[str, Any] | None, float | None]:
     """``(record, interval)``: the newest training record of a ``metrics.jsonl`` and the median
     seconds between its newest :data:`INTERVAL_RECORDS` training records (None: unknown), read
     backwards from its end (:data:`TAIL_BYTES` at a time) and stopping there: what a row costs
-    does not grow with the file."""
+    does not grow with the file. ``interval=False``: the newest record only (interval None)."""
     newest: dict[str, Any] | None = None
     times: list[float] = []
     for rec in records_from_end(path, block=TAIL_BYTES):
         if rec is None or rec.get("split", "train") != "train":
             continue
         newest = newest or rec
+        if not interval:
+            break
         t = finite_number(rec.get("time"))
         if t is not None:
             times.append(t)

@@ -104,15 +104,19 @@ class StatusView:
                 "note": self.note}
 
 
-def read_status(run_dir: Path, *, now: float | None = None, stale_after: float = STALE_MIN_S) -> StatusView:
-    """Read and interpret ``status.json`` (never raises for a missing or damaged file)."""
+def read_status(run_dir: Path, *, now: float | None = None, stale_after: float = STALE_MIN_S,
+                record: RunStatus | None = None) -> StatusView:
+    """Read and interpret ``status.json`` (never raises for a missing or damaged file).
+
+    ``record``: the file's record, already read with :func:`~pimm_core.run.status.read_run_status`
+    (a reader that needed the state first, to know how much else to read, does not read it twice)."""
     now = time.time() if now is None else now
-    rec = read_run_status(run_dir)
+    rec = read_run_status(run_dir) if record is None else record
     view = StatusView(rec, stale_after=stale_after)
     if rec.heartbeat is not None:
         view.heartbeat_age = max(0.0, now - rec.heartbeat)
     try:
-        view.stop_request = read_stop_file(run_dir) if stop_file(run_dir).exists() else None
+        view.stop_request = read_stop_file(run_dir) if os.path.exists(stop_file(run_dir)) else None
     except OSError:
         view.stop_request = None
     if rec.state not in LIVE_STATES:
