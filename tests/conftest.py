@@ -23,6 +23,11 @@ import pytest
 # re-measure when a file's tests change much. Files not named here keep xdist's order after them, e2e
 # before unit.
 HEAVY_FIRST = (
+    # added since: test_slurm's wall is mostly Slurm's own time limit (--time=3, the first start's steps slowed
+    # until SIGUSR1 comes ~2 min in; 280 s at load ~20, little CPU), so it starts first and overlaps the rest;
+    # test_tensor_parallel: 106 CPU-s, 300-470 s wall at load ~20 (4- and 2-rank launches)
+    "tests/e2e/test_slurm.py",
+    "tests/e2e/test_tensor_parallel.py",
     "tests/e2e/test_fsdp.py",  # 95
     "tests/e2e/test_examples_hf.py",  # 93
     "tests/e2e/test_stop_runs.py",  # 87 (90)
