@@ -26,7 +26,7 @@ import pytest
 
 from _helpers import DIGITS, REPO, clean_env, hang_s, read_json
 from _slurm import start_cluster
-from test_stop_runs import TWO_RANKS, Session, _reference, assert_same_weights
+from test_stop_runs import TWO_RANKS, SharedReference, assert_same_weights
 
 pytestmark = pytest.mark.slurm
 
@@ -42,10 +42,11 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted 2-rank run, outside Slurm, started at once so that it overlaps the job."""
-    sess = Session(tmp_path_factory.mktemp("slurm-ref"), "ref", TWO_RANKS, nproc=2, resume=False, tag="ref")
-    yield sess
-    sess.kill()
+    """The uninterrupted 2-rank run, outside Slurm, started at once so that it overlaps the job (shared
+    with test_stop_runs and test_scheduler_stop)."""
+    ref = SharedReference(tmp_path_factory)
+    yield ref
+    ref.close()
 
 
 def pimm_command() -> list[str]:
@@ -114,7 +115,7 @@ def test_slurms_own_usr1_before_the_time_limit_stops_and_requeues_by_default(clu
     assert final["JobState"] == "COMPLETED" and final["ExitCode"] == "0:0", f"{final}\n{text[-4000:]}"
     assert final["Restarts"] == "1", final
     assert read_json(run_dir / "status.json")["state"] == "finished", text[-4000:]
-    assert_same_weights(_reference(reference), run_dir)
+    assert_same_weights(reference.result(), run_dir)
     starts = read_json(run_dir / "provenance.json")["starts"]
     assert [e["kind"] for e in starts] == ["start", "stop", "resume"], starts
     assert starts[1]["reason"] == "signal:SIGUSR1" and starts[1]["step"] > 0, starts[1]
