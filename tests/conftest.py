@@ -10,6 +10,11 @@ durations: the last 18-48 s with one worker idle in xdist's order, about 1 s in 
 
 from __future__ import annotations
 
+import json
+import os
+import resource
+import time
+
 import pytest
 
 # The heaviest files, heaviest first, with the wall seconds each took in a `-n 2` run of the suite on
@@ -18,6 +23,11 @@ import pytest
 # re-measure when a file's tests change much. Files not named here keep xdist's order after them, e2e
 # before unit.
 HEAVY_FIRST = (
+    # added since: test_slurm's wall is mostly Slurm's own time limit (--time=3, the first start's steps slowed
+    # until SIGUSR1 comes ~2 min in; 280 s at load ~20, little CPU), so it starts first and overlaps the rest;
+    # test_tensor_parallel: 106 CPU-s, 300-470 s wall at load ~20 (4- and 2-rank launches)
+    "tests/e2e/test_slurm.py",
+    "tests/e2e/test_tensor_parallel.py",
     "tests/e2e/test_fsdp.py",  # 95
     "tests/e2e/test_examples_hf.py",  # 93
     "tests/e2e/test_stop_runs.py",  # 87 (90)
@@ -58,3 +68,60 @@ def pytest_xdist_make_scheduler(config, log):
             super()._assign_work_unit(node)
 
     return HeavyFirst(config, log)
+
+
+# ---- PIMM_TEST_CPU_REPORT=1: where the suite's CPU goes, per test file -------------------------------
+# The CPU seconds of each file's tests: this worker's own (in-process runs) and its reaped children's
+# (`pimm` subprocesses, torchrun and its ranks once torchrun has waited for them), from getrusage
+# before and after each test (module fixtures' set-up and teardown count for the test that ran them).
+# The terminal summary lists the files by CPU; PIMM_TEST_CPU_REPORT=<path.json> also writes them there.
+# CPU, not wall: the suite's floor on N cores is its CPU time / N, whatever the load beside it.
+_CPU_REPORT = os.environ.get("PIMM_TEST_CPU_REPORT", "")
+
+
+def _cpu() -> tuple[float, float]:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+if _CPU_REPORT:
+
+    def pytest_configure(config) -> None:
+        config._pimm_cpu = {}  # file -> [own s, children s, wall s, tests]
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        own0, kids0, wall0 = *_cpu(), time.monotonic()
+        yield
+        own1, kids1 = _cpu()
+        row = item.config._pimm_cpu.setdefault(item.nodeid.split("::")[0], [0.0, 0.0, 0.0, 0])
+        row[0] += own1 - own0
+        row[1] += kids1 - kids0
+        row[2] += time.monotonic() - wall0
+        row[3] += 1
+        if hasattr(item.config, "workeroutput"):  # an xdist worker: the controller sums the workers' rows
+            item.config.workeroutput["pimm_cpu"] = json.dumps(item.config._pimm_cpu)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(node, error) -> None:
+        rows = json.loads(getattr(node, "workeroutput", {}).get("pimm_cpu", "{}"))
+        for file, row in rows.items():
+            mine = node.config._pimm_cpu.setdefault(file, [0.0, 0.0, 0.0, 0])
+            for i, v in enumerate(row):
+                mine[i] += v
+
+    def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+        rows = sorted(config._pimm_cpu.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))
+        if not rows:
+            return
+        tr = terminalreporter
+        tr.section("CPU seconds per test file (PIMM_TEST_CPU_REPORT)")
+        tr.write_line(f"{'cpu s':>8} {'own s':>8} {'child s':>8} {'wall s':>8} {'tests':>5}  file")
+        for file, (own, kids, wall, n) in rows:
+            tr.write_line(f"{own + kids:8.1f} {own:8.1f} {kids:8.1f} {wall:8.1f} {n:5d}  {file}")
+        own, kids = sum(r[0] for _, r in rows), sum(r[1] for _, r in rows)
+        tr.write_line(f"{own + kids:8.1f} {own:8.1f} {kids:8.1f} {'':>8} {sum(r[3] for _, r in rows):5d}  total")
+        if _CPU_REPORT != "1":
+            with open(_CPU_REPORT, "w") as f:
+                json.dump({file: dict(zip(("own_s", "children_s", "wall_s", "tests"), row)) for file, row in rows},
+                          f, indent=1)

@@ -26,6 +26,9 @@ As a script (one process, or every rank under ``python -m torch.distributed.run`
 - ``env``: ``{name: value}`` set in ``os.environ`` for that job only, restored after it (a name
   unset before is unset again): e.g. a ``USERPKG_SEEN`` of its own for each job of one launch.
 
+A job ``{"script": PATH, "args": [...]}`` instead runs ``main(*args)`` of that script in the same
+ranks (e.g. ``_tp_hf_worker.py``): a check that needs ranks of its own without a torchrun of its own.
+
 Only public pieces are used: ``load_config``, ``Trainer(...).train(...)``,
 ``trainer.callbacks``, ``trainer.stop``.
 """
@@ -131,6 +134,11 @@ def main(argv: list[str]) -> int:
     setup_logging(dist.env_world().is_main)
     try:
         for job in jobs:
+            if "script" in job:
+                import runpy
+
+                runpy.run_path(job["script"], run_name="__pimm_job__")["main"](*job.get("args", []))
+                continue
             restore = set_env(job.get("env"))  # (a failed job ends the process: nothing to restore then)
             run_job(job["run_dir"], job.get("overrides", []), stop_at=job.get("stop_at"),
                     resume_from=job.get("resume_from"), max_steps=job.get("max_steps"),

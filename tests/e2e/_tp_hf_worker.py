@@ -1,4 +1,5 @@
-"""One rank of the Hugging Face tensor-parallel check (``test_tensor_parallel.py``), under torchrun.
+"""One rank of the Hugging Face tensor-parallel check (``test_tensor_parallel.py``), under torchrun: a job
+``{"script": <this file>, "args": [out]}`` of ``_resume_driver.py`` (after the launch's other jobs), or alone.
 
 For a tiny ``GPT2LMHeadModel`` and ``LlamaForCausalLM``: a copy parallelized with pimm's
 built-in plan (``pimm_core.train.tp_plans``) over all ranks gives the whole model's logits
@@ -19,13 +20,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 
-def main(out: Path) -> None:
+def main(out: str | Path) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     from pimm_core.train.tensor_parallel import apply_tp
     from pimm_core.train.tp_plans import BUILT_IN
 
-    dist.init_process_group("gloo")
+    own_group = not dist.is_initialized()  # (a job of _resume_driver.py: its ranks' group is up)
+    if own_group:
+        dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     torch.manual_seed(0)
     models = [GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
@@ -45,8 +48,9 @@ def main(out: Path) -> None:
                                     max((g - q.grad).abs().max().item() for g, q in zip(full, whole.parameters())),
                                     sum(isinstance(p, DTensor) for p in m.parameters())]
     if dist.get_rank() == 0:
-        out.write_text(json.dumps(result))
-    dist.destroy_process_group()
+        Path(out).write_text(json.dumps(result))
+    if own_group:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

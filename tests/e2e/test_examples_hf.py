@@ -1,6 +1,6 @@
 """The library examples through config targets only, each at 2 ranks: a run stopped by SIGTERM to
 the launcher and resumed ends with the weights of an uninterrupted run, bit for bit, and its
-export loads back with the library's own calls.
+export (in this process: it needs no process of its own) loads back with the library's own calls.
 
 - ``configs/hf_gpt2.toml`` (``examples.hf_gpt2.model:gpt2``, a ``transformers`` GPT2LMHeadModel
   on charlm's text): ``from_pretrained``;
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from _helpers import REPO, clean_env, describe, hang_s, read_json, read_jsonl
+from _helpers import REPO, clean_env, describe, hang_s, pimm_here, read_json, read_jsonl
 
 STEPS = {"hf_gpt2.toml": 30, "timm_digits.toml": 12}  # optimizer steps of each run (2 ranks)
 ENV = {**clean_env(), "HF_HUB_OFFLINE": "1"}
@@ -69,9 +69,8 @@ def _stop_resume_export(tmp_path: Path, config: str, group: str) -> tuple[Path, 
     b = read_weight_sets(cut_dir / "model" / "last")["raw"]
     assert sorted(a) == sorted(b) and [k for k in a if not torch.equal(a[k], b[k])] == []
 
-    out_dir = tmp_path / "export"
-    exported = subprocess.run([sys.executable, "-m", "pimm_core.cli", "export", "--run-dir", str(cut_dir), "last",
-                               str(out_dir)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=hang_s(300))
+    out_dir = tmp_path / "export"  # (in this process: the console script's export is test_export_outputs.py's)
+    exported = pimm_here("export", "--run-dir", str(cut_dir), "last", str(out_dir), env={"HF_HUB_OFFLINE": "1"})
     assert exported.returncode == 0, describe(exported)
     return out_dir, b
 

@@ -23,7 +23,7 @@ import time
 import pytest
 
 from _helpers import read_json
-from test_stop_runs import (TWO_RANKS, Session, _require_resumable, _reference, check_end, check_stopped,
+from test_stop_runs import (TWO_RANKS, Session, SharedReference, _require_resumable, check_end, check_stopped,
                             finish_stage, resume_to_end, signal_stage)
 
 # (the job's environment is faked, there is no Slurm to requeue it: train.requeue unset would try)
@@ -33,10 +33,11 @@ NAME = "sched"
 
 @pytest.fixture(scope="module", autouse=True)
 def _reference_run(tmp_path_factory):
-    """The uninterrupted 2-rank run, started first so that it overlaps the chain."""
-    sess = Session(tmp_path_factory.mktemp("sched-ref"), "ref", SCHED, nproc=2, resume=False, tag="ref")
-    yield sess
-    sess.kill()
+    """The uninterrupted 2-rank run of TWO_RANKS, started first so that it overlaps the chain (shared with
+    test_stop_runs and test_slurm: SCHED's stop settings do not change what trains)."""
+    ref = SharedReference(tmp_path_factory)
+    yield ref
+    ref.close()
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,6 @@ def test_the_job_end_time_stops_cleanly_before_the_limit(chain):
 
 
 def test_the_chain_ends_bitwise_equal_to_an_uninterrupted_run(chain, _reference_run):
-    ref = _reference(_reference_run)
+    ref = _reference_run.result()
     check_end(chain["end"], ref, 2)
     assert read_json(ref / "status.json")["state"] == "finished"

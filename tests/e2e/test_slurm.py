@@ -1,18 +1,21 @@
 """``pimm launch`` under a real Slurm (a one-node cluster on localhost, tests/e2e/_slurm.py).
 
-The batch script is the README's: ``sbatch --requeue --signal=B:USR1@N`` running
-``exec pimm launch --nproc-per-node 2 ... --train.auto-resume`` with SIGUSR1 among
-``train.stop_signals``. ``scancel --signal=USR1 --batch`` (what Slurm sends N seconds before
-the time limit) interrupts it once, while it trains: the two ranks stop cleanly, ``last`` is
-saved, and pimm (``train.requeue``) asks Slurm to requeue the job, which starts again under
-the same job id and resumes (the test lets it start at once: Slurm holds a requeued job
-back for a while, its BeginTime). The run ends finished, bitwise equal to an uninterrupted run,
-and ``provenance.json`` names the job and its restart count at each start.
+The batch script is the README's: ``sbatch --signal=B:USR1@N --time=T`` running
+``exec pimm launch --nproc-per-node 2 ... --train.auto-resume``, with pimm's defaults (no
+``train.stop_signals``, no ``train.requeue``). Slurm's own SIGUSR1, N seconds before the time
+limit, interrupts it once while it trains: the two ranks stop cleanly, ``last`` is saved, and
+pimm asks Slurm to requeue the job, which starts again under the same job id and resumes (the
+test lets it start at once: Slurm holds a requeued job back for a while, its BeginTime). The
+run ends finished, bitwise equal to an uninterrupted run, and ``provenance.json`` names the job
+and its restart count at each start.
+
+One job: the explicit settings (``train.stop_signals`` with SIGUSR1, ``train.requeue = true``)
+and ``scancel --signal=USR1 --batch`` deliver the same signal to the same code as the defaults
+and Slurm's own timer, so a second job (two more 2-rank starts) checked nothing more.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import sys
@@ -23,11 +26,10 @@ import pytest
 
 from _helpers import DIGITS, REPO, clean_env, hang_s, read_json
 from _slurm import start_cluster
-from test_stop_runs import LEAD, TWO_RANKS, Session, _reference, assert_same_weights
+from test_stop_runs import TWO_RANKS, SharedReference, assert_same_weights
 
 pytestmark = pytest.mark.slurm
 
-OVERRIDES = (*TWO_RANKS, 'train.stop_signals=["SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1"]', "train.requeue=true")
 TIMEOUT = hang_s(240)
 
 
@@ -40,10 +42,11 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted 2-rank run, outside Slurm, started at once so that it overlaps the job."""
-    sess = Session(tmp_path_factory.mktemp("slurm-ref"), "ref", OVERRIDES, nproc=2, resume=False, tag="ref")
-    yield sess
-    sess.kill()
+    """The uninterrupted 2-rank run, outside Slurm, started at once so that it overlaps the job (shared
+    with test_stop_runs and test_scheduler_stop)."""
+    ref = SharedReference(tmp_path_factory)
+    yield ref
+    ref.close()
 
 
 def pimm_command() -> list[str]:
@@ -65,53 +68,6 @@ def wait_for(what: str, ready, cluster, out: Path, timeout: float = TIMEOUT):
         time.sleep(0.2)
     pytest.fail(f"timed out waiting for {what}\n--- job output\n{out.read_text(errors='replace')[-4000:] if out.exists() else ''}"
                 f"\n{cluster.logs()}")
-
-
-def test_sigusr1_requeue_and_auto_resume_end_bitwise(cluster, reference, tmp_path):
-    root, name = tmp_path / "runs", "job"
-    run_dir = root / "digits" / name
-    out = tmp_path / "job.out"
-    launch = [*pimm_command(), "launch", "--nproc-per-node", "2", "--train.config", str(DIGITS), "--run.root",
-              str(root), "--run.name", name, "--run.no-timestamp", "--train.auto-resume",
-              "--", *OVERRIDES]
-    script = tmp_path / "job.sh"
-    script.write_text(f"#!/bin/bash\ncd {shlex.quote(str(REPO))}\nexec {shlex.join(launch)}\n")
-    submitted = cluster.run("sbatch", "--parsable", "--requeue", "--signal=B:USR1@30", "--time=10", "-c", "2",
-                            "-o", str(out), "--open-mode=append", str(script), base_env=clean_env())
-    job = submitted.stdout.strip().split(";")[0]
-
-    def status() -> dict:
-        try:
-            return json.loads((run_dir / "status.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
-    running = wait_for(f"step >= {LEAD} of the first start",
-                       lambda: (s := status()).get("state") == "running" and s.get("step", 0) >= LEAD and s,
-                       cluster, out)
-    cluster.run("scancel", "--signal=USR1", "--batch", job)
-    requeued = wait_for("the job to be requeued",  # (COMPLETING first, then PENDING)
-                        lambda: (j := job_state(cluster, job)).get("Restarts") == "1" and j.get("JobState") != "COMPLETING"
-                        and j, cluster, out)
-    if requeued.get("JobState") == "PENDING":  # Slurm holds a requeued job back (BeginTime): let it start now
-        cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
-    final = wait_for("the job to complete after its requeue",
-                     lambda: (j := job_state(cluster, job)).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED",
-                                                                                 "TIMEOUT") and j,
-                     cluster, out)
-    text = out.read_text(errors="replace")
-    assert final["JobState"] == "COMPLETED" and final["ExitCode"] == "0:0", f"{final}\n{text[-4000:]}"
-    assert final["Restarts"] == "1", final  # requeued once, same job id
-    ref = _reference(reference)
-    assert read_json(run_dir / "status.json")["state"] == "finished", text[-4000:]
-    assert_same_weights(ref, run_dir)
-    starts = read_json(run_dir / "provenance.json")["starts"]
-    kinds = [e["kind"] for e in starts]
-    assert kinds == ["start", "stop", "resume"], starts
-    assert starts[1]["reason"] == "signal:SIGUSR1" and starts[1]["step"] >= running["step"], starts[1]
-    assert [(e["scheduler"]["job_id"], e["scheduler"]["restart_count"]) for e in (starts[0], starts[2])] == \
-        [(job, 0), (job, 1)], starts
-    assert f"requeued Slurm job {job}" in text, text[-4000:]
 
 
 # A user callback that makes the first start's steps slow (3 s each, 46 steps: longer than the job's
@@ -159,8 +115,10 @@ def test_slurms_own_usr1_before_the_time_limit_stops_and_requeues_by_default(clu
     assert final["JobState"] == "COMPLETED" and final["ExitCode"] == "0:0", f"{final}\n{text[-4000:]}"
     assert final["Restarts"] == "1", final
     assert read_json(run_dir / "status.json")["state"] == "finished", text[-4000:]
-    assert_same_weights(_reference(reference), run_dir)
+    assert_same_weights(reference.result(), run_dir)
     starts = read_json(run_dir / "provenance.json")["starts"]
     assert [e["kind"] for e in starts] == ["start", "stop", "resume"], starts
     assert starts[1]["reason"] == "signal:SIGUSR1" and starts[1]["step"] > 0, starts[1]
+    assert [(e["scheduler"]["job_id"], e["scheduler"]["restart_count"]) for e in (starts[0], starts[2])] == \
+        [(job, 0), (job, 1)], starts
     assert f"requeued Slurm job {job}" in text, text[-4000:]

@@ -26,6 +26,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,17 +258,69 @@ def resume_to_end(root: Path, name: str, previous: Stage, *, label: str, stale_r
 
 
 # ----------------------------------------------------------------- fixtures
+class SharedReference:
+    """The uninterrupted 2-rank run of TWO_RANKS, trained once per test session for test_stop_runs,
+    test_scheduler_stop and test_slurm, whose chains all end where it ends (their stop settings do not
+    change what trains). Under xdist these files run in different workers: the first to ask starts it in
+    the background in a directory the workers share, and a thread writes ``done`` (or ``failed``) there
+    when its launcher exits; the others wait for that file. One 2-rank run of 46 steps instead of three."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory):
+        from filelock import FileLock
+
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        base = tmp_path_factory.getbasetemp()
+        self.dir = (base.parent if worker else base) / "shared-ref2"  # (the session's, never an earlier one's)
+        self.dir.mkdir(exist_ok=True)
+        self.run_dir = self.dir / "digits" / "ref"
+        self.sess: Session | None = None
+        with FileLock(self.dir / "claim.lock"):
+            owner = self.dir / "owner"
+            if not owner.exists():
+                owner.write_text(worker or "this process")
+                self.sess = Session(self.dir, "ref", TWO_RANKS, nproc=2, resume=False, tag="ref")
+                threading.Thread(target=self._mark_end, args=(self.sess,), daemon=True).start()
+
+    def _mark_end(self, sess: Session) -> None:
+        rc = sess.proc.wait()
+        (self.dir / ("done" if rc == 0 else "failed")).write_text(f"exit {rc}\n")
+
+    def result(self) -> Path:
+        """The run directory once the run finished (asserts it did)."""
+        if self.sess is not None:
+            return _reference(self.sess)
+        deadline = time.monotonic() + TIMEOUT
+        while not (self.dir / "done").exists():
+            assert not (self.dir / "failed").exists(), \
+                f"the shared reference run failed:\n{(self.dir / 'ref.out').read_text(errors='replace')[-4000:]}"
+            assert time.monotonic() < deadline, f"the shared reference run did not end within {TIMEOUT} s"
+            time.sleep(0.2)
+        assert read_json(self.run_dir / "status.json")["state"] == "finished"
+        return self.run_dir
+
+    def close(self) -> None:
+        """At the end of the module that started it: let it end (another worker may wait for it), killed
+        only past the hang bound; stragglers are killed."""
+        if self.sess is None:
+            return
+        try:
+            self.sess.proc.wait(TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pass
+        self.sess.kill()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _references(tmp_path_factory):
     """The uninterrupted reference runs, as soon as this module starts: the 2-rank one in the background
-    (stragglers are killed), the 1-rank one meanwhile in this process (``pimm_here``: it is a reference, not
-    a stop, so it needs no process of its own; it saves a start importing torch)."""
-    two = Session(tmp_path_factory.mktemp("stop-ref2"), "ref", TWO_RANKS, nproc=2, resume=False, tag="ref")
+    (:class:`SharedReference`), the 1-rank one meanwhile in this process (``pimm_here``: it is a reference,
+    not a stop, so it needs no process of its own; it saves a start importing torch)."""
+    two = SharedReference(tmp_path_factory)
     try:
         root = tmp_path_factory.mktemp("stop-ref1")
         yield {"1": (launch(root, "ref", *ONE_RANK, here=True), root / "digits" / "ref"), "2": two}
     finally:
-        two.kill()
+        two.close()
 
 
 @pytest.fixture(scope="module")
@@ -280,8 +333,7 @@ def reference_1(_references) -> Path:
 
 
 def _reference(sess: Session) -> Path:
-    """The run directory of the uninterrupted reference ``sess`` once it finished (also used by
-    test_scheduler_stop and test_slurm)."""
+    """The run directory of the uninterrupted reference ``sess`` once it finished."""
     rc = sess.wait()
     assert rc == 0, sess.describe()
     assert read_json(sess.run_dir / "status.json")["state"] == "finished"
@@ -291,7 +343,7 @@ def _reference(sess: Session) -> Path:
 @pytest.fixture(scope="module")
 def reference_2(_references) -> Path:
     """An uninterrupted 2-rank run of TWO_RANKS."""
-    return _reference(_references["2"])
+    return _references["2"].result()
 
 
 @pytest.fixture(scope="module")

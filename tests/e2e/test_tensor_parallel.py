@@ -1,6 +1,7 @@
 """Tensor parallel (``parallel.tp``) and FSDP x TP on real torchrun/gloo runs of the char LM.
 
-Two launches (one at 4 ranks, one at 2) and a few one-rank jobs in this process:
+Two launches (one at 4 ranks, one at 2, which also runs the Hugging Face plans' check) and a few
+one-rank jobs in this process:
 
 - A TP 2 run trains to the loss curve and weights of its one-rank DDP twin (the same
   batches: one data-parallel rank each), and writes plain full tensors to ``weights.pth``.
@@ -104,6 +105,8 @@ def runs(tmp_path_factory) -> Path:
              full_dump=str(root / "dump-fsdp2")),
         _job(root / "one-to-tp2", TP2, resume_from=str(root / "one-to-tp2" / "model" / "last"),
              full_dump=str(root / "dump-one-to-tp2"), **only_load),
+        # the Hugging Face plans on the same two ranks (test_hugging_face_plans_...)
+        {"script": str(Path(__file__).with_name("_tp_hf_worker.py")), "args": [str(root / "hf.json")]},
     ], root / "second.json", nproc=2)
     _wait(second)
     for src, dst in (("cut", "tp2-to1"), ("fsdp2", "fsdp2-to1")):
@@ -242,14 +245,10 @@ def test_bad_layouts_are_one_line(tmp_path):
     assert not [r for p in tmp_path.rglob("metrics.jsonl") for r in read_jsonl(p) if r.get("split") == "train"]
 
 
-def test_hugging_face_plans_compute_the_whole_models_logits_and_gradients(tmp_path):
-    """GPT-2 (MLP of each block, Conv1D) and Llama (attention and MLP) under TP 2."""
-    out = tmp_path / "hf.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(Path(__file__).with_name("_tp_hf_worker.py")), str(out)], cwd=REPO, env=clean_env(),
-                          capture_output=True, text=True, timeout=hang_s(120))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(out.read_text())
+def test_hugging_face_plans_compute_the_whole_models_logits_and_gradients(runs):
+    """GPT-2 (MLP of each block, Conv1D) and Llama (attention and MLP) under TP 2 (_tp_hf_worker.py, a job of the
+    second launch's two ranks)."""
+    got = json.loads((runs / "hf.json").read_text())
     assert got["GPT2LMHeadModel"][2] == 2 * 2 * 2 and got["LlamaForCausalLM"][2] == 2 * 7  # weights (+ biases) sharded
     for name, (logits, grads, _) in got.items():
         assert logits < 1e-5 and grads < 1e-3, (name, logits, grads)
