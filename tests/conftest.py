@@ -79,6 +79,26 @@ def pytest_xdist_make_scheduler(config, log):
 _CPU_REPORT = os.environ.get("PIMM_TEST_CPU_REPORT", "")
 
 
+def pytest_sessionstart(session) -> None:
+    """Compile pimm's own modules (and the tests' helpers) to ``__pycache__`` once, before any test.
+
+    The suite starts hundreds of Python processes (launches, ranks, CLI calls). With
+    ``PYTHONDONTWRITEBYTECODE`` set, as on this project's machines, none of them writes the bytecode
+    it compiles, so each one compiles pimm's ~150 modules again (~0.17 CPU-s a process, measured by
+    benchmarks/startup.py). Reading ``__pycache__`` is still allowed then, so compiling once here
+    removes that cost; ``uv sync --compile-bytecode`` compiles site-packages, not this editable checkout.
+    """
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller did it
+        return
+    import compileall
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for d in ("pimm_core", "pimm_tui", "pimm", "tests", "benchmarks", "examples"):
+        if (root / d).is_dir():
+            compileall.compile_dir(root / d, quiet=1, workers=1)
+
+
 def _cpu() -> tuple[float, float]:
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
