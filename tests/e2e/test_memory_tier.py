@@ -5,7 +5,8 @@ Four real launches, two at a time: the uninterrupted run; rank 1 killed by a fai
 middle of writing its copy of step 6 (the previous complete copy, step 3, is used); rank 1 paused at
 step 8 (a fail point), its own copy of step 6 removed, then ``kill -9`` from this test (recovered from
 memory at step 6, its state sent by its buddy rank 0); the same with both copies of its state removed
-(its own and its buddy's: recovered from the disk ``last`` of step 8, said in one line). Each ends with weights bitwise equal to the uninterrupted run's, and no memory left
+(its own and its buddy's: recovered from the disk ``last`` of step 8, said in one line). Each ends
+with weights bitwise equal to the uninterrupted run's, and no memory left
 behind. The copies live under ``$PIMM_SHM_ROOT`` (a directory of the test, /dev/shm by default).
 """
 

@@ -58,8 +58,9 @@ def test_stale_tiers_of_dead_runs_are_removed_live_ones_kept(shm, tmp_path):
     agent = RankStore(tmp_path / "agent", 0)
     agent.open(agent_pid=_dead_pid())
     agent.close(remove=False)
-    (agent.root / "owner.json").write_text(json.dumps({"host": json.loads((agent.root / "owner.json").read_text())["host"],
-                                                       "agent_pid": os.getpid()}))  # between restarts
+    owner = json.loads((agent.root / "owner.json").read_text())
+    owner["agent_pid"] = os.getpid()  # its launcher lives: between a failure and the restart
+    (agent.root / "owner.json").write_text(json.dumps(owner))
     (shm / "pimm-not-ours").mkdir()  # no owner file, no lock: not recognisably pimm's
     assert remove_stale() == [dead.root]
     assert held.root.exists() and agent.root.exists() and (shm / "pimm-not-ours").exists()
