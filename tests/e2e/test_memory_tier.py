@@ -182,3 +182,16 @@ def test_a_stopped_run_removes_its_memory_and_the_next_run_removes_a_dead_runs(t
     assert not seen["left"] and "the memory tier of a run that is gone" in (run / "train.log").read_text()
     assert list(shm.iterdir()) == [] and not (run / "memory").exists()
     assert _status(run)["state"] == "stopped"
+
+
+def test_shared_memory_that_cannot_be_written_is_one_line(tmp_path):
+    from _helpers import pimm_here
+
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    result = pimm_here("launch", "--train.config", str(DIGITS), "--run.root", str(tmp_path), "--run.name", "r",
+                       "--run.no-timestamp", "--", *OVERRIDES, env={"PIMM_SHM_ROOT": str(not_a_dir)})
+    assert result.returncode != 0
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "cannot write the memory tier" in errors[0] and "PIMM_SHM_ROOT" in errors[0]
+    assert "Traceback" not in result.stderr
