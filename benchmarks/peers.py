@@ -94,7 +94,7 @@ def fsync_path(path: Path) -> float:
 PARTS = {"state_dict": ("pimm_core.checkpoint.formats.standard", "dcp_state"),
          "dcp_write": ("torch.distributed.checkpoint", "save"),
          "weights_pth": ("pimm_core.checkpoint.publish.rotation", "save_torch_file"),
-         "sha256_left": ("pimm_core.checkpoint.publish.follow", "FollowingHasher.finish"),
+         "sha256_left": ("pimm_core.checkpoint.publish.follow", "FollowingHasher.finish"),  # (of the followed files)
          "describe_files": ("pimm_core.checkpoint.publish.rotation", "describe_files"),
          "fsync_tree": ("pimm_core.checkpoint.publish.rotation", "fsync_tree"),
          "manifest": ("pimm_core.checkpoint.publish.rotation", "write_manifest"),
@@ -185,10 +185,10 @@ class PimmAtOnce(Pimm):
         from pimm_core.checkpoint.publish import rotation as publish
         from pimm_core.checkpoint.formats import standard
 
-        def at_once(tmp: Path, previous: Path | None = None):
+        def at_once(tmp: Path, previous: Path | None = None, **kw):
             if previous is not None:
                 release_cached_pages(previous)
-            return publish.follow_hashes(tmp)
+            return publish.follow_hashes(tmp, **kw)
 
         standard.follow_hashes = at_once
         try:

@@ -79,3 +79,41 @@ def test_reports_the_bytes_written_so_far_as_the_files_grow(tmp_path):
     hasher.finish()
     assert seen[0] == 0 and seen[-1] == 6 << 20  # from nothing to every byte of both files
     assert seen == sorted(seen)  # never backwards
+
+
+def test_files_written_through_writing_are_hashed_by_their_writer_without_a_thread(tmp_path):
+    """One local rank (match None): torch.save of the weights and a file written in parts are
+    hashed on the way to disk and recognized after a rename; a file seeked in, or whose write
+    failed, is left to the ordinary hash; the bytes written drive on_written."""
+    import pytest
+    import torch
+
+    seen: list[int] = []
+    hasher = FollowingHasher(tmp_path, None, on_written=seen.append).start()
+    assert not hasher._thread.is_alive()  # nothing to follow: no thread polls the directory
+    obj = {"state_dict": {"w": torch.randn(300, 300), "b": torch.zeros(3)}}
+    with hasher.writing(open(tmp_path / ".weights.pth.1.tmp", "wb")) as f:
+        torch.save(obj, f)
+    os.replace(tmp_path / ".weights.pth.1.tmp", tmp_path / "weights.pth")
+    parts = [os.urandom(1 << 20), os.urandom(777)]
+    f = hasher.writing(open(tmp_path / "__0_0.distcp", "wb"))
+    for p in parts:
+        f.write(memoryview(p))
+    f.close()
+    with hasher.writing(open(tmp_path / "seeked.bin", "wb")) as f:
+        f.write(b"x" * 10)
+        f.seek(0)
+        f.write(b"y")  # rewritten in place: what was hashed is not the file
+    with pytest.raises(ValueError), hasher.writing(open(tmp_path / "failed.bin", "wb")) as f:
+        f.write(b"partial")
+        raise ValueError("the writer failed")
+    known = hasher.finish()
+
+    files = describe_files(tmp_path, known=known)
+    for name in ("weights.pth", "__0_0.distcp", "seeked.bin", "failed.bin"):
+        assert files[name]["sha256"] == sha256_file(tmp_path / name), name
+    hashed_here = {v["sha256"] for v in known.values()}
+    assert hashed_here == {sha256_file(tmp_path / "weights.pth"), sha256_file(tmp_path / "__0_0.distcp")}
+    assert torch.equal(torch.load(tmp_path / "weights.pth")["state_dict"]["w"], obj["state_dict"]["w"])
+    total = sum((tmp_path / n).stat().st_size for n in ("weights.pth", "__0_0.distcp", "seeked.bin", "failed.bin"))
+    assert seen == sorted(seen) and seen[-1] == total + 1  # every byte written through it, in order (+ the rewrite)

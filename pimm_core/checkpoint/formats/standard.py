@@ -21,6 +21,8 @@ directory fsync after each rename.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +52,8 @@ from .weights_file import check_compatible, check_dtypes, dtype_casts, read_weig
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.api import CheckpointException
+
+    from ..publish.follow import FollowingHasher
 
 # torch.distributed.checkpoint (with DTensor and FSDP, which it imports) adds ~40 % to the CPU
 # time of `import torch`: it, and the modules here that need it, are imported by the first save
@@ -133,15 +137,14 @@ def save_standard(
     # is the node's) at once.
     if info.local_rank == 0 and not info.is_main:
         release_cached_pages(final)
-    hasher = follow_hashes(tmp, previous=final) if info.is_main else None
+    hasher = follow_hashes(tmp, previous=final, own_shards=True) if info.is_main else None
     try:
         plain = unwrap(model)
         sharded = is_sharded(plain)
         state = dcp_state(plain, optimizer, meta, rank_state, info.rank, ema_state_dict)
         try:
             with without_zip_crc32():
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp / TRAINER_DCP, sync_files=True),
-                         no_dist=not info.distributed)
+                dcp.save(state, storage_writer=_shard_writer(tmp / TRAINER_DCP, hasher), no_dist=not info.distributed)
             point("standard.dcp_written", tmp / TRAINER_DCP)
         except (Exception, CheckpointException) as e:  # DCP raises on every rank when any rank's write failed
             cause = short_error(e, tmp / TRAINER_DCP)
@@ -164,6 +167,31 @@ def save_standard(
         if hasher is not None:
             hasher.close()
     return final
+
+
+def _shard_writer(path: Path, hasher: FollowingHasher | None) -> Any:
+    """DCP's ``FileSystemWriter`` for ``path`` (every file fsynced); with ``hasher``, each shard
+    (``*.distcp``) this process writes is hashed as its bytes go to the file
+    (:meth:`~..publish.follow.FollowingHasher.writing`), not read back after."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    writer = dcp.FileSystemWriter(path, sync_files=True)
+    if hasher is None:
+        return writer
+
+    class HashingFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            with super().create_stream(path, mode) as stream:
+                if mode != "wb" or not str(path).endswith(".distcp"):
+                    yield stream
+                    return
+                with hasher.writing(stream) as hashed:
+                    yield hashed
+
+    writer.fs = HashingFileSystem()
+    return writer
 
 
 def dcp_state(plain: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any],

@@ -82,8 +82,9 @@ def _write_marker(path: Path) -> None:
     atomic_write_bytes(path, b"")
 
 
-def save_torch_file(path: Path, obj: Any) -> None:
-    """``torch.save`` to ``path`` through a temporary file, fsync and rename (atomic).
+def save_torch_file(path: Path, obj: Any, hasher: FollowingHasher | None = None) -> None:
+    """``torch.save`` to ``path`` through a temporary file, fsync and rename (atomic); with
+    ``hasher``, its sha256 is computed as the bytes are written (:meth:`FollowingHasher.writing`).
 
     A sidecar manifest ``<path>.json`` describes the bytes it sits next to, so it is removed
     before they are replaced (the caller writes the new one after): a crash between the
@@ -99,7 +100,8 @@ def save_torch_file(path: Path, obj: Any) -> None:
             fsync_dir(path.parent)
 
     # torch.save: zip CRCs as it is set (see without_zip_crc32)
-    atomic_write(path, lambda tmp: torch_save(obj, tmp), points="file", before_replace=drop_sidecar)
+    wrap = hasher.writing if hasher is not None else None
+    atomic_write(path, lambda tmp: torch_save(obj, tmp, wrap), points="file", before_replace=drop_sidecar)
 
 
 def rotate_into_place(tmp: Path, final: Path, keep_full: int = 1) -> None:
@@ -286,10 +288,12 @@ def wait_for_purges() -> list[Path]:
         return sorted(_stale)
 
 
-def follow_hashes(tmp: Path, previous: Path | None = None) -> FollowingHasher:
-    """Rank 0: hash ``weights.pth`` (under its temporary name) and the DCP shards written on
-    this node (``__<rank>_<n>.distcp`` for ranks ``0 .. LOCAL_WORLD_SIZE-1``: torchrun gives
-    rank 0's node the first ranks) as they are written, on a second thread.
+def follow_hashes(tmp: Path, previous: Path | None = None, own_shards: bool = False) -> FollowingHasher:
+    """Rank 0: hash the DCP shards written on this node (``__<rank>_<n>.distcp`` for ranks
+    ``0 .. LOCAL_WORLD_SIZE-1``: torchrun gives rank 0's node the first ranks) as they are
+    written, on a second thread; ``weights.pth`` is hashed by its writer (:func:`publish`),
+    and so are rank 0's own shards with ``own_shards`` (their writer goes through
+    :meth:`FollowingHasher.writing`; with one local rank no thread is started).
 
     Other nodes' shards are hashed after their writers have closed them: on a shared
     filesystem (NFS) a file opened while another client writes it may show a stale size.
@@ -298,16 +302,14 @@ def follow_hashes(tmp: Path, previous: Path | None = None) -> FollowingHasher:
     with the writes, 128 MiB ahead of them (:class:`~pimm_core.fsio.PageRelease`), so the
     writers take pages freed milliseconds before.
     """
-    local = {f"__{r}_" for r in range(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))}
+    local = {f"__{r}_" for r in range(1 if own_shards else 0, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))}
 
     def big_file(rel: str) -> bool:
         name = rel.rsplit("/", 1)[-1]
-        if name.startswith(f".{WEIGHTS}."):
-            return True
         return name.endswith(".distcp") and any(name.startswith(prefix) for prefix in local)
 
     on_written = PageRelease(previous).advance if previous is not None else None
-    return FollowingHasher(tmp, big_file, on_written).start()
+    return FollowingHasher(tmp, big_file if local else None, on_written).start()
 
 
 def prepare(tmp: Path) -> None:
@@ -330,7 +332,7 @@ def publish(tmp: Path, final: Path, weights: dict[str, Any] | None, manifest: di
     point("standard.dcp_complete", tmp)
     if weights is not None:
         with without_zip_crc32():  # like the shards: the manifest's sha256 covers it
-            save_torch_file(tmp / WEIGHTS, weights)
+            save_torch_file(tmp / WEIGHTS, weights, hasher)
     point("standard.weights_written", tmp / WEIGHTS)
     files = describe_files(tmp, known=hasher.finish() if hasher is not None else None)
     fsync_tree(tmp)

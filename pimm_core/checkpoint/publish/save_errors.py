@@ -11,24 +11,31 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ...errors import first_line
 
 
-def torch_save(obj: Any, path: Path) -> None:
+def torch_save(obj: Any, path: Path, wrap: Callable[[Any], Any] | None = None) -> None:
     """``torch.save(obj, path)``; a write that failed is the ``OSError`` it was (``torch.save``'s zip
     writer says only "unexpected pos" or "iostream error"), read from the file system before the
     caller removes the partial file (:func:`_probe`).
+
+    ``wrap``: given the file opened for writing, returns the file object ``torch.save`` writes
+    through (:meth:`~.follow.FollowingHasher.writing`: hashed on the way); closed after.
 
     Raises:
         OSError: the write failed for a cause the file system shows (file size limit, no space).
         RuntimeError: ``torch.save``'s own, for any other cause.
     """
     try:
-        torch.save(obj, path)
+        if wrap is None:
+            torch.save(obj, path)
+        else:
+            with wrap(open(path, "wb")) as f:
+                torch.save(obj, f)
     except RuntimeError as e:
         found = _os_error_in(e) or _probe(path)
         if found is None:
