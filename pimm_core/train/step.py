@@ -160,7 +160,8 @@ class WindowStep:
             this rank's mean of the micro-batch means) and the number of samples it used on this rank.
         """
         accum = self.train.grad_accum
-        self.average = WindowAverage(device, self.distributed)
+        # (the previous epoch's last count carries K into this one: no collective for it)
+        self.average = WindowAverage(device, self.distributed, self.average.first_total)
         self._param_list = None
         window_start, samples = state.iter, 0  # windows run from where this epoch continues
         for batch in _beating(batches):
