@@ -51,6 +51,17 @@ def after_step(tr: TrainerHost, outcome: str, loss: torch.Tensor, samples: int, 
         tr.callbacks.fire("on_stop_requested", tr, reason)
 
 
+def window_flags(tr: TrainerHost) -> list[float] | None:
+    """At an accumulation window's end (several ranks): the time limit is checked, and the stop
+    agreement's flags ride in the window's all-reduce (:meth:`StopAgreement.window_flags`)."""
+    if not tr.info.distributed:
+        return None
+    limit = tr.time_limit.reason(tr.checkpointer.last_save_s)
+    if limit is not None:
+        tr.stop.request(limit)
+    return tr.stop_agreement.window_flags(tr.callbacks.has("on_step_end"))
+
+
 def start_epoch(tr: TrainerHost) -> None:
     """Point the loader at the current epoch and position: the sampler's and the dataset's epoch
     (per-sample augmentation RNGs, :mod:`pimm_core.data.rng`), then a restored loader cursor, or,

@@ -74,6 +74,7 @@ class WindowAverage:
 
     def __init__(self, device: torch.device, distributed: bool, first_total: torch.Tensor | None = None):
         self.device, self.distributed = device, distributed
+        self.flags_total: torch.Tensor | None = None  # the last finish()'s flags, summed over the ranks
         # (the same value on every rank: it came out of an all-reduce)
         self.first_total = None if first_total is None else first_total.to(device)
         self.start()
@@ -132,17 +133,28 @@ class WindowAverage:
     def _add_loss(self, value: torch.Tensor) -> None:
         self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
 
-    def finish(self, params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    def finish(self, params: Iterable[torch.nn.Parameter], flags: list[float] | None = None) -> torch.Tensor:
         """At the window's end, after its last backward: divide the gradients by the window's total
         count (a per-sample window) and return the window's loss (0-d tensor; per counted item over
         every rank, or this rank's mean of micro-batch means). A window with no counted item gets a
-        zero gradient and a logged loss of 0."""
+        zero gradient and a logged loss of 0.
+
+        Args:
+            flags: numbers to sum over the ranks in the same all-reduce (the stop agreement's,
+                :meth:`~pimm_core.train.stop_agreement.StopAgreement.window_flags`); their sums
+                are then :attr:`flags_total` (float64, on ``device``). A mean window has no
+                all-reduce of its own: it makes one for them.
+        """
         loss_sum = self.loss_sum if self.loss_sum is not None else torch.zeros((), dtype=torch.float64,
                                                                                device=self.device)
+        extra = None if flags is None else torch.tensor(flags, dtype=torch.float64, device=self.device)
+        self.flags_total = extra
         if not self.per_sample:
+            if extra is not None and self.distributed:
+                dist.all_reduce_sum(extra)
             self.start()
             return loss_sum.float()
-        if self.host:
+        if self.host:  # (one process: no flags to reduce, flags_total is this rank's)
             n = self.count
             # the same float64 arithmetic as the tensors' below; a factor of 1 (full windows of a
             # power-of-two count) changes no gradient bit and is skipped
@@ -154,11 +166,15 @@ class WindowAverage:
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         totals = torch.stack([loss_sum, self.count if isinstance(self.count, torch.Tensor) else zero,
                               self.first if self.first is not None else zero])
+        if extra is not None:
+            totals = torch.cat([totals, extra])
         if self.distributed:
-            dist.all_reduce_sum(totals)  # (the first count rides along: the next window's K)
+            dist.all_reduce_sum(totals)  # (the first count and the flags ride along)
         total, n = totals[0], totals[1]
         if self.first is not None:
             self.first_total = totals[2]
+        if extra is not None:
+            self.flags_total = totals[3:]
         safe_n = torch.clamp(n, min=1.0)
         # DDP and FSDP averaged the ranks' gradients: the sum over ranks is W times that
         factor = torch.where(n > 0, _world_size() / (self.scale * safe_n), torch.zeros_like(n))
