@@ -40,9 +40,8 @@ def after_step(tr: TrainerHost, outcome: str, loss: torch.Tensor, samples: int, 
     beat_step(s.global_step)
     tr.recorder.on_step(epoch, loss, lr, samples, grad_norm=grad_norm)
     tr.callbacks.fire("on_step_end", tr)  # e.g. lambda tr: tr.stop.request("budget") if ... else None
-    limit = tr.time_limit.reason(tr.checkpointer.last_save_s)  # train.max_time, $SLURM_JOB_END_TIME
-    if limit is not None:
-        tr.stop.request(limit)
+    if not tr.info.distributed:  # (several ranks: checked at the window's end, window_flags)
+        _check_time_limit(tr)
     reason = tr.stop_agreement.agree()
     if reason is not None:
         cause = tr.stop_agreement.cause
@@ -56,10 +55,15 @@ def window_flags(tr: TrainerHost) -> list[float] | None:
     agreement's flags ride in the window's all-reduce (:meth:`StopAgreement.window_flags`)."""
     if not tr.info.distributed:
         return None
-    limit = tr.time_limit.reason(tr.checkpointer.last_save_s)
+    _check_time_limit(tr)
+    return tr.stop_agreement.window_flags(tr.callbacks.has("on_step_end"))
+
+
+def _check_time_limit(tr: TrainerHost) -> None:
+    """Once per optimizer step (the limit's step time is the time between two checks)."""
+    limit = tr.time_limit.reason(tr.checkpointer.last_save_s)  # train.max_time, $SLURM_JOB_END_TIME
     if limit is not None:
         tr.stop.request(limit)
-    return tr.stop_agreement.window_flags(tr.callbacks.has("on_step_end"))
 
 
 def start_epoch(tr: TrainerHost) -> None:
