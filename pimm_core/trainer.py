@@ -70,7 +70,7 @@ from .train.tensor_parallel import ranks_of
 from .train.recorder import Recorder
 from .train.resume import nothing_left
 from .train.session import (after_step, end_session, evaluate_and_record, start_epoch, start_files,
-                            stop_before_start, stop_nonfinite)
+                            stop_before_start, stop_nonfinite, window_flags)
 from .train.state import TrainState, end_step
 from .train.step import STOP, WindowStep, autocast_context, check_finite
 from .train.stop_agreement import StopAgreement
@@ -327,15 +327,15 @@ class Trainer:
             rec.close()
 
     def _loop(self, t: TrainConfig) -> None:
-        s, n_micro = self.state, self.micro_batches_per_epoch
-        fmt = self.checkpointer.format
-        # (the async format's staging must finish copying the weights before the optimizer step)
+        s, n_micro, fmt = self.state, self.micro_batches_per_epoch, self.checkpointer.format
         autocast = functools.partial(autocast_context, self.config.train.amp, self.device.type)
         step = WindowStep(self.model, self.optimizer, self.scaler, self.ema, t, autocast=autocast,
                           distributed=self.info.distributed or is_fsdp(self.model), objective=self.objective,
-                          before_step=fmt.wait_staged if fmt.asynchronous else None,
+                          before_step=fmt.wait_staged if fmt.asynchronous else None,  # (async: staged first)
                           before_forward=micro_batch_seeder(self.config.train.seed, self.state, self.data_info)
-                          if self.config.data.order == "global" else None)
+                          if self.config.data.order == "global" else None,
+                          window_flags=functools.partial(window_flags, self),  # (stop flags in its all-reduce)
+                          on_window_flags=self.stop_agreement.window_verdict)
         self.model.train()
         evaluated_at_end = False
         with self.recorder.training():

@@ -80,6 +80,11 @@ class Callbacks(list):
             elif moment == "on_step_end" and callable(cb) and not _has_any_moment(cb):
                 cb(trainer)  # a plain function: lambda tr: tr.stop.request("budget") if ... else None
 
+    def has(self, moment: str) -> bool:
+        """Some callback would be called at ``moment`` (as :meth:`fire` calls them)."""
+        return any(getattr(cb, moment, None) is not None
+                   or (moment == "on_step_end" and callable(cb) and not _has_any_moment(cb)) for cb in self)
+
     def _keys(self) -> Iterable[tuple[str, Any]]:
         for i, cb in enumerate(self):
             yield f"{i}:{type(cb).__module__}.{type(cb).__qualname__}", cb

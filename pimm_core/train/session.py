@@ -40,15 +40,30 @@ def after_step(tr: TrainerHost, outcome: str, loss: torch.Tensor, samples: int, 
     beat_step(s.global_step)
     tr.recorder.on_step(epoch, loss, lr, samples, grad_norm=grad_norm)
     tr.callbacks.fire("on_step_end", tr)  # e.g. lambda tr: tr.stop.request("budget") if ... else None
-    limit = tr.time_limit.reason(tr.checkpointer.last_save_s)  # train.max_time, $SLURM_JOB_END_TIME
-    if limit is not None:
-        tr.stop.request(limit)
+    if not tr.info.distributed:  # (several ranks: checked at the window's end, window_flags)
+        _check_time_limit(tr)
     reason = tr.stop_agreement.agree()
     if reason is not None:
         cause = tr.stop_agreement.cause
         s.stop_reason, s.save_error = reason, cause if isinstance(cause, CheckpointSaveError) else None
         tr.recorder.status("stopping")  # the console shows it until `last` is saved
         tr.callbacks.fire("on_stop_requested", tr, reason)
+
+
+def window_flags(tr: TrainerHost) -> list[float] | None:
+    """At an accumulation window's end (several ranks): the time limit is checked, and the stop
+    agreement's flags ride in the window's all-reduce (:meth:`StopAgreement.window_flags`)."""
+    if not tr.info.distributed:
+        return None
+    _check_time_limit(tr)
+    return tr.stop_agreement.window_flags(tr.callbacks.has("on_step_end"))
+
+
+def _check_time_limit(tr: TrainerHost) -> None:
+    """Once per optimizer step (the limit's step time is the time between two checks)."""
+    limit = tr.time_limit.reason(tr.checkpointer.last_save_s)  # train.max_time, $SLURM_JOB_END_TIME
+    if limit is not None:
+        tr.stop.request(limit)
 
 
 def start_epoch(tr: TrainerHost) -> None:

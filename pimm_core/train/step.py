@@ -126,19 +126,27 @@ class WindowStep:
             must finish copying the weights first).
         before_forward: called with the micro-batch's position in its window before its forward
             (the global order seeds the model's randomness there).
+        window_flags: called at each window's end, before its all-reduce: numbers summed over the
+            ranks in that same all-reduce (the stop agreement's flags; None: nothing this
+            window), whose sums go to ``on_window_flags`` (float64 tensor) before
+            :meth:`finish`. One small collective per window besides the gradients' thus
+            carries the loss, the count and the stop agreement.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                  ema: EMA | None, train: TrainConfig, *, autocast: Callable[[], contextlib.AbstractContextManager],
                  distributed: bool, objective: Objective = BUILTIN["classification"],
                  before_step: Callable[[], None] | None = None,
-                 before_forward: Callable[[int], None] | None = None):
+                 before_forward: Callable[[int], None] | None = None,
+                 window_flags: Callable[[], list[float] | None] | None = None,
+                 on_window_flags: Callable[[torch.Tensor], None] | None = None):
         self.model, self.optimizer, self.scaler, self.ema, self.train = model, optimizer, scaler, ema, train
         if not isinstance(objective, Objective):  # a bare step function: checked and normalised like one
             objective = Objective(getattr(objective, "__name__", "objective"), objective)
         self.autocast, self.distributed, self.objective, self.before_step = autocast, distributed, objective, before_step
         self.grad_norm: torch.Tensor | None = None
         self.before_forward = before_forward
+        self.window_flags, self.on_window_flags = window_flags, on_window_flags
         self._param_list: list[nn.Parameter] | None = None
         self.average = WindowAverage(torch.device("cpu"), distributed)  # windows() puts it on the step's device
 
@@ -160,7 +168,8 @@ class WindowStep:
             this rank's mean of the micro-batch means) and the number of samples it used on this rank.
         """
         accum = self.train.grad_accum
-        self.average = WindowAverage(device, self.distributed)
+        # (the previous epoch's last count carries K into this one: no collective for it)
+        self.average = WindowAverage(device, self.distributed, self.average.first_total)
         self._param_list = None
         window_start, samples = state.iter, 0  # windows run from where this epoch continues
         for batch in _beating(batches):
@@ -174,7 +183,12 @@ class WindowStep:
             samples += batch_size(batch)
             if not last_in_window:
                 continue
-            window_loss = self.average.finish(self._params())  # gradients divided before clipping
+            flags = self.window_flags() if self.window_flags is not None else None
+            if flags is not None:
+                beat("collective", "window all-reduce (loss, count, stop agreement)")
+            window_loss = self.average.finish(self._params(), flags)  # gradients divided before clipping
+            if flags is not None and self.on_window_flags is not None:
+                self.on_window_flags(self.average.flags_total)
             yield self.finish(), window_loss, samples
             window_start, samples = state.iter, 0
 

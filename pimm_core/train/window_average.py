@@ -25,8 +25,16 @@ same memory traffic as the clipping norm that follows).
 two nearest to ``1 / (count of the window's first micro-batch over all ranks * micro-batches
 in the window)``. A power of two scales every floating-point value exactly, so ``K`` changes
 no bit of the result (outside fp16's sub-normal range); it must be the same on every rank
-(DDP/FSDP add the ranks' gradients before the rescale), hence one all-reduce of that first
-count, issued between the first forward and its backward, with no host synchronisation.
+(DDP/FSDP add the ranks' gradients before the rescale). The first window of a
+:meth:`~pimm_core.train.step.WindowStep.windows` sequence gets that count by one all-reduce
+between its first forward and its backward; every later window takes the first count of the
+window before it, which that window's ``[loss sum, count]`` all-reduce carries as a third
+element. So a window costs one small all-reduce besides the gradient reduction, not two:
+on a machine where the ranks are not always scheduled at once, each collective waits for the
+slowest rank, and at a small model that wait is most of the step. (With micro-batches of
+changing size ``K`` may then differ by a power of two from the one of the window's own first
+count: no bit of the gradient changes, as above; only fp16's headroom moves by that factor,
+which the GradScaler absorbs.)
 """
 
 from __future__ import annotations
@@ -59,10 +67,16 @@ class WindowAverage:
     Args:
         device: where the loss and the counts live (the reduced tensors under NCCL).
         distributed: gradients are reduced across ranks (DDP or FSDP, also at one rank).
+        first_total: the count of the previous window's first micro-batch over every rank
+            (float64, 0-d; :attr:`first_total` of the average that ended it), which gives
+            ``K`` without a collective; None: the first window all-reduces its own.
     """
 
-    def __init__(self, device: torch.device, distributed: bool):
+    def __init__(self, device: torch.device, distributed: bool, first_total: torch.Tensor | None = None):
         self.device, self.distributed = device, distributed
+        self.flags_total: torch.Tensor | None = None  # the last finish()'s flags, summed over the ranks
+        # (the same value on every rank: it came out of an all-reduce)
+        self.first_total = None if first_total is None else first_total.to(device)
         self.start()
 
     def start(self) -> None:
@@ -75,6 +89,7 @@ class WindowAverage:
         self.scale: torch.Tensor | float | None = None  # K (float64 0-d on device, or a float on the host)
         self.loss_sum: torch.Tensor | None = None  # float64, 0-d; from the window's first micro-batch
         self.count: torch.Tensor | float = 0.0
+        self.first: torch.Tensor | None = None  # this rank's count of the window's first micro-batch
 
     def to_backward(self, loss: Loss, *, window_len: int) -> torch.Tensor:
         """The tensor to backpropagate for one micro-batch of a window of ``window_len``.
@@ -106,26 +121,40 @@ class WindowAverage:
         count = _as_tensor(count, self.device)
         self.count = self.count + count if isinstance(self.count, torch.Tensor) else count.clone()
         if self.scale is None:  # the window's first micro-batch: K, the same on every rank
-            first = count.clone()
-            if self.distributed:
-                dist.all_reduce_sum(first)
+            self.first = count.clone()
+            first = self.first_total
+            if first is None:  # (the first window: no earlier one's count to take)
+                first = count.clone()
+                if self.distributed:
+                    dist.all_reduce_sum(first)
             self.scale = torch.exp2(-torch.round(torch.log2(torch.clamp(first * window_len, min=1.0))))
         return loss.value * self.scale.to(loss.value.dtype)
 
     def _add_loss(self, value: torch.Tensor) -> None:
         self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
 
-    def finish(self, params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    def finish(self, params: Iterable[torch.nn.Parameter], flags: list[float] | None = None) -> torch.Tensor:
         """At the window's end, after its last backward: divide the gradients by the window's total
         count (a per-sample window) and return the window's loss (0-d tensor; per counted item over
         every rank, or this rank's mean of micro-batch means). A window with no counted item gets a
-        zero gradient and a logged loss of 0."""
+        zero gradient and a logged loss of 0.
+
+        Args:
+            flags: numbers to sum over the ranks in the same all-reduce (the stop agreement's,
+                :meth:`~pimm_core.train.stop_agreement.StopAgreement.window_flags`); their sums
+                are then :attr:`flags_total` (float64, on ``device``). A mean window has no
+                all-reduce of its own: it makes one for them.
+        """
         loss_sum = self.loss_sum if self.loss_sum is not None else torch.zeros((), dtype=torch.float64,
                                                                                device=self.device)
+        extra = None if flags is None else torch.tensor(flags, dtype=torch.float64, device=self.device)
+        self.flags_total = extra
         if not self.per_sample:
+            if extra is not None and self.distributed:
+                dist.all_reduce_sum(extra)
             self.start()
             return loss_sum.float()
-        if self.host:
+        if self.host:  # (one process: no flags to reduce, flags_total is this rank's)
             n = self.count
             # the same float64 arithmetic as the tensors' below; a factor of 1 (full windows of a
             # power-of-two count) changes no gradient bit and is skipped
@@ -134,11 +163,18 @@ class WindowAverage:
                 _scale_grads(params, factor)
             self.start()
             return (loss_sum / max(n, 1.0)).float()
-        totals = torch.stack([loss_sum, self.count if isinstance(self.count, torch.Tensor)
-                              else torch.zeros((), dtype=torch.float64, device=self.device)])
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        totals = torch.stack([loss_sum, self.count if isinstance(self.count, torch.Tensor) else zero,
+                              self.first if self.first is not None else zero])
+        if extra is not None:
+            totals = torch.cat([totals, extra])
         if self.distributed:
-            dist.all_reduce_sum(totals)
+            dist.all_reduce_sum(totals)  # (the first count and the flags ride along)
         total, n = totals[0], totals[1]
+        if self.first is not None:
+            self.first_total = totals[2]
+        if extra is not None:
+            self.flags_total = totals[3:]
         safe_n = torch.clamp(n, min=1.0)
         # DDP and FSDP averaged the ranks' gradients: the sum over ranks is W times that
         factor = torch.where(n > 0, _world_size() / (self.scale * safe_n), torch.zeros_like(n))
