@@ -26,6 +26,7 @@ from .candidates import candidate_identity
 from .metrics import MetricsTail
 from .series import NonFinite
 from .status import LIVE_STATES, StatusView, read_status, stale_after_for
+from .tiers import MemoryStep, RemoteTier, TierAge, disk_tier, memory_tier, read_memory, recovery_text
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,12 @@ class RunSnapshot:
     #: ``(rank, the frame it waits in)`` from ``ranks/<rank>.stack`` written at a hang, for ranks that have
     #: not moved since (:mod:`pimm_core.run.stacks`)
     frames: tuple[tuple[int, str], ...] = ()
+    #: the newest checkpoint of each tier: memory, disk, remote (:mod:`.tiers`)
+    tiers: tuple[TierAge, ...] = ()
+    #: the memory tier's steps, newest first (``memory/<rank>.json``)
+    memory: tuple[MemoryStep, ...] = ()
+    #: ``recovered from memory at step 120 (restart 1)``: status.json's latest recovery, or None
+    recovery: str | None = None
 
     def frame_of(self, rank: int) -> str | None:
         return next((f for r, f in self.frames if r == rank), None)
@@ -108,6 +115,8 @@ class RunReader:
         self._config: tuple[Any, dict[str, Any] | None, str | None] = (None, None, None)
         self._prov: tuple[Any, dict[str, Any] | None] = (None, None)
         self._ranks: tuple[float, tuple[RankBeat, ...], tuple[tuple[int, str], ...]] = (float("-inf"), (), ())
+        self._memory: tuple[float, tuple[MemoryStep, ...]] = (float("-inf"), ())
+        self.remote = RemoteTier(self.run_dir)
 
     def _mtime_key(self, path: Path) -> Any:
         try:
@@ -164,6 +173,18 @@ class RunReader:
                            if (f := read_stack_frame(self.run_dir, b.rank, since=b.progress)) is not None)
             self._ranks = (now, beats, frames)
         return self._ranks[1]
+
+    def _read_tiers(self, now: float, config: dict[str, Any] | None,
+                    cands: tuple[Candidate, ...]) -> tuple[tuple[TierAge, ...], tuple[MemoryStep, ...]]:
+        """The newest checkpoint of each tier; the memory index is read at most once a second
+        (one small file per rank), the remote store listed at most every 30 s."""
+        if now - self._memory[0] >= 1.0 or now < self._memory[0]:
+            self._memory = (now, tuple(read_memory(self.run_dir)))
+        steps = self._memory[1]
+        every = json_int(((config or {}).get("checkpoint") or {}).get("memory_every_steps"))
+        tiers = (memory_tier(list(steps), now, on=bool(every)), disk_tier(cands, now),
+                 self.remote.poll(now, config))
+        return tiers, steps
 
     def poll(self, *, now: float | None = None, force_checkpoints: bool = False) -> RunSnapshot:
         """Read what changed and return a snapshot (never raises for damaged files)."""
@@ -235,6 +256,7 @@ class RunReader:
         ev = (config or {}).get("eval") or {}
         metric = ev.get("metric") if isinstance(ev.get("metric"), str) else "val/acc"
         mode = ev.get("mode") if ev.get("mode") in ("max", "min") else "max"
+        tiers, memory = self._read_tiers(now, config, cands)
         lx, ly = m.loss.points()
         rx, ry = m.lr.points()
         return RunSnapshot(
@@ -249,5 +271,6 @@ class RunReader:
             nonfinite=nonfinite, candidate_ids=self._ids, ranks=ranks, lagging=tuple(b.rank for b in lagging),
             metrics_history=m.history_pending,
             stragglers=tuple(b.rank for b, _ in slow), frames=self._ranks[2],
+            tiers=tiers, memory=memory, recovery=recovery_text(st.extra.get("recovery")),
         )
 
