@@ -41,6 +41,10 @@ def launch(
     rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend", help="Rendezvous backend, e.g. c10d (torchrun)."),
     master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Rank-0 host for static rendezvous (torchrun)."),
     master_port: Optional[int] = typer.Option(None, "--master-port", help="Rank-0 port for static rendezvous (torchrun)."),
+    max_restarts: Optional[int] = typer.Option(None, "--max-restarts",
+                                               help="Restart the ranks this often when one fails (torchrun's "
+                                                    "elastic agent; with checkpoint.memory_every_steps they "
+                                                    "recover from memory). Default 0."),
     overrides: Optional[list[str]] = typer.Argument(None, help="Config overrides after --, e.g. -- train.epochs=3"),
 ) -> None:
     """Train a model from a config (one process, or many through torchrun)."""
@@ -63,7 +67,8 @@ def launch(
     if weight is not None:
         extra["train.weight"] = weight
     cfg = load_config(config, overrides or [], extra)
-    opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend, master_addr, master_port)
+    opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend, master_addr, master_port,
+                         max_restarts)
     opts.check()
     if not opts.single_node() and not cfg.run.no_timestamp:
         # each node's agent names the run on its own: a timestamp could differ between them
@@ -102,6 +107,8 @@ def resume(
     rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend", help="Rendezvous backend, e.g. c10d."),
     master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Rank-0 host for static rendezvous."),
     master_port: Optional[int] = typer.Option(None, "--master-port", help="Rank-0 port for static rendezvous."),
+    max_restarts: Optional[int] = typer.Option(None, "--max-restarts",
+                                               help="Restart the ranks this often when one fails (default: as recorded, else 0)."),
     overrides: Optional[list[str]] = typer.Argument(None, help="Config changes after --, e.g. -- train.epochs=40"),
 ) -> None:
     """Resume a run from its own directory: its config.toml and recorded launch, plus explicit overrides."""
@@ -122,7 +129,8 @@ def resume(
     config_path = run_dir / "config.toml"
     if under_launcher():  # a rank (of our own spawn below, or of the user's torchrun/srun)
         raise typer.Exit(train_here(cfg, config_path))
-    given = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend, master_addr, master_port)
+    given = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend, master_addr, master_port,
+                          max_restarts)
     given.check()
     record = recorded_launch(run_dir)
     if record.get("launcher") == "external" and nproc_per_node is None:

@@ -59,6 +59,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "model.hidden": (1, None),
     "model.dropout": (0, 1),
     "checkpoint.every_steps": (0, None),
+    "checkpoint.memory_every_steps": (0, None),
     "checkpoint.every_epochs": (0, None),
     "checkpoint.keep_iter": (0, None),
     "checkpoint.keep_best": (1, None),

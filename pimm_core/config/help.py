@@ -71,6 +71,7 @@ KEY_HELP: dict[str, str] = {
     # [checkpoint]
     "checkpoint.every_steps": "also save `last` and an `iter_<step>.pth` snapshot every N optimizer steps (0: never)",
     "checkpoint.every_epochs": "save `last` at every N-th epoch end (0: only at the end of training)",
+    "checkpoint.memory_every_steps": "every N optimizer steps keep each rank's trainer state in shared memory and on a buddy rank, for a `--max-restarts` restart (0: off)",
     "checkpoint.keep_iter": "how many `iter_<step>.pth` snapshots to keep (0 keeps none)",
     "checkpoint.keep_last": "single format: how many `step_<step>.pth` files to keep (pointer targets always kept)",
     "checkpoint.keep_full": "standard format: full checkpoints kept: `last` and the newest k-1 superseded ones as `full_<step>/`",

@@ -223,6 +223,8 @@ class CheckpointConfig:
     remote: str = ""  # e.g. "s3://bucket/prefix": every published checkpoint is also uploaded there (fsspec)
     remote_options: dict[str, Any] | None = None  # storage options of the remote's filesystem (e.g. endpoint_url)
     remote_timeout: float = 600.0  # seconds the run's end waits for uploads still in flight
+    memory_every_steps: int = 0  # 0: off; N: every N-th optimizer step each rank keeps its trainer state in
+    # node-local shared memory and on a buddy rank (the memory tier a `--max-restarts` restart recovers from)
 
 
 @dataclass

@@ -21,6 +21,7 @@ class LaunchOptions:
     rdzv_backend: str | None = None
     master_addr: str | None = None
     master_port: int | None = None
+    max_restarts: int | None = None  # torchrun's elastic agent restarts the ranks this often after a rank fails
 
     @classmethod
     def recorded(cls, record: dict | None, given: "LaunchOptions") -> "LaunchOptions":
@@ -54,6 +55,8 @@ class LaunchOptions:
             if port and not (port.isdigit() and 1 <= int(port) <= 65535):
                 raise UsageError(f"--rdzv-endpoint must be HOST[:PORT] with a port between 1 and 65535 "
                                  f"(got {self.rdzv_endpoint!r})")
+        if self.max_restarts is not None and self.max_restarts < 0:
+            raise UsageError(f"--max-restarts must be 0 or more (got {self.max_restarts})")
         if self.nnodes is not None:
             parts = str(self.nnodes).split(":")
             if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
@@ -71,7 +74,7 @@ class LaunchOptions:
         return self.nnodes in (None, "1", "1:1")
 
     def wants_spawn(self) -> bool:
-        return (self.nproc_per_node or 1) > 1 or not self.single_node()
+        return (self.nproc_per_node or 1) > 1 or not self.single_node() or bool(self.max_restarts)
 
     @staticmethod
     def shutdown_timeout() -> float:
@@ -79,7 +82,8 @@ class LaunchOptions:
         return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600"))
 
     def torchrun_args(self) -> list[str]:
-        args = ["--nproc-per-node", str(self.nproc_per_node or 1), "--max-restarts", "0"]
+        args = ["--nproc-per-node", str(self.nproc_per_node or 1),
+                "--max-restarts", str(self.max_restarts or 0)]
         # After forwarding a stop signal torchrun waits this long before SIGKILLing the ranks:
         # leave time to finish the accumulation window and save `last` (torchrun's default is 30 s).
         args += ["--shutdown-timeout", os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")]
@@ -96,7 +100,7 @@ class LaunchOptions:
 def strip_launcher_flags(argv: list[str]) -> list[str]:
     """Remove torchrun-level flags (and their values) from ``launch`` arguments."""
     flags = {"--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend",
-             "--master-addr", "--master-port"}
+             "--master-addr", "--master-port", "--max-restarts"}
     out, skip = [], False
     for a in argv:
         if skip:

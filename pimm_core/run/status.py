@@ -52,6 +52,10 @@ class RunStatus:
         steps_per_epoch, epochs, world_size: the run's shape.
         stop_reason: why the run stopped early (``operator``, ``signal SIGTERM``...); None otherwise.
         error: ``"<ExceptionClass>: <message>"`` of a failed run (written only then).
+        memory_step: with ``checkpoint.memory_every_steps``: the newest step every rank can reach in
+            the memory tier (:mod:`pimm_core.run.memory_index`); written only when set.
+        recovery: where the latest restart of the ranks (``pimm launch --max-restarts``) took its
+            state from: ``{"tier": "memory"|"disk"|"remote", "step": S, "restart": K}``; written only when set.
         extra: keys this version does not know, kept so a record reads back unchanged.
         problem: why the file could not be used (never written to the file).
     """
@@ -71,11 +75,13 @@ class RunStatus:
     world_size: int | None = None
     stop_reason: str | None = None
     error: str | None = None
+    memory_step: int | None = None
+    recovery: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     problem: str | None = field(default=None, compare=False)
 
     #: Written only when set (every other field is always written, null when unknown).
-    _WHEN_SET = ("error",)
+    _WHEN_SET = ("error", "memory_step", "recovery")
 
     def to_json(self) -> dict[str, Any]:
         """The file's object: the fields above in order (``error`` only when set), then ``extra``."""
@@ -103,6 +109,8 @@ class RunStatus:
             total_steps=json_int(data.get("total_steps")), steps_per_epoch=json_int(data.get("steps_per_epoch")),
             epochs=json_int(data.get("epochs")), world_size=json_int(data.get("world_size")),
             stop_reason=_str(data.get("stop_reason")), error=_str(data.get("error")),
+            memory_step=json_int(data.get("memory_step")),
+            recovery=data.get("recovery") if isinstance(data.get("recovery"), dict) else None,
             extra={k: v for k, v in data.items() if k not in known},
         )
 

@@ -63,3 +63,16 @@ def test_a_resume_on_two_nodes_keeps_the_recorded_launch_and_takes_the_flags_giv
     assert (opts.nnodes, opts.nproc_per_node, opts.rdzv_backend, opts.rdzv_endpoint, opts.node_rank) == (
         "2", 1, "c10d", "node3:29400", 1)
     assert LaunchOptions.recorded(TWO_NODES, LaunchOptions()).rdzv_endpoint == "node0:29500"
+
+
+def test_max_restarts_reaches_torchrun_and_is_recorded():
+    from pimm_core.errors import UsageError
+    from pimm_core.launch.options import LaunchOptions, strip_launcher_flags
+
+    assert LaunchOptions(nproc_per_node=2).torchrun_args()[2:4] == ["--max-restarts", "0"]
+    opts = LaunchOptions(nproc_per_node=2, max_restarts=3)
+    assert opts.torchrun_args()[2:4] == ["--max-restarts", "3"] and opts.record()["max_restarts"] == 3
+    assert LaunchOptions(max_restarts=1).wants_spawn()  # one rank: torchrun's agent restarts it
+    assert strip_launcher_flags(["--max-restarts", "2", "--train.config", "x"]) == ["--train.config", "x"]
+    with pytest.raises(UsageError, match="--max-restarts must be 0 or more"):
+        LaunchOptions(max_restarts=-1).check()
