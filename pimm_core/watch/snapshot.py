@@ -26,7 +26,8 @@ from .candidates import candidate_identity
 from .metrics import MetricsTail
 from .series import NonFinite
 from .status import LIVE_STATES, StatusView, read_status, stale_after_for
-from .tiers import MemoryStep, RemoteTier, TierAge, disk_tier, memory_tier, read_memory, recovery_text
+from ..run.memory_index import MemoryTier, read_memory_tier
+from .tiers import MemoryStep, RemoteTier, TierAge, disk_tier, memory_steps, memory_tier, recovery_text
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class RunReader:
         self._config: tuple[Any, dict[str, Any] | None, str | None] = (None, None, None)
         self._prov: tuple[Any, dict[str, Any] | None] = (None, None)
         self._ranks: tuple[float, tuple[RankBeat, ...], tuple[tuple[int, str], ...]] = (float("-inf"), (), ())
-        self._memory: tuple[float, tuple[MemoryStep, ...]] = (float("-inf"), ())
+        self._memory: tuple[float, MemoryTier, tuple[MemoryStep, ...]] = (float("-inf"), MemoryTier(), ())
         self.remote = RemoteTier(self.run_dir)
 
     def _mtime_key(self, path: Path) -> Any:
@@ -179,10 +180,11 @@ class RunReader:
         """The newest checkpoint of each tier; the memory index is read at most once a second
         (one small file per rank), the remote store listed at most every 30 s."""
         if now - self._memory[0] >= 1.0 or now < self._memory[0]:
-            self._memory = (now, tuple(read_memory(self.run_dir)))
-        steps = self._memory[1]
+            tier = read_memory_tier(self.run_dir)
+            self._memory = (now, tier, tuple(memory_steps(tier.ranks)))
+        _, tier, steps = self._memory
         every = json_int(((config or {}).get("checkpoint") or {}).get("memory_every_steps"))
-        tiers = (memory_tier(list(steps), now, on=bool(every)), disk_tier(cands, now),
+        tiers = (memory_tier(tier, now, on=bool(every)), disk_tier(cands, now),
                  self.remote.poll(now, config))
         return tiers, steps
 
@@ -271,6 +273,6 @@ class RunReader:
             nonfinite=nonfinite, candidate_ids=self._ids, ranks=ranks, lagging=tuple(b.rank for b in lagging),
             metrics_history=m.history_pending,
             stragglers=tuple(b.rank for b, _ in slow), frames=self._ranks[2],
-            tiers=tiers, memory=memory, recovery=recovery_text(st.extra.get("recovery")),
+            tiers=tiers, memory=memory, recovery=recovery_text(st.recovery),
         )
 

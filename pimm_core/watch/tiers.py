@@ -1,6 +1,6 @@
 """The newest checkpoint of each tier (memory, disk, remote) and the run's latest recovery, as a watcher shows them (torch-free).
 
-- memory: what every rank publishes in ``memory/<rank>.json`` (:mod:`pimm_core.run.memory_index`):
+- memory: what every rank publishes in ``memory/<rank>.json`` (:func:`pimm_core.run.memory_index.read_memory_tier`):
   its own snapshot in node-local shared memory and the copy of its buddy's; :func:`memory_steps`
   groups the copies by step and says which steps every rank can reach.
 - disk: ``model/last`` (its manifest's ``created`` time and step).
@@ -17,7 +17,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..run.values import finite_number, json_int
+from ..run.memory_index import MemoryTier, RankMemory
+from ..run.values import json_int
 from .fmt import human_duration
 
 #: Seconds between two listings of a run's remote store by the console.
@@ -27,24 +28,24 @@ TIERS = ("memory", "disk", "remote")
 
 
 @dataclass(frozen=True)
-class MemoryCopy:
-    """One copy of one rank's trainer state in node-local shared memory.
+class HeldCopy:
+    """One copy of one rank's trainer state in node-local shared memory, and who holds it.
 
     Attributes:
         owner: the rank whose state it is.
         holder: the rank whose shared memory holds it (``owner`` for its own snapshot, else its buddy).
         host: the holder's host name.
         step: the global step of the state.
-        time: when it was taken (UNIX seconds), None if not recorded.
-        bytes: its size in bytes, None if not recorded.
+        time: when it became complete (UNIX seconds).
+        bytes: its size in bytes.
     """
 
     owner: int
     holder: int
     host: str | None
     step: int
-    time: float | None
-    bytes: int | None
+    time: float
+    bytes: int
 
     @property
     def kind(self) -> str:
@@ -62,76 +63,51 @@ class MemoryStep:
 
     Attributes:
         step: the global step.
-        copies: every copy of this step, by owner then holder.
-        ranks: the ranks that published an index (the world the step is reachable for).
+        copies: every copy of this step, by owner (its own snapshot first, then the buddy's copy).
+        world: the ranks that must reach a step (every rank an index file names).
     """
 
     step: int
-    copies: tuple[MemoryCopy, ...]
-    ranks: tuple[int, ...]
+    copies: tuple[HeldCopy, ...]
+    world: tuple[int, ...]
 
     @property
-    def time(self) -> float | None:
-        """When the step was taken (the earliest copy's time; UNIX seconds)."""
-        times = [c.time for c in self.copies if c.time is not None]
-        return min(times) if times else None
+    def time(self) -> float:
+        """When the step's newest copy became complete (UNIX seconds)."""
+        return max(c.time for c in self.copies)
 
     @property
     def bytes(self) -> int:
         """Bytes all copies of this step take in shared memory."""
-        return sum(c.bytes or 0 for c in self.copies)
+        return sum(c.bytes for c in self.copies)
 
     @property
     def missing(self) -> tuple[int, ...]:
         """The ranks with no copy of this step (empty: every rank can take it)."""
         have = {c.owner for c in self.copies}
-        return tuple(r for r in self.ranks if r not in have)
-
-    def holders(self, owner: int) -> tuple[MemoryCopy, ...]:
-        return tuple(c for c in self.copies if c.owner == owner)
+        return tuple(r for r in self.world if r not in have)
 
     def to_json(self, now: float) -> dict[str, Any]:
-        t = self.time
-        return {"step": self.step, "time": t, "age_s": None if t is None else round(max(0.0, now - t), 3),
+        return {"step": self.step, "time": self.time, "age_s": round(max(0.0, now - self.time), 3),
                 "bytes": self.bytes, "reachable": not self.missing, "missing": list(self.missing),
                 "copies": [c.to_json() for c in self.copies]}
 
 
-def _copy(owner: Any, holder: int, host: Any, entry: Any) -> MemoryCopy | None:
-    """The copy an index's ``own`` or ``buddy`` entry describes; None for null or a damaged entry."""
-    if not isinstance(entry, dict):
-        return None
-    step, owner = json_int(entry.get("step")), json_int(owner)
-    if step is None or owner is None:
-        return None
-    return MemoryCopy(owner=owner, holder=holder, host=host if isinstance(host, str) else None, step=step,
-                      time=finite_number(entry.get("time")), bytes=json_int(entry.get("bytes")))
-
-
-def memory_steps(records: Iterable[dict[str, Any]]) -> list[MemoryStep]:
+def memory_steps(ranks: dict[int, RankMemory]) -> list[MemoryStep]:
     """Every step some copy in the memory tier holds, newest first.
 
     Args:
-        records: the ranks' ``memory/<rank>.json`` objects (``{"rank", "host", "own": {"step",
-            "time", "bytes", ...} | null, "buddy": {"rank", "step", ...} | null}``); a record or
-            entry with a missing or wrong-typed rank or step is skipped.
+        ranks: the ranks' index records (:func:`pimm_core.run.memory_index.read_rank_indexes`); the
+            world is every rank a record names, as :func:`~pimm_core.run.memory_index.common_step` counts it.
     """
-    copies: list[MemoryCopy] = []
-    ranks: set[int] = set()
-    for rec in records:
-        holder = json_int(rec.get("rank")) if isinstance(rec, dict) else None
-        if holder is None:
-            continue
-        ranks.add(holder)
-        own = _copy(holder, holder, rec.get("host"), rec.get("own"))
-        buddy = rec.get("buddy")
-        held = _copy(buddy.get("rank"), holder, rec.get("host"), buddy) if isinstance(buddy, dict) else None
-        copies += [c for c in (own, held) if c is not None]
-    by_step: dict[int, list[MemoryCopy]] = {}
+    copies = [HeldCopy(c.rank, r.rank, r.host, c.step, c.time, c.bytes)
+              for r in ranks.values() for c in (r.own, r.buddy) if c is not None]
+    named = set(ranks) | {c.owner for c in copies}
+    world = tuple(range(max(named) + 1)) if named else ()
+    by_step: dict[int, list[HeldCopy]] = {}
     for c in copies:
         by_step.setdefault(c.step, []).append(c)
-    world = tuple(sorted(ranks))
-    return [MemoryStep(s, tuple(sorted(cs, key=lambda c: (c.owner, c.holder != c.owner, c.holder))), world)
+    return [MemoryStep(s, tuple(sorted(cs, key=lambda c: (c.owner, c.kind != "own", c.holder))), world)
             for s, cs in sorted(by_step.items(), reverse=True)]
 
 
@@ -192,15 +168,13 @@ def disk_tier(candidates: Iterable[Any], now: float) -> TierAge:
     return TierAge("disk", True, last.step, None if when is None else max(0.0, now - when))
 
 
-def memory_tier(steps: list[MemoryStep], now: float, on: bool) -> TierAge:
-    """The memory tier: the newest step every rank can reach."""
-    if not on and not steps:
+def memory_tier(tier: MemoryTier, now: float, on: bool) -> TierAge:
+    """The memory tier: the newest step every rank can reach (:class:`~pimm_core.run.memory_index.MemoryTier`)."""
+    if not on and not tier.ranks:
         return TierAge("memory", False)
-    best = next((s for s in steps if not s.missing), None)
-    if best is None:
-        return TierAge("memory", True, note="no step every rank reaches" if steps else None)
-    t = best.time
-    return TierAge("memory", True, best.step, None if t is None else max(0.0, now - t))
+    if tier.step is None:
+        return TierAge("memory", True, note="no step every rank reaches" if tier.ranks else None)
+    return TierAge("memory", True, tier.step, None if tier.time is None else max(0.0, now - tier.time))
 
 
 class RemoteTier:
@@ -246,20 +220,45 @@ def tiers_line(tiers: Iterable[TierAge]) -> str:
     return "checkpoints: " + " · ".join(t.text() for t in tiers)
 
 
+def describe_memory(run_dir: Path, now: float) -> dict[str, Any] | None:
+    """What ``pimm checkpoints ls`` shows of the run's memory tier: ``{"step": the newest step every
+    rank reaches, "time", "live", "on_this_host": some rank runs here (else ``live`` cannot be known),
+    "ranks": [each rank's index record], "steps": [MemoryStep.to_json]}``,
+    or None when the run has no ``memory/`` directory (never raises)."""
+    from ..run.memory_index import MEMORY_DIR, read_memory_tier
 
-def read_memory(run_dir: Path) -> list[MemoryStep]:
-    """The memory tier's steps, newest first, from ``<run_dir>/memory/<rank>.json`` (never raises:
-    a missing directory is no steps, a damaged file is skipped)."""
-    import json
+    if not (Path(run_dir) / MEMORY_DIR).is_dir():
+        return None
+    import socket
 
-    records = []
-    try:
-        paths = sorted((Path(run_dir) / "memory").glob("*.json"))
-    except OSError:
-        return []
-    for p in paths:
-        try:
-            records.append(json.loads(p.read_bytes()))
-        except (OSError, ValueError):
-            continue
-    return memory_steps(r for r in records if isinstance(r, dict))
+    tier = read_memory_tier(run_dir)
+    here = any(r.host == socket.gethostname() for r in tier.ranks.values())
+    return {"step": tier.step, "time": tier.time, "live": tier.live, "on_this_host": here,
+            "ranks": [r.to_json() for _, r in sorted(tier.ranks.items())],
+            "steps": [s.to_json(now) for s in memory_steps(tier.ranks)]}
+
+
+def memory_lines(memory: dict[str, Any]) -> list[str]:
+    """:func:`describe_memory` as lines of text: a head line, then one line per step with its age,
+    bytes and, per rank, where its copies are (``rank 1: own on node-b, copy on rank 0``)."""
+    from .fmt import fmt_size
+
+    n = len(memory["ranks"])
+    state = ("live" if memory["live"] else "no rank process alive: these copies are gone or going"
+             if memory["on_this_host"] or not n else "its ranks run on other hosts")
+    newest = memory["step"]
+    head = f"memory tier ({n} rank{'s' if n != 1 else ''}, {state}): " + (
+        f"every rank reaches step {newest}" if newest is not None else "no step every rank reaches")
+    out = [head]
+    if not memory["steps"]:
+        out.append("  no copies yet")
+    for s in memory["steps"]:
+        where: dict[int, list[str]] = {}
+        for c in s["copies"]:
+            at = f"own on {c['host']}" if c["kind"] == "own" else f"copy on rank {c['holder']}"
+            where.setdefault(c["rank"], []).append(at)
+        ranks = " · ".join(f"rank {r}: {', '.join(w)}" for r, w in sorted(where.items()))
+        missing = f" · missing: rank{'s' if len(s['missing']) > 1 else ''} {', '.join(map(str, s['missing']))}" \
+            if s["missing"] else ""
+        out.append(f"  step {s['step']}  {human_duration(s['age_s'])} ago  {fmt_size(s['bytes'])}  {ranks}{missing}")
+    return out
