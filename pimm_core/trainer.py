@@ -63,10 +63,12 @@ from .train.checkpointer import Checkpointer, export_live
 from .train.ema import EMA
 from .train.evaluator import Evaluator
 from .train.hang import name_the_hang
+from .train.memory import memory_tier
+from .train.memory_recovery import start_memory_and_resume
 from .train.parallel import is_fsdp, parallelize
 from .train.tensor_parallel import ranks_of
 from .train.recorder import Recorder
-from .train.resume import nothing_left, resume
+from .train.resume import nothing_left
 from .train.session import (after_step, end_session, evaluate_and_record, start_epoch, start_files,
                             stop_before_start, stop_nonfinite)
 from .train.state import TrainState, end_step
@@ -284,7 +286,7 @@ class Trainer:
                                        steps_per_epoch=self.steps_per_epoch, log_every_steps=t.log_every_steps)
         rec.open_log()  # first: the warm-start report and resume lines belong in train.log
         try:
-            with heartbeat(self.run_dir, self.info.rank, self.info.world_size):  # ranks/<rank>.json: step, phase
+            with heartbeat(self.run_dir, self.info.rank, self.info.world_size), memory_tier(self.checkpointer):
                 entry: dict[str, Any] = {"kind": "start", "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None}
                 c = self.config
                 if resume_from is None and c.train.weight and not c.train.resume:  # a resume never warm-starts
@@ -292,8 +294,8 @@ class Trainer:
                                                               c.checkpoint, self.info.rank)
                     entry["warm_start"] = self.warm_start_report.to_json()
                 self.checkpointer.begin(checkpoint_dir, scheduler=self.scheduler, grad_accum=t.grad_accum)
-                if resume_from is not None:
-                    entry = resume(self, resume_from, checkpoint_dir)
+                entry = start_memory_and_resume(self, entry, resume_from, checkpoint_dir)
+                if entry["kind"] != "start":
                     if nothing_left(self, t):
                         # nothing to train: no metrics, no checkpoint, no status change; provenance says so
                         self.state.finished = True
@@ -302,7 +304,7 @@ class Trainer:
                         start_files(self, {**entry, "finished": True}, fresh=False)
                         return self.state
                 rec.total = self.end_step(t)  # the run's horizon, whatever the schedule knows of it
-                start_files(self, entry, fresh=resume_from is None)
+                start_files(self, entry, fresh=entry["kind"] == "start")
                 self.stop_agreement.discard_stale()
                 rec.pids = dist.all_gather_object(os.getpid())  # every rank's pid, for operators and tests
                 self.stop_agreement.file_used = False

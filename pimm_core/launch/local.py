@@ -20,6 +20,22 @@ from .requeue import requeue_if_asked
 from .rundir import check_before_launch, claim, finished, resolve_run_dir, resume_source
 
 
+def restarted() -> bool:
+    """torchrun's agent restarted this rank (``--max-restarts``: ``TORCHELASTIC_RESTART_COUNT`` > 0)."""
+    return (os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0") not in ("", "0")
+
+
+def restart_config(cfg: Config, run_dir: Path) -> Config:
+    """A restart resumes the run's disk ``last`` when it has one (the trainer tries the memory tier first,
+    :mod:`pimm_core.train.memory_recovery`); the run directory is this run's own (the launch claimed it)."""
+    from dataclasses import replace
+
+    from ..checkpoint.select.selection import select_resume
+
+    chosen, _ = select_resume(run_dir / MODEL)
+    return replace(cfg, train=replace(cfg.train, resume=chosen is not None))
+
+
 def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = None, *,
                leftovers_ok: bool = False) -> int:
     """Run this process as one rank of the run; returns the exit code.
@@ -40,6 +56,8 @@ def _train_here(cfg: Config, config_path: Path | None, resume_from: str | None, 
     info = dist.env_world()
     setup_logging(info.is_main)
     run_dir = resolve_run_dir(cfg, config_path)
+    if restarted():  # torchrun restarted the ranks after a failure: this run continues where it can
+        cfg, leftovers_ok = restart_config(cfg, run_dir), True
     check_before_launch(cfg, run_dir, leftovers_ok=leftovers_ok, config_path=config_path)
     claimed = claim(cfg, run_dir) if info.is_main else None
     run_dir = claimed.path if claimed is not None else run_dir

@@ -63,6 +63,10 @@ def _spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchO
     except BaseException:
         claimed.discard_if_unstarted()
         raise
+    finally:  # the ranks are gone: their memory tier on this node (checkpoint.memory_every_steps) goes too
+        from ..checkpoint.memory.store import remove_run
+
+        remove_run(claimed.path)
     if code != 0 or stop.requested:
         claimed.discard_if_unstarted()  # no rank started (stopped, or failed before the run): leave nothing behind
         return code

@@ -147,8 +147,10 @@ def write_rank_index(run_dir: Path, record: RankMemory | dict[str, Any]) -> None
 
 def remove_rank_index(run_dir: Path, rank: int) -> None:
     """Remove this rank's index file (its copies are gone); never raises."""
+    path = index_path(run_dir, rank)
     try:
-        index_path(run_dir, rank).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
+        path.parent.rmdir()  # the last rank's removal takes the empty directory with it
     except OSError:
         pass
 

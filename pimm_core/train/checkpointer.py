@@ -177,6 +177,7 @@ class Checkpointer:
         self.failed = False  # a save failed under on_error = "stop": no more saves
         self.uploader: Any = None  # checkpoint.remote: rank 0's background Uploader
         self.last_save_s: float | None = None  # seconds the last synchronous save took (train.max_time's rule)
+        self.memory: Any = None  # checkpoint.memory_every_steps: this session's MemorySnapshots (train/memory.py)
 
     # ------------------------------------------------------------ contents
     def begin(self, checkpoint_dir: Path | None, *, scheduler: Any, grad_accum: int) -> None:
@@ -364,6 +365,8 @@ class Checkpointer:
                                         run_ends=run_ends)
         if save is not None:
             self._periodic(save)
+        if self.memory is not None:  # the memory tier's snapshot of an N-th step
+            self.memory.on_step(run_ends=run_ends)
 
     def on_epoch_end(self, epoch: int, *, run_ends: bool) -> None:
         """After epoch ``epoch`` ended (and its evaluation ran), unless the run stops there."""
@@ -372,6 +375,8 @@ class Checkpointer:
         save = self.schedule.after_epoch(self.state.global_step, epoch, run_ends=run_ends)
         if save is not None:
             self._periodic(save)
+        if self.memory is not None:
+            self.memory.on_epoch_end(run_ends=run_ends)
 
     def on_evaluated(self, epoch: int, selection: dict[str, Any], *, improved: bool) -> None:
         """The evaluation of ``epoch`` gave ``selection`` (its name, value, mode, split, epoch, weights);

@@ -72,6 +72,7 @@ class Recorder:
         self._detach_console: Callable[[], None] = lambda: None
         self._failing: set[str] = set()  # the records whose last write failed
         self.clock = StepClock()  # samples/s and steps/s of training time (:mod:`.rate`)
+        self.status_extra: dict[str, Any] = {}  # memory_step, recovery: written with every status.json
 
     # ------------------------------------------------------------- log file
     def open_log(self) -> None:
@@ -166,7 +167,8 @@ class Recorder:
             self._best_effort("status.json", write_status, self.run_dir, state, pids=self.pids, step=s.global_step,
                               epoch=s.epoch, iter=s.iter, total_steps=self.total,
                               steps_per_epoch=self.steps_per_epoch, epochs=self.epochs,
-                              world_size=self.info.world_size, stop_reason=s.stop_reason, **extra)
+                              world_size=self.info.world_size, stop_reason=s.stop_reason,
+                              **{**self.status_extra, **extra})
 
     def failed(self, e: BaseException) -> None:
         """The session failed with ``e``: ``status.json`` says so, and ``train.log`` ends with the line the

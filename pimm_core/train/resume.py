@@ -56,12 +56,24 @@ def resume(tr: TrainerHost, source: Path | str, checkpoint_dir: Path | None) -> 
     source = tr.data_info.rank * saved_tp if max(saved_tp, tr.info.tp) > 1 else tr.info.rank
     loaded = make_format(cand.format, dataclasses.replace(tr.info, rank=source)).load(Path(cand.path), model=tr.model, optimizer=tr.optimizer,
                                                     strict=strict, ema_target=tr.ema.shadow if tr.ema else None)
+    return apply_loaded(tr, loaded, cand.manifest or {}, str(cand.path), cand.format, checkpoint_dir,
+                        fallback=fallback, set_aside=set_aside)
+
+
+def apply_loaded(tr: TrainerHost, loaded: Any, recorded: dict[str, Any], path: str, fmt: str,
+                 checkpoint_dir: Path | None, *, fallback: list[str] = (), set_aside: Any = list) -> dict[str, Any]:
+    """Apply a loaded checkpoint (``loaded``: its :class:`~pimm_core.checkpoint.formats.protocol.LoadedState`,
+    the model and optimizer already restored) following the resume policy: position, schedule, scaler,
+    EMA, callbacks, RNG and loader cursor; returns the provenance entry. ``recorded``: its manifest;
+    ``path``: what the log names; ``fmt``: its format's name (``memory`` for the memory tier)."""
+    fallback = list(fallback)
+    strict = tr.config.resume_strict_state
     meta = loaded.meta
     saved = meta["trainer"]
     # The file itself is the authority on position and topology (a sidecar may be missing).
-    manifest = {**(cand.manifest or {}), "step": saved["global_step"], "epoch": saved["epoch"], "iter": saved["iter"],
+    manifest = {**recorded, "step": saved["global_step"], "epoch": saved["epoch"], "iter": saved["iter"],
                 "world_size": meta["world_size"], "workers_per_rank": meta["workers_per_rank"]}
-    if cand.format == "single":
+    if fmt == "single":
         manifest["has_loader_state"] = bool(loaded.rank_state and loaded.rank_state.get("loader") is not None) \
             if meta["world_size"] == tr.info.world_size else saved["iter"] > 0
     # (absent from older checkpoints)
@@ -72,7 +84,7 @@ def resume(tr: TrainerHost, source: Path | str, checkpoint_dir: Path | None) -> 
     plan = plan_resume(manifest, world_size=tr.info.world_size, strategy=tr.config.train.strategy,
                        workers_per_rank=tr.config.data.num_workers,
                        strict=strict, grad_accum=tr._t.grad_accum, batch_size=tr.config.data.batch_size,
-                       legacy=cand.format == "legacy", data_length=data_length(tr.data.train),
+                       legacy=fmt == "legacy", data_length=data_length(tr.data.train),
                        data_fingerprint=tr.data.fingerprint, order=tr.config.data.order,
                        global_batch=tr.config.train.global_batch, tp=tr.config.parallel.tp)
     warnings = fallback + list(plan.warnings) + provenance_diff(tr, manifest) + loaded.skipped
@@ -120,14 +132,14 @@ def resume(tr: TrainerHost, source: Path | str, checkpoint_dir: Path | None) -> 
     if tr.info.is_main:
         for n in notes:
             log.info("%s", n)
-        log.info("resuming from %s at step %d, epoch %d, iter %d: %s", cand.path, tr.state.global_step,
+        log.info("resuming from %s at step %d, epoch %d, iter %d: %s", path, tr.state.global_step,
                  tr.state.epoch, tr.state.iter, plan.description)
         for w in warnings[len(fallback):]:  # the fallback lines were logged as errors when chosen
             log.warning("warning: %s", w)
     # the resume is accepted and its state applied: only now is anything in the run directory changed
     # (a refused or failed resume leaves it as it was)
     warnings += set_aside()
-    return {"kind": "resume", "checkpoint": cand.path, "checkpoint_step": manifest.get("step"),
+    return {"kind": "resume", "checkpoint": path, "checkpoint_step": manifest.get("step"),
             "step": tr.state.global_step, "epoch": tr.state.epoch, "iter": tr.state.iter,
             "policy": plan.row, "exact": plan.exact, "topology": plan.topology,
             "replay_boundary": plan.replay_boundary, "restored": plan.restored, "discarded": plan.discarded,

@@ -76,6 +76,7 @@ CHECKPOINT_STEPS: dict[str, int] = {
     "tensors": 1,  # state, ties, safe_read (torch)
     "publish": 2,  # rotation, follow
     "remote": 2,   # candidate, store, upload, choice, source, output (torch-free)
+    "memory": 2,   # store (torch-free), exchange: the memory tier's shared memory and buddy copies
     "formats": 3,  # protocol, standard, async_save, files, sharded, weights_file, choose
     "weights": 4,  # sources, hub, read, strict_load, warm_start, key_rules
     "export": 5,   # model_dir, files, config, library_model
