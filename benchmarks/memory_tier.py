@@ -153,6 +153,8 @@ def one_failure(root: Path, name: str, hidden: int, memory_every: int, disk_ever
             pids = _json(rd / "status.json").get("pids") or []
             if recs and recs[-1]["step"] >= kill_after and len(pids) == 2:
                 break
+            if proc.poll() is not None:
+                raise TimeoutError(f"{name}: the launch exited ({proc.returncode}) before step {kill_after}")
             time.sleep(0.01)
         else:
             raise TimeoutError(f"{name}: {kill_after} steps not reached")
@@ -167,6 +169,8 @@ def one_failure(root: Path, name: str, hidden: int, memory_every: int, disk_ever
         killed_step = max(x["step"] for x in before)
         recovery = None
         while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise TimeoutError(f"{name}: the launch exited ({proc.returncode}) without a step after the restart")
             recovery = _json(rd / "status.json").get("recovery")
             if isinstance(recovery, dict) and recovery.get("restart", 0) >= 1:
                 after = [x for x in _records(rd / "metrics.jsonl")
@@ -205,6 +209,8 @@ def recovery(hidden: int, repeats: int, every_memory: int, every_disk: int, kill
             try:
                 runs[kind].append(one_failure(work, f"{kind}-{hidden}-{i}", hidden, mem, every_disk, kill_after,
                                               timeout=600))
+                print(json.dumps({"hidden": hidden, **runs[kind][-1], "uptime": uptime()}), file=sys.stderr,
+                      flush=True)  # (each run as it ends: a long benchmark interrupted keeps its figures)
             except TimeoutError as e:  # said in the output, with the run's last lines; the others still count
                 tail = (work / f"{kind}-{hidden}-{i}.out").read_text(errors="replace").splitlines()[-15:]
                 failed.append({"run": f"{kind}-{hidden}-{i}", "error": str(e), "log_tail": tail})
@@ -220,6 +226,49 @@ def recovery(hidden: int, repeats: int, every_memory: int, every_disk: int, kill
             "runs": runs, "failed": failed}
 
 
+def paper(result: dict[str, Any], *, gpus: int = 1024, mttf_h: float = 8.0, step_s: float = 2.0,
+          disk_save_s: float = 60.0, disk_recovery_s: float = 300.0) -> dict[str, Any]:
+    """The paper model of docs/scaling.md from a result of this script (its largest model's ratios).
+
+    A failure at a uniformly random moment loses half a checkpoint interval on average, plus the
+    recovery; a checkpoint costs its stall. Per day, with ``F = 24 / mttf_h`` failures and a
+    checkpoint every ``tau`` seconds of stall ``C`` and recovery ``R``: lost = ``F (R + tau / 2) +
+    (86400 / tau) C``. Young's interval ``tau* = sqrt(2 C MTTF)`` (J. W. Young, "A first order
+    approximation to the optimum checkpoint interval", CACM 17(9), 1974; J. T. Daly, "A higher order
+    estimate of the optimum checkpoint interval for restart dumps", FGCS 22(3), 2006, who refines it
+    to ``sqrt(2 C MTTF) - C`` for ``C < MTTF / 2``). ``disk_save_s``, ``disk_recovery_s`` and
+    ``step_s`` are assumptions for a 1,024-GPU job; the memory tier's are them times the measured ratios.
+    """
+    import math
+
+    stall = max(result["stall"], key=lambda x: x["params"])
+    rec = max(result["recovery"], key=lambda x: x["hidden"]) if result["recovery"] else None
+    c_ratio = stall["ratio_memory_to_disk"]
+    r_ratio = rec["ratio_recovery_memory_to_disk"] if rec and rec["ratio_recovery_memory_to_disk"] else 1.0
+    mttf = mttf_h * 3600
+    failures = 24 / mttf_h
+
+    def plan(name: str, c: float, rcv: float, extra_overhead: float = 0.0) -> dict[str, Any]:
+        tau = math.sqrt(2 * c * mttf)  # Young
+        every = max(1, round(tau / step_s))
+        tau = every * step_s
+        lost_steps = failures * (every / 2 + rcv / step_s)
+        lost_s = failures * (rcv + tau / 2) + 86400 / tau * c + extra_overhead
+        return {"plan": name, "every_steps": every, "stall_s": round(c, 3), "recovery_s": round(rcv, 1),
+                "failures_per_day": failures, "steps_lost_per_failure": every / 2,
+                "steps_lost_per_day": round(failures * every / 2), "step_equivalents_lost_per_day": round(lost_steps),
+                "hours_lost_per_day": round(lost_s / 3600, 2), "gpu_hours_lost_per_day": round(lost_s / 3600 * gpus)}
+
+    disk = plan("disk only", disk_save_s, disk_recovery_s)
+    # the memory tier beside a disk `last` every disk["every_steps"] (kept for node losses): its saves still cost
+    disk_overhead = 86400 / (disk["every_steps"] * step_s) * disk_save_s
+    memory = plan("memory + disk", c_ratio * disk_save_s, r_ratio * disk_recovery_s, disk_overhead)
+    return {"assumed": {"gpus": gpus, "mttf_h": mttf_h, "step_s": step_s, "disk_save_s": disk_save_s,
+                        "disk_recovery_s": disk_recovery_s},
+            "measured": {"stall_ratio": c_ratio, "recovery_ratio": r_ratio, "params": stall["params"]},
+            "plans": [disk, memory]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, nargs="+", default=[128, 3200])
@@ -230,7 +279,11 @@ def main() -> None:
     ap.add_argument("--kill-after", type=int, default=33, help="rank 1 is killed once this step is logged")
     ap.add_argument("--no-recovery", action="store_true")
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    ap.add_argument("--paper", type=Path, help="print the paper model of docs/scaling.md from this script's JSON")
     args = ap.parse_args()
+    if args.paper:
+        print(json.dumps(paper(json.loads(args.paper.read_text())), indent=2))
+        return
 
     load_start = load_average()
     work = Path(tempfile.mkdtemp(prefix="pimm-memory-bench-", dir=args.dir))
@@ -238,6 +291,7 @@ def main() -> None:
     try:
         for h in args.hidden:
             out["stall"].append({**stall(h, args.stall_repeats, work), "uptime": uptime()})
+            print(json.dumps(out["stall"][-1]), file=sys.stderr, flush=True)
         if not args.no_recovery:
             for h in args.hidden:
                 out["recovery"].append({**recovery(h, args.repeats, args.every_memory, args.every_disk,
