@@ -13,7 +13,9 @@ a reader's read, then lets it go on). A count ending in ``+``
 (``status.write@3+=enospc``) fires at that hit and every later one (a disk that stays
 full). With
 ``PIMM_FAILPOINT_RANK=<r>`` it fires only in the process whose ``RANK`` is ``r`` (one
-rank's disk or node failing while the others carry on). Several points are separated by
+rank's disk or node failing while the others carry on); with ``PIMM_FAILPOINT_RESTART=<k>`` only in the
+attempt whose ``TORCHELASTIC_RESTART_COUNT`` is ``k`` (a rank killed once, not again after torchrun
+restarted it). Several points are separated by
 commas (``checkpoints.verify.located=pause,generation.rotating=pause``). The list of
 points a save passes through is :data:`POINTS`; ``benchmarks/crash_points.py`` and the
 tests kill a real saving process at each of them.
@@ -29,6 +31,8 @@ import time
 _SPEC = os.environ.get("PIMM_FAILPOINT", "")
 if os.environ.get("PIMM_FAILPOINT_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
     _SPEC = ""  # another rank's fail point
+if os.environ.get("PIMM_FAILPOINT_RESTART", "") not in ("", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+    _SPEC = ""  # another attempt's fail point (torchrun's restart runs the ranks again with the same environment)
 _hits: dict[str, int] = {}
 
 POINTS: list[str] = []  # every point name, registered at import by the modules that use them

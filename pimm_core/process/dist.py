@@ -89,10 +89,29 @@ def init(device: torch.device, info: DistInfo, *, always: bool = False, timeout_
         _timeout = timedelta(minutes=timeout_min)
     backend = "nccl" if device.type == "cuda" else "gloo"
     store = None if info.distributed or "MASTER_ADDR" in os.environ else dist.HashStore()
+    if info.distributed:
+        store = _restart_store() or store
     if info.distributed:  # (DCP before the group, as when it was imported at start-up: a finished rank's
         import torch.distributed.checkpoint  # noqa: F401  exit leaves no gloo thread; test_fsdp_exit)
     dist.init_process_group(backend=backend, rank=info.rank, world_size=info.world_size, store=store,
                             device_id=device if device.type == "cuda" else None, timeout=_timeout)
+
+
+def _restart_store() -> Any:
+    """After torchrun restarted the ranks (``--max-restarts``), the agent's store with a prefix of this
+    attempt, else None (the default rendezvous).
+
+    The agent keeps one store across attempts: the gloo addresses the previous attempt's ranks published
+    are still there, and a new rank that read one before its peer replaced it connected to a dead
+    process (``connectFullMesh ... Connection refused``, then the restart failed). A prefix per attempt
+    gives each attempt keys of its own."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    env = os.environ
+    if attempt in ("", "0") or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in env:
+        return None
+    tcp = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
+                        timeout=_timeout)
+    return dist.PrefixStore(f"/pimm/attempt_{attempt}", tcp)
 
 
 def timeout() -> timedelta:

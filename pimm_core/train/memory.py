@@ -106,7 +106,9 @@ class MemorySnapshots:
         if self.world > 1:
             self.group = exchange.side_group()
         if self.tr.info.local_rank == 0:
-            for path in remove_stale(keep=self.store.root):
+            # (a restart keeps this run's tier: it recovers from it; a new launch of the run never uses an
+            # earlier launch's copies, left by a launcher that was killed)
+            for path in remove_stale(keep=self.store.root if restart_count() else None):
                 log.info("removed %s, the memory tier of a run that is gone", path)
         dist.barrier()
         agent = os.getppid() if restart_count() or "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()

@@ -43,7 +43,7 @@ def recover_from_memory(tr: TrainerHost, mem: MemorySnapshots, checkpoint_dir: P
 
     Raises:
         NoCommonStep: no such step, a checksum or load failed on some rank, or the world size changed
-            (every rank raises it; the model and optimizer may be half-loaded: the disk resume reloads them).
+            (every rank raises it, before any state is applied).
     """
     point("memory.recovering")
     held = {(h.copy.rank, h.copy.step): h for h in mem.store.held()}
@@ -57,7 +57,8 @@ def recover_from_memory(tr: TrainerHost, mem: MemorySnapshots, checkpoint_dir: P
     common = set.intersection(*(set(steps) for steps in reach.values()))
     if not common:
         lost = sorted(r for r, steps in reach.items() if not steps)
-        raise NoCommonStep(f"no step every rank can reach in memory ({'rank ' + ', '.join(map(str, lost)) + ' has no copy' if lost else 'the ranks hold different steps'})")
+        why = f"rank {', '.join(map(str, lost))} has no copy" if lost else "the ranks hold different steps"
+        raise NoCommonStep(f"no step every rank can reach in memory ({why})")
     step = max(common)
     sources = {owner: reach[owner][step] for owner in range(mem.world)}
     data, problem = None, None

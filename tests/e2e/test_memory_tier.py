@@ -1,0 +1,146 @@
+"""The memory tier (issue 35): 2-rank torchrun runs with ``checkpoint.memory_every_steps = 3`` and
+``pimm launch --max-restarts 1`` whose rank 1 is SIGKILLed, recovered by torchrun's restart.
+
+Four real launches, two at a time: the uninterrupted run; rank 1 killed by a fail point in the
+middle of writing its copy of step 6 (the previous complete copy, step 3, is used); rank 1 paused at
+step 8 (a fail point), its own copy of step 6 removed, then ``kill -9`` from this test (recovered from
+memory at step 6, its state sent by its buddy rank 0); the same with both copies of its state removed
+(its own and its buddy's: recovered from the disk ``last`` of step 8, said in one line). Each ends
+with weights bitwise equal to the uninterrupted run's, and no memory left
+behind. The copies live under ``$PIMM_SHM_ROOT`` (a directory of the test, /dev/shm by default).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from _helpers import DIGITS, REPO, clean_env, hang_s
+
+OVERRIDES = ("train.epochs=1", "model.hidden=16", "train.log_every_steps=5", "checkpoint.memory_every_steps=3",
+             "checkpoint.every_epochs=1", "data.num_workers=0")
+KILLED = {"PIMM_FAILPOINT_RANK": "1", "PIMM_FAILPOINT_RESTART": "0"}
+
+
+def _start(root: Path, name: str, env: dict[str, str], *extra: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(DIGITS), "--run.root", str(root),
+            "--run.name", name, "--run.no-timestamp", "--nproc-per-node", "2", "--max-restarts", "1",
+            "--", *OVERRIDES, *extra]
+    return subprocess.Popen(args, cwd=REPO, env={**clean_env(), "PIMM_SHM_ROOT": str(root / "shm"), **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=hang_s(300))
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def _wait_for(check, what: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + hang_s(120)
+    while not check():
+        assert proc.poll() is None, f"the launch ended while waiting for {what}: {proc.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _index(run: Path, rank: int) -> dict:
+    try:
+        return json.loads((run / "memory" / f"{rank}.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _pause_then_kill(root: Path, name: str, *remove: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """A launch whose rank 1 pauses at step 8; once both ranks hold their copies of step 6, the copies
+    matching ``remove`` (globs under the run's shared memory) are deleted and rank 1 is ``kill -9``ed."""
+    gate = root / f"gate-{name}"
+    gate.mkdir()
+    proc = _start(root, name, {**KILLED, "PIMM_FAILPOINT": "memory.step@8=pause", "PIMM_FAILPOINT_DIR": str(gate)},
+                  *extra)
+    run = root / "digits" / name
+    _wait_for(lambda: (gate / "memory.step.reached.8").exists(), "rank 1 paused at step 8", proc)
+    _wait_for(lambda: all((_index(run, r).get("own") or {}).get("step") == 6 and
+                          (_index(run, r).get("buddy") or {}).get("step") == 6 for r in (0, 1)),
+              "both ranks' copies of step 6", proc)
+    shm = next((root / "shm").glob(f"pimm-{name}-*"))
+    doomed = [p for pattern in remove for p in shm.glob(pattern)]
+    assert len(doomed) == 2 * len(remove), doomed  # each copy with its sidecar
+    for path in doomed:
+        path.unlink()
+    os.kill(_index(run, 1)["pid"], signal.SIGKILL)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("memtier")
+    (root / "shm").mkdir()
+    out = {}
+    ref = _start(root, "ref", {})
+    # the 3rd copy rank 1 writes: its own of step 6 (1st: its own of step 3, 2nd: rank 0's of step 3)
+    mid_copy = _start(root, "mid_copy", {**KILLED, "PIMM_FAILPOINT": "memory.copy_writing@3=kill"})
+    out["ref"], out["mid_copy"] = _finish(ref), _finish(mid_copy)
+    # rank 1's own copy lost: rank 0 sends the one it holds; both lost: the disk `last` of step 8
+    killed = _pause_then_kill(root, "killed", "1/step_*/rank_1.*")
+    lost = _pause_then_kill(root, "lost", "1/step_*/rank_1.*", "0/step_*/rank_1.*", extra=("checkpoint.every_steps=4",))
+    out["killed"], out["lost"] = _finish(killed), _finish(lost)
+    out["root"] = root
+    return out
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run / "model" / "last" / "weights.pth", weights_only=True)["state_dict"]
+
+
+def _status(run: Path) -> dict:
+    return json.loads((run / "status.json").read_text())
+
+
+def _recoveries(run: Path) -> list[dict]:
+    prov = json.loads((run / "provenance.json").read_text())
+    return [e for e in prov["starts"] if e.get("kind") == "recovery"]
+
+
+@pytest.mark.parametrize("name, tier, step", [("killed", "memory", 6), ("mid_copy", "memory", 3),
+                                              ("lost", "disk", 8)])
+def test_a_killed_rank_is_recovered_and_the_run_ends_bitwise_equal(runs, name, tier, step):
+    root = runs["root"]
+    run = root / "digits" / name
+    status = _status(run)
+    assert status["state"] == "finished" and status["step"] == 23
+    recovery = status["recovery"]
+    assert recovery["tier"] == tier and recovery["restart"] == 1
+    assert recovery["step"] == step
+    (entry,) = _recoveries(run)
+    assert entry["tier"] == tier and entry["step"] == recovery["step"] and entry["restart"] == 1
+    log = (run / "train.log").read_text()
+    line = f"recovered from {tier} at step {recovery['step']} (restart 1"
+    assert log.count(line) == 1, log[-3000:]
+    assert line in runs[name]
+    if name == "killed":  # its own copy removed: the copy rank 0 held was sent to it, and checked
+        assert f"{line}; rank 1 from its buddy rank 0)" in log and entry["from_buddy"] == {"1": 0}
+    if name == "mid_copy":  # killed in the middle of its copy of step 6: every rank's step 3
+        assert f"{line}; every rank from its own copy)" in log
+    if tier == "disk":  # both copies of rank 1 were removed: one line says why the disk was used
+        assert "(restart 1; no step every rank can reach in memory (rank 1 has no copy))" in log
+    ref, got = _weights(root / "digits" / "ref"), _weights(run)
+    assert ref.keys() == got.keys()
+    assert all(torch.equal(ref[k], got[k]) for k in ref), "the recovered run left the uninterrupted trajectory"
+
+
+def test_the_memory_tier_is_removed_when_the_run_ends(runs):
+    root = runs["root"]
+    assert _status(root / "digits" / "ref")["memory_step"] == 21  # the newest mid-epoch multiple of 3
+    assert "recovery" not in _status(root / "digits" / "ref")
+    assert list((root / "shm").iterdir()) == []  # every run's shared memory is gone
+    for name in ("ref", "killed", "mid_copy", "lost"):
+        assert not (root / "digits" / name / "memory").exists()
