@@ -245,46 +245,56 @@ def recovery(hidden: int, repeats: int, every_memory: int, every_disk: int, kill
 
 
 def paper(result: dict[str, Any], *, gpus: int = 1024, mttf_h: float = 8.0, step_s: float = 2.0,
-          disk_save_s: float = 60.0, disk_recovery_s: float = 300.0) -> dict[str, Any]:
+          disk_save_s: float = 60.0, disk_recovery_s: float = 300.0, uncovered: float = 0.1) -> dict[str, Any]:
     """The paper model of docs/scaling.md from a result of this script (its largest model's ratios).
 
     A failure at a uniformly random moment loses half a checkpoint interval on average, plus the
-    recovery; a checkpoint costs its stall. Per day, with ``F = 24 / mttf_h`` failures and a
-    checkpoint every ``tau`` seconds of stall ``C`` and recovery ``R``: lost = ``F (R + tau / 2) +
-    (86400 / tau) C``. Young's interval ``tau* = sqrt(2 C MTTF)`` (J. W. Young, "A first order
+    recovery; a checkpoint costs its stall. With ``F = 24 / mttf_h`` failures a day and a checkpoint
+    every ``tau`` seconds of stall ``C`` and recovery ``R``, a day loses ``F (R + tau / 2) + (86400 /
+    tau) C`` seconds, least at Young's interval ``tau* = sqrt(2 C MTTF)`` (J. W. Young, "A first order
     approximation to the optimum checkpoint interval", CACM 17(9), 1974; J. T. Daly, "A higher order
-    estimate of the optimum checkpoint interval for restart dumps", FGCS 22(3), 2006, who refines it
-    to ``sqrt(2 C MTTF) - C`` for ``C < MTTF / 2``). ``disk_save_s``, ``disk_recovery_s`` and
-    ``step_s`` are assumptions for a 1,024-GPU job; the memory tier's are them times the measured ratios.
+    estimate of the optimum checkpoint interval for restart dumps", FGCS 22(3), 2006, refines it to
+    ``sqrt(2 C MTTF) - C``). With the memory tier a fraction ``uncovered`` of the failures (both
+    copies of a rank's state lost: its node and its buddy's) still goes to the disk ``last``, whose
+    interval is Young's for that rarer rate. ``step_s``, ``disk_save_s``, ``disk_recovery_s`` and
+    ``uncovered`` are assumptions for a 1,024-GPU job; the memory tier's stall and recovery are the
+    disk's times the measured ratios.
     """
     import math
 
     stall = max(result["stall"], key=lambda x: x["params"])
-    rec = max(result["recovery"], key=lambda x: x["hidden"]) if result["recovery"] else None
+    recs = [x for x in result["recovery"] if x.get("ratio_recovery_memory_to_disk")]
+    rec = max(recs, key=lambda x: x["hidden"]) if recs else None
     c_ratio = stall["ratio_memory_to_disk"]
-    r_ratio = rec["ratio_recovery_memory_to_disk"] if rec and rec["ratio_recovery_memory_to_disk"] else 1.0
+    r_ratio = rec["ratio_recovery_memory_to_disk"] if rec else 1.0
     mttf = mttf_h * 3600
     failures = 24 / mttf_h
 
-    def plan(name: str, c: float, rcv: float, extra_overhead: float = 0.0) -> dict[str, Any]:
-        tau = math.sqrt(2 * c * mttf)  # Young
-        every = max(1, round(tau / step_s))
-        tau = every * step_s
-        lost_steps = failures * (every / 2 + rcv / step_s)
-        lost_s = failures * (rcv + tau / 2) + 86400 / tau * c + extra_overhead
-        return {"plan": name, "every_steps": every, "stall_s": round(c, 3), "recovery_s": round(rcv, 1),
-                "failures_per_day": failures, "steps_lost_per_failure": every / 2,
-                "steps_lost_per_day": round(failures * every / 2), "step_equivalents_lost_per_day": round(lost_steps),
-                "hours_lost_per_day": round(lost_s / 3600, 2), "gpu_hours_lost_per_day": round(lost_s / 3600 * gpus)}
+    def interval(c: float, rate_mttf: float) -> int:
+        return max(1, round(math.sqrt(2 * c * rate_mttf) / step_s))  # Young, in steps
 
-    disk = plan("disk only", disk_save_s, disk_recovery_s)
-    # the memory tier beside a disk `last` every disk["every_steps"] (kept for node losses): its saves still cost
-    disk_overhead = 86400 / (disk["every_steps"] * step_s) * disk_save_s
-    memory = plan("memory + disk", c_ratio * disk_save_s, r_ratio * disk_recovery_s, disk_overhead)
+    def tier(name: str, every: int, c: float, rcv: float, share: float) -> dict[str, Any]:
+        tau = every * step_s
+        return {"tier": name, "every_steps": every, "stall_s": round(c, 2), "recovery_s": round(rcv, 1),
+                "failures_per_day": round(share * failures, 2), "steps_lost_per_failure": every / 2,
+                "seconds_lost_per_day": share * failures * (rcv + tau / 2) + 86400 / tau * c}
+
+    def total(name: str, tiers: list[dict[str, Any]]) -> dict[str, Any]:
+        lost = sum(t["seconds_lost_per_day"] for t in tiers)
+        steps = sum(t["failures_per_day"] * t["steps_lost_per_failure"] for t in tiers)
+        return {"plan": name, "tiers": tiers, "steps_lost_per_day": round(steps),
+                "hours_lost_per_day": round(lost / 3600, 2), "gpu_hours_lost_per_day": round(lost / 3600 * gpus),
+                "fraction_of_the_day": round(lost / 86400, 4)}
+
+    c_mem, r_mem = c_ratio * disk_save_s, r_ratio * disk_recovery_s
+    disk_only = total("disk only", [tier("disk", interval(disk_save_s, mttf), disk_save_s, disk_recovery_s, 1.0)])
+    with_memory = total("memory + disk", [
+        tier("memory", interval(c_mem, mttf / (1 - uncovered)), c_mem, r_mem, 1 - uncovered),
+        tier("disk", interval(disk_save_s, mttf / uncovered), disk_save_s, disk_recovery_s, uncovered)])
     return {"assumed": {"gpus": gpus, "mttf_h": mttf_h, "step_s": step_s, "disk_save_s": disk_save_s,
-                        "disk_recovery_s": disk_recovery_s},
+                        "disk_recovery_s": disk_recovery_s, "uncovered": uncovered},
             "measured": {"stall_ratio": c_ratio, "recovery_ratio": r_ratio, "params": stall["params"]},
-            "plans": [disk, memory]}
+            "plans": [disk_only, with_memory]}
 
 
 def main() -> None:
