@@ -89,10 +89,9 @@ def init(device: torch.device, info: DistInfo, *, always: bool = False, timeout_
         _timeout = timedelta(minutes=timeout_min)
     backend = "nccl" if device.type == "cuda" else "gloo"
     store = None if info.distributed or "MASTER_ADDR" in os.environ else dist.HashStore()
-    if info.distributed:
-        store = _restart_store() or store
     if info.distributed:  # (DCP before the group, as when it was imported at start-up: a finished rank's
         import torch.distributed.checkpoint  # noqa: F401  exit leaves no gloo thread; test_fsdp_exit)
+        store = _restart_store() or store  # (a torchrun restart: keys of its own attempt)
     dist.init_process_group(backend=backend, rank=info.rank, world_size=info.world_size, store=store,
                             device_id=device if device.type == "cuda" else None, timeout=_timeout)
 

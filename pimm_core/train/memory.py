@@ -39,6 +39,7 @@ import torch
 from ..checkpoint.memory import exchange
 from ..checkpoint.memory.store import RankStore, remove_stale
 from ..checkpoint.tensors.state import pack, rng_state, unwrap
+from ..errors import ConfigError
 from ..faults import point, register
 from ..process import dist
 from ..run.memory_index import RankMemory, remove_rank_index, write_rank_index
@@ -112,7 +113,12 @@ class MemorySnapshots:
                 log.info("removed %s, the memory tier of a run that is gone", path)
         dist.barrier()
         agent = os.getppid() if restart_count() or "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
-        self.store.open(agent_pid=agent)
+        try:
+            self.store.open(agent_pid=agent)
+        except OSError as e:
+            raise ConfigError(f"checkpoint.memory_every_steps: cannot write the memory tier in {self.store.root} "
+                              f"({e.strerror or e}); set $PIMM_SHM_ROOT to a writable node-local directory, or "
+                              "checkpoint.memory_every_steps = 0") from None
         if self.tr.info.is_main:
             where = ("another node" if self.world > self.local else
                      "another local rank on this node: a node's loss loses both copies" if self.buddy is not None

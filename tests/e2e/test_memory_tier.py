@@ -144,3 +144,54 @@ def test_the_memory_tier_is_removed_when_the_run_ends(runs):
     assert list((root / "shm").iterdir()) == []  # every run's shared memory is gone
     for name in ("ref", "killed", "mid_copy", "lost"):
         assert not (root / "digits" / name / "memory").exists()
+
+
+def test_a_stopped_run_removes_its_memory_and_the_next_run_removes_a_dead_runs(tmp_path, monkeypatch):
+    """In this process, one rank: a killed run's tier (its lock free, its launcher gone) is removed by the
+    next run's start; the run's own copies exist while it trains and are gone once it stopped."""
+    from pimm_core import Trainer, load_config
+    from pimm_core.checkpoint.memory.store import RankStore
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setenv("PIMM_SHM_ROOT", str(shm))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = RankStore(tmp_path / "killed-run", 0)
+    left.open(agent_pid=dead.pid)
+    left.write(0, 3, b"state of a run that was killed")
+    left.close(remove=False)  # (what a kill -9 leaves: the lock free, the copies in place)
+
+    run = tmp_path / "run"
+    trainer = Trainer(load_config(DIGITS, list(OVERRIDES)), run_dir=run)
+    seen = {}
+
+    def at_seven(tr) -> None:
+        if tr.state.global_step == 7:
+            tr.checkpointer.memory.wait()  # the round of step 6 done
+            seen["copies"] = sorted(p.name for p in shm.glob("pimm-run-*/0/step_*/*"))
+            seen["index"] = _index(run, 0)
+            seen["left"] = left.root.exists()
+            tr.stop.request("budget")
+
+    trainer.callbacks.append(at_seven)
+    state = trainer.train(checkpoint_dir=run / "model")
+    assert state.stop_reason == "budget" and state.global_step == 7
+    assert seen["copies"] == ["rank_0.json", "rank_0.pt"] and seen["index"]["own"]["step"] == 6
+    assert seen["index"]["buddy"] is None  # one rank: no buddy
+    assert not seen["left"] and "the memory tier of a run that is gone" in (run / "train.log").read_text()
+    assert list(shm.iterdir()) == [] and not (run / "memory").exists()
+    assert _status(run)["state"] == "stopped"
+
+
+def test_shared_memory_that_cannot_be_written_is_one_line(tmp_path):
+    from _helpers import pimm_here
+
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    result = pimm_here("launch", "--train.config", str(DIGITS), "--run.root", str(tmp_path), "--run.name", "r",
+                       "--run.no-timestamp", "--", *OVERRIDES, env={"PIMM_SHM_ROOT": str(not_a_dir)})
+    assert result.returncode != 0
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "cannot write the memory tier" in errors[0] and "PIMM_SHM_ROOT" in errors[0]
+    assert "Traceback" not in result.stderr
