@@ -62,7 +62,12 @@ def checkpoints_ls(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output (stable schema)."),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY_HELP),
 ) -> None:
-    """List every checkpoint candidate and leftover, and which one resume would pick."""
+    """List every checkpoint candidate and leftover, and which one resume would pick.
+
+    With `checkpoint.memory_every_steps`, also the memory tier the ranks publish (memory/<rank>.json):
+    each step held in shared memory, its age and bytes, which ranks hold it (own copy, a buddy's copy),
+    and the newest step every rank reaches (under --json: "memory").
+    """
     from ..checkpoint.select.selection import list_candidates, select_resume
     from ..run.layout import MODEL, is_run_dir
     from ..watch.fmt import fmt_size
