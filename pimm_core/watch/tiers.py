@@ -23,8 +23,6 @@ from .fmt import human_duration
 
 #: Seconds between two listings of a run's remote store by the console.
 REMOTE_EVERY_S = 30.0
-#: The tiers, fastest first.
-TIERS = ("memory", "disk", "remote")
 
 
 @dataclass(frozen=True)
