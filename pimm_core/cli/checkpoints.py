@@ -62,7 +62,12 @@ def checkpoints_ls(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output (stable schema)."),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY_HELP),
 ) -> None:
-    """List every checkpoint candidate and leftover, and which one resume would pick."""
+    """List every checkpoint candidate and leftover, and which one resume would pick.
+
+    With `checkpoint.memory_every_steps`, also the memory tier the ranks publish (memory/<rank>.json):
+    each step held in shared memory, its age and bytes, which ranks hold it (own copy, a buddy's copy),
+    and the newest step every rank reaches (under --json: "memory").
+    """
     from ..checkpoint.select.selection import list_candidates, select_resume
     from ..run.layout import MODEL, is_run_dir
     from ..watch.fmt import fmt_size
@@ -78,11 +83,17 @@ def checkpoints_ls(
     last = next((c for c in cands if c.name == "last" and c.complete and c.format == "standard"), None)
     run = run_dir if is_run_dir(run_dir) and model_dir == run_dir else model_dir.parent  # (model/ may be gone)
     remote = describe_remote(run, last.step if last is not None else None, chosen)
+    import time
+
+    from ..watch.tiers import describe_memory, memory_lines
+
+    memory = describe_memory(run, time.time())  # (None: no memory/ directory)
     if as_json:
         rows = [{**c.to_json(), "selected": chosen is not None and c.path == chosen.path} for c in cands]
         print(json.dumps({"schema_version": 1, "model_dir": str(model_dir),
                           "selected": chosen.name if chosen else None, "candidates": rows,
-                          **({"remote": remote} if remote is not None else {})}, indent=2))
+                          **({"remote": remote} if remote is not None else {}),
+                          **({"memory": memory} if memory is not None else {})}, indent=2))
         return
     from rich.console import Console
     from rich.text import Text
@@ -120,6 +131,8 @@ def checkpoints_ls(
     print(f"resume would select: {printable(chosen.name) if chosen else 'nothing (no complete candidate)'}")
     if remote is not None:
         _print_remote(remote)
+    for line in memory_lines(memory) if memory is not None else ():
+        print(printable(line))  # host names are what the ranks wrote: never terminal control
 
 
 def _print_remote(remote: dict) -> None:

@@ -13,6 +13,8 @@ that needs one pays for no other):
   immutable :class:`~.snapshot.RunSnapshot` (for a worker thread).
 - :mod:`.candidates`: checkpoint candidates' age, generation and verification.
 - :mod:`.resume_diff`: what a checkpoint recorded vs. a planned resume, and the policy row.
+- :mod:`.tiers`: the newest checkpoint of each tier (memory, disk, remote), the memory tier's
+  copies by step, and the latest recovery.
 - :mod:`.fmt`: sizes, durations, ages and logged values as text.
 
 ``train.log`` is read by :class:`pimm_core.run.log.LogTail`, next to its writer.

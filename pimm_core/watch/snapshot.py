@@ -26,6 +26,8 @@ from .candidates import candidate_identity
 from .metrics import MetricsTail
 from .series import NonFinite
 from .status import LIVE_STATES, StatusView, read_status, stale_after_for
+from ..run.memory_index import MemoryTier, read_memory_tier
+from .tiers import MemoryStep, RemoteTier, TierAge, disk_tier, memory_steps, memory_tier, recovery_text
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,12 @@ class RunSnapshot:
     #: ``(rank, the frame it waits in)`` from ``ranks/<rank>.stack`` written at a hang, for ranks that have
     #: not moved since (:mod:`pimm_core.run.stacks`)
     frames: tuple[tuple[int, str], ...] = ()
+    #: the newest checkpoint of each tier: memory, disk, remote (:mod:`.tiers`)
+    tiers: tuple[TierAge, ...] = ()
+    #: the memory tier's steps, newest first (``memory/<rank>.json``)
+    memory: tuple[MemoryStep, ...] = ()
+    #: ``recovered from memory at step 120 (restart 1)``: status.json's latest recovery, or None
+    recovery: str | None = None
 
     def frame_of(self, rank: int) -> str | None:
         return next((f for r, f in self.frames if r == rank), None)
@@ -108,6 +116,8 @@ class RunReader:
         self._config: tuple[Any, dict[str, Any] | None, str | None] = (None, None, None)
         self._prov: tuple[Any, dict[str, Any] | None] = (None, None)
         self._ranks: tuple[float, tuple[RankBeat, ...], tuple[tuple[int, str], ...]] = (float("-inf"), (), ())
+        self._memory: tuple[float, MemoryTier, tuple[MemoryStep, ...]] = (float("-inf"), MemoryTier(), ())
+        self.remote = RemoteTier(self.run_dir)
 
     def _mtime_key(self, path: Path) -> Any:
         try:
@@ -164,6 +174,19 @@ class RunReader:
                            if (f := read_stack_frame(self.run_dir, b.rank, since=b.progress)) is not None)
             self._ranks = (now, beats, frames)
         return self._ranks[1]
+
+    def _read_tiers(self, now: float, config: dict[str, Any] | None,
+                    cands: tuple[Candidate, ...]) -> tuple[tuple[TierAge, ...], tuple[MemoryStep, ...]]:
+        """The newest checkpoint of each tier; the memory index is read at most once a second
+        (one small file per rank), the remote store listed at most every 30 s."""
+        if now - self._memory[0] >= 1.0 or now < self._memory[0]:
+            tier = read_memory_tier(self.run_dir)
+            self._memory = (now, tier, tuple(memory_steps(tier.ranks)))
+        _, tier, steps = self._memory
+        every = json_int(((config or {}).get("checkpoint") or {}).get("memory_every_steps"))
+        tiers = (memory_tier(tier, now, on=bool(every)), disk_tier(cands, now),
+                 self.remote.poll(now, config))
+        return tiers, steps
 
     def poll(self, *, now: float | None = None, force_checkpoints: bool = False) -> RunSnapshot:
         """Read what changed and return a snapshot (never raises for damaged files)."""
@@ -235,6 +258,7 @@ class RunReader:
         ev = (config or {}).get("eval") or {}
         metric = ev.get("metric") if isinstance(ev.get("metric"), str) else "val/acc"
         mode = ev.get("mode") if ev.get("mode") in ("max", "min") else "max"
+        tiers, memory = self._read_tiers(now, config, cands)
         lx, ly = m.loss.points()
         rx, ry = m.lr.points()
         return RunSnapshot(
@@ -249,5 +273,6 @@ class RunReader:
             nonfinite=nonfinite, candidate_ids=self._ids, ranks=ranks, lagging=tuple(b.rank for b in lagging),
             metrics_history=m.history_pending,
             stragglers=tuple(b.rank for b, _ in slow), frames=self._ranks[2],
+            tiers=tiers, memory=memory, recovery=recovery_text(st.recovery),
         )
 

@@ -12,6 +12,7 @@ from textual.widgets import ProgressBar, RichLog, Static
 from pimm_core.text import clean_text, plain_text
 from pimm_core.watch.fmt import human_duration
 from pimm_core.watch.snapshot import RunSnapshot
+from pimm_core.watch.tiers import tiers_line
 
 from ..fmt import fmt_num, fmt_rate, nonfinite
 from ..widgets import MetricPlot
@@ -70,6 +71,7 @@ class LiveView(Vertical):
             yield Static("", id="progress-text")
         yield Static("", id="stats")
         yield Static("", id="ranks")
+        yield Static("", id="tiers")
         with Horizontal(id="plots"):
             yield MetricPlot("loss (train) vs global step", "cyan", log_y=True, id="loss-plot")
             yield MetricPlot("learning rate vs global step", "magenta", id="lr-plot")
@@ -131,6 +133,10 @@ class LiveView(Vertical):
         line = ranks_text(snap)
         ranks.display = bool(line)  # (a one-rank run has no ranks line)
         ranks.update(clean_text(line))
+        tiers = Text(tiers_line(snap.tiers) if snap.tiers else "")
+        if snap.recovery:
+            tiers.append(f"\n{snap.recovery}", style="bold yellow")
+        self.query_one("#tiers", Static).update(clean_text(tiers))  # (a store's error is user text)
 
         if snap.metrics_version != self._metrics_version:
             self._metrics_version = snap.metrics_version
