@@ -7,6 +7,7 @@ third of the bytes are parameters, two thirds optimizer state (fp32 everywhere).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -134,3 +136,27 @@ def median(xs: list[float]) -> float:
 
 def r(x: float, nd: int = 4) -> float:
     return round(x, nd)
+
+
+@contextlib.contextmanager
+def time_calls(targets: dict[str, tuple[Any, str]], totals: dict[str, float]):
+    """Inside ``with``: every call of ``owner.name`` (``targets[label] = (owner, name)``) adds its seconds
+    to ``totals[label]``; the originals are put back on exit."""
+    undo = []
+    for label, (owner, name) in targets.items():
+        fn = getattr(owner, name)
+
+        def timed(*a, __fn=fn, __label=label, **k):
+            t0 = time.perf_counter()
+            try:
+                return __fn(*a, **k)
+            finally:
+                totals[__label] = totals.get(__label, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, name, timed)
+        undo.append((owner, name, fn))
+    try:
+        yield
+    finally:
+        for owner, name, fn in reversed(undo):
+            setattr(owner, name, fn)

@@ -61,7 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (MiB, build_model, load_average, machine, median, one_adamw_step, r, remove,  # noqa: E402
+from _common import (MiB, time_calls, build_model, load_average, machine, median, one_adamw_step, r, remove,  # noqa: E402
                      settle, state_bytes, tree_bytes)
 from pimm_core.checkpoint.formats.standard import load_standard, save_standard
 from pimm_core.fsio import fsync_tree, release_cached_pages
@@ -103,34 +103,19 @@ PARTS = {"state_dict": ("pimm_core.checkpoint.formats.standard", "dcp_state"),
          "set_up": ("pimm_core.checkpoint.publish.rotation", "prepare")}
 
 
-@contextlib.contextmanager
 def parts_timer(parts: dict[str, float]):
+    """Time the parts of a save (:data:`PARTS`) that this version of pimm has."""
     import importlib
 
-    undo = []
+    targets = {}
     for label, (mod_name, attr) in PARTS.items():
         owner = importlib.import_module(mod_name)
         *outer, name = attr.split(".")
         for o in outer:
             owner = getattr(owner, o)
-        if not hasattr(owner, name):
-            continue  # (a part this version of pimm does not have)
-        fn = getattr(owner, name)
-
-        def timed(*a, __fn=fn, __label=label, **k):
-            t0 = time.perf_counter()
-            try:
-                return __fn(*a, **k)
-            finally:
-                parts[__label] = parts.get(__label, 0.0) + time.perf_counter() - t0
-
-        setattr(owner, name, timed)
-        undo.append((owner, name, fn))
-    try:
-        yield
-    finally:
-        for owner, name, fn in reversed(undo):
-            setattr(owner, name, fn)
+        if hasattr(owner, name):  # (a part this version of pimm does not have is left out)
+            targets[label] = (owner, name)
+    return time_calls(targets, parts)
 
 
 class Pimm:

@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import GiB, build_state, load_average, machine, median, r, remove, settle, state_bytes, tree_bytes  # noqa: E402
+from _common import GiB, build_state, time_calls, load_average, machine, median, r, remove, settle, state_bytes, tree_bytes  # noqa: E402
 from pimm_core.checkpoint.publish import rotation as publish
 from pimm_core.checkpoint.formats import standard  # noqa: E402
 from pimm_core.fsio import release_cached_pages  # noqa: E402
@@ -63,31 +63,12 @@ from pimm_core.process.dist import DistInfo  # noqa: E402
 CHUNK = 64 << 20
 
 
-@contextlib.contextmanager
 def phase_timer(phases: dict[str, float]):
     """Time the phases of ``save_standard`` by wrapping the functions it calls (restored on exit)."""
     import torch.distributed.checkpoint as dcp
 
-    wrapped = {"dcp": (dcp, "save"), "weights": (publish, "save_torch_file"), "fsync_tree": (publish, "fsync_tree"),
-               "manifest_sha256": (publish, "describe_files"), "rotate": (publish, "rotate_into_place")}
-    originals = {}
-    for label, (mod, name) in wrapped.items():
-        fn = getattr(mod, name)
-        originals[label] = fn
-
-        def timed(*a, __fn=fn, __label=label, **k):
-            t0 = time.perf_counter()
-            try:
-                return __fn(*a, **k)
-            finally:
-                phases[__label] = phases.get(__label, 0.0) + time.perf_counter() - t0
-
-        setattr(mod, name, timed)
-    try:
-        yield
-    finally:
-        for label, (mod, name) in wrapped.items():
-            setattr(mod, name, originals[label])
+    return time_calls({"dcp": (dcp, "save"), "weights": (publish, "save_torch_file"), "fsync_tree": (publish, "fsync_tree"),
+                       "manifest_sha256": (publish, "describe_files"), "rotate": (publish, "rotate_into_place")}, phases)
 
 
 def save_pimm(model_dir: Path, model, opt, phases: dict[str, float] | None = None) -> float:

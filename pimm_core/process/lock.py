@@ -53,6 +53,7 @@ from filelock import FileLock, Timeout
 from ..errors import UsageError
 from ..fsio import atomic_write_bytes
 from ..run import now_iso, read_json, read_run_status
+from ..run.pids import pid_alive as _alive
 from ..run.entries import HOLDER, LOCK, RANKS, check_entry, check_run_entries, writable_error
 from .shell import command
 
@@ -298,27 +299,6 @@ def claimed_since(run_dir: Path) -> float | None:
         return datetime.fromisoformat(str(holder.get("since"))).timestamp() + 1.0
     except ValueError:
         return None
-
-
-def _alive(pid: int) -> bool:
-    """``pid`` exists and, where ``/proc`` tells, is not a zombie (dead, not yet reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except FileNotFoundError:
-        return not os.path.isdir("/proc/self") and _signalable(pid)
-    except (OSError, IndexError):
-        return _signalable(pid)
-
-
-def _signalable(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def _watch(parent: int) -> None:

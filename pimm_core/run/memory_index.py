@@ -17,13 +17,13 @@ the console) never raise on a missing or torn file: it reads as absent.
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .jsonfile import read_json, write_json
+from .pids import pid_alive
 from .values import finite_number, json_int
 
 #: The directory of the index files in a run directory.
@@ -115,17 +115,6 @@ class MemoryTier:
     step: int | None = None
     time: float | None = None
     live: bool = False
-
-
-def pid_alive(pid: int) -> bool:
-    """A process ``pid`` exists on this host (one of another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
 
 
 def index_path(run_dir: Path, rank: int) -> Path:

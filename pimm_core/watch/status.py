@@ -11,6 +11,7 @@ from typing import Any
 
 from ..process.stop import read_stop_file, stop_file
 from ..run.layout import METRICS
+from ..run.pids import pid_alive as alive
 from ..run.status import RunStatus, read_run_status
 
 #: States in which a trainer process should be alive.
@@ -33,16 +34,7 @@ def pid_alive(pid: Any) -> bool | None:
         pid = int(pid)
     except (TypeError, ValueError):
         return None
-    if pid <= 0:
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return None
+    return alive(pid) if pid > 0 else None
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             state = f.read().rsplit(b")", 1)[-1].split()[0]

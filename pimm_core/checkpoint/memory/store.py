@@ -31,7 +31,8 @@ from filelock import FileLock, Timeout
 
 from ...faults import point, register
 from ...fsio import remove_tree
-from ...run.memory_index import MemoryCopy, pid_alive
+from ...run.memory_index import MemoryCopy
+from ...run.pids import pid_alive
 
 #: Where the memory tier lives ($PIMM_SHM_ROOT overrides it: a node whose /dev/shm is small).
 SHM_ROOT_ENV = "PIMM_SHM_ROOT"
