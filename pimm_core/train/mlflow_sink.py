@@ -5,7 +5,8 @@ into the same MLflow run (set back to ``RUNNING``; ``FINISHED``, ``KILLED`` for 
 ``FAILED`` at the session's end). The run's config and provenance are its parameters
 (a parameter cannot change in MLflow: a resume adds only new keys). MLflow cannot delete a
 metric point, so a resumed run does not send again a step the tracked run already has: each
-step is in its history once (for those steps, the values the interrupted run logged; a
+step is in its history once (a step the interrupted run's background sender never delivered, even
+one before a step it did deliver, is sent) (for those steps, the values the interrupted run logged; a
 resume is exact, so they are the same but for the timing metrics). Metrics are sent in the
 background (MLflow's asynchronous logging) and flushed at the end.
 """
@@ -45,14 +46,16 @@ class MlflowSink:
         self.client = MlflowClient(tracking_uri=self.uri)
         self.id_file = Path(run_dir) / MLFLOW_ID
         saved = read_json(self.id_file) if resumed else None
-        self.sent: dict[str, int] = {}  # metric key -> last step the tracked run has
+        # metric key -> the steps the tracked run has (a set, not the last one: MLflow's asynchronous
+        # logging of a killed process can deliver step 10 and lose step 9)
+        self.sent: dict[str, set[int]] = {}
         self.was: str | None = None  # the tracked run's status before this session
         if saved and saved.get("run_id"):
             self.run_id = saved["run_id"]
             run = self.client.get_run(self.run_id)
             self.was = run.info.status
             for key in run.data.metrics:
-                self.sent[key] = max(m.step for m in self.client.get_metric_history(self.run_id, key))
+                self.sent[key] = {m.step for m in self.client.get_metric_history(self.run_id, key)}
             self.client.update_run(self.run_id, status="RUNNING")
             have = set(run.data.params)
         else:
@@ -79,7 +82,7 @@ class MlflowSink:
         stamp = int(time.time() * 1000)
         metrics = [Metric(f"{split}/{k}", float(v), stamp, step) for k, v in record.items()
                    if k not in _POSITION and isinstance(v, (int, float)) and not isinstance(v, bool)
-                   and step > self.sent.get(f"{split}/{k}", -1)]
+                   and step not in self.sent.get(f"{split}/{k}", ())]
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics, synchronous=False)
 

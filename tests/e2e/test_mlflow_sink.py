@@ -86,6 +86,31 @@ def test_a_resumed_run_continues_the_same_mlflow_run_with_each_step_once(tmp_pat
 
 
 
+@pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
+def test_a_step_the_killed_sender_never_delivered_is_sent_on_resume(tmp_path, mlflow_server):
+    """MLflow's asynchronous logging of a killed process can deliver step 10 and lose step 9: the resumed
+    session sends every step the tracked run lacks (not only those after its newest), each once."""
+    from mlflow.entities import Metric
+
+    from pimm_core.config import load_config
+    from pimm_core.train.mlflow_sink import MlflowSink
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    exp = client.create_experiment("gaps")
+    run_id = client.create_run(exp).info.run_id
+    client.log_batch(run_id, metrics=[Metric("train/loss", 1.0, 0, s) for s in (*range(1, 9), 10)])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "mlflow.json").write_text(f'{{"run_id": "{run_id}", "experiment_id": "{exp}"}}')
+    cfg = load_config(DIGITS, [f'log.mlflow.tracking_uri="{mlflow_server}"'])
+    sink = MlflowSink(cfg, run_dir, resumed=True, params={})
+    for step in range(6, 15):  # the resumed session replays from its checkpoint at step 5
+        sink.write({"split": "train", "step": step, "loss": 2.0})
+    sink.close("finished")
+    steps = sorted(m.step for m in client.get_metric_history(run_id, "train/loss"))
+    assert steps == list(range(1, 15)), steps
+
+
 def test_mlflow_without_its_package_is_one_error_line_before_any_rank(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "mlflow", None)  # as if not installed: importlib finds no spec
     for args in ((), ("--dry-run",)):
