@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, REPO, clean_env, describe, hang_s, launch, pimm, read_json
+from _helpers import DIGITS, REPO, clean_env, describe, hang_s, launch, pimm, pimm_here, read_json
 
 
 def _ls_json(root: Path, *args: str) -> dict:
@@ -63,10 +63,13 @@ def root(tmp_path_factory, trained_run):
     try:
         trained_run.copy_to(root)  # finished: digits/t
         env = {**clean_env(), "PIMM_FAILPOINT": "standard.weights_written=enospc"}
-        failed = launch(root, "failed", "train.epochs=1", env=env)
+        failed = launch(root, "failed", "train.max_steps=1", env=env)  # its first save (after step 1) fails
         assert failed.returncode == 1, describe(failed)
         for p in (live, killed):
             _wait_for(lambda: _training(root / "digits" / ("live" if p is live else "killed")), "a training step")
+            # paused (still alive, its lock held) once it trained a step: a live run need not burn a core
+            # while the tests read it (a 500-epoch run otherwise trains until `pimm stop`)
+            os.killpg(p.pid, signal.SIGSTOP)
         os.killpg(killed.pid, signal.SIGKILL)
         killed.wait()
         yield root, live
@@ -98,6 +101,7 @@ def test_runs_ls_names_every_state_and_what_a_resume_loads(root):
 
     stop = pimm("stop", root / "digits" / "live", timeout=60)
     assert stop.returncode == 0, describe(stop)
+    os.killpg(live.pid, signal.SIGCONT)  # (paused by the fixture) it reads the request at its next step
     live.wait(timeout=hang_s(240))
     assert _state(root, "live") == "stopped"
     row = {r["name"]: r for r in _ls_json(root / "digits")["runs"]}["live"]  # a group as the root
@@ -105,11 +109,12 @@ def test_runs_ls_names_every_state_and_what_a_resume_loads(root):
 
 
 def test_runs_ls_refusals_are_one_line(tmp_path):
-    r = pimm("runs", "ls", tmp_path / "nowhere", timeout=60)
+    # in this process (pimm_here): the console script's wiring is the other tests' (a process each)
+    r = pimm_here("runs", "ls", tmp_path / "nowhere")
     assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, describe(r)
-    r = pimm("runs", "ls", tmp_path, timeout=60)
+    r = pimm_here("runs", "ls", tmp_path)
     assert r.returncode == 1 and r.stderr == f"error: no run directories under {tmp_path}\n", describe(r)
-    r = pimm("runs", "ls", tmp_path, "--sort", "size", timeout=60)
+    r = pimm_here("runs", "ls", tmp_path, "--sort", "size")
     assert r.returncode == 2 and "--sort 'size' is not one of" in r.stderr, describe(r)
 
 
