@@ -60,7 +60,7 @@ def pimm(*args: str, timeout: float = 180, cwd: Path = REPO,
 
 
 def pimm_here(*args: str, cwd: Path = REPO, timeout: float | None = None, env: dict[str, str] | None = None,
-              fresh: str | None = None) -> subprocess.CompletedProcess[str]:
+              fresh: str | None = None, failpoint: str = "") -> subprocess.CompletedProcess[str]:
     """``pimm ARGS`` run in this process through ``pimm_core.cli.main``, captured like :func:`pimm`.
 
     For outcomes that do not depend on being a fresh process (refusals, dry runs, short
@@ -73,8 +73,16 @@ def pimm_here(*args: str, cwd: Path = REPO, timeout: float | None = None, env: d
     ``env``: variables set for the call only. ``fresh``: a user package (``"userpkg"``) the call imports anew, as a
     fresh process would, and that is forgotten after it; ``sys.path`` (where a launch puts the config's directory)
     is as before after the call.
+
+    ``failpoint``: ``PIMM_FAILPOINT`` for the call only (pimm_core.faults reads the variable once, at import, so
+    it is set there, with the hit counts from zero as in a fresh process). Only the actions that raise (``enospc``,
+    ``eio``): a kill, a signal or a pause needs a process of its own.
     """
+    from pimm_core import faults
     from pimm_core.cli import main
+
+    for spec in filter(None, failpoint.split(",")):
+        assert spec.rpartition("=")[2] in ("enospc", "eio"), f"{spec}: a fail point that raises, in this process"
 
     argv = [str(a) for a in args]
     logger = logging.getLogger("pimm")
@@ -93,12 +101,18 @@ def pimm_here(*args: str, cwd: Path = REPO, timeout: float | None = None, env: d
                 if fresh and (m == fresh or m.startswith(fresh + "."))}
 
     modules = forget()
+    spec, hits = faults._SPEC, dict(faults._hits)
     try:
+        faults._SPEC = failpoint
+        faults._hits.clear()
         os.environ.update(env or {})
         os.chdir(cwd)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(argv)
     finally:
+        faults._SPEC = spec
+        faults._hits.clear()
+        faults._hits.update(hits)
         os.chdir(here)
         sys.path[:] = path
         forget()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, REPO, clean_env, describe, hang_s, launch, pimm, pimm_here, read_json
+from _helpers import DIGITS, REPO, clean_env, describe, hang_s, pimm, pimm_here, read_json
 
 
 def _ls_json(root: Path, *args: str) -> dict:
@@ -62,8 +62,9 @@ def root(tmp_path_factory, trained_run):
     live, killed = _background(root, "live"), _background(root, "killed")
     try:
         trained_run.copy_to(root)  # finished: digits/t
-        env = {**clean_env(), "PIMM_FAILPOINT": "standard.weights_written=enospc"}
-        failed = launch(root, "failed", "train.max_steps=1", env=env)  # its first save (after step 1) fails
+        # in this process (the fail point raises): its first save, after step 1, fails
+        failed = pimm_here("launch", "--train.config", DIGITS, "--run.root", root, "--run.name", "failed",
+                           "--run.no-timestamp", "--", "train.max_steps=1", failpoint="standard.weights_written=enospc")
         assert failed.returncode == 1, describe(failed)
         for p in (live, killed):
             _wait_for(lambda: _training(root / "digits" / ("live" if p is live else "killed")), "a training step")

@@ -40,6 +40,11 @@ def _env(**kw: str) -> dict[str, str]:
     return {**clean_env(), **kw}
 
 
+def _launch_args(root: Path, name: str, *overrides: str) -> list[str]:
+    return ["launch", "--train.config", str(DIGITS), "--run.root", str(root), "--run.name", name, "--run.no-timestamp",
+            "--", *overrides]
+
+
 def _train_records(run: Path) -> list[dict]:
     return [r for r in read_jsonl(run / "metrics.jsonl") if r.get("split") == "train"]
 
@@ -128,7 +133,8 @@ def _one_warning(result) -> None:
 
 @pytest.mark.parametrize("spec", ["status.write@3=enospc", "status.write@3+=enospc"], ids=["once", "stays-full"])
 def test_a_full_disk_at_the_heartbeat_is_one_warning(tmp_path: Path, spec: str) -> None:
-    result = launch(tmp_path, "d", "train.epochs=2", env=_env(PIMM_FAILPOINT=spec))
+    # in this process (the fail point raises; the heartbeat's writer is the same code as in a subprocess)
+    result = pimm_here(*_launch_args(tmp_path, "d", "train.epochs=2"), failpoint=spec)
     _one_warning(result)
     run = tmp_path / "digits" / "d"
     status = read_json(run / "status.json")
@@ -143,7 +149,7 @@ def test_a_full_disk_at_the_heartbeat_is_one_warning(tmp_path: Path, spec: str) 
 
 
 def test_a_full_disk_at_startup_is_one_error_line(tmp_path: Path) -> None:
-    result = launch(tmp_path, "d", "train.epochs=1", env=_env(PIMM_FAILPOINT="atomic.written@1=enospc"))
+    result = pimm_here(*_launch_args(tmp_path, "d", "train.epochs=1"), failpoint="atomic.written@1=enospc")
     assert result.returncode == 1 and "Traceback" not in result.stderr, describe(result)
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: No space left on device writing "), lines
