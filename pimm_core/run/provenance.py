@@ -94,6 +94,8 @@ def _installed_distribution(top: str, file: Path) -> tuple[str, str] | None:
     install (its files live in their own work tree, whose git commit says more)."""
     from importlib import metadata
 
+    if not _may_be_installed(file):
+        return None  # (without reading every distribution's file list: ~0.4 CPU-s, 1-2 s on a cold disk)
     for dist_name in _packages_distributions().get(top, ()):
         try:
             dist = metadata.distribution(dist_name)
@@ -103,6 +105,27 @@ def _installed_distribution(top: str, file: Path) -> tuple[str, str] | None:
         if file.is_relative_to(root):
             return dist.metadata["Name"] or dist_name, dist.version
     return None
+
+
+def _may_be_installed(file: Path) -> bool:
+    """False when no installed distribution can hold ``file``: importlib.metadata finds distributions
+    only as ``*.dist-info``/``*.egg-info`` in the entries of ``sys.path``, and a distribution's files
+    lie under the entry that holds it, so one of ``file``'s ancestors on ``sys.path`` must hold such
+    metadata (or be a zip file, whose listing is not read here: True)."""
+    import sys
+
+    for entry in sys.path:
+        root = Path(entry or ".").resolve()
+        if not file.is_relative_to(root):
+            continue
+        try:
+            if any(name.endswith((".dist-info", ".egg-info")) for name in os.listdir(root)):
+                return True
+        except NotADirectoryError:
+            return True
+        except OSError:
+            continue
+    return False
 
 
 @functools.cache
