@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from _helpers import clean_env
+from _helpers import clean_env, pimm_here
 
 BUCKET = "pimm-test"
 
@@ -53,3 +54,25 @@ def start_s3() -> S3:
                            skip_instance_cache=True)
     fs.mkdir(BUCKET)
     return S3(server, endpoint, fs)
+
+
+def pimm_here_s3(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """:func:`_helpers.pimm_here` with ``env`` as the whole environment for the call, as a fresh process sees it:
+    fsspec's cached filesystems (whose endpoint, credentials and listings were read earlier) are dropped
+    before and after, and the temporary directory follows ``env["TMPDIR"]``."""
+    import tempfile
+
+    from s3fs import S3FileSystem
+
+    saved, saved_tmp = dict(os.environ), tempfile.tempdir
+    S3FileSystem.clear_instance_cache()  # (each fsspec class keeps its own instance cache)
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = env.get("TMPDIR")
+    try:
+        return pimm_here(*args)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        tempfile.tempdir = saved_tmp
+        S3FileSystem.clear_instance_cache()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from _helpers import DIGITS, REPO, hang_s, launch, read_json
-from _s3 import BUCKET, start_s3
+from _s3 import BUCKET, pimm_here_s3, start_s3
 
 # 2 epochs of digits (45 steps each): saves at the end of epoch 1 (step 45) and the final one (step 90),
 # iter_<step>.pth snapshots every 20 steps keeping the newest 2, the 2 best evaluations as best_<step>.pth
@@ -251,24 +251,13 @@ def wait_for(cond, what: str, timeout: float = 240) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_pimm_resume_downloads_the_newest_complete_remote_checkpoint_into_a_wiped_model_dir(tmp_path, s3):
-    r = launch(tmp_path, "r", "train.epochs=1", *remote(s3), env=s3.env())
-    assert r.returncode == 0, r.stderr
-    run_dir = tmp_path / "digits" / "r"
-    shutil.rmtree(run_dir / "model")
-    r2 = subprocess.run([sys.executable, "-m", "pimm_core.cli", "resume", str(run_dir), "--", "train.epochs=2"],
-                        cwd=REPO, env=s3.env(), capture_output=True, text=True, timeout=hang_s(300))
-    assert r2.returncode == 0, r2.stdout + r2.stderr
-    assert "step_45" in r2.stdout + r2.stderr
-    resumes = [e for e in read_json(run_dir / "provenance.json")["starts"] if e.get("kind") == "resume"]
-    assert len(resumes) == 1 and resumes[0]["step"] == 45 and resumes[0]["exact"], resumes
-    assert read_json(run_dir / "model" / "last" / "manifest.json")["step"] == 90
-
-
-def test_a_stale_local_last_does_not_hide_a_newer_remote_step_and_the_mirror_keeps_it(tmp_path, s3):
-    """A requeued job lands on a node whose model/ holds an earlier copy of the run (last at step 45)
-    while the remote holds step 90: the resume takes the newest (the remote's), every tool says so,
-    and the mirror never removes a remote step newer than the local one."""
+def test_a_wiped_then_a_stale_local_model_dir_resumes_from_the_newer_remote_step_and_the_mirror_keeps_it(
+        tmp_path, s3):
+    """``pimm resume RUN`` of a run whose model/ was wiped downloads the newest complete remote step
+    (step 45) and goes on from it exactly. Then a requeued job lands on a node whose model/ holds an
+    earlier copy of the run (last at step 45) while the remote holds step 90: the resume takes the newest
+    (the remote's), every tool says so, and the mirror never removes a remote step newer than the local one.
+    (One run for both: the stale copy is the model/ saved before the wipe.)"""
     from pimm_core.checkpoint.remote.upload import Uploader
 
     r = launch(tmp_path, "r", "train.epochs=1", *remote(s3), env=s3.env())
@@ -277,9 +266,14 @@ def test_a_stale_local_last_does_not_hide_a_newer_remote_step_and_the_mirror_kee
     model = run_dir / "model"
     older = tmp_path / "older"
     shutil.copytree(model, older, symlinks=True)  # the earlier copy on the other node's scratch disk
-    r2 = subprocess.run([sys.executable, "-m", "pimm_core.cli", "resume", str(run_dir), "--", "train.epochs=2"],
-                        cwd=REPO, env=s3.env(), capture_output=True, text=True, timeout=hang_s(300))
+    shutil.rmtree(model)  # a wiped scratch disk
+    # in this process (a plain one-rank resume; the download in a fresh process is the first test's auto-resume)
+    r2 = pimm_here_s3("resume", str(run_dir), "--", "train.epochs=2", env=s3.env())
     assert r2.returncode == 0, r2.stdout + r2.stderr
+    assert "step_45" in r2.stdout + r2.stderr
+    resumes = [e for e in read_json(run_dir / "provenance.json")["starts"] if e.get("kind") == "resume"]
+    assert len(resumes) == 1 and resumes[0]["step"] == 45 and resumes[0]["exact"], resumes
+    assert read_json(model / "last" / "manifest.json")["step"] == 90
     assert [n for n in s3.ls(run_model(s3)) if n.startswith("step_")] == ["step_90"]
 
     # the mirror of a model/ whose last is older than the remote's newest step keeps that step
@@ -296,9 +290,7 @@ def test_a_stale_local_last_does_not_hide_a_newer_remote_step_and_the_mirror_kee
     shutil.copytree(older, model, symlinks=True)
     why = "the remote holds step 90, newer than model/last at step 45"
     # the dry run and `pimm checkpoints ls` (torch-free) say the choice the resume makes
-    dry = subprocess.run([sys.executable, "-m", "pimm_core.cli", "resume", str(run_dir), "--dry-run", "--",
-                          "train.epochs=3"], cwd=REPO, env=s3.env(), capture_output=True, text=True,
-                         timeout=hang_s(300))
+    dry = pimm_here_s3("resume", str(run_dir), "--dry-run", "--", "train.epochs=3", env=s3.env())
     assert dry.returncode == 0, dry.stdout + dry.stderr
     assert why in dry.stdout, dry.stdout
     code = ("import sys; from pimm_core.cli import main; "

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -16,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import DIGITS, REPO, launch, pimm_here, read_json
-from _s3 import BUCKET, start_s3
+from _helpers import DIGITS, REPO, launch, read_json
+from _s3 import BUCKET, pimm_here_s3, start_s3
 
 SRC = "src"  # the shared run, uploaded to the remote: last at step 45, iter_20/iter_40, model_best.pth
 RUN = ("train.epochs=1", "checkpoint.every_steps=20", "checkpoint.keep_iter=2")
@@ -63,29 +62,7 @@ def pimm(*args: str, env: dict[str, str], here: bool = True, timeout: float = 30
     if not here:
         return subprocess.run([sys.executable, "-m", "pimm_core.cli", *args], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=timeout)
-    return _in_process(args, env)
-
-
-def _in_process(args: tuple[str, ...], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """pimm_here with ``env`` as the whole environment for the call, as a fresh process sees it:
-    fsspec's cached filesystems (whose endpoint, credentials and listings were read earlier) are
-    dropped before and after, and the temporary directory follows ``env["TMPDIR"]``."""
-    import tempfile
-
-    from s3fs import S3FileSystem
-
-    saved, saved_tmp = dict(os.environ), tempfile.tempdir
-    S3FileSystem.clear_instance_cache()  # (each fsspec class keeps its own instance cache)
-    os.environ.clear()
-    os.environ.update(env)
-    tempfile.tempdir = env.get("TMPDIR")
-    try:
-        return pimm_here(*args)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        tempfile.tempdir = saved_tmp
-        S3FileSystem.clear_instance_cache()
+    return pimm_here_s3(*args, env=env)
 
 
 def warm_launch(root: Path, name: str, weight: str, env: dict[str, str], *extra: str, here: bool = True):
