@@ -1,6 +1,7 @@
 """provenance.user_code: a user module outside every installed distribution is versioned by its git
 tree without reading every distribution's file list (importlib.metadata.packages_distributions:
-~0.4 CPU-s per rank of every run with user code); one where a distribution may hold it still is."""
+~0.4 CPU-s and 1-2 s of rank 0 at every start of a run with user code); one where a distribution may
+hold it still is."""
 
 from __future__ import annotations
 
