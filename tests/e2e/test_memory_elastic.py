@@ -48,15 +48,21 @@ def _free_port() -> int:
 
 # Started before node A's agent, so that its process id is the lower one (torch's c10d rendezvous numbers the
 # nodes by their agents' (host, pid)), it waits for node A to host the rendezvous, then becomes the agent.
-_AFTER_A = "import os, socket, sys, time\n" \
-    "while socket.socket().connect_ex(('127.0.0.1', int(sys.argv[1]))): time.sleep(0.05)\n" \
-    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
+_AFTER_A = """
+import os, socket, sys, time
+while True:
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", int(sys.argv[1]))) == 0:
+            break
+    time.sleep(0.05)
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+"""
 
 
 def _agent(root: Path, node: str, port: int, env: dict[str, str], *, after_a: bool = False) -> subprocess.Popen:
     """One node's ``pimm launch`` in its own process session (a node's processes die together)."""
-    args = [sys.executable, *(("-c", _AFTER_A, str(port)) if after_a else ()), "-m", "pimm_core.cli", "launch", "--train.config", str(DIGITS), "--run.root", str(root),
-            "--run.name", NAME, "--run.no-timestamp", "--nnodes", "1:2", "--nproc-per-node", "1",
+    args = [sys.executable, *(("-c", _AFTER_A, str(port)) if after_a else ()), "-m", "pimm_core.cli", "launch",
+            "--train.config", str(DIGITS), "--run.root", str(root), "--run.name", NAME, "--run.no-timestamp", "--nnodes", "1:2", "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1",
             "--", *OVERRIDES]
     (root / f"shm{node}").mkdir()
