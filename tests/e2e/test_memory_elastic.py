@@ -62,9 +62,9 @@ os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
 def _agent(root: Path, node: str, port: int, env: dict[str, str], *, after_a: bool = False) -> subprocess.Popen:
     """One node's ``pimm launch`` in its own process session (a node's processes die together)."""
     args = [sys.executable, *(("-c", _AFTER_A, str(port)) if after_a else ()), "-m", "pimm_core.cli", "launch",
-            "--train.config", str(DIGITS), "--run.root", str(root), "--run.name", NAME, "--run.no-timestamp", "--nnodes", "1:2", "--nproc-per-node", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1",
-            "--", *OVERRIDES]
+            "--train.config", str(DIGITS), "--run.root", str(root), "--run.name", NAME, "--run.no-timestamp",
+            "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1", "--", *OVERRIDES]
     (root / f"shm{node}").mkdir()
     out = open(root / f"node{node}.out", "w")
     return subprocess.Popen(args, cwd=REPO, env={**clean_env(), "PIMM_SHM_ROOT": str(root / f"shm{node}"), **env},
