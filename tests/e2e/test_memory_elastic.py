@@ -13,7 +13,7 @@ alone (world size 2 -> 1), and it recovers step 6 from node A's shared memory: t
 state it held as rank 0's buddy, read back there, checked, and applied with the global data order's
 resume policy. It trains to the end. Against an uninterrupted one-rank run of the same global batch (in
 this process): the weights within 1e-5. On the old code the restart found no memory step at the new
-world size and, with no disk checkpoint, trained from step 0 (the test fails on the recovery's tier).
+world size and, with no disk checkpoint, trained from step 0 (the test fails: no recovery in status.json).
 """
 
 from __future__ import annotations
