@@ -6,8 +6,8 @@ buddy's (:mod:`pimm_core.checkpoint.memory`). After each copy it holds is comple
 checksummed) the rank replaces its index file atomically::
 
     {"rank": r, "host": "<hostname>", "pid": <pid>, "shm": "<its shm dir>",
-     "own": {"step": S, "epoch": E, "time": <unix s>, "bytes": B, "sha256": "<hex>"} | null,
-     "buddy": {"rank": b, "step": S, "time": <unix s>, "bytes": B, "sha256": "<hex>"} | null}
+     "own": {"step": S, "epoch": E, "time": <unix s>, "bytes": B, "sha256": "<hex>", "world": W} | null,
+     "buddy": {"rank": b, "step": S, "time": <unix s>, "bytes": B, "sha256": "<hex>", "world": W} | null}
 
 ``buddy`` is the copy of rank ``b``'s state this rank holds. :func:`read_memory_tier` joins the
 files into :class:`MemoryTier`: the newest step every rank can reach (its own copy, or the one
@@ -41,6 +41,9 @@ class MemoryCopy:
         time: when it became complete (UNIX seconds).
         bytes: its size in bytes.
         sha256: the hex sha256 of its bytes (checked before it is loaded).
+        world: the world size of the ranks that took it (None: not recorded, a copy written before
+            the field existed; read as the current world size). A restart at another world size
+            tells the previous world's copies by it.
     """
 
     rank: int
@@ -49,10 +52,12 @@ class MemoryCopy:
     bytes: int
     sha256: str
     epoch: int | None = None
+    world: int | None = None
 
     def to_json(self, *, own: bool) -> dict[str, Any]:
         head = {"step": self.step, "epoch": self.epoch} if own else {"rank": self.rank, "step": self.step}
-        return {**head, "time": self.time, "bytes": self.bytes, "sha256": self.sha256}
+        tail = {"world": self.world} if self.world is not None else {}
+        return {**head, "time": self.time, "bytes": self.bytes, "sha256": self.sha256, **tail}
 
     @classmethod
     def from_json(cls, data: Any, rank: int | None) -> MemoryCopy | None:
@@ -64,7 +69,9 @@ class MemoryCopy:
         when, sha = finite_number(data.get("time")), data.get("sha256")
         if owner is None or step is None or size is None or when is None or not isinstance(sha, str):
             return None
-        return cls(rank=owner, step=step, time=float(when), bytes=size, sha256=sha, epoch=json_int(data.get("epoch")))
+        world = json_int(data.get("world"))
+        return cls(rank=owner, step=step, time=float(when), bytes=size, sha256=sha, epoch=json_int(data.get("epoch")),
+                   world=world if world is not None and world >= 1 else None)
 
 
 @dataclass(frozen=True)
@@ -144,6 +151,20 @@ def remove_rank_index(run_dir: Path, rank: int) -> None:
         pass
 
 
+def remove_rank_indexes_from(run_dir: Path, first: int) -> list[int]:
+    """Remove the index files of ranks ``first`` and above (ranks of a larger world that a restart at
+    ``first`` ranks left behind); the ranks removed. Never raises."""
+    removed = []
+    for rank in sorted(read_rank_indexes(run_dir)):
+        if rank >= first:
+            try:
+                index_path(run_dir, rank).unlink(missing_ok=True)
+                removed.append(rank)
+            except OSError:
+                pass
+    return removed
+
+
 def read_rank_indexes(run_dir: Path) -> dict[int, RankMemory]:
     """Every readable ``memory/<rank>.json`` of the run, by rank (never raises)."""
     out: dict[int, RankMemory] = {}
@@ -160,12 +181,13 @@ def read_rank_indexes(run_dir: Path) -> dict[int, RankMemory]:
 
 
 def common_step(ranks: dict[int, RankMemory], world_size: int | None = None) -> tuple[int | None, float | None]:
-    """The newest step every rank ``0..world_size-1`` (default: up to the highest rank named) can
-    reach, its own copy or a buddy's, and when its newest copy became complete."""
+    """The newest step every rank ``0..world_size-1`` (default: the world size the copies record, else
+    up to the highest rank named) can reach, its own copy or a buddy's, and when its newest copy became complete."""
     if not ranks:
         return None, None
     named = set(ranks) | {r.buddy.rank for r in ranks.values() if r.buddy}
-    world = world_size if world_size is not None else max(named) + 1
+    recorded = [c.world for r in ranks.values() for c in (r.own, r.buddy) if c is not None and c.world]
+    world = world_size if world_size is not None else max(recorded) if recorded else max(named) + 1
     reach: dict[int, dict[int, float]] = {r: {} for r in range(world)}
     for record in ranks.values():
         for copy in (record.own, record.buddy):

@@ -55,7 +55,8 @@ class RunStatus:
         memory_step: with ``checkpoint.memory_every_steps``: the newest step every rank can reach in
             the memory tier (:mod:`pimm_core.run.memory_index`); written only when set.
         recovery: where the latest restart of the ranks (``pimm launch --max-restarts``) took its
-            state from: ``{"tier": "memory"|"disk"|"remote", "step": S, "restart": K}``; written only when set.
+            state from: ``{"tier": "memory"|"disk"|"remote", "step": S, "restart": K, "saved_world_size": W0,
+            "world_size": W}`` (the world sizes before and after the restart); written only when set.
         extra: keys this version does not know, kept so a record reads back unchanged.
         problem: why the file could not be used (never written to the file).
     """

@@ -171,7 +171,7 @@ class MemorySnapshots:
         del staged
         data = buf.getbuffer()
         try:
-            self.own = self.store.write(self.rank, step, data, epoch=epoch)
+            self.own = self.store.write(self.rank, step, data, epoch=epoch, world=self.world)
         except OSError as e:
             ok = self._failed(f"writing the memory copy of step {step} failed: {e}")
         self._publish()
@@ -179,7 +179,7 @@ class MemorySnapshots:
             if self.buddy is not None:
                 received = exchange.swap(self.group, data, self.buddy, self.holds)
                 try:
-                    self.held = self.store.write(self.holds, step, received)
+                    self.held = self.store.write(self.holds, step, received, world=self.world)
                 except OSError as e:
                     ok = self._failed(f"writing rank {self.holds}'s memory copy of step {step} failed: {e}")
                 self._publish()
@@ -193,7 +193,7 @@ class MemorySnapshots:
             del data
             buf.close()
         if ok:
-            self.store.keep_only(step)
+            self.store.keep_only(step, world=self.world)  # (and a larger world's, once replaced)
             self.complete_step = step
             self.status["memory_step"] = step
         self.rounds.append(time.perf_counter() - started)

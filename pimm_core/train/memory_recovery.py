@@ -1,13 +1,23 @@
 """Recovery after torchrun restarted the ranks (``pimm launch --max-restarts K``): from the memory tier
-when every rank can reach one step there, else from the disk ``last`` (the resume path), said in one line.
+when every rank of the world that took a step can be reached there, else from the disk ``last`` (the
+resume path), said in one line.
 
-The new ranks gather what each holds in its shared-memory directory (its own copies and the copies of
-the rank it is buddy to), agree on the newest step every rank can reach (one all-gather), and each
-rank whose own copy of that step is missing (its node lost it) receives it from the rank holding it.
-Every copy's sha256 is checked before it is loaded; one failed check or load on any rank (an
-all-reduce) sends every rank to the disk tier. The state is applied as a resume applies a disk
-checkpoint (:func:`~.resume.apply_loaded`: the same world size restores cursor and RNG, so the run
-continues on the trajectory it was on). A restart at another world size falls back to disk.
+The new ranks gather what each node holds in its shared-memory directories (each rank lists every rank
+directory of the run on its node: its own, its node's other ranks', and those of ranks a restart no
+longer runs), and agree on the newest step at which every rank of the world that took it (the copies
+record their world size) can be reached: its own copy or its buddy's. What each new rank loads:
+
+- **the same world size**: rank ``r`` loads rank ``r``'s copy (its RNG and loader cursor with it: the
+  run continues bitwise, :func:`~.resume.apply_loaded`'s ``same`` row);
+- **another world size** (a node lost for good under ``--nnodes MIN:MAX``, or one that joined): every
+  rank loads old rank 0's copy. The model and optimizer state is replicated under DDP (FSDP and tensor
+  parallel are refused with the memory tier), and ``meta`` is rank 0's as a disk checkpoint's is; the
+  per-rank RNG and cursor follow the resume policy at another world size, as the disk ``last``'s do
+  (``global_order``: the samples consumed from the counters; ``world_size``: the epoch replays).
+
+A rank that holds the copy it needs on its node reads it there; the others receive it from the lowest
+rank holding it (over the side gloo group). Every copy's sha256 is checked before it is loaded; one
+failed check or load on any rank (an all-gather) sends every rank to the disk tier, nothing applied.
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ from __future__ import annotations
 import io
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -24,6 +34,7 @@ from ..checkpoint.memory import exchange
 from ..checkpoint.tensors.state import unpack, unwrap
 from ..faults import point, register
 from ..process import dist
+from ..run.memory_index import remove_rank_indexes_from
 from .memory import MemorySnapshots, restart_count
 from .resume import apply_loaded
 
@@ -38,45 +49,101 @@ class NoCommonStep(Exception):
     """The memory tier cannot be used for this restart (the message says why, in one clause)."""
 
 
+class Source(NamedTuple):
+    """Where a new rank finds the copy it loads: the new rank reading it (``holder``), the old rank whose
+    directory holds it (``kept_by``: the owner itself, else its buddy) and its sha256."""
+
+    holder: int
+    kept_by: int
+    sha256: str
+
+
+class Plan(NamedTuple):
+    """The copies of one step every new rank loads (the same on every rank)."""
+
+    step: int
+    saved_world: int  # the world size that took the step
+    needs: dict[int, int]  # new rank -> the old rank whose copy it loads
+    sources: dict[int, Source]  # old rank -> where its copy is read
+    local: dict[int, set[int]]  # old rank -> the new ranks holding its copy on their node
+
+
+def plan_recovery(everyone: list[list[tuple[int, int, int, str, int]]], world: int) -> Plan:
+    """The newest step every rank of the world that took it can be reached at, and who reads what.
+
+    Args:
+        everyone: per new rank, the complete copies on its node as ``(saved_world, owner, step, sha256,
+            kept_by)`` (``kept_by``: the rank directory holding it).
+        world: the new world size.
+
+    Raises:
+        NoCommonStep: no such step (the message names the ranks without a copy).
+    """
+    reach: dict[tuple[int, int], dict[int, dict[int, tuple[int, str]]]] = {}  # (world, step) -> owner -> holder
+    for holder, copies in enumerate(everyone):
+        for saved_world, owner, step, sha, kept_by in copies:
+            if 0 <= owner < saved_world:
+                reach.setdefault((saved_world, step), {}).setdefault(owner, {})[holder] = (kept_by, sha)
+    whole = [key for key, owners in reach.items() if len(owners) == key[0]]
+    if not whole:
+        newest = max(reach, key=lambda k: (k[1], len(reach[k])), default=None)
+        lost = [r for r in range(newest[0]) if r not in reach[newest]] if newest else []
+        why = f"rank {', '.join(map(str, lost))} has no copy" if lost else "no copy on any node"
+        if newest and newest[0] != world:
+            why += f" of step {newest[1]} at the previous world size {newest[0]}"
+        raise NoCommonStep(f"no step every rank can reach in memory ({why})")
+    saved_world, step = max(whole, key=lambda k: (k[1], k[0] == world))
+    owners = reach[(saved_world, step)]
+    needs = {r: r for r in range(world)} if saved_world == world else {r: 0 for r in range(world)}
+    sources, local = {}, {}
+    for owner in sorted(set(needs.values())):
+        holders = owners[owner]
+        # read where it lies when the owner holds it (no transfer), else from the lowest holder
+        holder = owner if owner in holders and saved_world == world else min(holders)
+        kept_by, sha = holders[holder]
+        sources[owner] = Source(holder, kept_by, sha)
+        local[owner] = set(holders)
+    return Plan(step, saved_world, needs, sources, local)
+
+
 def recover_from_memory(tr: TrainerHost, mem: MemorySnapshots, checkpoint_dir: Path | None) -> dict[str, Any]:
     """Load the newest step every rank can reach in memory and apply it; the provenance entry.
 
     Raises:
-        NoCommonStep: no such step, a checksum or load failed on some rank, or the world size changed
-            (every rank raises it, before any state is applied).
+        NoCommonStep: no such step, or a checksum or load failed on some rank (every rank raises it,
+            before any state is applied).
     """
     point("memory.recovering")
-    held = {(h.copy.rank, h.copy.step): h for h in mem.store.held()}
-    mine = sorted((owner, step, h.copy.sha256) for (owner, step), h in held.items())
-    everyone = dist.all_gather_object(mine)
-    reach: dict[int, dict[int, tuple[int, str]]] = {r: {} for r in range(mem.world)}  # owner -> step -> (holder, sha)
-    for holder, copies in enumerate(everyone):
-        for owner, step, sha in copies:
-            if owner in reach and (step not in reach[owner] or holder == owner):
-                reach[owner][step] = (holder, sha)
-    common = set.intersection(*(set(steps) for steps in reach.values()))
-    if not common:
-        lost = sorted(r for r, steps in reach.items() if not steps)
-        why = f"rank {', '.join(map(str, lost))} has no copy" if lost else "the ranks hold different steps"
-        raise NoCommonStep(f"no step every rank can reach in memory ({why})")
-    step = max(common)
-    sources = {owner: reach[owner][step] for owner in range(mem.world)}
-    data, problem = None, None
-    for owner, (holder, sha) in sorted(sources.items()):  # every rank walks the same plan
-        if holder == owner == mem.rank:
-            data, problem = _read(mem, held.get((owner, step)))
-        elif holder != owner and mem.rank == holder:
-            got, why = _read(mem, held.get((owner, step)))
-            exchange.send_bytes(mem.group, got if got is not None else b"", owner)
-        elif holder != owner and mem.rank == owner:
-            data = exchange.recv_bytes(mem.group, holder)
-            problem = None if data else f"rank {holder} could not read its copy of rank {owner}"
-            if data and _sha(data) != sha:
-                problem = f"the copy of rank {owner} at step {step} from rank {holder} failed its sha256 check"
+    held: dict[tuple[int, int, int], tuple[int, Any]] = {}  # (world, owner, step) -> (kept_by, Held)
+    for kept_by, copies in mem.store.held_on_node().items():
+        for h in copies:
+            key = (h.copy.world or mem.world, h.copy.rank, h.copy.step)
+            if key not in held or kept_by == h.copy.rank:  # (the owner's own copy first)
+                held[key] = (kept_by, h)
+    mine = sorted((w, o, s, h.copy.sha256, kept_by) for (w, o, s), (kept_by, h) in held.items())
+    plan = plan_recovery(dist.all_gather_object(mine), mem.world)
+    step, saved_world = plan.step, plan.saved_world
+    want = plan.needs[mem.rank]
+    data, problem, cache = None, None, {}
+    for new_rank, owner in sorted(plan.needs.items()):  # every rank walks the same plan
+        src = plan.sources[owner]
+        if new_rank in plan.local[owner]:  # on its node: read there
+            if new_rank == mem.rank:
+                data, problem = _read(mem, held.get((saved_world, owner, step), (None, None))[1])
+        elif mem.rank == src.holder:
+            if owner not in cache:
+                cache[owner] = _read(mem, held.get((saved_world, owner, step), (None, None))[1])[0]
+            exchange.send_bytes(mem.group, cache[owner] if cache[owner] is not None else b"", new_rank)
+        elif mem.rank == new_rank:
+            data = exchange.recv_bytes(mem.group, src.holder)
+            problem = None if data else f"rank {src.holder} could not read its copy of rank {owner}"
+            if data and _sha(data) != src.sha256:
+                problem = f"the copy of rank {owner} at step {step} from rank {src.holder} failed its sha256 check"
+    cache.clear()
     parsed = None
     if problem is None:
         try:
-            parsed = _parse(bytes(data), mem.world)
+            parsed = _parse(bytes(data), saved_world, own_rank_state=want == mem.rank)
         except Exception as e:  # a copy that does not load: every rank goes to disk together, nothing applied
             problem = f"rank {mem.rank}'s copy of step {step} did not load ({type(e).__name__}: {e})"
     problems = [p for p in dist.all_gather_object(problem) if p]
@@ -86,14 +153,22 @@ def recover_from_memory(tr: TrainerHost, mem: MemorySnapshots, checkpoint_dir: P
     unwrap(tr.model).load_state_dict(obj["model"])
     tr.optimizer.load_state_dict(obj["optimizer"])
     entry = apply_loaded(tr, loaded, manifest, f"memory step {step}", "memory", checkpoint_dir)
-    from_buddies = [f"rank {o} from its buddy rank {h}" for o, (h, _) in sorted(sources.items()) if h != o]
+    from_buddy = {o: s.kept_by for o, s in plan.sources.items() if s.kept_by != o}
     restart = restart_count()
-    line = f"recovered from memory at step {step} (restart {restart}" + \
-        (f"; {', '.join(from_buddies)})" if from_buddies else "; every rank from its own copy)")
+    if saved_world == mem.world:
+        how = "; ".join(f"rank {o} from its buddy rank {b}" for o, b in sorted(from_buddy.items())) or \
+            "every rank from its own copy"
+    else:
+        kept = f"held by its buddy rank {from_buddy[0]}" if 0 in from_buddy else "its own"
+        how = f"world size {saved_world} -> {mem.world}: every rank from rank 0's copy ({kept})"
+    line = f"recovered from memory at step {step} (restart {restart}; {how})"
     if tr.info.is_main:
         log.info("%s", line)
+        if saved_world > mem.world:  # the index files of ranks this world no longer runs
+            remove_rank_indexes_from(tr.run_dir, mem.world)
     return {**entry, "kind": "recovery", "tier": "memory", "restart": restart, "checkpoint_step": step,
-            "from_buddy": {str(o): h for o, (h, _) in sources.items() if h != o}, "message": line}
+            "from_buddy": {str(o): b for o, b in from_buddy.items()}, "saved_world_size": saved_world,
+            "world_size": mem.world, "message": line}
 
 
 def _sha(data: Any) -> str:
@@ -111,8 +186,14 @@ def _read(mem: MemorySnapshots, held: Any) -> tuple[Any, str | None]:
         return None, str(e)
 
 
-def _parse(data: bytes, world: int) -> tuple[dict[str, Any], LoadedState, dict[str, Any]]:
+def _parse(data: bytes, world: int, *, own_rank_state: bool = True
+           ) -> tuple[dict[str, Any], LoadedState, dict[str, Any]]:
     """One snapshot read back (``weights_only``): its tensors, its trainer state and its manifest.
+
+    Args:
+        world: the world size its sidecar says took it.
+        own_rank_state: the copy is this rank's own (its RNG and cursor apply); else another rank's,
+            whose per-rank state is left out (as a disk checkpoint has no entry for a rank it did not have).
 
     Raises:
         ValueError: taken at another world size. pickle.UnpicklingError and others: not a snapshot.
@@ -120,9 +201,9 @@ def _parse(data: bytes, world: int) -> tuple[dict[str, Any], LoadedState, dict[s
     obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     meta, rank_state, manifest = unpack(obj["meta"]), unpack(obj["rank_state"]), unpack(obj["manifest"])
     if meta.get("world_size") != world:
-        raise ValueError(f"taken at world size {meta.get('world_size')}, this restart runs {world} ranks")
-    return obj, LoadedState(meta=meta, rank_state=rank_state, ema_state_dict=obj.get("ema"),
-                            saved_ranks=list(range(world)), skipped=[]), manifest
+        raise ValueError(f"taken at world size {meta.get('world_size')}, its sidecar says {world}")
+    return obj, LoadedState(meta=meta, rank_state=rank_state if own_rank_state else None,
+                            ema_state_dict=obj.get("ema"), saved_ranks=list(range(world)), skipped=[]), manifest
 
 
 def start_memory_and_resume(tr: Any, entry: dict[str, Any], resume_from: Path | None,
@@ -140,7 +221,9 @@ def start_memory_and_resume(tr: Any, entry: dict[str, Any], resume_from: Path | 
     if restart_count():
         entry = recover(tr, mem, resume_from, checkpoint_dir) or entry
         if entry.get("kind") == "recovery":
-            tr.recorder.status_extra["recovery"] = {k: entry[k] for k in ("tier", "step", "restart")}
+            topology = entry.get("topology") or {}
+            tr.recorder.status_extra["recovery"] = {k: entry[k] for k in ("tier", "step", "restart")} | {
+                "saved_world_size": topology.get("saved_world_size"), "world_size": tr.info.world_size}
         return entry
     return resume(tr, resume_from, checkpoint_dir) if resume_from is not None else entry
 

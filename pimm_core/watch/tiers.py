@@ -6,8 +6,8 @@
 - disk: ``model/last`` (its manifest's ``created`` time and step).
 - remote: the newest complete ``step_<N>/`` on ``checkpoint.remote`` (listed at most every
   :data:`REMOTE_EVERY_S`, off the event loop: a store may be slow).
-- recovery: ``status.json``'s ``recovery`` (``{"tier", "step", "restart"}``), written when
-  ``pimm launch --max-restarts K`` restarted the ranks.
+- recovery: ``status.json``'s ``recovery`` (``{"tier", "step", "restart", "saved_world_size",
+  "world_size"}``), written when ``pimm launch --max-restarts K`` restarted the ranks.
 """
 
 from __future__ import annotations
@@ -143,8 +143,11 @@ def recovery_text(recovery: Any) -> str | None:
     if not isinstance(recovery, dict) or not isinstance(recovery.get("tier"), str):
         return None
     step, restart = json_int(recovery.get("step")), json_int(recovery.get("restart"))
+    saved, world = json_int(recovery.get("saved_world_size")), json_int(recovery.get("world_size"))
     text = f"recovered from {recovery['tier']}" + (f" at step {step}" if step is not None else "")
-    return text + (f" (restart {restart})" if restart is not None else "")
+    notes = ([f"restart {restart}"] if restart is not None else []) + \
+        ([f"world size {saved} -> {world}"] if None not in (saved, world) and saved != world else [])
+    return text + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def created_time(created: Any) -> float | None:

@@ -97,8 +97,10 @@ class RankStore:
         self._lock.acquire(timeout=30)  # a killed predecessor's lock is free at once
         self.dir.mkdir(mode=0o700, exist_ok=True)
 
-    def write(self, owner: int, step: int, data: bytes | memoryview, *, epoch: int | None = None) -> MemoryCopy:
-        """Write a copy of rank ``owner``'s state at ``step``: the bytes, then the sidecar that makes it complete.
+    def write(self, owner: int, step: int, data: bytes | memoryview, *, epoch: int | None = None,
+              world: int | None = None) -> MemoryCopy:
+        """Write a copy of rank ``owner``'s state at ``step`` (taken by ``world`` ranks): the bytes, then the
+        sidecar that makes it complete.
 
         Raises:
             OSError: the write failed (out of shared memory: ENOSPC); the copy stays incomplete.
@@ -112,7 +114,8 @@ class RankStore:
             f.write(data)
             point("memory.copy_writing", target)  # (tests: a rank killed in the middle of a copy)
         os.replace(tmp, target)
-        copy = MemoryCopy(rank=owner, step=step, time=time.time(), bytes=len(data), sha256=digest, epoch=epoch)
+        copy = MemoryCopy(rank=owner, step=step, time=time.time(), bytes=len(data), sha256=digest, epoch=epoch,
+                          world=world)
         side = folder / f"rank_{owner}.json"
         side_tmp = folder / f".rank_{owner}.json.tmp"
         side_tmp.write_text(json.dumps(copy.to_json(own=True) | {"rank": owner}))
@@ -122,29 +125,17 @@ class RankStore:
 
     def held(self) -> list[Held]:
         """Every complete copy in this rank's directory (sidecar present, size as it says), oldest step first."""
-        out: list[Held] = []
+        return _held_in(self.dir)
+
+    def held_on_node(self) -> dict[int, list[Held]]:
+        """Every complete copy on this node, by the rank directory holding it: this rank's and those of the
+        run's other ranks on this node, of this world or of a previous one (a restart may number the ranks
+        of a node anew, or run fewer of them)."""
         try:
-            steps = sorted((int(m.group(1)), p) for p in self.dir.iterdir() if (m := _STEP_RE.match(p.name)))
+            dirs = sorted((int(p.name), p) for p in self.root.iterdir() if p.name.isdigit() and p.is_dir())
         except OSError:
-            return out
-        for step, folder in steps:
-            try:
-                names = sorted(folder.iterdir())
-            except OSError:
-                continue
-            for side in names:
-                m = _COPY_RE.match(side.name)
-                copy = MemoryCopy.from_json(_read(side), None) if m else None
-                data = folder / f"rank_{m.group(1)}.pt" if m else None
-                if copy is None or copy.step != step or copy.rank != int(m.group(1)):
-                    continue
-                try:
-                    if data.stat().st_size != copy.bytes:
-                        continue
-                except OSError:
-                    continue
-                out.append(Held(copy, data))
-        return out
+            return {}
+        return {rank: held for rank, path in dirs if (held := _held_in(path))}
 
     def read(self, held: Held) -> bytes:
         """The bytes of a copy, checked against its sha256.
@@ -157,15 +148,22 @@ class RankStore:
             raise ValueError(f"{held.path}: sha256 differs from the one written with it")
         return data
 
-    def keep_only(self, step: int) -> None:
-        """Remove the step directories other than ``step`` (a newer complete round replaced them)."""
+    def keep_only(self, step: int, *, world: int | None = None) -> None:
+        """Remove the step directories other than ``step`` (a newer complete round replaced them); with
+        ``world``, also the directories of ranks ``world`` and above that no process holds: a previous,
+        larger world's, which a restart with fewer ranks recovered from (no rank of this world owns them)."""
         try:
             folders = [p for p in self.dir.iterdir() if (m := _STEP_RE.match(p.name)) and int(m.group(1)) != step]
+            if world is not None:
+                folders += [p for p in self.root.iterdir() if p.name.isdigit() and int(p.name) >= world
+                            and _all_free(p.with_name(f"{p.name}.lock"))]
         except OSError:
             return
         for folder in folders:
             try:
                 remove_tree(folder)
+                if folder.parent == self.root:  # (a rank directory: its lock file goes with it)
+                    folder.with_name(f"{folder.name}.lock").unlink(missing_ok=True)
             except OSError:
                 pass
 
@@ -184,6 +182,33 @@ class RankStore:
                 self._lock.release(force=True)
 
 
+def _held_in(directory: Path) -> list[Held]:
+    """The complete copies in one rank directory, oldest step first."""
+    out: list[Held] = []
+    try:
+        steps = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_RE.match(p.name)))
+    except OSError:
+        return out
+    for step, folder in steps:
+        try:
+            names = sorted(folder.iterdir())
+        except OSError:
+            continue
+        for side in names:
+            m = _COPY_RE.match(side.name)
+            copy = MemoryCopy.from_json(_read(side), None) if m else None
+            data = folder / f"rank_{m.group(1)}.pt" if m else None
+            if copy is None or copy.step != step or copy.rank != int(m.group(1)):
+                continue
+            try:
+                if data.stat().st_size != copy.bytes:
+                    continue
+            except OSError:
+                continue
+            out.append(Held(copy, data))
+    return out
+
+
 def _read(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text())
@@ -193,8 +218,11 @@ def _read(path: Path) -> dict | None:
 
 
 def _all_free(root: Path) -> bool:
-    """No rank of the run in ``root`` is alive on this node (each rank lock can be taken at once)."""
-    for path in root.glob("*.lock"):
+    """No rank of the run in ``root`` is alive on this node (each rank lock can be taken at once; ``root``
+    a lock file: that one)."""
+    for path in [root] if root.suffix == ".lock" else root.glob("*.lock"):
+        if not path.exists():
+            continue
         lock = FileLock(str(path), thread_local=False, fallback_to_soft=False)
         try:
             lock.acquire(blocking=False)
