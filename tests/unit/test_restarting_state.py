@@ -63,3 +63,4 @@ def test_restarting_whose_launcher_is_gone_is_stale(tmp_path):
     write_status(run, "restarting", step=5, agent_pid=os.getpid())
     assert summarize(run, tmp_path).state == "restarting"
     assert json.loads((run / "status.json").read_text())["agent_pid"] == os.getpid()
+
