@@ -36,7 +36,7 @@ from ..process.console_log import attach_console
 from ..process.dist import DistInfo
 from ..run import (CONFIG, METRICS, PROVENANCE, MetricsWriter, append_provenance, launch_record, log_handler,
                    now_iso, scheduler_record, supersede_after, write_status)
-from ..errors import PimmError, restarts_left
+from ..errors import PimmError, is_peer_loss, restarts_left
 from ..run.entries import MLFLOW_ID, TENSORBOARD_DIR, WANDB_FILES, WANDB_ID, check_run_entries
 from .rate import StepClock
 from .sinks import Sink, open_sinks
@@ -309,5 +309,7 @@ class ProgressDisplay:
 
 
 def _first_line(e: BaseException) -> str:
+    if is_peer_loss(e):  # (gloo's message names a source file and a socket: say what it means)
+        return "lost contact with another rank: its process is gone"
     text = str(e).strip().splitlines()
     return f"{e.__class__.__name__}: {text[0][:200]}" if text else e.__class__.__name__
