@@ -123,7 +123,15 @@ def run() -> None:
 
     from ..process.stop import caught_signals
 
-    code = main()
+    try:
+        code = main()
+    except Exception:
+        if not restarts_left():
+            raise
+        import traceback
+
+        traceback.print_exc()  # (what the interpreter would print), then the prompt exit below
+        code = 1
     for sig in caught_signals():
         signal.signal(sig, signal.SIG_IGN)
     if code and restarts_left():
