@@ -15,7 +15,9 @@ Four figures, each against a baseline measured in the same run (alternated, medi
   (``train.log_every_steps=1``), rank 1 ``kill -9``ed at a step after ``--kill-after`` steps;
   the time from the kill to the next optimizer step the restarted ranks complete (its train record
   in ``metrics.jsonl``), with the memory tier (``memory_every_steps = N``, disk ``last`` every M
-  steps) against disk only (``every_steps = M``, memory off); alternated.
+  steps) against disk only (``every_steps = M``, memory off); alternated. ``timeline_s``: when, after
+  the kill, the surviving rank 0 exited, the restarted ranks' processes started, ``status.json`` said
+  ``restarting`` (or ``failed``) and the recovery was recorded.
 - ``steps_lost``: per failure, the newest step logged before the kill minus the step the recovery
   resumed from (``status.json``'s ``recovery``), memory vs disk only (goal: <= N with the tier).
 - ``memory_per_rank``: the bytes under each rank's shared-memory directory (its own copy and the
@@ -135,6 +137,25 @@ def _records(metrics: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _children(pid: int) -> list[int]:
+    """The launcher's child processes (its ranks), from /proc (Linux)."""
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(x) for x in f.read().split()]
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 def _json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -177,18 +198,31 @@ def one_failure(root: Path, name: str, hidden: int, memory_every: int, disk_ever
             idx = _json(rd / "memory" / f"{rank}.json")
             if idx.get("shm") and idx.get("own"):
                 shm[rank] = {"shm_bytes": _du(Path(idx["shm"])), "state_bytes": idx["own"]["bytes"]}
+        old_ranks = set(_children(proc.pid))
         os.kill(pids[1], signal.SIGKILL)
         killed_at = time.time()
         before = [x for x in _records(rd / "metrics.jsonl") if x.get("time", 0) <= killed_at]
         killed_step = max(x["step"] for x in before)
         recovery = None
+        timeline: dict[str, float] = {}  # seconds after the kill (polled every 5 ms)
+
+        def mark(what: str) -> None:
+            timeline.setdefault(what, round(time.time() - killed_at, 3))
+
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise TimeoutError(f"{name}: the launch exited ({proc.returncode}) without a step after the restart")
+            if not _alive(pids[0]):
+                mark("survivor_exited")
+            if set(_children(proc.pid)) - old_ranks:
+                mark("new_ranks_started")
+            if _json(rd / "status.json").get("state") in ("restarting", "failed"):
+                mark(f"status_{_json(rd / 'status.json').get('state')}")
             recovery = _json(rd / "status.json").get("recovery")
             if isinstance(recovery, dict) and recovery.get("restart", 0) >= 1:
                 after = [x for x in _records(rd / "metrics.jsonl")
                          if x.get("time", 0) > killed_at and x["step"] == recovery["step"] + 1]
+                mark("recovered")
                 if after:
                     seen = time.time()
                     break
@@ -197,7 +231,7 @@ def one_failure(root: Path, name: str, hidden: int, memory_every: int, disk_ever
             raise TimeoutError(f"{name}: no step after the recovery")
         out.update(killed_step=killed_step, recovered_tier=recovery["tier"], recovered_step=recovery["step"],
                    steps_lost=killed_step - recovery["step"], recovery_s=round(seen - killed_at, 3),
-                   first_step_record_s=round(after[0]["time"] - killed_at, 3), shm=shm)
+                   first_step_record_s=round(after[0]["time"] - killed_at, 3), shm=shm, timeline_s=timeline)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)  # (a stop: the launcher removes the run's shared memory)

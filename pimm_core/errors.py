@@ -181,3 +181,17 @@ _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken p
 def is_peer_loss(e: BaseException) -> bool:
     """True for the error a collective raises in a rank whose peer process died (torch-free check)."""
     return isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_LOST)
+
+
+def restarts_left() -> int:
+    """How often torchrun's elastic agent will still restart this rank's group after a failure
+    (``pimm launch --max-restarts K``: ``TORCHELASTIC_MAX_RESTARTS - TORCHELASTIC_RESTART_COUNT``);
+    0 outside torchrun (torch-free).
+
+    A rank that fails while restarts are left is not the run's end: the agent stops the other ranks and
+    starts new ones, which recover (``docs/memory-tier.md``)."""
+    env = os.environ
+    try:
+        return max(0, int(env.get("TORCHELASTIC_MAX_RESTARTS") or 0) - int(env.get("TORCHELASTIC_RESTART_COUNT") or 0))
+    except ValueError:
+        return 0

@@ -26,6 +26,7 @@ except Exception:  # pragma: no cover - textual-plot is a declared dependency
 
 STATE_STYLE = {
     "starting": "bold cyan", "running": "bold green", "stopping": "bold yellow", "stopped": "bold blue",
+    "restarting": "bold yellow",
     "finished": "bold green", "failed": "bold red", "unknown": "bold magenta",
 }
 

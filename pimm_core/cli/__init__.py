@@ -24,7 +24,7 @@ import sys
 import typer
 import typer.core
 
-from ..errors import RANK_ERRORS_ENV, PimmError, is_peer_loss, report
+from ..errors import RANK_ERRORS_ENV, PimmError, is_peer_loss, report, restarts_left
 from ._common import ARGV
 
 # Plain (click) help: flags without a <bool> placeholder, choices as [a|b], pipe-friendly.
@@ -123,7 +123,22 @@ def run() -> None:
 
     from ..process.stop import caught_signals
 
-    code = main()
+    try:
+        code = main()
+    except Exception:
+        if not restarts_left():
+            raise
+        import traceback
+
+        traceback.print_exc()  # (what the interpreter would print), then the prompt exit below
+        code = 1
     for sig in caught_signals():
         signal.signal(sig, signal.SIG_IGN)
+    if code and restarts_left():
+        # a failed rank that torchrun's agent restarts (pimm launch --max-restarts): its state is in the
+        # memory tier and on disk, its report and status written; the interpreter's teardown (collecting
+        # the trainer's objects, joining gloo's threads) would only delay the new ranks' start
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)

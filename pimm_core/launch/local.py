@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from ..config import Config
-from ..errors import CheckpointError, TrainingError
+from ..errors import CheckpointError, TrainingError, restarts_left
 from ..faults import point
 from ..process.console_log import setup_logging
 from ..process.lock import follow_launcher, hold_run
@@ -102,14 +102,18 @@ def _train_and_report(cfg: Config, config_path: Path | None, run_dir: Path, sour
     from ..trainer import Trainer
 
     with lock:
-        trainer = None
+        trainer, ended = None, False
         try:
             trainer = Trainer(cfg, run_dir=run_dir, stop=stop, config_path=config_path, pick_threads=True)
             state = trainer.train(checkpoint_dir=run_dir / MODEL, resume_from=source)
             stopped_before_start = trainer.stopped_before_start
+            ended = True
         finally:
             del trainer
-            dist.shutdown()
+            # a failed rank that torchrun restarts exits at once (cli.run): tearing the groups down (a full
+            # garbage collection and a scan of every object, seconds on a busy node) only delays the restart
+            if ended or not restarts_left():
+                dist.shutdown()
     if info.is_main:
         best = f"{state.best_metric:.4f}" if state.best_metric is not None else "n/a"
         took = f"{time.perf_counter() - start:.1f} s"

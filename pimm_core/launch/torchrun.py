@@ -19,6 +19,7 @@ from ..process.lock import LauncherLock
 from ..process.shell import PROGRAM_ENV, program, resume_command
 from ..process.stop import SIGNALS_ENV, StopRequest, signals_from_env, stop_signals
 from ..run import LAUNCH_ENV, STATUS, read_run_status
+from ..run.status import mark_failed
 from ..run.ranks import describe_lag, lagging_ranks, read_rank_beats
 from ..process.stop import configured_signals
 from ..targets import child_env
@@ -27,6 +28,7 @@ from .forward import SignalForwarder
 from .options import LaunchOptions
 from .rendezvous import use_ordered_shutdown
 from .requeue import requeue_if_asked
+from .restarts import watch_restarts
 from .rundir import check_before_launch, claim, resolve_run_dir
 
 
@@ -118,7 +120,7 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
                 print(f"stopped ({stop.reason}) before the ranks started: nothing was trained or saved | run {run_dir}",
                       flush=True)
                 return 0
-            with forwarder or contextlib.nullcontext():
+            with forwarder or contextlib.nullcontext(), watch_restarts(run_dir):
                 return _run_ranks(run, args, run_dir, errors_dir, forwarder)
         finally:
             os.environ.pop(RANK_ERRORS_ENV, None)
@@ -151,6 +153,8 @@ def _run_ranks(run, args, run_dir: Path, errors_dir: str, forwarder: SignalForwa
         if forwarder is not None and forwarder.received is not None:
             return _interrupted(forwarder.received, run_dir)  # a rank died while stopping
         code, line = _failure_report(e.failures, rank_errors(errors_dir), run_dir)
+        with contextlib.suppress(OSError):  # (no restart is left: a run still `restarting` has failed)
+            mark_failed(run_dir, line.removeprefix("error: "))
         print(line, file=sys.stderr)
         return code
     return 0

@@ -23,8 +23,10 @@ from .jsonfile import write_json
 from .layout import STATUS
 from .values import finite_number, json_int
 
-#: What ``state`` may say, in the order a run goes through them.
-STATES = ("starting", "running", "stopping", "stopped", "finished", "failed")
+#: What ``state`` may say, in the order a run goes through them. ``restarting``: a rank failed and
+#: torchrun's agent (``pimm launch --max-restarts K``, restarts left) is starting the ranks again;
+#: ``agent_pid`` then names the agent's process (the launcher), which is what is alive meanwhile.
+STATES = ("starting", "running", "restarting", "stopping", "stopped", "finished", "failed")
 
 
 def now_iso() -> str:
@@ -162,3 +164,32 @@ def read_run_status(run_dir: Path) -> RunStatus:
     if not isinstance(data, dict):
         return RunStatus.unreadable("status.json is not a JSON object (damaged)")
     return RunStatus.from_json(data)
+
+
+def mark_restarting(run_dir: Path, agent_pid: int, why: str) -> None:
+    """Say in ``status.json`` that torchrun's agent (process ``agent_pid``) restarts the ranks, keeping the
+    rest of the record: what the launcher writes when a rank died before it could say so itself (rank 0
+    killed). A record already ``restarting`` or in an end state is left as it is.
+
+    Raises:
+        OSError: the write failed.
+    """
+    _rewrite(run_dir, ("starting", "running", "stopping"), "restarting", why, agent_pid=agent_pid)
+
+
+def mark_failed(run_dir: Path, why: str) -> None:
+    """``restarting`` -> ``failed``: the launch ended with no restart left before a new rank 0 said so.
+
+    Raises:
+        OSError: the write failed.
+    """
+    _rewrite(run_dir, ("restarting",), "failed", why)
+
+
+def _rewrite(run_dir: Path, states: tuple[str, ...], state: str, why: str, **extra: Any) -> None:
+    rec = read_run_status(run_dir)
+    if rec.state not in states:
+        return
+    drop = ("state", "host", "pid", "updated", "heartbeat", "agent_pid")
+    fields = {k: v for k, v in rec.to_json().items() if k not in drop}
+    write_status(run_dir, state, **{**fields, "error": rec.error or why, **extra})

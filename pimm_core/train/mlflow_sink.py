@@ -2,7 +2,8 @@
 
 The tracked run's id is kept in ``<run_dir>/mlflow.json``: a resumed or requeued run logs
 into the same MLflow run (set back to ``RUNNING``; ``FINISHED``, ``KILLED`` for a stop, or
-``FAILED`` at the session's end). The run's config and provenance are its parameters
+``FAILED`` at the session's end; a session that failed while torchrun restarts the ranks,
+``restarting``, leaves it ``RUNNING``: the restarted ranks continue it). The run's config and provenance are its parameters
 (a parameter cannot change in MLflow: a resume adds only new keys). MLflow cannot delete a
 metric point, so a resumed run does not send again a step the tracked run already has: each
 step is in its history once (a step the interrupted run's background sender never delivered, even
@@ -92,4 +93,6 @@ class MlflowSink:
         import mlflow
 
         mlflow.flush_async_logging()
+        if state == "restarting":
+            return  # the ranks are being restarted (pimm launch --max-restarts): the run goes on
         self.client.set_terminated(self.run_id, _STATUS.get(state or "", self.was or "KILLED"))

@@ -36,7 +36,7 @@ from ..process.console_log import attach_console
 from ..process.dist import DistInfo
 from ..run import (CONFIG, METRICS, PROVENANCE, MetricsWriter, append_provenance, launch_record, log_handler,
                    now_iso, scheduler_record, supersede_after, write_status)
-from ..errors import PimmError
+from ..errors import PimmError, is_peer_loss, restarts_left
 from ..run.entries import MLFLOW_ID, TENSORBOARD_DIR, WANDB_FILES, WANDB_ID, check_run_entries
 from .rate import StepClock
 from .sinks import Sink, open_sinks
@@ -172,8 +172,18 @@ class Recorder:
 
     def failed(self, e: BaseException) -> None:
         """The session failed with ``e``: ``status.json`` says so, and ``train.log`` ends with the line the
-        terminal shows (``error: ...``, printed there by the CLI; so written to the file alone)."""
-        self.status("failed", error=f"{e.__class__.__name__}: {e}")
+        terminal shows (``error: ...``, printed there by the CLI; so written to the file alone).
+
+        Under ``pimm launch --max-restarts K`` with restarts left the state is ``restarting``, not
+        ``failed``: torchrun's agent starts the ranks again and they recover (the sinks keep their run open);
+        ``failed`` only once no restart is left."""
+        left = restarts_left()
+        extra = {"agent_pid": os.getppid()} if left else {}  # (the agent lives on while the ranks restart)
+        self.status("restarting" if left else "failed", error=f"{e.__class__.__name__}: {e}", **extra)
+        if left and self.info.is_main:
+            log.warning("warning: this session of the ranks failed (%s); torchrun restarts them (%d restart%s "
+                        "left) and they recover from the newest checkpoint", _first_line(e), left,
+                        "" if left == 1 else "s")
         if self._log_handler is not None and isinstance(e, PimmError):
             self._log_handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, "error: %s", (e,), None))
 
@@ -296,3 +306,10 @@ class ProgressDisplay:
     def stop(self) -> None:
         if self.rich is not None:
             self.rich.stop()
+
+
+def _first_line(e: BaseException) -> str:
+    if is_peer_loss(e):  # (gloo's message names a source file and a socket: say what it means)
+        return "lost contact with another rank: its process is gone"
+    text = str(e).strip().splitlines()
+    return f"{e.__class__.__name__}: {text[0][:200]}" if text else e.__class__.__name__

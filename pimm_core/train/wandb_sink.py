@@ -127,7 +127,9 @@ class WandbSink:
 
     def close(self, state: str | None) -> None:
         """Finish the W&B run (flushes its files): exit code 0 for a finished or stopped session
-        (a stop is marked preempting: the run resumes later), 1 for a failed one."""
-        if state == "stopped":
+        (a stop is marked preempting: the run resumes later), 1 for a failed one; a session that failed
+        while torchrun restarts the ranks (``restarting``) is marked preempting with exit code 0: the
+        restarted ranks continue the W&B run."""
+        if state in ("stopped", "restarting"):
             self.run.mark_preempting()
         self.run.finish(exit_code=_EXIT.get(state or "", 0))

@@ -35,7 +35,7 @@ from .status import LIVE_STATES, read_status, stale_after_for
 #: :data:`INTERVAL_RECORDS` newest training records of a typical run).
 TAIL_BYTES = 8 << 10
 #: The display states, in the order ``--sort state`` uses.
-STATES = ("live", "stopping", "starting", "stale", "stopped", "failed", "finished", "unknown")
+STATES = ("live", "restarting", "stopping", "starting", "stale", "stopped", "failed", "finished", "unknown")
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ class RunRow:
         path: the run directory.
         name: ``path`` relative to the listed root (``group/run``).
         state: one of :data:`STATES`: ``live`` (training, fresh heartbeat), ``stopping`` (a stop
-            requested or in progress), ``starting``, ``stale`` (a live state whose process is gone
+            requested or in progress), ``restarting`` (a rank failed; torchrun's agent starts the ranks
+            again), ``starting``, ``stale`` (a live state whose process is gone
             or whose heartbeat is old), ``stopped``, ``failed``, ``finished``, ``unknown`` (no
             readable ``status.json``).
         step, total_steps, epoch, epochs: position (optimizer steps; the LR schedule's horizon).
@@ -120,7 +121,7 @@ def find_runs(root: Path) -> list[Path]:
 def _display_state(view) -> str:
     if view.state is None:
         return "unknown"
-    if view.state in ("starting", "running", "stopping") and not view.live:
+    if view.state in ("starting", "running", "restarting", "stopping") and not view.live:
         return "stale"
     if view.display_state == "running":
         return "live"

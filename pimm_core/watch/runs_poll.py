@@ -20,7 +20,7 @@ from .runs import RunRow, find_runs, summarize
 
 #: States whose row is read again on every poll: a live state turns stale with the clock alone
 #: (a stale, finished or unreadable run changes only when its files do).
-_MOVING = frozenset({"live", "starting", "stopping"})
+_MOVING = frozenset({"live", "restarting", "starting", "stopping"})
 
 
 def _stamp(run_dir: Path) -> tuple[tuple[int, int] | None, ...]:

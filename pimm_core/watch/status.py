@@ -111,6 +111,8 @@ def read_status(run_dir: Path, *, now: float | None = None, stale_after: float =
         view.stop_request = read_stop_file(run_dir) if os.path.exists(stop_file(run_dir)) else None
     except OSError:
         view.stop_request = None
+    if rec.state == "restarting":
+        return _restarting(view, rec)
     if rec.state not in LIVE_STATES:
         return view
     if rec.host is None or rec.host == socket.gethostname():
@@ -141,3 +143,16 @@ def liveness(run_dir: Path, *, now: float | None = None) -> StatusView:
     except OSError:
         pass
     return read_status(run_dir, now=now, stale_after=stale_after_for(metrics.log_interval()))
+
+
+def _restarting(view: StatusView, rec: RunStatus) -> StatusView:
+    """``restarting``: live while torchrun's agent (``agent_pid``, the launcher) is; no heartbeat meanwhile
+    (the ranks are being started again: as long as their start-up and recovery take)."""
+    agent = rec.extra.get("agent_pid")
+    if rec.host is None or rec.host == socket.gethostname():
+        view.pid_alive = pid_alive(agent)
+    if view.pid_alive is False:
+        view.note = f"the launcher (process {agent}) is gone but status.json says restarting: it was killed"
+    else:
+        view.live = True
+    return view

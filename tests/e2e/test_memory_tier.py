@@ -7,7 +7,7 @@ step 8 (a fail point), its own copy of step 6 removed, then ``kill -9`` from thi
 memory at step 6, its state sent by its buddy rank 0); the same with both copies of its state removed
 (its own and its buddy's: recovered from the disk ``last`` of step 8, said in one line). Each ends
 with weights bitwise equal to the uninterrupted run's, and no memory left
-behind. The copies live under ``$PIMM_SHM_ROOT`` (a directory of the test, /dev/shm by default).
+behind; between a kill and the restart, status.json says ``restarting``, not ``failed``. The copies live under ``$PIMM_SHM_ROOT`` (a directory of the test, /dev/shm by default).
 """
 
 from __future__ import annotations
@@ -77,7 +77,18 @@ def _pause_then_kill(root: Path, name: str, *remove: str, extra: tuple[str, ...]
     for path in doomed:
         path.unlink()
     os.kill(_index(run, 1)["pid"], signal.SIGKILL)
+    # between the kill and the restarted rank 0's first status: what status.json says meanwhile
+    _wait_for(lambda: _state(run) in ("restarting", "failed") or "recovery" in _status(run), "the state after the kill",
+              proc)
+    (root / f"state-{name}.json").write_text(json.dumps({"status": _status(run), "launcher": proc.pid}))
     return proc
+
+
+def _state(run: Path) -> str | None:
+    try:
+        return _status(run)["state"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +146,18 @@ def test_a_killed_rank_is_recovered_and_the_run_ends_bitwise_equal(runs, name, t
     ref, got = _weights(root / "digits" / "ref"), _weights(run)
     assert ref.keys() == got.keys()
     assert all(torch.equal(ref[k], got[k]) for k in ref), "the recovered run left the uninterrupted trajectory"
+
+
+@pytest.mark.parametrize("name", ["killed", "lost"])
+def test_a_failed_rank_with_a_restart_left_says_restarting_not_failed(runs, name):
+    """Rank 1 killed with one restart left: rank 0's collective fails, and the run is ``restarting`` (the
+    launcher's pid named as the process alive meanwhile), never ``failed``; the restart then runs it on."""
+    seen = json.loads((runs["root"] / f"state-{name}.json").read_text())
+    between = seen["status"]
+    assert between["state"] == "restarting", between
+    assert between["agent_pid"] == seen["launcher"] and between["error"]  # (torchrun's agent runs in the launcher)
+    log = (runs["root"] / "digits" / name / "train.log").read_text()
+    assert "torchrun restarts them (1 restart left)" in log
 
 
 def test_the_memory_tier_is_removed_when_the_run_ends(runs):

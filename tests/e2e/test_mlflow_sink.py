@@ -120,3 +120,25 @@ def test_mlflow_without_its_package_is_one_error_line_before_any_rank(tmp_path, 
         assert r.returncode == 2 and len(errors) == 1, describe(r)
         assert "[log.mlflow] needs the mlflow package" in errors[0] and "pip install mlflow" in errors[0]
         assert not (tmp_path / "digits" / "no").exists()
+
+
+@pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
+def test_the_mlflow_run_stays_running_while_the_ranks_restart_and_is_failed_at_the_end(tmp_path):
+    """MLflow's own SQLite store (no server): the session that failed with a restart left leaves the tracked
+    run RUNNING; the restarted session continues the same run; a failure with none left marks it FAILED."""
+    from pimm_core import load_config
+    from pimm_core.train.mlflow_sink import MlflowSink
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = load_config(None, [f'log.mlflow.tracking_uri="{uri}"', 'log.mlflow.experiment="pimm-test"'])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    first = MlflowSink(cfg, run_dir, resumed=False, params={"a": "1"})
+    first.write({"step": 1, "loss": 2.0})
+    first.close("restarting")
+    client = MlflowClient(tracking_uri=uri)
+    assert client.get_run(first.run_id).info.status == "RUNNING"
+    again = MlflowSink(cfg, run_dir, resumed=True, params={"a": "1"})
+    assert again.run_id == first.run_id
+    again.close("failed")
+    assert client.get_run(first.run_id).info.status == "FAILED"
