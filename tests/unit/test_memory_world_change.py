@@ -13,13 +13,23 @@ import pytest
 
 from pimm_core.checkpoint.memory.store import RankStore
 from pimm_core.run.memory_index import MemoryCopy, RankMemory, read_memory_tier, write_rank_index
-from pimm_core.train.memory_recovery import NoCommonStep, Source, plan_recovery
+from pimm_core.train.memory_recovery import NoCommonStep, Source, newest_tier, plan_recovery
 from pimm_core.watch.tiers import recovery_text
 
 
 def _copies(world: int, step: int, *pairs: tuple[int, int]) -> list[tuple[int, int, int, str, int]]:
     """``(owner, kept_by)`` pairs as a node lists them: ``(saved_world, owner, step, sha256, kept_by)``."""
     return [(world, owner, step, f"sha-{world}-{owner}-{step}", kept_by) for owner, kept_by in pairs]
+
+
+def test_a_restart_takes_the_tier_with_the_newest_step_and_memory_on_a_tie():
+    # (memory's newest step every rank can reach, the disk last's step) -> the tier recovered from
+    assert newest_tier(6, 7) == "disk"  # a disk save after the newest memory snapshot keeps its step
+    assert newest_tier(6, 6) == "memory"  # a tie: memory, it is faster
+    assert newest_tier(6, 4) == "memory"
+    assert newest_tier(6, None) == "memory"  # nothing on disk
+    assert newest_tier(None, 4) == "disk"  # no step in memory
+    assert newest_tier(None, None) is None
 
 
 def test_the_same_world_size_loads_each_ranks_own_state():
