@@ -139,6 +139,25 @@ def plan_recovery(everyone: list[list[tuple[int, int, int, str, int]]], world: i
     return Plan(step, saved_world, needs, sources, local)
 
 
+def describe_reads(plan: Plan, read: dict[int, int], world: int) -> tuple[dict[int, int], str]:
+    """Which copy each new rank actually read, for the log and provenance: ``from_buddy`` (old rank ->
+    the buddy rank whose directory held the copy of its state that was read) and the log's clause.
+
+    Args:
+        read: new rank -> the old rank directory whose copy it read (on its own node that may be
+            another directory than the plan's sender's: a node holds an owner's own copy, another
+            node its buddy's).
+    """
+    from_buddy = {plan.needs[r]: b for r, b in sorted(read.items()) if b != plan.needs[r]}
+    if plan.saved_world == world:
+        return from_buddy, "; ".join(f"rank {o} from its buddy rank {b}" for o, b in sorted(from_buddy.items())) \
+            or "every rank from its own copy"
+    by_buddy = [r for r, b in sorted(read.items()) if b != 0]
+    kept = "its own" if not by_buddy else f"held by its buddy rank {from_buddy[0]}" if len(by_buddy) == len(read) \
+        else f"its own; new rank {', '.join(map(str, by_buddy))} read the one held by its buddy rank {from_buddy[0]}"
+    return from_buddy, f"world size {plan.saved_world} -> {world}: every rank from rank 0's copy ({kept})"
+
+
 def recover_from_memory(tr: TrainerHost, mem: MemorySnapshots, checkpoint_dir: Path | None,
                         disk: int | None = None) -> dict[str, Any]:
     """Load the newest step every rank can reach in memory and apply it; the provenance entry.
@@ -195,20 +214,9 @@ def recover_from_memory(tr: TrainerHost, mem: MemorySnapshots, checkpoint_dir: P
     unwrap(tr.model).load_state_dict(obj["model"])
     tr.optimizer.load_state_dict(obj["optimizer"])
     entry = apply_loaded(tr, loaded, manifest, f"memory step {step}", "memory", checkpoint_dir)
-    # the copy each new rank actually read (on its own node it may be another directory than the plan's
-    # sender's): which owner's state came from its buddy's directory
     read = {r: kept_by for r, (_, kept_by) in enumerate(gathered)}
-    from_buddy = {plan.needs[r]: b for r, b in sorted(read.items()) if b is not None and b != plan.needs[r]}
+    from_buddy, how = describe_reads(plan, read, mem.world)
     restart = restart_count()
-    if saved_world == mem.world:
-        how = "; ".join(f"rank {o} from its buddy rank {b}" for o, b in sorted(from_buddy.items())) or \
-            "every rank from its own copy"
-    else:
-        by_buddy = [r for r, b in read.items() if b != 0]
-        kept = "its own" if not by_buddy else f"held by its buddy rank {from_buddy[0]}" \
-            if len(by_buddy) == len(read) else \
-            f"its own; rank {', '.join(map(str, by_buddy))} the one held by its buddy rank {from_buddy[0]}"
-        how = f"world size {saved_world} -> {mem.world}: every rank from rank 0's copy ({kept})"
     line = f"recovered from memory at step {step} (restart {restart}; {how}; {_disk_clause(step, disk)})"
     if tr.info.is_main:
         log.info("%s", line)
