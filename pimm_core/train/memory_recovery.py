@@ -17,8 +17,9 @@ record their world size) can be reached: its own copy or its buddy's. What each 
   (``global_order``: the samples consumed from the counters; ``world_size``: the epoch replays).
 
 A rank that holds the copy it needs on its node reads it there; the others receive it from the lowest
-rank holding it (over the side gloo group); the log and provenance name the copy each rank read. Every copy's sha256 is checked before it is loaded; one
-failed check or load on any rank (an all-gather) sends every rank to the disk tier, nothing applied.
+rank holding it (over the side gloo group); the log and provenance name the copy each rank read. Every
+copy's sha256 is checked before it is loaded; one failed check or load on any rank (an all-gather) sends
+every rank to the disk tier, nothing applied.
 """
 
 from __future__ import annotations

@@ -147,7 +147,8 @@ def test_a_node_lost_for_good_is_recovered_from_memory_at_the_smaller_world_size
     assert entry["saved_world_size"] == 2 and entry["world_size"] == 1
     # every rank loads old rank 0's state: node A held it as its own (it ran rank 0) or as rank 0's buddy
     kept = "its own" if kept_rank == 0 else "held by its buddy rank 1"
-    line = f"recovered from memory at step 6 (restart 1; world size 2 -> 1: every rank from rank 0's copy ({kept}); nothing on disk)"
+    line = (f"recovered from memory at step 6 (restart 1; world size 2 -> 1: every rank from rank 0's copy ({kept}); "
+            "nothing on disk)")
     log = (run / "train.log").read_text()
     assert log.count(line) == 1, log[-4000:]
     assert entry["from_buddy"] == ({} if kept_rank == 0 else {"0": 1}) and entry["read_from"] == {"0": kept_rank}

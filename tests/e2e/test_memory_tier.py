@@ -8,7 +8,8 @@ rank 1 paused at step 8 (a fail point), its own copy of step 6 removed, then ``k
 (recovered from memory at step 6, its state sent by its buddy rank 0, though the disk ``last`` is at
 step 6 too: a tie goes to memory); the same with both copies of its state removed (its own and its
 buddy's: recovered from the disk ``last`` of step 8, said in one line). Each ends with weights bitwise
-equal to the uninterrupted run's, and no memory left behind. The copies live under ``$PIMM_SHM_ROOT`` (a directory of the test, /dev/shm by default).
+equal to the uninterrupted run's, and no memory left behind. The copies live under ``$PIMM_SHM_ROOT``
+(a directory of the test, /dev/shm by default).
 """
 
 from __future__ import annotations
