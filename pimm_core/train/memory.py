@@ -120,12 +120,14 @@ class MemorySnapshots:
                               f"({e.strerror or e}); set $PIMM_SHM_ROOT to a writable node-local directory, or "
                               "checkpoint.memory_every_steps = 0") from None
         if self.tr.info.is_main:
-            where = ("another node" if self.world > self.local else
-                     "another local rank on this node: a node's loss loses both copies" if self.buddy is not None
-                     else "no buddy (one rank)")
-            log.info("memory tier: every %d steps in %s; rank r's copy is held by rank %s (%s)", self.every,
-                     self.store.root, "(r+%d) %% %d" % (self.local if self.world > self.local else 1, self.world)
-                     if self.buddy is not None else "none", where)
+            if self.buddy is None:
+                log.info("memory tier: every %d steps in %s; no buddy copy: one rank", self.every, self.store.root)
+            else:
+                where = ("another node" if self.world > self.local else
+                         "another local rank on this node: a node's loss loses both copies")
+                log.info("memory tier: every %d steps in %s; rank r's copy is held by rank %s (%s)", self.every,
+                         self.store.root, "(r+%d) %% %d" % (self.local if self.world > self.local else 1, self.world),
+                         where)
 
     # ------------------------------------------------------------ snapshots
     def on_step(self, *, run_ends: bool) -> None:

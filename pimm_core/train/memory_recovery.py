@@ -1,6 +1,7 @@
-"""Recovery after torchrun restarted the ranks (``pimm launch --max-restarts K``): from the memory tier
-when every rank of the world that took a step can be reached there, else from the disk ``last`` (the
-resume path), said in one line.
+"""Recovery after torchrun restarted the ranks (``pimm launch --max-restarts K``): from the tier holding
+the newest step, the memory tier (the newest step every rank of the world that took it can reach there)
+or the disk ``last`` (the resume path; its step read from its manifest), memory on a tie (it is faster),
+said in one line.
 
 The new ranks gather what each node holds in its shared-memory directories (each rank lists every rank
 directory of the run on its node: its own, its node's other ranks', and those of ranks a restart no
@@ -16,8 +17,9 @@ record their world size) can be reached: its own copy or its buddy's. What each 
   (``global_order``: the samples consumed from the counters; ``world_size``: the epoch replays).
 
 A rank that holds the copy it needs on its node reads it there; the others receive it from the lowest
-rank holding it (over the side gloo group). Every copy's sha256 is checked before it is loaded; one
-failed check or load on any rank (an all-gather) sends every rank to the disk tier, nothing applied.
+rank holding it (over the side gloo group); the log and provenance name the copy each rank read. Every
+copy's sha256 is checked before it is loaded; one failed check or load on any rank (an all-gather) sends
+every rank to the disk tier, nothing applied.
 """
 
 from __future__ import annotations
@@ -46,7 +48,39 @@ register("memory.recovering")
 
 
 class NoCommonStep(Exception):
-    """The memory tier cannot be used for this restart (the message says why, in one clause)."""
+    """The memory tier is not used for this restart (the message says why, in one clause)."""
+
+
+def newest_tier(memory_step: int | None, disk_step: int | None) -> str | None:
+    """The tier a restart recovers from: ``"memory"`` or ``"disk"``, whichever holds the newer step (a
+    tie goes to memory: no disk read), None when neither holds one. Steps are global optimizer steps."""
+    if memory_step is None:
+        return "disk" if disk_step is not None else None
+    return "disk" if disk_step is not None and disk_step > memory_step else "memory"
+
+
+def disk_step(tr: TrainerHost, resume_from: Path | None) -> int | None:
+    """The step of the checkpoint a disk recovery of ``resume_from`` would load, from its manifest (rank 0
+    reads it, every rank gets it: a collective); None when there is none or it cannot be read.
+
+    The restart already verified this choice in this process (``restart_config``; the hash pass is cached
+    per file), so this reads manifests only."""
+    step = None
+    if tr.info.is_main and resume_from is not None and not str(resume_from).startswith("hf://"):
+        from ..checkpoint.select.resume_path import resolve_resume_path
+
+        try:
+            step = resolve_resume_path(resume_from).step
+        except Exception:  # noqa: BLE001 (the disk resume itself says what is wrong, if it is taken)
+            step = None
+    return dist.broadcast_object(step)
+
+
+def _disk_clause(step: int, disk: int | None) -> str:
+    """Why memory was taken, in a few words."""
+    if disk is None:
+        return "nothing on disk"
+    return f"disk at step {disk} too: memory is faster" if disk == step else f"disk at step {disk} is older"
 
 
 class Source(NamedTuple):
@@ -106,12 +140,35 @@ def plan_recovery(everyone: list[list[tuple[int, int, int, str, int]]], world: i
     return Plan(step, saved_world, needs, sources, local)
 
 
-def recover_from_memory(tr: TrainerHost, mem: MemorySnapshots, checkpoint_dir: Path | None) -> dict[str, Any]:
+def describe_reads(plan: Plan, read: dict[int, int], world: int) -> tuple[dict[int, int], str]:
+    """Which copy each new rank actually read, for the log and provenance: ``from_buddy`` (old rank ->
+    the buddy rank whose directory held the copy of its state that was read) and the log's clause.
+
+    Args:
+        read: new rank -> the old rank directory whose copy it read (on its own node that may be
+            another directory than the plan's sender's: a node holds an owner's own copy, another
+            node its buddy's).
+    """
+    from_buddy = {plan.needs[r]: b for r, b in sorted(read.items()) if b != plan.needs[r]}
+    if plan.saved_world == world:
+        return from_buddy, "; ".join(f"rank {o} from its buddy rank {b}" for o, b in sorted(from_buddy.items())) \
+            or "every rank from its own copy"
+    by_buddy = [r for r, b in sorted(read.items()) if b != 0]
+    kept = "its own" if not by_buddy else f"held by its buddy rank {from_buddy[0]}" if len(by_buddy) == len(read) \
+        else f"its own; new rank {', '.join(map(str, by_buddy))} read the one held by its buddy rank {from_buddy[0]}"
+    return from_buddy, f"world size {plan.saved_world} -> {world}: every rank from rank 0's copy ({kept})"
+
+
+def recover_from_memory(tr: TrainerHost, mem: MemorySnapshots, checkpoint_dir: Path | None,
+                        disk: int | None = None) -> dict[str, Any]:
     """Load the newest step every rank can reach in memory and apply it; the provenance entry.
 
+    Args:
+        disk: the step a disk recovery would load (:func:`disk_step`, the same on every rank).
+
     Raises:
-        NoCommonStep: no such step, or a checksum or load failed on some rank (every rank raises it,
-            before any state is applied).
+        NoCommonStep: no such step, the disk's step is newer (:func:`newest_tier`), or a checksum or load
+            failed on some rank (every rank raises it, before any state is applied).
     """
     point("memory.recovering")
     held: dict[tuple[int, int, int], tuple[int, Any]] = {}  # (world, owner, step) -> (kept_by, Held)
@@ -123,19 +180,23 @@ def recover_from_memory(tr: TrainerHost, mem: MemorySnapshots, checkpoint_dir: P
     mine = sorted((w, o, s, h.copy.sha256, kept_by) for (w, o, s), (kept_by, h) in held.items())
     plan = plan_recovery(dist.all_gather_object(mine), mem.world)
     step, saved_world = plan.step, plan.saved_world
+    if newest_tier(step, disk) == "disk":  # decided from values every rank has: no copy is read
+        raise NoCommonStep(f"newer than the newest step every rank can reach in memory, {step}")
     want = plan.needs[mem.rank]
+    read_from = None  # the rank directory whose copy this rank read
     data, problem, cache = None, None, {}
     for new_rank, owner in sorted(plan.needs.items()):  # every rank walks the same plan
         src = plan.sources[owner]
         if new_rank in plan.local[owner]:  # on its node: read there
             if new_rank == mem.rank:
-                data, problem = _read(mem, held.get((saved_world, owner, step), (None, None))[1])
+                read_from, copy = held.get((saved_world, owner, step), (None, None))
+                data, problem = _read(mem, copy)
         elif mem.rank == src.holder:
             if owner not in cache:
                 cache[owner] = _read(mem, held.get((saved_world, owner, step), (None, None))[1])[0]
             exchange.send_bytes(mem.group, cache[owner] if cache[owner] is not None else b"", new_rank)
         elif mem.rank == new_rank:
-            data = exchange.recv_bytes(mem.group, src.holder)
+            read_from, data = src.kept_by, exchange.recv_bytes(mem.group, src.holder)
             problem = None if data else f"rank {src.holder} could not read its copy of rank {owner}"
             if data and _sha(data) != src.sha256:
                 problem = f"the copy of rank {owner} at step {step} from rank {src.holder} failed its sha256 check"
@@ -146,29 +207,25 @@ def recover_from_memory(tr: TrainerHost, mem: MemorySnapshots, checkpoint_dir: P
             parsed = _parse(bytes(data), saved_world, own_rank_state=want == mem.rank)
         except Exception as e:  # a copy that does not load: every rank goes to disk together, nothing applied
             problem = f"rank {mem.rank}'s copy of step {step} did not load ({type(e).__name__}: {e})"
-    problems = [p for p in dist.all_gather_object(problem) if p]
+    gathered = dist.all_gather_object((problem, read_from))
+    problems = [p for p, _ in gathered if p]
     if problems:
         raise NoCommonStep(problems[0])
     obj, loaded, manifest = parsed
     unwrap(tr.model).load_state_dict(obj["model"])
     tr.optimizer.load_state_dict(obj["optimizer"])
     entry = apply_loaded(tr, loaded, manifest, f"memory step {step}", "memory", checkpoint_dir)
-    from_buddy = {o: s.kept_by for o, s in plan.sources.items() if s.kept_by != o}
+    read = {r: kept_by for r, (_, kept_by) in enumerate(gathered)}
+    from_buddy, how = describe_reads(plan, read, mem.world)
     restart = restart_count()
-    if saved_world == mem.world:
-        how = "; ".join(f"rank {o} from its buddy rank {b}" for o, b in sorted(from_buddy.items())) or \
-            "every rank from its own copy"
-    else:
-        kept = f"held by its buddy rank {from_buddy[0]}" if 0 in from_buddy else "its own"
-        how = f"world size {saved_world} -> {mem.world}: every rank from rank 0's copy ({kept})"
-    line = f"recovered from memory at step {step} (restart {restart}; {how})"
+    line = f"recovered from memory at step {step} (restart {restart}; {how}; {_disk_clause(step, disk)})"
     if tr.info.is_main:
         log.info("%s", line)
         if saved_world > mem.world:  # the index files of ranks this world no longer runs
             remove_rank_indexes_from(tr.run_dir, mem.world)
     return {**entry, "kind": "recovery", "tier": "memory", "restart": restart, "checkpoint_step": step,
-            "from_buddy": {str(o): b for o, b in from_buddy.items()}, "saved_world_size": saved_world,
-            "world_size": mem.world, "message": line}
+            "from_buddy": {str(o): b for o, b in from_buddy.items()}, "read_from": {str(r): b for r, b in read.items()},
+            "disk_step": disk, "saved_world_size": saved_world, "world_size": mem.world, "message": line}
 
 
 def _sha(data: Any) -> str:
@@ -222,7 +279,7 @@ def start_memory_and_resume(tr: Any, entry: dict[str, Any], resume_from: Path | 
         entry = recover(tr, mem, resume_from, checkpoint_dir) or entry
         if entry.get("kind") == "recovery":
             topology = entry.get("topology") or {}
-            tr.recorder.status_extra["recovery"] = {k: entry[k] for k in ("tier", "step", "restart")} | {
+            tr.recorder.status_extra["recovery"] = {k: entry[k] for k in ("tier", "step", "restart", "message")} | {
                 "saved_world_size": topology.get("saved_world_size"), "world_size": tr.info.world_size}
         return entry
     return resume(tr, resume_from, checkpoint_dir) if resume_from is not None else entry
@@ -230,15 +287,16 @@ def start_memory_and_resume(tr: Any, entry: dict[str, Any], resume_from: Path | 
 
 def recover(tr: TrainerHost, mem: MemorySnapshots | None, resume_from: Path | None,
             checkpoint_dir: Path | None) -> dict[str, Any] | None:
-    """A restart's recovery: memory first, then disk ``resume_from``; the provenance entry, None when
-    there is nothing to recover from (the run starts over, said in one line)."""
+    """A restart's recovery from the tier holding the newest step (:func:`newest_tier`): memory, or disk
+    ``resume_from``; the provenance entry, None when there is nothing to recover from (the run starts over,
+    said in one line)."""
     from .resume import resume
 
     restart = restart_count()
     why = "the memory tier is off (checkpoint.memory_every_steps = 0)"
     if mem is not None:
         try:
-            return recover_from_memory(tr, mem, checkpoint_dir)
+            return recover_from_memory(tr, mem, checkpoint_dir, disk_step(tr, resume_from))
         except NoCommonStep as e:
             why = str(e)
     if resume_from is None:

@@ -6,7 +6,7 @@
 - disk: ``model/last`` (its manifest's ``created`` time and step).
 - remote: the newest complete ``step_<N>/`` on ``checkpoint.remote`` (listed at most every
   :data:`REMOTE_EVERY_S`, off the event loop: a store may be slow).
-- recovery: ``status.json``'s ``recovery`` (``{"tier", "step", "restart", "saved_world_size",
+- recovery: ``status.json``'s ``recovery`` (``{"tier", "step", "restart", "message", "saved_world_size",
   "world_size"}``), written when ``pimm launch --max-restarts K`` restarted the ranks.
 """
 

@@ -137,7 +137,9 @@ def test_a_node_lost_for_good_is_recovered_from_memory_at_the_smaller_world_size
     assert lost["held_before"]["A"] == [f"{kept_rank}/step_6/rank_0.pt", f"{kept_rank}/step_6/rank_1.pt"]
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "finished" and status["step"] == 22
-    assert status["recovery"] == {"tier": "memory", "step": 6, "restart": 1, "saved_world_size": 2, "world_size": 1}
+    recovery = status["recovery"]
+    assert recovery.pop("message").startswith("recovered from memory at step 6 (restart 1; ")
+    assert recovery == {"tier": "memory", "step": 6, "restart": 1, "saved_world_size": 2, "world_size": 1}
     prov = json.loads((run / "provenance.json").read_text())
     (entry,) = [e for e in prov["starts"] if e.get("kind") == "recovery"]
     assert entry["tier"] == "memory" and entry["checkpoint_step"] == 6 and entry["policy"] == "global_order"
@@ -145,10 +147,11 @@ def test_a_node_lost_for_good_is_recovered_from_memory_at_the_smaller_world_size
     assert entry["saved_world_size"] == 2 and entry["world_size"] == 1
     # every rank loads old rank 0's state: node A held it as its own (it ran rank 0) or as rank 0's buddy
     kept = "its own" if kept_rank == 0 else "held by its buddy rank 1"
-    line = f"recovered from memory at step 6 (restart 1; world size 2 -> 1: every rank from rank 0's copy ({kept}))"
+    line = (f"recovered from memory at step 6 (restart 1; world size 2 -> 1: every rank from rank 0's copy ({kept}); "
+            "nothing on disk)")
     log = (run / "train.log").read_text()
     assert log.count(line) == 1, log[-4000:]
-    assert entry["from_buddy"] == ({} if kept_rank == 0 else {"0": 1})
+    assert entry["from_buddy"] == ({} if kept_rank == 0 else {"0": 1}) and entry["read_from"] == {"0": kept_rank}
     assert "world size changed 2 -> 1 under the global data order" in log
     assert "recovered from disk" not in log and "starts over" not in log
     # the uninterrupted trajectory, up to the order of floating-point additions

@@ -1,19 +1,23 @@
 """The memory tier (issue 35): 2-rank torchrun runs with ``checkpoint.memory_every_steps = 3`` and
 ``pimm launch --max-restarts 1`` whose rank 1 is SIGKILLed, recovered by torchrun's restart.
 
-Four real launches, two at a time: the uninterrupted run; rank 1 killed by a fail point in the
-middle of writing its copy of step 6 (the previous complete copy, step 3, is used); rank 1 paused at
-step 8 (a fail point), its own copy of step 6 removed, then ``kill -9`` from this test (recovered from
-memory at step 6, its state sent by its buddy rank 0); the same with both copies of its state removed
-(its own and its buddy's: recovered from the disk ``last`` of step 8, said in one line). Each ends
-with weights bitwise equal to the uninterrupted run's, and no memory left
-behind; between a kill and the restart, status.json says ``restarting``, not ``failed``. The copies live under ``$PIMM_SHM_ROOT`` (a directory of the test, /dev/shm by default).
+Five real launches: the uninterrupted run; rank 1 killed by a fail point in the
+middle of writing its copy of step 6 (the previous complete copy, step 3, is used); rank 1 killed by a
+fail point at step 8 after a disk save at step 7 (the disk ``last`` is newer than memory: it is used);
+rank 1 paused at step 8 (a fail point), its own copy of step 6 removed, then ``kill -9`` from this test
+(recovered from memory at step 6, its state sent by its buddy rank 0, though the disk ``last`` is at
+step 6 too: a tie goes to memory); the same with both copies of its state removed (its own and its
+buddy's: recovered from the disk ``last`` of step 8, said in one line). Each ends with weights bitwise
+equal to the uninterrupted run's, and no memory left behind; between a kill and the restart,
+status.json says ``restarting``, not ``failed``. The copies live under ``$PIMM_SHM_ROOT``
+(a directory of the test, /dev/shm by default).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -99,9 +103,12 @@ def runs(tmp_path_factory) -> dict:
     ref = _start(root, "ref", {})
     # the 3rd copy rank 1 writes: its own of step 6 (1st: its own of step 3, 2nd: rank 0's of step 3)
     mid_copy = _start(root, "mid_copy", {**KILLED, "PIMM_FAILPOINT": "memory.copy_writing@3=kill"})
-    out["ref"], out["mid_copy"] = _finish(ref), _finish(mid_copy)
-    # rank 1's own copy lost: rank 0 sends the one it holds; both lost: the disk `last` of step 8
-    killed = _pause_then_kill(root, "killed", "1/step_*/rank_1.*")
+    # killed at step 8: the disk `last` of step 7 is newer than any step in memory
+    newer = _start(root, "newer", {**KILLED, "PIMM_FAILPOINT": "memory.step@8=kill"}, "checkpoint.every_steps=7")
+    out["ref"], out["mid_copy"], out["newer"] = _finish(ref), _finish(mid_copy), _finish(newer)
+    # rank 1's own copy lost: rank 0 sends the one it holds (the disk `last` at the same step: memory is
+    # taken); both lost: the disk `last` of step 8
+    killed = _pause_then_kill(root, "killed", "1/step_*/rank_1.*", extra=("checkpoint.every_steps=6",))
     lost = _pause_then_kill(root, "lost", "1/step_*/rank_1.*", "0/step_*/rank_1.*", extra=("checkpoint.every_steps=4",))
     out["killed"], out["lost"] = _finish(killed), _finish(lost)
     out["root"] = root
@@ -122,7 +129,7 @@ def _recoveries(run: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("name, tier, step", [("killed", "memory", 6), ("mid_copy", "memory", 3),
-                                              ("lost", "disk", 8)])
+                                              ("newer", "disk", 7), ("lost", "disk", 8)])
 def test_a_killed_rank_is_recovered_and_the_run_ends_bitwise_equal(runs, name, tier, step):
     root = runs["root"]
     run = root / "digits" / name
@@ -137,11 +144,16 @@ def test_a_killed_rank_is_recovered_and_the_run_ends_bitwise_equal(runs, name, t
     line = f"recovered from {tier} at step {recovery['step']} (restart 1"
     assert log.count(line) == 1, log[-3000:]
     assert line in runs[name]
+    assert recovery["message"] == entry["message"] and entry["message"] in log  # which tier and why
     if name == "killed":  # its own copy removed: the copy rank 0 held was sent to it, and checked
-        assert f"{line}; rank 1 from its buddy rank 0)" in log and entry["from_buddy"] == {"1": 0}
+        assert f"{line}; rank 1 from its buddy rank 0; disk at step 6 too: memory is faster)" in log
+        assert entry["from_buddy"] == {"1": 0} and entry["read_from"] == {"0": 0, "1": 0}
+        assert entry["disk_step"] == 6
     if name == "mid_copy":  # killed in the middle of its copy of step 6: every rank's step 3
-        assert f"{line}; every rank from its own copy)" in log
-    if tier == "disk":  # both copies of rank 1 were removed: one line says why the disk was used
+        assert f"{line}; every rank from its own copy; nothing on disk)" in log
+    if name == "newer":  # a disk save (step 7) after the newest memory snapshot (3 or 6, its round in flight)
+        assert re.search(r"\(restart 1; newer than the newest step every rank can reach in memory, [36]\)", log)
+    if name == "lost":  # both copies of rank 1 were removed: one line says why the disk was used
         assert "(restart 1; no step every rank can reach in memory (rank 1 has no copy))" in log
     ref, got = _weights(root / "digits" / "ref"), _weights(run)
     assert ref.keys() == got.keys()
@@ -165,7 +177,7 @@ def test_the_memory_tier_is_removed_when_the_run_ends(runs):
     assert _status(root / "digits" / "ref")["memory_step"] == 21  # the newest mid-epoch multiple of 3
     assert "recovery" not in _status(root / "digits" / "ref")
     assert list((root / "shm").iterdir()) == []  # every run's shared memory is gone
-    for name in ("ref", "killed", "mid_copy", "lost"):
+    for name in ("ref", "killed", "mid_copy", "newer", "lost"):
         assert not (root / "digits" / name / "memory").exists()
 
 
@@ -202,6 +214,7 @@ def test_a_stopped_run_removes_its_memory_and_the_next_run_removes_a_dead_runs(t
     assert state.stop_reason == "budget" and state.global_step == 7
     assert seen["copies"] == ["rank_0.json", "rank_0.pt"] and seen["index"]["own"]["step"] == 6
     assert seen["index"]["buddy"] is None  # one rank: no buddy
+    assert "no buddy copy: one rank" in (run / "train.log").read_text()
     assert not seen["left"] and "the memory tier of a run that is gone" in (run / "train.log").read_text()
     assert list(shm.iterdir()) == [] and not (run / "memory").exists()
     assert _status(run)["state"] == "stopped"

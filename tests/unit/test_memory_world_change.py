@@ -13,13 +13,41 @@ import pytest
 
 from pimm_core.checkpoint.memory.store import RankStore
 from pimm_core.run.memory_index import MemoryCopy, RankMemory, read_memory_tier, write_rank_index
-from pimm_core.train.memory_recovery import NoCommonStep, Source, plan_recovery
+from pimm_core.train.memory_recovery import NoCommonStep, Source, describe_reads, newest_tier, plan_recovery
 from pimm_core.watch.tiers import recovery_text
 
 
 def _copies(world: int, step: int, *pairs: tuple[int, int]) -> list[tuple[int, int, int, str, int]]:
     """``(owner, kept_by)`` pairs as a node lists them: ``(saved_world, owner, step, sha256, kept_by)``."""
     return [(world, owner, step, f"sha-{world}-{owner}-{step}", kept_by) for owner, kept_by in pairs]
+
+
+def test_a_restart_takes_the_tier_with_the_newest_step_and_memory_on_a_tie():
+    # (memory's newest step every rank can reach, the disk last's step) -> the tier recovered from
+    assert newest_tier(6, 7) == "disk"  # a disk save after the newest memory snapshot keeps its step
+    assert newest_tier(6, 6) == "memory"  # a tie: memory, it is faster
+    assert newest_tier(6, 4) == "memory"
+    assert newest_tier(6, None) == "memory"  # nothing on disk
+    assert newest_tier(None, 4) == "disk"  # no step in memory
+    assert newest_tier(None, None) is None
+
+
+def test_the_log_names_the_copy_each_rank_read_on_its_own_node():
+    # 3 nodes of 2 ranks, node C (old ranks 4, 5) lost; the restart numbers node B first: new ranks 0, 1
+    # there hold old rank 0's copy as its buddy (rank 2's directory), new ranks 2, 3 on node A its own
+    node_a = _copies(6, 6, (0, 0), (1, 1), (4, 0), (5, 1))
+    node_b = _copies(6, 6, (2, 2), (3, 3), (0, 2), (1, 3))
+    plan = plan_recovery([node_b, node_b, node_a, node_a], world=4)
+    assert plan.needs == {r: 0 for r in range(4)} and plan.sources[0].kept_by == 2  # (the plan's lowest holder)
+    from_buddy, how = describe_reads(plan, {0: 2, 1: 2, 2: 0, 3: 0}, world=4)
+    assert from_buddy == {0: 2}
+    assert how == ("world size 6 -> 4: every rank from rank 0's copy "
+                   "(its own; new rank 0, 1 read the one held by its buddy rank 2)")
+    assert describe_reads(plan, dict.fromkeys(range(4), 0), world=4) == \
+        ({}, "world size 6 -> 4: every rank from rank 0's copy (its own)")
+    same = plan_recovery([node_a + node_b] * 6, world=6)
+    assert describe_reads(same, {0: 0, 1: 1, 2: 2, 3: 3, 4: 0, 5: 1}, world=6) == \
+        ({4: 0, 5: 1}, "rank 4 from its buddy rank 0; rank 5 from its buddy rank 1")
 
 
 def test_the_same_world_size_loads_each_ranks_own_state():
