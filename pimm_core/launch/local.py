@@ -58,6 +58,8 @@ def _train_here(cfg: Config, config_path: Path | None, resume_from: str | None, 
     run_dir = resolve_run_dir(cfg, config_path)
     if restarted():  # torchrun restarted the ranks after a failure: this run continues where it can
         cfg, leftovers_ok = restart_config(cfg, run_dir), True
+        if cfg.train.resume:  # the run's own checkpoints hold this launch's progress; --train.resume-from
+            resume_from = None  # named where the launch began, and going back there would lose every step since
     check_before_launch(cfg, run_dir, leftovers_ok=leftovers_ok, config_path=config_path)
     claimed = claim(cfg, run_dir) if info.is_main else None
     run_dir = claimed.path if claimed is not None else run_dir
