@@ -261,6 +261,8 @@ def remove_tree(path: Path) -> None:
         path.unlink(missing_ok=True)
     elif path.exists():
         def named(_func: Any, where: str, exc: BaseException) -> None:
+            if isinstance(exc, FileNotFoundError):
+                return  # removed meanwhile by another remover: what this call was for
             if isinstance(exc, OSError):
                 raise OSError(exc.errno, exc.strerror, where) from exc
             raise exc
