@@ -20,7 +20,6 @@ It is also where a DCP read is made safe: ``read_metadata`` parses ``.metadata``
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from torch.futures import Future
 
 from ...errors import CheckpointParseError
 from ..tensors.safe_read import load_failure, read_dcp_metadata
+from .direct_read import pread_into
 
 try:
     from torch import _weights_only_unpickler
@@ -112,29 +112,7 @@ class MappedFileSystemReader(dcp.FileSystemReader):
                 if target.size() != tensor.size():
                     raise ValueError(f"{path}: item {item.storage_index} has size {tuple(tensor.size())}, "
                                      f"expected {tuple(target.size())}")
-                if not _read_into(stream.fileno(), whole, tensor, target):
+                if not pread_into(stream.fileno(), whole, tensor, target):
                     target.copy_(tensor)
                 planner.commit_tensor(item, target)
 
-
-def _read_into(fd: int, whole: torch.UntypedStorage, mapped: torch.Tensor, target: torch.Tensor) -> bool:
-    """Read the bytes of ``mapped`` (a tensor over the map ``whole`` of file ``fd``) straight into
-    ``target`` with ``preadv``: a kernel copy from the page cache, 2-3x faster here than
-    ``target.copy_(mapped)``, whose page faults on the map cost more than the copy
-    (80 MiB: 40 against 110 ms, ``benchmarks/README.md``). False (nothing read) where that is
-    not the same as the copy (another dtype or device, not contiguous) or the bytes are not
-    all in the map: the caller copies."""
-    nbytes = mapped.numel() * mapped.element_size()
-    start = mapped.data_ptr() - whole.data_ptr()
-    if not (target.is_cpu and target.dtype == mapped.dtype and target.is_contiguous() and mapped.is_contiguous()
-            and not target.is_conj() and not target.is_neg() and nbytes and 0 <= start
-            and start + nbytes <= whole.nbytes()):
-        return False
-    view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
-    got = 0
-    while got < nbytes:
-        n = os.preadv(fd, [view[got:]], start + got)
-        if n <= 0:
-            return False  # (shorter than its map: the copy from the map reports it)
-        got += n
-    return True

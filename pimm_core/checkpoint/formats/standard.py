@@ -262,11 +262,13 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
     from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
+    from .direct_read import read_into_module
     from .mapped_reader import MappedFileSystemReader
     from .optim_state import frozen_state_loaded, unstepped
     from .sharded import EMA, MODEL, ema_targets, model_targets
 
     plain = unwrap(model)
+    sharded_now = is_sharded(plain)
     path = ckpt / TRAINER_DCP
     reader = MappedFileSystemReader(path)
     metadata = reader.read_metadata()
@@ -288,14 +290,14 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
         raise CheckpointParseError(f"{path} is not a pimm trainer state: its 'meta' item {problem}")
     skeleton = meta.pop("optim")
     request: dict[str, Any] = {}
-    weights = None
+    weights = weights_map = None
     if any(k.startswith(MODEL) for k in saved):  # a sharded save: the weights are DCP items
         model_sd, target = model_targets(plain, saved, path)
         casts = dtype_casts({k: saved[MODEL + k].properties.dtype for k in target}, {k: v.dtype for k, v in target.items()})
         request.update({MODEL + k: v for k, v in target.items()})
     else:
         weights_path = ckpt / WEIGHTS
-        weights = read_weights_file(weights_path)
+        weights, weights_map = read_weights_file(weights_path, keep_map=True)
         check_compatible(plain, weights["state_dict"], str(weights_path))
         casts = dtype_casts({k: v.dtype for k, v in weights["state_dict"].items()},
                             {k: v.dtype for k, v in plain.state_dict().items() if isinstance(v, torch.Tensor)})
@@ -351,7 +353,8 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
                 request.update({k: target[k] for k in saved_optim})
         skipped += check_dtypes(ckpt, casts, strict)
 
-        if weights is not None:
+        if weights is not None and not (weights_map is not None and not sharded_now and read_into_module(
+                weights_path, weights_map, plain, weights["state_dict"])):
             load_full_state_dict(plain, weights["state_dict"])
         try:
             dcp.load(request, storage_reader=reader, no_dist=not info.distributed)
