@@ -24,7 +24,8 @@ def _place(whole: torch.UntypedStorage, mapped: torch.Tensor, target: Any) -> tu
     shape, both contiguous, the bytes all inside the map; else None."""
     nbytes = mapped.numel() * mapped.element_size()
     start = mapped.data_ptr() - whole.data_ptr()
-    if (type(target) in (torch.Tensor, nn.Parameter) and target.is_cpu and target.dtype == mapped.dtype
+    if (type(target) in (torch.Tensor, nn.Parameter) and target.layout == mapped.layout == torch.strided
+            and not target.is_quantized and not mapped.is_quantized and target.is_cpu and target.dtype == mapped.dtype
             and target.shape == mapped.shape and target.is_contiguous() and mapped.is_contiguous()
             and not target.is_conj() and not target.is_neg() and 0 <= start and start + nbytes <= whole.nbytes()):
         return start, nbytes
