@@ -262,7 +262,6 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
     from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    from .direct_read import read_into_module
     from .mapped_reader import MappedFileSystemReader
     from .optim_state import frozen_state_loaded, unstepped
     from .sharded import EMA, MODEL, ema_targets, model_targets
@@ -353,7 +352,7 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
                 request.update({k: target[k] for k in saved_optim})
         skipped += check_dtypes(ckpt, casts, strict)
 
-        if weights is not None and not (weights_map is not None and not sharded_now and read_into_module(
+        if weights is not None and not (weights_map is not None and not sharded_now and _read_weights_into(
                 weights_path, weights_map, plain, weights["state_dict"])):
             load_full_state_dict(plain, weights["state_dict"])
         try:
@@ -405,6 +404,16 @@ def read_trainer_meta(ckpt: Path) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise CheckpointParseError(f"{path} is not a pimm trainer state: its 'meta' item is not a dict")
     return meta
+
+
+def _read_weights_into(path: Path, whole: torch.UntypedStorage, plain: nn.Module, sd: dict[str, torch.Tensor]) -> bool:
+    """:func:`.direct_read.read_into_module`, a failed read as :class:`CheckpointError` naming ``path``."""
+    from .direct_read import read_into_module
+
+    try:
+        return read_into_module(path, whole, plain, sd)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
 
 
 def _load_failure(path: Path, e: CheckpointException) -> CheckpointError:
