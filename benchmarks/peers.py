@@ -29,7 +29,8 @@ complete training state, then restores it into a freshly built model and optimiz
 idle, and beside N CPU-bound processes (``python3 -c "while True: pass"``) that the
 benchmark starts before the round and kills after it. pimm's save is also split into
 its parts (``pimm_parts_s``: state dict, DCP write, ``weights.pth``, the sha256 left
-after the writes, fsyncs, manifest and markers, rotation; ``other`` is what is left).
+after the writes, the wait for the shards' background fsync, the fsync of the rest, manifest
+and markers, rotation; ``other`` is what is left).
 
 Lightning and Accelerate do not fsync; ``save_durable_s`` adds an fsync of every file
 they wrote (what pimm's save includes), so ``ratio_to_pimm.save_durable`` compares like
@@ -96,7 +97,9 @@ PARTS = {"state_dict": ("pimm_core.checkpoint.formats.standard", "dcp_state"),
          "weights_pth": ("pimm_core.checkpoint.publish.rotation", "save_torch_file"),
          "sha256_left": ("pimm_core.checkpoint.publish.follow", "FollowingHasher.finish"),  # (of the followed files)
          "describe_files": ("pimm_core.checkpoint.publish.rotation", "describe_files"),
-         "fsync_tree": ("pimm_core.checkpoint.publish.rotation", "fsync_tree"),
+         "fsync_tree": ("pimm_core.checkpoint.publish.rotation", "fsync_tree"),  # (before 2026-12-03)
+         "fsync_together": ("pimm_core.checkpoint.publish.rotation", "fsync_tree_together"),
+         "shard_fsync_wait": ("pimm_core.fsio", "BackgroundSync.wait"),  # (what the overlap did not hide)
          "manifest": ("pimm_core.checkpoint.publish.rotation", "write_manifest"),
          "rotate": ("pimm_core.checkpoint.publish.rotation", "rotate_into_place"),
          "release_pages": ("pimm_core.checkpoint.formats.standard", "release_cached_pages"),

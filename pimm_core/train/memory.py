@@ -10,7 +10,8 @@ one ``torch.load(weights_only=True)`` reads it back. Taken after a step inside a
 epoch's end (after its evaluation, as the epoch-end save is), never at the run's last step (the final
 disk save follows).
 
-The training stall of a snapshot is the staging (a copy of every tensor to CPU) plus any wait for the
+The training stall of a snapshot is the staging (a copy of every tensor to CPU, into the buffers the
+previous snapshot used: :class:`~pimm_core.checkpoint.tensors.staging.StagingBuffers`) plus any wait for the
 previous snapshot: one snapshot is in flight at a time, and a snapshot due while the previous one is
 still being copied *waits* for it (skipping would need every rank to agree to skip; waiting keeps the
 rounds of the buddy exchange aligned on every rank and the steps lost per failure at most N).
@@ -38,6 +39,7 @@ import torch
 
 from ..checkpoint.memory import exchange
 from ..checkpoint.memory.store import RankStore, remove_stale
+from ..checkpoint.tensors.staging import StagingBuffers
 from ..checkpoint.tensors.state import pack, rng_state, unwrap
 from ..errors import ConfigError
 from ..faults import point, register
@@ -64,17 +66,6 @@ def restart_count() -> int:
         return 0
 
 
-def _cpu(obj: Any) -> Any:
-    """``obj`` with every tensor copied to a new CPU tensor (the live ones change at the next step)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu(v) for v in obj)
-    return obj
-
-
 class MemorySnapshots:
     """The memory tier of one rank; every rank builds one (:meth:`open` is a collective).
 
@@ -92,6 +83,7 @@ class MemorySnapshots:
         self.holds = exchange.held_by_me(self.rank, self.world, self.local)
         self.store = RankStore(tr.run_dir, self.rank)
         self.group: Any = None
+        self.staging = StagingBuffers()  # CPU copies, kept from one snapshot to the next
         self._thread: threading.Thread | None = None
         self._failure: str | None = None
         self.stalls: list[float] = []  # seconds training waited per snapshot (staging + wait for the previous)
@@ -160,9 +152,12 @@ class MemorySnapshots:
         ck = self.tr.checkpointer
         loader = ck._loader_state() if mid_epoch and ck.loader_state else None  # (a gather at 2+ ranks)
         manifest = json.loads(json.dumps(ck.manifest("memory", loader is not None), default=str))  # (plain values)
-        return {"model": _cpu(unwrap(self.tr.model).state_dict()), "optimizer": _cpu(self.tr.optimizer.state_dict()),
-                "ema": _cpu(ck.ema_weights()), "meta": pack(ck.meta()),
-                "rank_state": pack({"rng": rng_state(), "loader": _cpu(loader)}), "manifest": pack(manifest)}
+        # Copied into the buffers of the previous snapshot (whose round is over: _snapshot waited for it).
+        cpu = self.staging.copy_tree
+        return {"model": cpu("model", unwrap(self.tr.model).state_dict()),
+                "optimizer": cpu("optimizer", self.tr.optimizer.state_dict()),
+                "ema": cpu("ema", ck.ema_weights()), "meta": pack(ck.meta()),
+                "rank_state": pack({"rng": rng_state(), "loader": cpu("loader", loader)}), "manifest": pack(manifest)}
 
     def _round(self, step: int, epoch: int, staged: dict[str, Any]) -> None:
         """The background part of a snapshot (see the module docstring); every rank runs the same collectives."""

@@ -31,6 +31,7 @@ from ...process import dist
 from ..publish.follow import FollowingHasher
 from ..publish.rotation import follow_hashes, intact_note, on_main, prepare, publish, remove_quietly, short_error
 from ..select.selection import TRAINER_DCP, WEIGHTS_FIELD
+from ..tensors.staging import StagingBuffers
 from ..tensors.state import is_sharded, unwrap
 from ..tensors.ties import find_aliases
 from .protocol import LoadedState, SaveItem
@@ -39,30 +40,18 @@ from .standard import StandardFormat, dcp_state
 from .weights_file import weights_payload
 
 
-class _ReusedStaging(AsyncStager):
-    """CPU copies of the checkpointed tensors, in buffers kept from one save to the next.
-
-    Staging is all of an async save's stall. Fresh buffers (DCP's default staging, a
-    ``clone``) make the training thread fault in every page of a new allocation; copying
-    into buffers that are already mapped is about 4x faster on CPU. Safe because at most
-    one save is in flight (:meth:`AsyncStandardFormat.save_in_background` waits for the
-    previous one before copying). Costs one resident CPU copy of the checkpointed state
-    between saves.
+class _ReusedStaging(StagingBuffers, AsyncStager):
+    """DCP's stager for :class:`AsyncStandardFormat`: CPU copies of the checkpointed tensors in
+    :class:`~..tensors.staging.StagingBuffers` kept from one save to the next (staging is all
+    of an async save's stall). Safe because at most one save is in flight
+    (:meth:`AsyncStandardFormat.save_in_background` waits for the previous one before copying).
     """
 
     _synchronize_after_execute = False
 
     def __init__(self, pool: ThreadPoolExecutor | None = None) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
+        super().__init__()
         self.pool = pool
-
-    def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        if type(t) is not torch.Tensor:  # e.g. a DTensor: a plain CPU copy, not cached
-            return t.detach().to("cpu", copy=True)
-        buf = self._buffers.get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = self._buffers[key] = torch.empty(t.shape, dtype=t.dtype)
-        return buf.copy_(t.detach())
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future:
         """Copy DCP's state dict into the kept buffers: on :attr:`pool` when set (DCP's

@@ -32,6 +32,7 @@ from torch.futures import Future
 
 from ...errors import CheckpointParseError
 from ..tensors.safe_read import load_failure, read_dcp_metadata
+from .direct_read import pread_into
 
 try:
     from torch import _weights_only_unpickler
@@ -111,5 +112,7 @@ class MappedFileSystemReader(dcp.FileSystemReader):
                 if target.size() != tensor.size():
                     raise ValueError(f"{path}: item {item.storage_index} has size {tuple(tensor.size())}, "
                                      f"expected {tuple(target.size())}")
-                target.copy_(tensor)
+                if not pread_into(stream.fileno(), whole, tensor, target):
+                    target.copy_(tensor)
                 planner.commit_tensor(item, target)
+

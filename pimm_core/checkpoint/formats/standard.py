@@ -31,7 +31,7 @@ from torch import nn
 
 from ...errors import CheckpointError, CheckpointParseError, CheckpointSaveError
 from ...faults import point
-from ...fsio import release_cached_pages
+from ...fsio import BackgroundSync, release_cached_pages
 from ...process.dist import DistInfo
 from ..publish.rotation import (
     follow_hashes,
@@ -138,13 +138,20 @@ def save_standard(
     if info.local_rank == 0 and not info.is_main:
         release_cached_pages(final)
     hasher = follow_hashes(tmp, previous=final, own_shards=True) if info.is_main else None
+    # Rank 0's shards are fsynced in the background while it writes weights.pth (publish
+    # waits for them before the rename); the other ranks' by DCP itself, before its last
+    # collective, so they are durable before rank 0 publishes.
+    syncs = BackgroundSync() if info.is_main else None
     try:
         plain = unwrap(model)
         sharded = is_sharded(plain)
         state = dcp_state(plain, optimizer, meta, rank_state, info.rank, ema_state_dict)
         try:
             with without_zip_crc32():
-                dcp.save(state, storage_writer=_shard_writer(tmp / TRAINER_DCP, hasher), no_dist=not info.distributed)
+                dcp.save(state, storage_writer=_shard_writer(tmp / TRAINER_DCP, hasher, syncs),
+                         no_dist=not info.distributed)
+            if syncs is not None:
+                syncs.start()
             point("standard.dcp_written", tmp / TRAINER_DCP)
         except (Exception, CheckpointException) as e:  # DCP raises on every rank when any rank's write failed
             cause = short_error(e, tmp / TRAINER_DCP)
@@ -162,29 +169,35 @@ def save_standard(
             weights = lambda: gathered  # noqa: E731
             if not gather_weights:
                 manifest = {**manifest, WEIGHTS_FIELD: TRAINER_DCP}
-        on_main(info, lambda: publish(tmp, final, weights(), manifest, hasher, keep_full), tmp, model_dir)
+        on_main(info, lambda: publish(tmp, final, weights(), manifest, hasher, keep_full, syncs), tmp, model_dir)
     finally:
         if hasher is not None:
             hasher.close()
+        if syncs is not None:
+            syncs.close()
     return final
 
 
-def _shard_writer(path: Path, hasher: FollowingHasher | None) -> Any:
-    """DCP's ``FileSystemWriter`` for ``path`` (every file fsynced); with ``hasher``, each shard
-    (``*.distcp``) this process writes is hashed as its bytes go to the file
-    (:meth:`~..publish.follow.FollowingHasher.writing`), not read back after."""
+def _shard_writer(path: Path, hasher: FollowingHasher | None, syncs: BackgroundSync | None = None) -> Any:
+    """DCP's ``FileSystemWriter`` for ``path``; with ``hasher``, each shard (``*.distcp``) this
+    process writes is hashed as its bytes go to the file
+    (:meth:`~..publish.follow.FollowingHasher.writing`), not read back after. Every file is
+    fsynced: by DCP before its last collective, or, with ``syncs``, not by DCP: each file it
+    writes is added to ``syncs`` (the caller starts and waits for those fsyncs)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    writer = dcp.FileSystemWriter(path, sync_files=True)
-    if hasher is None:
+    writer = dcp.FileSystemWriter(path, sync_files=syncs is None)
+    if hasher is None and syncs is None:
         return writer
 
     class HashingFileSystem(FileSystem):
         @contextlib.contextmanager
         def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
             with super().create_stream(path, mode) as stream:
-                if mode != "wb" or not str(path).endswith(".distcp"):
+                if syncs is not None and mode == "wb":
+                    syncs.add(stream.fileno())
+                if hasher is None or mode != "wb" or not str(path).endswith(".distcp"):
                     yield stream
                     return
                 with hasher.writing(stream) as hashed:
@@ -254,6 +267,7 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
     from .sharded import EMA, MODEL, ema_targets, model_targets
 
     plain = unwrap(model)
+    sharded_now = is_sharded(plain)
     path = ckpt / TRAINER_DCP
     reader = MappedFileSystemReader(path)
     metadata = reader.read_metadata()
@@ -275,14 +289,14 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
         raise CheckpointParseError(f"{path} is not a pimm trainer state: its 'meta' item {problem}")
     skeleton = meta.pop("optim")
     request: dict[str, Any] = {}
-    weights = None
+    weights = weights_map = None
     if any(k.startswith(MODEL) for k in saved):  # a sharded save: the weights are DCP items
         model_sd, target = model_targets(plain, saved, path)
         casts = dtype_casts({k: saved[MODEL + k].properties.dtype for k in target}, {k: v.dtype for k, v in target.items()})
         request.update({MODEL + k: v for k, v in target.items()})
     else:
         weights_path = ckpt / WEIGHTS
-        weights = read_weights_file(weights_path)
+        weights, weights_map = read_weights_file(weights_path, keep_map=True)
         check_compatible(plain, weights["state_dict"], str(weights_path))
         casts = dtype_casts({k: v.dtype for k, v in weights["state_dict"].items()},
                             {k: v.dtype for k, v in plain.state_dict().items() if isinstance(v, torch.Tensor)})
@@ -338,7 +352,8 @@ def load_standard(ckpt: Path, *, model: nn.Module, optimizer: torch.optim.Optimi
                 request.update({k: target[k] for k in saved_optim})
         skipped += check_dtypes(ckpt, casts, strict)
 
-        if weights is not None:
+        if weights is not None and not (weights_map is not None and not sharded_now and _read_weights_into(
+                weights_path, weights_map, plain, weights["state_dict"])):
             load_full_state_dict(plain, weights["state_dict"])
         try:
             dcp.load(request, storage_reader=reader, no_dist=not info.distributed)
@@ -389,6 +404,16 @@ def read_trainer_meta(ckpt: Path) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise CheckpointParseError(f"{path} is not a pimm trainer state: its 'meta' item is not a dict")
     return meta
+
+
+def _read_weights_into(path: Path, whole: torch.UntypedStorage, plain: nn.Module, sd: dict[str, torch.Tensor]) -> bool:
+    """:func:`.direct_read.read_into_module`, a failed read as :class:`CheckpointError` naming ``path``."""
+    from .direct_read import read_into_module
+
+    try:
+        return read_into_module(path, whole, plain, sd)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
 
 
 def _load_failure(path: Path, e: CheckpointException) -> CheckpointError:

@@ -31,24 +31,29 @@ def weights_payload(model: nn.Module, ema_state_dict: dict[str, torch.Tensor] | 
     return out
 
 
-def read_weights_file(path: Path) -> dict[str, Any]:
+def read_weights_file(path: Path, keep_map: bool = False) -> Any:
     """Read a standard weights file: ``{"state_dict": sd, "ema_state_dict"?: sd}``.
 
     The file is mapped, not read: ``load_state_dict`` then copies straight from the page
     cache into the parameters (the file is read once, into no intermediate buffer).
+    With ``keep_map``: ``(weights, map)``, the map (``torch.UntypedStorage``) the tensors are
+    views of, for :func:`.direct_read.read_into_module` (None when the file was read another way).
 
     Raises:
         CheckpointError: the file cannot be opened.
         CheckpointParseError: ``torch.load(weights_only=True)`` refused it, it is damaged,
             or it is not a pimm weights file.
     """
-    obj = load_torch_file(path, mmap=True)
+    from .direct_read import mapped_load
+
+    loaded = mapped_load(path) if keep_map else None
+    obj, whole = loaded if loaded is not None else (load_torch_file(path, mmap=True), None)
     ema = obj.get("ema_state_dict") if isinstance(obj, dict) else None
     if not isinstance(obj, dict) or not _is_tensor_dict(obj.get("state_dict")) or not (
             ema is None or _is_tensor_dict(ema)):
         raise CheckpointParseError(f"{path} is not a pimm weights file (expected a dict with a 'state_dict' key "
                                    "mapping names to tensors)")
-    return obj
+    return (obj, whole) if keep_map else obj
 
 
 def _is_tensor_dict(obj: Any) -> bool:

@@ -23,11 +23,12 @@ import torch
 from ...errors import CheckpointSaveError
 from ...faults import point, register
 from ...fsio import (
+    BackgroundSync,
     PageRelease,
     atomic_write,
     atomic_write_bytes,
     fsync_dir,
-    fsync_tree,
+    fsync_tree_together,
     release_cached_pages,
     remove_tree,
 )
@@ -78,8 +79,8 @@ def without_zip_crc32():
                 torch.serialization.set_crc32_options(_crc_before)
 
 
-def _write_marker(path: Path) -> None:
-    atomic_write_bytes(path, b"")
+def _write_marker(path: Path, durable: bool = True) -> None:
+    atomic_write_bytes(path, b"", durable=durable)
 
 
 def save_torch_file(path: Path, obj: Any, hasher: FollowingHasher | None = None) -> None:
@@ -320,28 +321,38 @@ def prepare(tmp: Path) -> None:
 
 
 def publish(tmp: Path, final: Path, weights: dict[str, Any] | None, manifest: dict[str, Any],
-            hasher: FollowingHasher | None = None, keep_full: int = 1) -> None:
+            hasher: FollowingHasher | None = None, keep_full: int = 1, synced: BackgroundSync | None = None) -> None:
     """Rank 0, after every rank's DCP write: markers, ``weights.pth``, manifest, ``.complete``, rotation.
 
     ``weights`` None writes no ``weights.pth`` (a sharded model's weights kept in
     ``trainer.dcp/`` only). ``hasher`` (:func:`follow_hashes`, started before the DCP
     write) has been hashing the big files while they were written; whatever it did not
-    cover is hashed here.
+    cover is hashed here. ``synced``: this process's DCP files, being fsynced in the
+    background since its DCP write ended (:class:`~pimm_core.fsio.BackgroundSync`).
+
+    Durability: nothing under ``tmp`` is selected by a resume (a ``*.tmp`` name), so the
+    small files are written there without an fsync each; every file and directory under
+    ``tmp`` is fsynced (together, :func:`~pimm_core.fsio.fsync_tree_together`; those already
+    fsynced since their write are left out) before ``tmp`` is renamed into place.
     """
-    _write_marker(tmp / TRAINER_DCP / COMPLETE)
+    _write_marker(tmp / TRAINER_DCP / COMPLETE, durable=False)
     point("standard.dcp_complete", tmp)
+    durable: set[tuple[int, int]] = set()
     if weights is not None:
         with without_zip_crc32():  # like the shards: the manifest's sha256 covers it
-            save_torch_file(tmp / WEIGHTS, weights, hasher)
+            save_torch_file(tmp / WEIGHTS, weights, hasher)  # (fsynced itself: atomic_write)
+        st = (tmp / WEIGHTS).stat()
+        durable.add((st.st_dev, st.st_ino))
     point("standard.weights_written", tmp / WEIGHTS)
     files = describe_files(tmp, known=hasher.finish() if hasher is not None else None)
-    fsync_tree(tmp)
-    point("standard.synced", tmp)
-    write_manifest(tmp / MANIFEST, {"format": "standard", **manifest, "files": files})
+    write_manifest(tmp / MANIFEST, {"format": "standard", **manifest, "files": files}, durable=False)
     point("standard.manifest_written", tmp / MANIFEST)
-    _write_marker(tmp / COMPLETE)
-    fsync_dir(tmp)
+    _write_marker(tmp / COMPLETE, durable=False)
     point("standard.complete_written", tmp / COMPLETE)
+    if synced is not None:
+        durable |= synced.wait()
+    fsync_tree_together(tmp, skip=durable)
+    point("standard.synced", tmp)
     rotate_into_place(tmp, final, keep_full)
 
 

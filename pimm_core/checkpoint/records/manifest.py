@@ -76,10 +76,12 @@ def describe_files(root: Path, exclude: tuple[str, ...] = (MANIFEST, COMPLETE),
     return dict(sorted(files.items()))
 
 
-def write_manifest(path: Path, record: dict[str, Any]) -> None:
-    """Write ``record`` (plus ``manifest_version``) as pretty JSON, atomically and durably."""
+def write_manifest(path: Path, record: dict[str, Any], *, durable: bool = True) -> None:
+    """Write ``record`` (plus ``manifest_version``) as pretty JSON, atomically and (``durable``)
+    durably; ``durable=False`` for a manifest inside a checkpoint's unpublished ``<name>.tmp/``,
+    whose files are fsynced together before it is renamed into place."""
     record = {"manifest_version": MANIFEST_VERSION, **record}
-    atomic_write_bytes(path, (json.dumps(record, indent=2, sort_keys=False) + "\n").encode())
+    atomic_write_bytes(path, (json.dumps(record, indent=2, sort_keys=False) + "\n").encode(), durable=durable)
 
 
 class ManifestError(ValueError):

@@ -1,0 +1,58 @@
+"""A standard checkpoint's tensors read straight into the model and optimizer (``formats.direct_read``):
+the same values as ``load_state_dict``, and a model that loads its own way still goes through it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pimm_core.checkpoint.formats.direct_read import mapped_load, read_into_module
+from pimm_core.checkpoint.formats.standard import load_standard, save_standard
+from pimm_core.process.dist import DistInfo
+
+META = {"trainer": {"global_step": 1, "epoch": 0, "iter": 1}, "scheduler": {}, "scaler": {}, "world_size": 1,
+        "workers_per_rank": 0}
+
+
+def _trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _save(tmp_path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> Path:
+    return save_standard(tmp_path, model=model, optimizer=opt, meta=META, rank_state={"rng": torch.get_rng_state()},
+                         manifest={"kind": "last", "step": 1, "epoch": 0, "iter": 1}, info=DistInfo())
+
+
+def test_a_load_gives_the_saved_weights_and_optimizer_state(tmp_path: Path) -> None:
+    model, opt = _trained(0)
+    ckpt = _save(tmp_path, model, opt)
+    fresh, fresh_opt = _trained(1)
+    fresh_opt.state.clear()
+    load_standard(ckpt, model=fresh, optimizer=fresh_opt, info=DistInfo())
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, fresh_opt.state[q][key]), key
+
+
+def test_a_model_with_a_load_hook_is_loaded_through_load_state_dict(tmp_path: Path) -> None:
+    model, opt = _trained(0)
+    ckpt = _save(tmp_path, model, opt)
+    fresh, _ = _trained(1)
+    seen = []
+    fresh[0].register_load_state_dict_pre_hook(lambda module, sd, prefix, *rest: seen.append(prefix))
+    loaded = mapped_load(ckpt / "weights.pth")
+    assert loaded is not None
+    weights, whole = loaded
+    assert not read_into_module(ckpt / "weights.pth", whole, fresh, weights["state_dict"])  # left to load_state_dict
+    assert not torch.equal(fresh[0].weight, model[0].weight)  # nothing was read into it
+    load_standard(ckpt, model=fresh, optimizer=None, info=DistInfo())
+    assert seen == ["0."] and torch.equal(fresh[0].weight, model[0].weight)
