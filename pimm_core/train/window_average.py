@@ -49,6 +49,9 @@ from ..objectives import Loss
 from ..process import dist
 
 
+_SEEDS: dict[tuple, torch.Tensor] = {}  # (K, dtype, device) -> K as a 0-d tensor (WindowAverage._seed)
+
+
 def _world_size() -> int:
     d = torch.distributed
     return d.get_world_size() if d.is_available() and d.is_initialized() else 1
@@ -92,11 +95,24 @@ class WindowAverage:
         self.first: torch.Tensor | None = None  # this rank's count of the window's first micro-batch
 
     def to_backward(self, loss: Loss, *, window_len: int) -> torch.Tensor:
-        """The tensor to backpropagate for one micro-batch of a window of ``window_len``.
+        """The tensor to backpropagate for one micro-batch of a window of ``window_len``
+        (:meth:`seeded`'s tensor times its seed).
 
         Raises:
             ConfigError: the objective returned a mean for one micro-batch and a
                 ``(sum, count)`` for another of the same window.
+        """
+        out, seed = self.seeded(loss, window_len=window_len)
+        return out if seed is None else out * seed
+
+    def seeded(self, loss: Loss, *, window_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`to_backward` as ``(tensor, seed)``: ``tensor.backward(seed)`` gives its gradients
+        (``seed`` None: ones). On the host path ``K`` is the seed, not a multiply: a power of two
+        scales exactly, so the seed ``K`` and a product's backward (``1 * K``) are the same value,
+        without an op in the forward and one in the backward per micro-batch.
+
+        Raises:
+            ConfigError: as :meth:`to_backward`.
         """
         per_sample = loss.count is not None
         if self.per_sample is None:
@@ -105,9 +121,9 @@ class WindowAverage:
             raise ConfigError("the objective returned its loss as a mean for one batch and as a (sum, count) pair "
                               "for another; return the same form for every batch (docs/objectives.md)")
         if not per_sample:  # a mean: the window averages its micro-batches' means
-            out = loss.value / window_len
+            out = loss.value / window_len if window_len != 1 else loss.value  # (x / 1 is x, bit for bit)
             self._add_loss(out.detach().double())
-            return out
+            return out, None
         count = loss.count
         if self.host is None:
             self.host = not self.distributed and (not isinstance(count, torch.Tensor) or count.device.type == "cpu")
@@ -117,7 +133,8 @@ class WindowAverage:
             self.count += count
             if self.scale is None:  # the window's first micro-batch: K, as below in float64
                 self.scale = 2.0 ** -round(math.log2(max(count * window_len, 1.0)))
-            return loss.value * self.scale  # (a power of two: exact, as the tensor K's product)
+            value = loss.value  # K (a power of two: exact, as the tensor K's product) seeds its backward
+            return value, None if self.scale == 1.0 else self._seed(self.scale, value)
         count = _as_tensor(count, self.device)
         self.count = self.count + count if isinstance(self.count, torch.Tensor) else count.clone()
         if self.scale is None:  # the window's first micro-batch: K, the same on every rank
@@ -128,7 +145,18 @@ class WindowAverage:
                 if self.distributed:
                     dist.all_reduce_sum(first)
             self.scale = torch.exp2(-torch.round(torch.log2(torch.clamp(first * window_len, min=1.0))))
-        return loss.value * self.scale.to(loss.value.dtype)
+        return loss.value * self.scale.to(loss.value.dtype), None
+
+    def _seed(self, k: float, like: torch.Tensor) -> torch.Tensor:
+        """``K`` as a 0-d tensor of ``like``'s dtype and device, made once per value (windows of
+        one size reuse it: no tensor built per micro-batch)."""
+        key = (k, like.dtype, like.device)
+        seed = _SEEDS.get(key)
+        if seed is None:
+            if len(_SEEDS) > 64:  # (micro-batches of ever-changing counts: keep the cache small)
+                _SEEDS.clear()
+            seed = _SEEDS[key] = torch.tensor(k, dtype=like.dtype, device=like.device)
+        return seed
 
     def _add_loss(self, value: torch.Tensor) -> None:
         self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
