@@ -166,8 +166,9 @@ class WindowStep:
 
         Yields:
             At each window's end: :meth:`finish`'s outcome, the window's loss (a 0-d tensor on
-            ``device``: per counted item over every rank for a ``(sum, count)`` objective, else
-            this rank's mean of the micro-batch means) and the number of samples it used on this rank.
+            ``device``, or a :class:`~.window_average.WindowLoss` computed when read: per counted
+            item over every rank for a ``(sum, count)`` objective, else this rank's mean of the
+            micro-batch means; read it with ``.item()``) and the number of samples it used on this rank.
         """
         accum = self.train.grad_accum
         # (the previous epoch's last count carries K into this one: no collective for it)
@@ -188,7 +189,8 @@ class WindowStep:
             flags = self.window_flags() if self.window_flags is not None else None
             if flags is not None:
                 beat("collective", "window all-reduce (loss, count, stop agreement)")
-            window_loss = self.average.finish(self._params(), flags)  # gradients divided before clipping
+            # (gradients divided before clipping; the loss computed when a record reads it)
+            window_loss = self.average.finish(self._params(), flags, lazy=True)
             if flags is not None and self.on_window_flags is not None:
                 self.on_window_flags(self.average.flags_total)
             yield self.finish(), window_loss, samples
