@@ -25,7 +25,6 @@ import os
 import shutil
 import socket
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -42,8 +41,6 @@ from ..run.entries import MLFLOW_ID, TENSORBOARD_DIR, WANDB_FILES, WANDB_ID, che
 from .rate import StepClock
 from .sinks import Sink, open_sinks
 from .state import TrainState
-
-STATUS_EVERY_S = 1.0  # the least time between two logged steps' status.json writes (its age's unit is seconds)
 
 log = logging.getLogger("pimm")
 
@@ -76,8 +73,6 @@ class Recorder:
         self._failing: set[str] = set()  # the records whose last write failed
         self.clock = StepClock()  # samples/s and steps/s of training time (:mod:`.rate`)
         self.status_extra: dict[str, Any] = {}  # memory_step, recovery: written with every status.json
-        self.status_clock: Callable[[], float] = time.monotonic  # (seconds) paces status.json at logged steps
-        self._status_at = float("-inf")  # status_clock() at the last status.json write
 
     # ------------------------------------------------------------- log file
     def open_log(self) -> None:
@@ -169,7 +164,6 @@ class Recorder:
         """Replace ``status.json``: ``state`` (``running``, ``stopping``, ...) and the position."""
         if self.writes:
             s, self._last_state = self.state, state
-            self._status_at = self.status_clock()
             self._best_effort("status.json", write_status, self.run_dir, state, pids=self.pids, step=s.global_step,
                               epoch=s.epoch, iter=s.iter, total_steps=self.total,
                               steps_per_epoch=self.steps_per_epoch, epochs=self.epochs,
@@ -220,8 +214,7 @@ class Recorder:
                 grad_norm: torch.Tensor | None = None) -> None:
         """After an optimizer step of ``epoch``: every ``log_every_steps``, at step 1, and at the last
         step of each epoch and of the run, a train record, a progress line and a status heartbeat
-        (so a plot and the "last" loss never lag the run's end; the heartbeat at most every
-        :data:`STATUS_EVERY_S` between those ends); the bar advances at every step.
+        (so a plot and the "last" loss never lag the run's end); the bar advances at every step.
 
         Args:
             loss: the window's mean loss (0-d tensor or :class:`~.window_average.WindowLoss`; read
@@ -243,11 +236,7 @@ class Recorder:
                 record["grad_norm"] = grad_norm.item()
             self.record(record)
             self.progress.log(s, loss_value, lr, rate)
-            # the heartbeat at most every STATUS_EVERY_S while steps are fast (a file replaced, a
-            # rename: on a busy disk it cost more than the step), always at step 1 and at the ends
-            if ends_epoch or s.global_step in (1, self.total) or \
-                    self.status_clock() - self._status_at >= STATUS_EVERY_S:
-                self.status("running")
+            self.status("running")
         self.progress.advance(s.global_step)
 
     def on_eval(self, epoch: int, metrics: dict[str, float], metric: str) -> None:

@@ -24,7 +24,7 @@ from pimm_core.config import CheckpointConfig, Config, TrainConfig
 from pimm_core.process.dist import DistInfo
 from pimm_core.train.ema import EMA
 from pimm_core.errors import CheckpointSaveError, ConfigError
-from pimm_core.run import METRICS, MetricsWriter, read_json, read_metrics
+from pimm_core.run import read_json, read_metrics
 from pimm_core.train.schedule import WarmupCosine
 from pimm_core.process.stop import StopRequest
 from pimm_core.train.checkpointer import Checkpointer, Save, SaveSchedule
@@ -288,31 +288,6 @@ def test_status_json_round_trips_the_position_and_the_outcome(tmp_path):
         "stopped", "budget")
     rec.status("failed", error="OSError: disk")
     assert read_json(tmp_path / "status.json")["error"] == "OSError: disk"
-
-
-def test_status_json_is_paced_by_time_at_logged_steps_and_always_written_at_the_ends(tmp_path):
-    """Fast logged steps replace status.json at most every STATUS_EVERY_S (each replacement a file
-    and a rename: on a busy disk more than a small model's step); step 1, an epoch's last step and
-    the run's last are always written, and metrics.jsonl gets every logged step."""
-    from pimm_core.train.recorder import STATUS_EVERY_S
-
-    s = TrainState()
-    rec = recorder(tmp_path, s)  # 3 epochs of 5 steps, a record every 2 steps, 15 in all
-    now = [100.0]
-    rec.status_clock = lambda: now[0]
-    rec._metrics = MetricsWriter(tmp_path / METRICS)
-    seen = []
-    with rec.training():
-        for step in range(1, 16):
-            s.global_step, s.epoch, s.iter = step, (step - 1) // 5, (step - 1) % 5 + 1
-            s.epoch_start_step = 5 * s.epoch
-            if step == 8:
-                now[0] += STATUS_EVERY_S  # time passes: the next logged step (8) writes
-            rec.on_step(s.epoch, torch.tensor(1.0), 1e-3, 4)
-            seen.append(read_json(tmp_path / "status.json")["step"])
-    assert seen == [1, 1, 1, 1, 5, 5, 5, 8, 8, 10, 10, 10, 10, 10, 15]
-    logged = [r["step"] for r in map(json.loads, (tmp_path / METRICS).read_text().splitlines())]
-    assert logged == [1, 2, 4, 5, 6, 8, 10, 12, 14, 15]
 
 
 def test_only_rank_0_with_a_run_dir_writes(tmp_path):
