@@ -174,15 +174,16 @@ def parts_us(cfg, run_dir: Path, calls: int) -> dict:
             its[k] = iter(loaders[k])
             return next(its[k])
 
+    params = list(model.parameters())
+
     def pimm_forward_backward():
         step.backward(batch, window_len=1, last_in_window=True)
-        step.average.finish(model.parameters())
+        step.average.finish(params, lazy=True)  # (as the step: the loss is computed when a record reads it)
 
     def hand_forward_backward():
         F.cross_entropy(model(batch[0]), batch[1]).backward()
 
     ema = [p.detach().float().clone() for p in model.parameters()]
-    params = list(model.parameters())
     loss = torch.tensor(0.5)
     rec.log_every_steps = 10**9  # the bookkeeping of a step that writes nothing
     s = trainer.state
@@ -206,7 +207,9 @@ def parts_us(cfg, run_dir: Path, calls: int) -> dict:
             "to_device": _best_us(lambda: to_device(batch, trainer.device), calls),
             "forward + backward + window average": _best_us(pimm_forward_backward, calls),
             "gradient norm + finite check": _best_us(step.gradients_finite, calls),
-            "optimizer step (via GradScaler)": _best_us(lambda: (trainer.scaler.step(opt), trainer.scaler.update()), calls),
+            # (as WindowStep.finish: through the GradScaler only when it is enabled, amp = "fp16")
+            "optimizer step": _best_us(lambda: (trainer.scaler.step(opt), trainer.scaler.update())
+                                       if trainer.scaler.is_enabled() else opt.step(), calls),
             "zero_grad": _best_us(lambda: opt.zero_grad(set_to_none=True), calls),
             "ema update": _best_us(lambda: trainer.ema.update(unwrap(model)), calls),
             "bookkeeping (schedule, recorder, callbacks, time limit, stop agreement, saves due)":

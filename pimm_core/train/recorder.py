@@ -227,7 +227,8 @@ class Recorder:
         (so a plot and the "last" loss never lag the run's end); the bar advances at every step.
 
         Args:
-            loss: the window's mean loss (0-d tensor; read only when recorded).
+            loss: the window's mean loss (0-d tensor or :class:`~.window_average.WindowLoss`; read
+                with ``.item()`` only when recorded).
             lr: the LR the step used.
             samples: samples in the window on this rank.
             grad_norm: the window's total L2 gradient norm before clipping (0-d tensor), recorded as

@@ -148,6 +148,8 @@ class WindowStep:
         self.before_forward = before_forward
         self.window_flags, self.on_window_flags = window_flags, on_window_flags
         self._param_list: list[nn.Parameter] | None = None
+        self._mixed: bool | None = None  # False: no parameter can carry a DTensor gradient (_params)
+        self._raw_model: nn.Module = model  # unwrap(model), set with _param_list
         self.average = WindowAverage(torch.device("cpu"), distributed)  # windows() puts it on the step's device
 
     def windows(self, batches: Iterable, state: TrainState, micro_batches: int,
@@ -164,8 +166,9 @@ class WindowStep:
 
         Yields:
             At each window's end: :meth:`finish`'s outcome, the window's loss (a 0-d tensor on
-            ``device``: per counted item over every rank for a ``(sum, count)`` objective, else
-            this rank's mean of the micro-batch means) and the number of samples it used on this rank.
+            ``device``, or a :class:`~.window_average.WindowLoss` computed when read: per counted
+            item over every rank for a ``(sum, count)`` objective, else this rank's mean of the
+            micro-batch means; read it with ``.item()``) and the number of samples it used on this rank.
         """
         accum = self.train.grad_accum
         # (the previous epoch's last count carries K into this one: no collective for it)
@@ -186,7 +189,8 @@ class WindowStep:
             flags = self.window_flags() if self.window_flags is not None else None
             if flags is not None:
                 beat("collective", "window all-reduce (loss, count, stop agreement)")
-            window_loss = self.average.finish(self._params(), flags)  # gradients divided before clipping
+            # (gradients divided before clipping; the loss computed when a record reads it)
+            window_loss = self.average.finish(self._params(), flags, lazy=True)
             if flags is not None and self.on_window_flags is not None:
                 self.on_window_flags(self.average.flags_total)
             yield self.finish(), window_loss, samples
@@ -195,11 +199,14 @@ class WindowStep:
     def backward(self, batch: Any, *, window_len: int, last_in_window: bool) -> None:
         """One micro-batch of a window of ``window_len``: forward, then backward of its share
         (:meth:`WindowAverage.to_backward`); the window's end is :meth:`WindowAverage.finish`."""
-        with gradient_sync(self.model, last_in_window or not self.distributed):
+        sync = gradient_sync(self.model, last_in_window) if self.distributed else contextlib.nullcontext()
+        with sync:
             with self.autocast():
-                loss = self.average.to_backward(self._forward(batch), window_len=window_len)
+                loss, seed = self.average.seeded(self._forward(batch), window_len=window_len)
             forward_done()  # (the heartbeat's work_s: what a straggler is measured by)
-            self.scaler.scale(loss).backward()
+            if self.scaler.is_enabled():  # (fp16: a disabled scaler's scale() is the tensor itself)
+                loss = self.scaler.scale(loss)
+            loss.backward(seed)
 
     def _forward(self, batch: Any) -> Loss:
         """The objective's loss of ``batch``.
@@ -228,8 +235,9 @@ class WindowStep:
         """
         t = self.train
         params = [p for p in self._params() if p.grad is not None]
-        self.scaler.unscale_(self.optimizer)  # (a no-op without loss scaling) the norm is of the true gradients
-        if mixed_grads(params):  # TP: DTensors of several meshes and plain tensors
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(self.optimizer)  # the norm is of the true gradients
+        if self._mixed is not False and mixed_grads(params):  # TP: DTensors of several meshes and plain tensors
             norm = clip_grad_norm_(params, t.grad_clip)
         elif t.grad_clip:
             norm = clip_grad_norm(params, t.grad_clip)  # the norm before clipping
@@ -247,6 +255,9 @@ class WindowStep:
         are updated in place; a walk of the module tree per step costs as much as a small model's step)."""
         if self._param_list is None:
             self._param_list = list(self.model.parameters())
+            # (every parameter a plain tensor: its gradient is one too, no mix of DTensor kinds to look for)
+            self._mixed = None if any(type(p) is not nn.Parameter for p in self._param_list) else False
+            self._raw_model = unwrap(self.model)
         return self._param_list
 
     def finish(self) -> str:
@@ -260,11 +271,15 @@ class WindowStep:
             self.before_step()
         outcome = APPLIED
         if finite or self.train.on_nonfinite == "continue":
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
+            if self.scaler.is_enabled():
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:  # (what a disabled GradScaler's step() calls; its update() does nothing)
+                self.optimizer.step()
         else:
             outcome = SKIPPED
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
-            self.ema.update(unwrap(self.model))
+            self._params()
+            self.ema.update(self._raw_model)
         return outcome

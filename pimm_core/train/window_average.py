@@ -49,6 +49,9 @@ from ..objectives import Loss
 from ..process import dist
 
 
+_SEEDS: dict[tuple, torch.Tensor] = {}  # (K, dtype, device) -> K as a 0-d tensor (WindowAverage._seed)
+
+
 def _world_size() -> int:
     d = torch.distributed
     return d.get_world_size() if d.is_available() and d.is_initialized() else 1
@@ -77,6 +80,7 @@ class WindowAverage:
         self.flags_total: torch.Tensor | None = None  # the last finish()'s flags, summed over the ranks
         # (the same value on every rank: it came out of an all-reduce)
         self.first_total = None if first_total is None else first_total.to(device)
+        self._world: int | None = None  # the world size, read once (the host path's rescale)
         self.start()
 
     def start(self) -> None:
@@ -88,15 +92,31 @@ class WindowAverage:
         self.host: bool | None = None
         self.scale: torch.Tensor | float | None = None  # K (float64 0-d on device, or a float on the host)
         self.loss_sum: torch.Tensor | None = None  # float64, 0-d; from the window's first micro-batch
+        # the micro-batches' losses (detached, their dtype) where the window's loss is only read on
+        # the host (one process, or a mean window): summed in float64 when a record reads it
+        self.parts: list[torch.Tensor] = []
         self.count: torch.Tensor | float = 0.0
         self.first: torch.Tensor | None = None  # this rank's count of the window's first micro-batch
 
     def to_backward(self, loss: Loss, *, window_len: int) -> torch.Tensor:
-        """The tensor to backpropagate for one micro-batch of a window of ``window_len``.
+        """The tensor to backpropagate for one micro-batch of a window of ``window_len``
+        (:meth:`seeded`'s tensor times its seed).
 
         Raises:
             ConfigError: the objective returned a mean for one micro-batch and a
                 ``(sum, count)`` for another of the same window.
+        """
+        out, seed = self.seeded(loss, window_len=window_len)
+        return out if seed is None else out * seed
+
+    def seeded(self, loss: Loss, *, window_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`to_backward` as ``(tensor, seed)``: ``tensor.backward(seed)`` gives its gradients
+        (``seed`` None: ones). On the host path ``K`` is the seed, not a multiply: a power of two
+        scales exactly, so the seed ``K`` and a product's backward (``1 * K``) are the same value,
+        without an op in the forward and one in the backward per micro-batch.
+
+        Raises:
+            ConfigError: as :meth:`to_backward`.
         """
         per_sample = loss.count is not None
         if self.per_sample is None:
@@ -105,19 +125,21 @@ class WindowAverage:
             raise ConfigError("the objective returned its loss as a mean for one batch and as a (sum, count) pair "
                               "for another; return the same form for every batch (docs/objectives.md)")
         if not per_sample:  # a mean: the window averages its micro-batches' means
-            out = loss.value / window_len
-            self._add_loss(out.detach().double())
-            return out
+            out = loss.value / window_len if window_len != 1 else loss.value  # (x / 1 is x, bit for bit)
+            self.parts.append(out.detach())
+            return out, None
         count = loss.count
         if self.host is None:
             self.host = not self.distributed and (not isinstance(count, torch.Tensor) or count.device.type == "cpu")
-        self._add_loss(loss.value.detach().double())
         if self.host:
+            self.parts.append(loss.value.detach())
             count = float(count)  # (a CPU tensor, or a number: no device sync)
             self.count += count
             if self.scale is None:  # the window's first micro-batch: K, as below in float64
                 self.scale = 2.0 ** -round(math.log2(max(count * window_len, 1.0)))
-            return loss.value * self.scale  # (a power of two: exact, as the tensor K's product)
+            value = loss.value  # K (a power of two: exact, as the tensor K's product) seeds its backward
+            return value, None if self.scale == 1.0 else self._seed(self.scale, value)
+        self._add_loss(loss.value.detach().double())
         count = _as_tensor(count, self.device)
         self.count = self.count + count if isinstance(self.count, torch.Tensor) else count.clone()
         if self.scale is None:  # the window's first micro-batch: K, the same on every rank
@@ -128,41 +150,61 @@ class WindowAverage:
                 if self.distributed:
                     dist.all_reduce_sum(first)
             self.scale = torch.exp2(-torch.round(torch.log2(torch.clamp(first * window_len, min=1.0))))
-        return loss.value * self.scale.to(loss.value.dtype)
+        return loss.value * self.scale.to(loss.value.dtype), None
+
+    def _seed(self, k: float, like: torch.Tensor) -> torch.Tensor:
+        """``K`` as a 0-d tensor of ``like``'s dtype and device, made once per value (windows of
+        one size reuse it: no tensor built per micro-batch)."""
+        key = (k, like.dtype, like.device)
+        seed = _SEEDS.get(key)
+        if seed is None:
+            if len(_SEEDS) > 64:  # (micro-batches of ever-changing counts: keep the cache small)
+                _SEEDS.clear()
+            seed = _SEEDS[key] = torch.tensor(k, dtype=like.dtype, device=like.device)
+        return seed
 
     def _add_loss(self, value: torch.Tensor) -> None:
         self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
 
-    def finish(self, params: Iterable[torch.nn.Parameter], flags: list[float] | None = None) -> torch.Tensor:
+    def finish(self, params: Iterable[torch.nn.Parameter], flags: list[float] | None = None, *,
+               lazy: bool = False) -> torch.Tensor | WindowLoss:
         """At the window's end, after its last backward: divide the gradients by the window's total
-        count (a per-sample window) and return the window's loss (0-d tensor; per counted item over
-        every rank, or this rank's mean of micro-batch means). A window with no counted item gets a
-        zero gradient and a logged loss of 0.
+        count (a per-sample window) and return the window's loss (0-d float32 tensor; per counted
+        item over every rank, or this rank's mean of micro-batch means). A window with no counted
+        item gets a zero gradient and a logged loss of 0.
 
         Args:
+            lazy: where the loss is known on this rank alone (one process, a mean window), return
+                it as a :class:`WindowLoss`, whose float64 sum and division run when it is read
+                (a record reads one loss every ``train.log_every_steps``; at a small model these
+                conversions cost as much as a part of the step).
             flags: numbers to sum over the ranks in the same all-reduce (the stop agreement's,
                 :meth:`~pimm_core.train.stop_agreement.StopAgreement.window_flags`); their sums
                 are then :attr:`flags_total` (float64, on ``device``). A mean window has no
                 all-reduce of its own: it makes one for them.
         """
-        loss_sum = self.loss_sum if self.loss_sum is not None else torch.zeros((), dtype=torch.float64,
-                                                                               device=self.device)
         extra = None if flags is None else torch.tensor(flags, dtype=torch.float64, device=self.device)
         self.flags_total = extra
         if not self.per_sample:
             if extra is not None and self.distributed:
                 dist.all_reduce_sum(extra)
+            out = WindowLoss(self.parts, None, self.device)
             self.start()
-            return loss_sum.float()
+            return out if lazy else out.tensor()
         if self.host:  # (one process: no flags to reduce, flags_total is this rank's)
             n = self.count
             # the same float64 arithmetic as the tensors' below; a factor of 1 (full windows of a
             # power-of-two count) changes no gradient bit and is skipped
-            factor = _world_size() / (self.scale * max(n, 1.0)) if n > 0 else 0.0
+            if self._world is None:
+                self._world = _world_size()
+            factor = self._world / (self.scale * max(n, 1.0)) if n > 0 else 0.0
             if factor != 1.0:
                 _scale_grads(params, factor)
+            out = WindowLoss(self.parts, max(n, 1.0), self.device)
             self.start()
-            return (loss_sum / max(n, 1.0)).float()
+            return out if lazy else out.tensor()
+        loss_sum = self.loss_sum if self.loss_sum is not None else torch.zeros((), dtype=torch.float64,
+                                                                               device=self.device)
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         totals = torch.stack([loss_sum, self.count if isinstance(self.count, torch.Tensor) else zero,
                               self.first if self.first is not None else zero])
@@ -181,6 +223,39 @@ class WindowAverage:
         _scale_grads(params, factor)
         self.start()
         return (total / safe_n).float()
+
+
+class WindowLoss:
+    """A window's loss as a 0-d float32 tensor, computed when first read: the float64 sum of its
+    micro-batches' losses (in their order), divided by ``divisor`` (None: not divided), the ops
+    and so the bits of :meth:`WindowAverage.finish`'s tensor.
+
+    Args:
+        parts: the micro-batches' detached 0-d losses.
+        divisor: the window's count (a float), or None (a mean window: the parts are its
+            micro-batches' shares already).
+    """
+
+    __slots__ = ("_parts", "_divisor", "_device", "_value")
+
+    def __init__(self, parts: list[torch.Tensor], divisor: float | None, device: torch.device):
+        self._parts, self._divisor, self._device = parts, divisor, device
+        self._value: torch.Tensor | None = None
+
+    def tensor(self) -> torch.Tensor:
+        """The loss (0-d float32 tensor; computed once)."""
+        if self._value is None:
+            parts = self._parts
+            total = parts[0].double() if parts else torch.zeros((), dtype=torch.float64, device=self._device)
+            for p in parts[1:]:
+                total = total + p.double()
+            self._value = (total if self._divisor is None else total / self._divisor).float()
+            self._parts = []
+        return self._value
+
+    def item(self) -> float:
+        """The loss as a Python float (one host read)."""
+        return self.tensor().item()
 
 
 def _scale_grads(params: Iterable[torch.nn.Parameter], factor: torch.Tensor | float) -> None:

@@ -16,7 +16,7 @@ from pimm_core.train.ema import EMA
 from pimm_core.objectives import BUILTIN, Objective, classification, classification_loss
 from pimm_core.train.state import TrainState
 from pimm_core.train.step import WindowStep, clip_grad_norm, total_norm
-from pimm_core.train.window_average import WindowAverage
+from pimm_core.train.window_average import WindowAverage, WindowLoss
 
 
 def _net() -> nn.Module:
@@ -90,6 +90,26 @@ def test_host_window_average_gives_the_device_path_bits():
     (g1, l1), (g2, l2) = nets
     assert all(torch.equal(a, b) for a, b in zip(g1, g2))
     assert all(torch.equal(a, b) and a.dtype == b.dtype == torch.float32 for a, b in zip(l1, l2))
+
+
+def test_the_loss_read_when_a_record_needs_it_has_the_bits_of_the_eager_one():
+    """The step's window loss is a WindowLoss (its float64 sum and division run when a record
+    reads it): the same value as the tensor finish() returns, for (sum, count) and mean windows."""
+    torch.manual_seed(2)
+    x, y = torch.randn(12, 6), torch.randint(0, 4, (12,))
+    windows = [[(x[:4], y[:4]), (x[4:7], y[4:7])], [(x[7:], y[7:])]]
+    mean = Objective("mean", lambda m, b: (F.cross_entropy(m(b[0]), b[1]), {}))
+    for objective in (BUILTIN["classification"], mean):
+        for window in windows:
+            got = []
+            for lazy in (False, True):
+                net, avg = _net(), WindowAverage(torch.device("cpu"), False)
+                for b in window:
+                    avg.to_backward(objective.loss(net, b), window_len=len(window)).backward()
+                got.append(avg.finish(net.parameters(), lazy=lazy))
+            eager, lazy_loss = got
+            assert isinstance(lazy_loss, WindowLoss) and lazy_loss.tensor().dtype == torch.float32
+            assert torch.equal(lazy_loss.tensor(), eager) and lazy_loss.item() == eager.item()
 
 
 def test_ema_follows_the_parameters_it_was_made_from():
