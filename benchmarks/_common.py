@@ -8,6 +8,7 @@ third of the bytes are parameters, two thirds optimizer state (fp32 everywhere).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import platform
@@ -160,3 +161,24 @@ def time_calls(targets: dict[str, tuple[Any, str]], totals: dict[str, float]):
     finally:
         for owner, name, fn in reversed(undo):
             setattr(owner, name, fn)
+
+
+def json_dict(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path`` (a run's status.json), or {} when it is missing, partial or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def train_records(metrics: Path) -> list[dict[str, Any]]:
+    """The ``split == "train"`` records of a run's metrics.jsonl, skipping a partial last line; [] if absent."""
+    out = []
+    with contextlib.suppress(OSError):
+        for line in metrics.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                rec = json.loads(line)
+                if isinstance(rec, dict) and rec.get("split") == "train":
+                    out.append(rec)
+    return out

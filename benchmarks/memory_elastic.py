@@ -42,7 +42,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import load_average, machine, median, r, remove  # noqa: E402
+from _common import json_dict, load_average, machine, median, r, remove, train_records  # noqa: E402
 
 CONFIG = REPO / "configs" / "digits.toml"
 _AFTER_A = """
@@ -70,23 +70,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _records(metrics: Path) -> list[dict[str, Any]]:
-    out = []
-    with contextlib.suppress(OSError):
-        for line in metrics.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                rec = json.loads(line)
-                if isinstance(rec, dict) and rec.get("split") == "train":
-                    out.append(rec)
-    return out
 
 
 def _recovered_at(log: Path, after: float) -> float | None:
@@ -137,7 +120,7 @@ def one_loss(root: Path, name: str, hidden: int, memory_every: int, disk_every: 
     deadline = time.monotonic() + timeout
     try:
         while True:
-            recs = _records(rd / "metrics.jsonl")
+            recs = train_records(rd / "metrics.jsonl")
             if recs and recs[-1]["step"] >= kill_after:
                 break
             if node_a.poll() is not None or node_b.poll() is not None or time.monotonic() > deadline:
@@ -146,11 +129,11 @@ def one_loss(root: Path, name: str, hidden: int, memory_every: int, disk_every: 
         os.killpg(node_b.pid, signal.SIGKILL)
         killed_at = time.time()
         node_b.wait()
-        killed_step = max(x["step"] for x in _records(rd / "metrics.jsonl") if x.get("time", 0) <= killed_at)
+        killed_step = max(x["step"] for x in train_records(rd / "metrics.jsonl") if x.get("time", 0) <= killed_at)
         while True:
-            recovery = _json(rd / "status.json").get("recovery")
+            recovery = json_dict(rd / "status.json").get("recovery")
             if isinstance(recovery, dict) and recovery.get("restart", 0) >= 1:
-                after = [x for x in _records(rd / "metrics.jsonl")
+                after = [x for x in train_records(rd / "metrics.jsonl")
                          if x.get("time", 0) > killed_at and x["step"] == recovery["step"] + 1]
                 if after:
                     break
@@ -158,7 +141,7 @@ def one_loss(root: Path, name: str, hidden: int, memory_every: int, disk_every: 
                 raise TimeoutError(f"{name}: no step after the restart")
             time.sleep(0.01)
         recovered = _recovered_at(rd / "train.log", killed_at)
-        pids = _json(rd / "status.json").get("pids") or []
+        pids = json_dict(rd / "status.json").get("pids") or []
         first = _started_at(pids[0]) if pids else None  # the restarted rank (alive until the stop below)
     finally:
         for proc in (node_a, node_b):

@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import load_average, machine, median, r, remove, settle  # noqa: E402
+from _common import json_dict, load_average, machine, median, r, remove, settle, train_records  # noqa: E402
 
 CONFIG = REPO / "configs" / "digits.toml"
 
@@ -133,21 +133,6 @@ def stall(hidden: int, repeats: int, work: Path) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- recovery (torchrun)
-def _records(metrics: Path) -> list[dict[str, Any]]:
-    out = []
-    try:
-        text = metrics.read_text()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("split") == "train":
-            out.append(rec)
-    return out
-
 
 def _children(pid: int) -> list[int]:
     """The launcher's child processes (its ranks), from /proc (Linux)."""
@@ -167,13 +152,6 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
 
-
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _du(path: Path) -> int:
@@ -196,8 +174,8 @@ def one_failure(root: Path, name: str, hidden: int, memory_every: int, disk_ever
     try:
         # rank 1's pid once the run has logged kill_after steps
         while time.monotonic() < deadline:
-            recs = _records(rd / "metrics.jsonl")
-            pids = _json(rd / "status.json").get("pids") or []
+            recs = train_records(rd / "metrics.jsonl")
+            pids = json_dict(rd / "status.json").get("pids") or []
             if recs and recs[-1]["step"] >= kill_after and len(pids) == 2:
                 break
             if proc.poll() is not None:
@@ -207,13 +185,13 @@ def one_failure(root: Path, name: str, hidden: int, memory_every: int, disk_ever
             raise TimeoutError(f"{name}: {kill_after} steps not reached")
         shm = {}
         for rank in (0, 1):  # memory per rank, measured while the run is live
-            idx = _json(rd / "memory" / f"{rank}.json")
+            idx = json_dict(rd / "memory" / f"{rank}.json")
             if idx.get("shm") and idx.get("own"):
                 shm[rank] = {"shm_bytes": _du(Path(idx["shm"])), "state_bytes": idx["own"]["bytes"]}
         old_ranks = set(_children(proc.pid))
         os.kill(pids[1], signal.SIGKILL)
         killed_at = time.time()
-        before = [x for x in _records(rd / "metrics.jsonl") if x.get("time", 0) <= killed_at]
+        before = [x for x in train_records(rd / "metrics.jsonl") if x.get("time", 0) <= killed_at]
         killed_step = max(x["step"] for x in before)
         recovery = None
         timeline: dict[str, float] = {}  # seconds after the kill (polled every 5 ms)
@@ -228,11 +206,11 @@ def one_failure(root: Path, name: str, hidden: int, memory_every: int, disk_ever
                 mark("survivor_exited")
             if set(_children(proc.pid)) - old_ranks:
                 mark("new_ranks_started")
-            if _json(rd / "status.json").get("state") in ("restarting", "failed"):
-                mark(f"status_{_json(rd / 'status.json').get('state')}")
-            recovery = _json(rd / "status.json").get("recovery")
+            if json_dict(rd / "status.json").get("state") in ("restarting", "failed"):
+                mark(f"status_{json_dict(rd / 'status.json').get('state')}")
+            recovery = json_dict(rd / "status.json").get("recovery")
             if isinstance(recovery, dict) and recovery.get("restart", 0) >= 1:
-                after = [x for x in _records(rd / "metrics.jsonl")
+                after = [x for x in train_records(rd / "metrics.jsonl")
                          if x.get("time", 0) > killed_at and x["step"] == recovery["step"] + 1]
                 mark("recovered")
                 if after:
