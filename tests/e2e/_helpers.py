@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -232,3 +233,18 @@ def release(path: Path) -> None:
     """Undo :func:`undeletable` on a tree that was moved (whatever was made undeletable in it)."""
     subprocess.run(["chattr", "-R", "-i", str(path)] if os.geteuid() == 0 else ["chmod", "-R", "u+w", str(path)],
                    check=False, capture_output=True)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous, a server, a Slurm daemon)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def memory_index(run: Path, rank: int) -> dict[str, Any]:
+    """What rank ``rank`` publishes of its memory tier (``<run>/memory/<rank>.json``); {} while absent or partial."""
+    try:
+        return json.loads((run / "memory" / f"{rank}.json").read_text())
+    except (OSError, ValueError):
+        return {}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import hang_s
+from _helpers import free_port, hang_s
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "squeue", "scontrol", "scancel")
 START_TIMEOUT = hang_s(60)
@@ -32,11 +31,6 @@ def unavailable(reason: str) -> None:
         pytest.fail(f"the Slurm test cluster is not available in CI: {reason}")
     pytest.skip(f"no Slurm test cluster: {reason}")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -82,8 +76,8 @@ AuthInfo=socket={root}/munge.sock
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
 SlurmctldPidFile={root}/slurmctld.pid

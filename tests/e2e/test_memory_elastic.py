@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import DIGITS, REPO, clean_env, hang_s
+from _helpers import DIGITS, REPO, clean_env, free_port, hang_s, memory_index
 
 # 1,438 training images, 64 a step in micro-batches of 32: 22 steps, a window of 1 at 2 ranks, 2 at 1
 OVERRIDES = ("train.epochs=1", "model.hidden=16", "train.log_every_steps=5", "checkpoint.memory_every_steps=3",
@@ -39,11 +38,6 @@ OVERRIDES = ("train.epochs=1", "model.hidden=16", "train.log_every_steps=5", "ch
 NAME = "lost"
 TIMEOUT = hang_s(180)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Started before node A's agent, so that its process id is the lower one (torch's c10d rendezvous numbers the
@@ -71,12 +65,6 @@ def _agent(root: Path, node: str, port: int, env: dict[str, str], *, after_a: bo
                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _index(run: Path, rank: int) -> dict:
-    try:
-        return json.loads((run / "memory" / f"{rank}.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
 
 def _wait_for(check, what: str, procs: list[subprocess.Popen], root: Path) -> None:
     deadline = time.monotonic() + TIMEOUT
@@ -94,7 +82,7 @@ def _wait_for(check, what: str, procs: list[subprocess.Popen], root: Path) -> No
 @pytest.fixture(scope="module")
 def lost(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("memelastic")
-    port, gate = _free_port(), root / "gate"
+    port, gate = free_port(), root / "gate"
     gate.mkdir()
     node_b = _agent(root, "B", port, {"PIMM_FAILPOINT": "memory.step@8=pause", "PIMM_FAILPOINT_DIR": str(gate),
                                       "PIMM_FAILPOINT_RESTART": "0"}, after_a=True)  # rank 0: the lower pid
@@ -102,8 +90,8 @@ def lost(tmp_path_factory) -> dict:
     run = root / "digits" / NAME
     procs = [node_a, node_b]
     _wait_for(lambda: (gate / "memory.step.reached.8").exists(), "node B's rank paused at step 8", procs, root)
-    _wait_for(lambda: all((_index(run, r).get("own") or {}).get("step") == 6 and
-                          (_index(run, r).get("buddy") or {}).get("step") == 6 for r in (0, 1)),
+    _wait_for(lambda: all((memory_index(run, r).get("own") or {}).get("step") == 6 and
+                          (memory_index(run, r).get("buddy") or {}).get("step") == 6 for r in (0, 1)),
               "both ranks' copies of step 6", procs, root)
     (b_dir,) = [p for p in (root / "shmB").glob("pimm-*/*") if p.is_dir()]
     held_before = {node: sorted(p.relative_to(next((root / f"shm{node}").iterdir())).as_posix()

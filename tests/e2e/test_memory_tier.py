@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import DIGITS, REPO, clean_env, hang_s
+from _helpers import DIGITS, REPO, clean_env, hang_s, memory_index
 
 OVERRIDES = ("train.epochs=1", "model.hidden=16", "train.log_every_steps=5", "checkpoint.memory_every_steps=3",
              "checkpoint.every_epochs=1", "data.num_workers=0")
@@ -56,12 +56,6 @@ def _wait_for(check, what: str, proc: subprocess.Popen) -> None:
         time.sleep(0.1)
 
 
-def _index(run: Path, rank: int) -> dict:
-    try:
-        return json.loads((run / "memory" / f"{rank}.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
 
 def _pause_then_kill(root: Path, name: str, *remove: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """A launch whose rank 1 pauses at step 8; once both ranks hold their copies of step 6, the copies
@@ -72,15 +66,15 @@ def _pause_then_kill(root: Path, name: str, *remove: str, extra: tuple[str, ...]
                   *extra)
     run = root / "digits" / name
     _wait_for(lambda: (gate / "memory.step.reached.8").exists(), "rank 1 paused at step 8", proc)
-    _wait_for(lambda: all((_index(run, r).get("own") or {}).get("step") == 6 and
-                          (_index(run, r).get("buddy") or {}).get("step") == 6 for r in (0, 1)),
+    _wait_for(lambda: all((memory_index(run, r).get("own") or {}).get("step") == 6 and
+                          (memory_index(run, r).get("buddy") or {}).get("step") == 6 for r in (0, 1)),
               "both ranks' copies of step 6", proc)
     shm = next((root / "shm").glob(f"pimm-{name}-*"))
     doomed = [p for pattern in remove for p in shm.glob(pattern)]
     assert len(doomed) == 2 * len(remove), doomed  # each copy with its sidecar
     for path in doomed:
         path.unlink()
-    os.kill(_index(run, 1)["pid"], signal.SIGKILL)
+    os.kill(memory_index(run, 1)["pid"], signal.SIGKILL)
     # between the kill and the restarted rank 0's first status: what status.json says meanwhile
     _wait_for(lambda: _state(run) in ("restarting", "failed") or "recovery" in _status(run), "the state after the kill",
               proc)
@@ -205,7 +199,7 @@ def test_a_stopped_run_removes_its_memory_and_the_next_run_removes_a_dead_runs(t
         if tr.state.global_step == 7:
             tr.checkpointer.memory.wait()  # the round of step 6 done
             seen["copies"] = sorted(p.name for p in shm.glob("pimm-run-*/0/step_*/*"))
-            seen["index"] = _index(run, 0)
+            seen["index"] = memory_index(run, 0)
             seen["left"] = left.root.exists()
             tr.stop.request("budget")
 

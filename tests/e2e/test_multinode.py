@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 
-from _helpers import DIGITS, REPO, clean_env, describe, hang_s, pimm, pimm_here, read_json, read_jsonl
+from _helpers import DIGITS, REPO, clean_env, describe, free_port, hang_s, pimm, pimm_here, read_json, read_jsonl
 from pimm_core.checkpoint.records.manifest import verify_files
 
 OVERRIDES = ("train.epochs=3", "train.log_every_steps=1")  # 23 steps per epoch at world size 2
@@ -41,11 +40,6 @@ NAME = "mn"
 LEAD = 3  # optimizer steps a session takes (since its start) before it is stopped
 TIMEOUT = hang_s(180)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def alive(pid: int) -> bool:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import DIGITS, REPO, launch, read_json
+from _helpers import DIGITS, REPO, free_port, launch, read_json
 from _s3 import BUCKET, pimm_here_s3, start_s3
 
 SRC = "src"  # the shared run, uploaded to the remote: last at step 45, iter_20/iter_40, model_best.pth
@@ -168,11 +167,6 @@ def test_remote_candidates_without_their_marker_are_refused_in_one_line(tmp_path
         s3.fs.rm(f"{prefix}/step_99", recursive=True)
         s3.fs.rm_file(f"{prefix}/iter_99.pth")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_store_errors_are_one_line(tmp_path, s3, src):
