@@ -38,15 +38,13 @@ dataset cannot be sent (a one-line :class:`~pimm_core.errors.ConfigError` says s
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.forkserver
 import pickle
-import signal
 import threading
-from ..errors import ConfigError
 
-#: The signals a run stops on; the fork server and the workers it starts never act on them.
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
-                     if hasattr(signal, name))
+from ..errors import ConfigError
+from ..process import forkserver
+from ..process.forkserver import STOP_SIGNALS
+
 #: What the fork server imports once so that each worker it forks has it already.
 PRELOAD = ["pimm_core.data.loaders"]  # the module itself: the package imports nothing at import
 
@@ -75,28 +73,8 @@ def worker_context(method: str) -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
         with _start_lock:
-            _ensure_forkserver()
+            forkserver.start(PRELOAD)  # (no effect once it runs)
     return ctx
-
-
-def _ensure_forkserver() -> None:
-    # The mask of the calling thread is inherited through fork and exec; blocking here (not
-    # ignoring) loses nothing: a stop signal that arrives meanwhile is delivered to this
-    # process when the mask is restored.
-    multiprocessing.set_forkserver_preload(PRELOAD)  # no effect once the server runs
-    # The fork server's start first starts multiprocessing's resource tracker, which blocks SIGINT
-    # and SIGTERM around its own spawn and then UNBLOCKS them (not restores): inside the block
-    # below, that left the fork server (and every worker it forks) killable by the SIGTERM torchrun
-    # or a scheduler sends to the whole process group, so a stopping rank lost its workers and
-    # failed waiting for a batch. Started first, here, the tracker is already running below.
-    from multiprocessing import resource_tracker
-
-    resource_tracker.ensure_running()
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def check_importable(what: str, obj: object, method: str) -> None:

@@ -101,10 +101,14 @@ def live_processes() -> list[tuple[int, int, int]]:
 
 
 def rank_processes(parent: int | None = None) -> list[int]:
-    """The live ranks started by this agent: its children that lead their own session (torchrun
-    starts each rank with ``start_new_session``)."""
+    """The live ranks started by this agent: the processes that lead their own session (torchrun
+    starts each rank with ``start_new_session``; a forked rank calls ``setsid``) among its children
+    and the children of its children that do not (forked ranks are children of its fork server,
+    see rank_start.py)."""
     parent = os.getpid() if parent is None else parent
-    return [pid for pid, ppid, sid in live_processes() if ppid == parent and sid == pid]
+    procs = live_processes()
+    servers = {pid for pid, ppid, sid in procs if ppid == parent and sid != pid}  # (not a rank: the fork server)
+    return [pid for pid, ppid, sid in procs if sid == pid and (ppid == parent or ppid in servers)]
 
 
 def _send(pid: int, sig: signal.Signals) -> None:

@@ -25,7 +25,9 @@ from ..process.stop import configured_signals
 from ..targets import child_env
 from ..process.threads import USER_OMP_ENV
 from .forward import SignalForwarder
+from .forward import rank_processes
 from .options import LaunchOptions
+from .rank_start import forked_ranks, rank_server, torchrun_args as rank_start_args
 from .rendezvous import use_ordered_shutdown
 from .requeue import requeue_if_asked
 from .restarts import watch_restarts
@@ -92,7 +94,9 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
     handled = forwarder.TORCHRUN_ARGS if forwarder else \
         ["--signals-to-handle", ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT",
                                                         *(s.name for s in signals)]))]
-    args = get_args_parser().parse_args([*opts.torchrun_args(), *handled, "--module", "pimm_core.cli", *worker_args])
+    forked = forked_ranks()  # (rank_start.py: forked from a server that imported torch once)
+    entry = rank_start_args() if forked else ["--module", "pimm_core.cli"]
+    args = get_args_parser().parse_args([*opts.torchrun_args(), *handled, *entry, *worker_args])
     if not single_node:
         use_ordered_shutdown(args)  # the agent hosting the c10d store leaves last (rendezvous.py)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
@@ -120,7 +124,8 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
                 print(f"stopped ({stop.reason}) before the ranks started: nothing was trained or saved | run {run_dir}",
                       flush=True)
                 return 0
-            with forwarder or contextlib.nullcontext(), watch_restarts(run_dir):
+            with forwarder or contextlib.nullcontext(), watch_restarts(run_dir), \
+                    rank_server() if forked else contextlib.nullcontext():
                 return _run_ranks(run, args, run_dir, errors_dir, forwarder)
         finally:
             os.environ.pop(RANK_ERRORS_ENV, None)
@@ -201,17 +206,18 @@ def _failure_report(failures: dict, reports: dict[int, dict], run_dir: Path) -> 
 
 
 def _wait_for_children(timeout: float = 300.0) -> None:
-    """Ignore the stop signals and reap this process's children (the local ranks) until none is left."""
+    """Ignore the stop signals and wait until this launcher's ranks are gone (reaping those that are
+    its children: the ranks started as ``python -m``; forked ranks are the fork server's)."""
     for sig in {signal.SIGINT, signal.SIGTERM, *signals_from_env()}:
         signal.signal(sig, signal.SIG_IGN)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return  # no child left
-        if pid == 0:
-            time.sleep(0.05)
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0] != 0:
+                pass
+        if not rank_processes():
+            return
+        time.sleep(0.05)
 
 
 def _split_at_dashdash(argv: list[str]) -> tuple[list[str], list[str], list[str]]:

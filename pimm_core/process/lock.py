@@ -254,6 +254,12 @@ def hold_run(run_dir: Path, is_main: bool):
     return contextlib.nullcontext()
 
 
+def launcher_pid() -> int | None:
+    """The process of the ``pimm launch`` that started this rank (torchrun's agent), if one did."""
+    value = os.environ.get(LAUNCHER_ENV)
+    return int(value) if value and value.isdigit() else None
+
+
 def follow_launcher() -> None:
     """Make this rank die with its ``pimm launch`` process (a no-op without ``$PIMM_LAUNCHER_PID``)."""
     value = os.environ.get(LAUNCHER_ENV)

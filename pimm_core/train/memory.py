@@ -44,6 +44,7 @@ from ..checkpoint.tensors.state import pack, rng_state, unwrap
 from ..errors import ConfigError
 from ..faults import point, register
 from ..process import dist
+from ..process.lock import launcher_pid
 from ..run.memory_index import RankMemory, remove_rank_index, write_rank_index
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ class MemorySnapshots:
             for path in remove_stale(keep=self.store.root if restart_count() else None):
                 log.info("removed %s, the memory tier of a run that is gone", path)
         dist.barrier()
-        agent = os.getppid() if restart_count() or "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+        agent = (launcher_pid() or os.getppid()) if restart_count() or "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
         try:
             self.store.open(agent_pid=agent)
         except OSError as e:

@@ -34,6 +34,7 @@ from ..config import Config, write_config
 from ..errors import ConfigError
 from ..process.console_log import attach_console
 from ..process.dist import DistInfo
+from ..process.lock import launcher_pid
 from ..run import (CONFIG, METRICS, PROVENANCE, MetricsWriter, append_provenance, launch_record, log_handler,
                    now_iso, scheduler_record, supersede_after, write_status)
 from ..errors import PimmError, is_peer_loss, restarts_left
@@ -178,7 +179,7 @@ class Recorder:
         ``failed``: torchrun's agent starts the ranks again and they recover (the sinks keep their run open);
         ``failed`` only once no restart is left."""
         left = restarts_left()
-        extra = {"agent_pid": os.getppid()} if left else {}  # (the agent lives on while the ranks restart)
+        extra = {"agent_pid": launcher_pid() or os.getppid()} if left else {}  # (the agent lives on while the ranks restart)
         self.status("restarting" if left else "failed", error=f"{e.__class__.__name__}: {e}", **extra)
         if left and self.info.is_main:
             log.warning("warning: this session of the ranks failed (%s); torchrun restarts them (%d restart%s "

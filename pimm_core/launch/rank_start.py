@@ -1,0 +1,128 @@
+"""How the launcher starts its ranks: forked from a server that has imported torch once.
+
+Started as ``python -m pimm_core.cli`` (torchrun's default), every rank imports torch and what
+``torch.optim`` pulls in at an optimizer's construction (``torch._dynamo``), ``torch.distributed``
+and ``torch.distributed.checkpoint``: about 4 CPU-s a rank before its first line of pimm, paid
+again by every rank a torchrun restart starts. ``pimm launch --nproc-per-node N`` instead gives
+torchrun a function to run (``--run-path``, :data:`RANK_SCRIPT`) with ``--start-method
+forkserver``: torchrun's agent asks multiprocessing's fork server for each rank, and the
+server, started once per launch with :data:`PRELOAD` imported, forks it in milliseconds
+(``benchmarks/startup.py`` measures both). A restarted rank (``--max-restarts``) is forked
+from the same server.
+
+What a rank started this way keeps from ``python -m pimm_core.cli`` (:func:`run_rank`):
+its own session (torchrun starts each rank with ``start_new_session``); the launch's
+environment (the server is started fresh by :func:`rank_server`, after the launcher has set
+it) plus the variables torchrun's agent sets for the rank; ``sys.path`` with the working
+directory and ``$PYTHONPATH`` first (how the ranks import user code); the stop signals
+unblocked; and the interpreter's exit (threads joined, then ``atexit``).
+
+Only torch is preloaded, never pimm's modules: some read the rank's environment at import
+(``faults``), and they import in a fraction of a second. The server imports torch without
+touching CUDA (tested), so forked ranks initialize CUDA themselves as usual.
+
+``PIMM_RANK_START=exec`` starts each rank as a fresh ``python -m pimm_core.cli`` instead, as
+does a Python whose fork server cannot be stopped and restarted (:func:`forked_ranks`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import Iterator
+
+from ..process import forkserver
+
+#: What the ranks' fork server imports once (what every rank imports before its first step).
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.parallel"]
+#: The file torchrun runs in each forked rank (``--run-path``): it calls :func:`run_rank`.
+RANK_SCRIPT = Path(__file__).with_name("rank_main.py")
+#: ``exec``: start each rank as a fresh interpreter (``python -m pimm_core.cli``), not forked.
+RANK_START_ENV = "PIMM_RANK_START"
+
+
+def forked_ranks() -> bool:
+    """Start the ranks from the fork server (the default), unless ``$PIMM_RANK_START`` is ``exec``
+    or this Python cannot restart its fork server (the ranks' environment comes from the server's)."""
+    return os.environ.get(RANK_START_ENV, "") != "exec" and forkserver.can_stop()
+
+
+def torchrun_args() -> list[str]:
+    """torchrun's flags that make it run :data:`RANK_SCRIPT` in forked ranks (give the ranks'
+    arguments after them)."""
+    return ["--start-method", "forkserver", "--run-path", str(RANK_SCRIPT)]
+
+
+@contextlib.contextmanager
+def rank_server() -> Iterator[None]:
+    """Inside: this process's fork server is a fresh one, started now (with the environment the
+    ranks must get) and preloading :data:`PRELOAD`; stopped on the way out, once the ranks are gone.
+
+    The server imports while torchrun's agent meets the other agents (the rendezvous).
+    """
+    forkserver.stop()  # (one left by an earlier launch in this process holds that launch's environment)
+    forkserver.start(PRELOAD)
+    try:
+        yield
+    finally:
+        forkserver.stop()
+
+
+def run_rank(argv: list[str]) -> None:
+    """Run ``pimm argv`` as this rank, forked from the fork server (torchrun runs this through
+    :data:`RANK_SCRIPT`), as ``python -m pimm_core.cli argv`` would.
+
+    Returns (exit code 0, what torchrun's agent waits for: it counts a rank as done by the value
+    it returns), or raises ``SystemExit`` with the rank's non-zero exit code.
+    """
+    os.setsid()  # its own session, as torchrun gives a rank it starts: only the launcher gets a terminal's ^C
+    forkserver.leave_parent_server()  # it dies with the launcher, and this rank with it (lock.follow_launcher)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, forkserver.STOP_SIGNALS)  # (blocked in the server; pending ones arrive now)
+    cwd = os.getcwd()
+    first = [cwd, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    sys.path[:] = list(dict.fromkeys(first + sys.path))  # `python -m`: the working directory, then $PYTHONPATH
+    sys.argv = [sys.argv[0], *argv]
+    code = 0
+    try:
+        import runpy
+
+        runpy.run_module("pimm_core.cli", run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = _exit_code(e.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:  # what the interpreter prints for an uncaught exception, then exit code 1
+        traceback.print_exc()
+        code = 1
+    _finalize()
+    if code < 0:  # (an uncaught KeyboardInterrupt: the interpreter exits by that signal)
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    if code:
+        raise SystemExit(code)
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)  # sys.exit("message"): the interpreter prints it and exits with 1
+    return 1
+
+
+def _finalize() -> None:
+    """The interpreter's exit (``Py_FinalizeEx``), which a forked child skips: ``threading``'s exit
+    (its exit functions, e.g. the thread pools' shutdown, then a join of the threads that are not
+    daemons), then the ``atexit`` functions (pimm's DataLoader worker shutdown, the sinks' flushes)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    threading._shutdown()  # type: ignore[attr-defined]  # (CPython's, what the interpreter calls)
+    atexit._run_exitfuncs()
