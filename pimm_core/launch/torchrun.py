@@ -152,11 +152,14 @@ def _run_ranks(run, args, run_dir: Path, errors_dir: str, forwarder: SignalForwa
     except ChildFailedError as e:
         if forwarder is not None and forwarder.received is not None:
             return _interrupted(forwarder.received, run_dir)  # a rank died while stopping
-        rank, code, line = _failure_report(e.failures, rank_errors(errors_dir), run_dir)
+        reports = rank_errors(errors_dir)
+        rank, code, line = _failure_report(e.failures, reports, run_dir)
         # no restart is left: status.json says `failed` with the cause, also when rank 0 (its writer)
-        # was killed or only failed because another rank died
+        # was killed or only failed because another rank died. Rank 0's own error stays when it is the
+        # cause, and when this node saw only consequences (another node's rank died: its launcher knows)
+        consequence = bool(reports.get(rank, {}).get("secondary"))
         with contextlib.suppress(OSError):
-            mark_failed(run_dir, line.removeprefix("error: "), rank0_cause=rank == 0)
+            mark_failed(run_dir, line.removeprefix("error: "), keep_error=rank == 0 or consequence)
         print(line, file=sys.stderr)
         return code
     return 0

@@ -179,20 +179,21 @@ def mark_restarting(run_dir: Path, agent_pid: int, why: str) -> None:
     _rewrite(run_dir, ("starting", "running", "stopping"), "restarting", why, agent_pid=agent_pid)
 
 
-def mark_failed(run_dir: Path, why: str, *, rank0_cause: bool = False) -> None:
+def mark_failed(run_dir: Path, why: str, *, keep_error: bool = False) -> None:
     """The launch ended with a failed rank and no restart left: ``status.json`` says ``failed`` with the
     cause ``why`` (the launcher's line, naming the rank: ``rank 0 was killed by SIGKILL; ...``).
 
     Rank 0 writes ``failed`` itself when it fails with no restart left; it cannot when it was killed (the
     record stays ``running``, or ``restarting`` from the previous attempt), and when another rank died
     first, its own error is only the consequence (a lost connection). So a record in any state but an end
-    state is marked, and a ``failed`` one gets ``why`` as its error unless ``rank0_cause`` (rank 0's own
-    failure is the cause: its exception stays). ``stopped`` and ``finished`` are left as they are.
+    state is marked, and a ``failed`` one gets ``why`` as its error unless ``keep_error`` (rank 0's own
+    failure is the cause, or ``why`` names a consequence too: another node's rank died, and that node's
+    launcher names it). ``stopped`` and ``finished`` are left as they are.
 
     Raises:
         OSError: the write failed.
     """
-    states = ("starting", "running", "restarting", "stopping", *(() if rank0_cause else ("failed",)))
+    states = ("starting", "running", "restarting", "stopping", *(() if keep_error else ("failed",)))
     _rewrite(run_dir, states, "failed", why, error=why)
 
 

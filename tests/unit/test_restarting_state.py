@@ -71,7 +71,7 @@ def test_the_launch_s_failure_names_the_cause_unless_rank_0_s_own_error_is_it(tm
     """What the launcher writes when the last attempt failed (the e2e launches: tests/e2e/test_restarts_exhausted.py)."""
     why = "rank 1 was killed by SIGKILL; the run stopped"
     write_status(tmp_path, "failed", step=4, error="RuntimeError: Connection reset by peer")
-    mark_failed(tmp_path, why, rank0_cause=True)  # rank 0's own failure is the cause: its exception stays
+    mark_failed(tmp_path, why, keep_error=True)  # rank 0's own failure is the cause: its exception stays
     assert read_run_status(tmp_path).error == "RuntimeError: Connection reset by peer"
     mark_failed(tmp_path, why)  # rank 0 only lost its connection to the rank that died
     rec = read_run_status(tmp_path)
