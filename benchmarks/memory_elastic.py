@@ -14,12 +14,15 @@ the restarted rank's process start (/proc; torch's rendezvous: the lost node's h
 the last call for more nodes) and from there to the ``recovered from`` line (the rank's start-up, the
 same for both, and the recovery). The memory tier
 (``memory_every_steps = N``, disk ``last`` every M steps) against disk only (``every_steps = M``,
-memory off), alternated, medians. Prints one JSON object with ``uptime``'s load at each run's end.
+memory off), alternated, medians. With ``--rdzv-compare``: the memory tier with torch's rendezvous
+defaults against ``pimm launch --rdzv-conf`` (:data:`FAST_RDZV` unless ``--rdzv-conf`` says otherwise), the
+waits for the lost node (its keep-alive beats, then the last call). Prints one JSON object with ``uptime``'s
+load at each run's end.
 
 Usage::
 
     uv run python benchmarks/memory_elastic.py [--hidden 1024] [--repeats 1] [--every-memory 5]
-        [--every-disk 20] [--kill-after 33]
+        [--every-disk 20] [--kill-after 33] [--rdzv-conf C] [--rdzv-compare]
 """
 
 from __future__ import annotations
@@ -45,15 +48,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import json_dict, load_average, machine, median, r, remove, train_records  # noqa: E402
 
 CONFIG = REPO / "configs" / "digits.toml"
+# Node B: its imports done before it waits for node A's rendezvous store, so that it joins within a second of
+# node A (whose last call for more nodes is then never the wait that decides the first world size).
 _AFTER_A = """
-import os, socket, sys, time
+import socket, sys, time
+port, argv = int(sys.argv[1]), sys.argv[2:]
+import torch.distributed.run, pimm_core.cli, pimm_core.launch
 while True:
     with socket.socket() as s:
-        if s.connect_ex(("127.0.0.1", int(sys.argv[1]))) == 0:
+        if s.connect_ex(("127.0.0.1", port)) == 0:
             break
     time.sleep(0.05)
-os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+sys.argv = ["pimm", *argv]
+pimm_core.cli.run()
 """
+#: Rendezvous waits for a lost node: its keep-alive beats missed for 3 s (not 15), then a 10 s last call (not 30).
+FAST_RDZV = "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
@@ -95,11 +105,13 @@ def _started_at(pid: int) -> float | None:
     return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _agent(root: Path, name: str, node: str, port: int, overrides: list[str], *, after_a: bool) -> subprocess.Popen:
-    args = [sys.executable, *(("-c", _AFTER_A, str(port)) if after_a else ()), "-m", "pimm_core.cli", "launch",
+def _agent(root: Path, name: str, node: str, port: int, overrides: list[str], *, after_a: bool,
+           rdzv_conf: str | None) -> subprocess.Popen:
+    args = [sys.executable, *(("-c", _AFTER_A, str(port)) if after_a else ("-m", "pimm_core.cli")), "launch",
             "--train.config", str(CONFIG), "--run.root", str(root), "--run.name", name, "--run.no-timestamp",
             "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1", "--", *overrides]
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1",
+            *(("--rdzv-conf", rdzv_conf) if rdzv_conf else ()), "--", *overrides]
     shm = root / f"{name}-shm{node}"
     shm.mkdir()
     out = open(root / f"{name}-node{node}.out", "wb")
@@ -108,14 +120,14 @@ def _agent(root: Path, name: str, node: str, port: int, overrides: list[str], *,
 
 
 def one_loss(root: Path, name: str, hidden: int, memory_every: int, disk_every: int, kill_after: int,
-             timeout: float = 900) -> dict[str, Any]:
+             rdzv_conf: str | None = None, timeout: float = 900) -> dict[str, Any]:
     overrides = [f"model.hidden={hidden}", "train.log_every_steps=1", "train.epochs=100", "train.max_steps=100000",
                  "checkpoint.every_epochs=0", f"checkpoint.every_steps={disk_every}",
                  f"checkpoint.memory_every_steps={memory_every}", "eval.every_epochs=1000", "data.order=global",
                  "train.global_batch=64", "data.batch_size=32", "data.num_workers=0"]
     port = _free_port()
-    node_b = _agent(root, name, "B", port, overrides, after_a=True)
-    node_a = _agent(root, name, "A", port, overrides, after_a=False)
+    node_b = _agent(root, name, "B", port, overrides, after_a=True, rdzv_conf=rdzv_conf)
+    node_a = _agent(root, name, "A", port, overrides, after_a=False, rdzv_conf=rdzv_conf)
     rd = root / "digits" / name
     deadline = time.monotonic() + timeout
     try:
@@ -172,15 +184,25 @@ def main() -> None:
     ap.add_argument("--every-memory", type=int, default=5)
     ap.add_argument("--every-disk", type=int, default=20)
     ap.add_argument("--kill-after", type=int, default=33)
+    ap.add_argument("--rdzv-conf", default=None,
+                    help="pimm launch --rdzv-conf for every run, e.g. " + FAST_RDZV)
+    ap.add_argument("--rdzv-compare", action="store_true",
+                    help="the memory tier with torch's rendezvous defaults against --rdzv-conf (default: "
+                         f"{FAST_RDZV}), instead of memory against disk")
     a = ap.parse_args()
+    if a.rdzv_compare:
+        kinds = {"memory": (a.every_memory, None), "memory_rdzv_conf": (a.every_memory, a.rdzv_conf or FAST_RDZV)}
+    else:
+        kinds = {"memory": (a.every_memory, a.rdzv_conf), "disk": (0, a.rdzv_conf)}
     start = load_average()
     work = Path(tempfile.mkdtemp(prefix="pimm-memory-elastic-"))
-    runs: dict[str, list[dict[str, Any]]] = {"memory": [], "disk": []}
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
     try:
         for i in range(a.repeats):  # alternated: memory, disk, disk, memory ...
-            for kind in (("memory", "disk") if i % 2 == 0 else ("disk", "memory")):
-                res = one_loss(work, f"{kind}-{i}", a.hidden, a.every_memory if kind == "memory" else 0,
-                               a.every_disk, a.kill_after)
+            for kind in (list(kinds) if i % 2 == 0 else list(kinds)[::-1]):
+                every, conf = kinds[kind]
+                res = one_loss(work, f"{kind}-{i}", a.hidden, every, a.every_disk, a.kill_after, conf)
+                res["rdzv_conf"] = conf
                 runs[kind].append(res)
                 print(json.dumps({kind: res}), file=sys.stderr, flush=True)
     finally:
@@ -188,11 +210,12 @@ def main() -> None:
     keys = ("steps_lost", "kill_to_recovered_s", "kill_to_next_step_s", "kill_to_rank_start_s",
             "rank_start_to_recovered_s")
     med = {k: {kind: median([x[k] for x in v if x[k] is not None]) for kind, v in runs.items() if v} for k in keys}
+    other, base = ("memory_rdzv_conf", "memory") if a.rdzv_compare else ("memory", "disk")
     print(json.dumps({"machine": machine(load_at_start=start), "hidden": a.hidden, "medians": med,
-                      "ratio_next_step_memory_to_disk": r(med["kill_to_next_step_s"]["memory"] /
-                                                          med["kill_to_next_step_s"]["disk"]),
-                      "ratio_rank_start_to_recovered_memory_to_disk": r(
-                          med["rank_start_to_recovered_s"]["memory"] / med["rank_start_to_recovered_s"]["disk"]),
+                      f"ratio_next_step_{other}_to_{base}": r(med["kill_to_next_step_s"][other] /
+                                                              med["kill_to_next_step_s"][base]),
+                      f"ratio_rank_start_to_recovered_{other}_to_{base}": r(
+                          med["rank_start_to_recovered_s"][other] / med["rank_start_to_recovered_s"][base]),
                       "runs": runs, "load_at_end": load_average()}, indent=1))
 
 

@@ -45,6 +45,10 @@ def launch(
                                                help="Restart the ranks this often when one fails (torchrun's "
                                                     "elastic agent; with checkpoint.memory_every_steps they "
                                                     "recover from memory). Default 0."),
+    rdzv_conf: Optional[str] = typer.Option(None, "--rdzv-conf",
+                                            help="Rendezvous settings KEY=VALUE,... (torchrun), e.g. "
+                                                 "last_call_timeout=5,keep_alive_interval=1: how soon a restart "
+                                                 "after a lost node goes on without it."),
     overrides: Optional[list[str]] = typer.Argument(None, help="Config overrides after --, e.g. -- train.epochs=3"),
 ) -> None:
     """Train a model from a config (one process, or many through torchrun)."""
@@ -68,7 +72,7 @@ def launch(
         extra["train.weight"] = weight
     cfg = load_config(config, overrides or [], extra)
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend, master_addr, master_port,
-                         max_restarts)
+                         max_restarts, rdzv_conf)
     opts.check()
     if not opts.single_node() and not cfg.run.no_timestamp:
         # each node's agent names the run on its own: a timestamp could differ between them
@@ -109,6 +113,8 @@ def resume(
     master_port: Optional[int] = typer.Option(None, "--master-port", help="Rank-0 port for static rendezvous."),
     max_restarts: Optional[int] = typer.Option(None, "--max-restarts",
                                                help="Restart the ranks this often when one fails (default: as recorded, else 0)."),
+    rdzv_conf: Optional[str] = typer.Option(None, "--rdzv-conf",
+                                            help="Rendezvous settings KEY=VALUE,... (torchrun; default: as recorded)."),
     overrides: Optional[list[str]] = typer.Argument(None, help="Config changes after --, e.g. -- train.epochs=40"),
 ) -> None:
     """Resume a run from its own directory: its config.toml and recorded launch, plus explicit overrides."""
@@ -130,7 +136,7 @@ def resume(
     if under_launcher():  # a rank (of our own spawn below, or of the user's torchrun/srun)
         raise typer.Exit(train_here(cfg, config_path))
     given = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend, master_addr, master_port,
-                          max_restarts)
+                          max_restarts, rdzv_conf)
     given.check()
     record = recorded_launch(run_dir)
     if record.get("launcher") == "external" and nproc_per_node is None:
@@ -138,6 +144,8 @@ def resume(
                          f"{record.get('world_size')}); run `{command('resume', run_dir)}` under that launcher again, "
                          "or pass --nproc-per-node N to start the ranks here")
     opts = LaunchOptions.recorded(record, given)
+    if rdzv_conf is None and opts.rdzv_conf is not None:
+        opts.check()  # the recorded --rdzv-conf (a hand-edited provenance.json) is checked as a given one
     if not dry_run:
         from ..launch.rundir import restore_from_remote
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ class LaunchOptions:
     master_addr: str | None = None
     master_port: int | None = None
     max_restarts: int | None = None  # torchrun's elastic agent restarts the ranks this often after a rank fails
+    rdzv_conf: str | None = None  # torchrun's --rdzv-conf: KEY=VALUE,... of the rendezvous (RDZV_CONF_KEYS)
 
     @classmethod
     def recorded(cls, record: dict | None, given: "LaunchOptions") -> "LaunchOptions":
@@ -61,6 +63,8 @@ class LaunchOptions:
             parts = str(self.nnodes).split(":")
             if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
                 raise UsageError(f"--nnodes must be N or MIN:MAX with N >= 1 (got {self.nnodes!r})")
+        if self.rdzv_conf is not None:
+            check_rdzv_conf(self.rdzv_conf, self.rdzv_backend)
 
     def world_size(self) -> int:
         """Ranks in all (the largest node count for ``MIN:MAX``)."""
@@ -89,7 +93,8 @@ class LaunchOptions:
         args += ["--shutdown-timeout", os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")]
         for flag, value in (("--nnodes", self.nnodes), ("--node-rank", self.node_rank),
                             ("--rdzv-endpoint", self.rdzv_endpoint), ("--rdzv-backend", self.rdzv_backend),
-                            ("--master-addr", self.master_addr), ("--master-port", self.master_port)):
+                            ("--master-addr", self.master_addr), ("--master-port", self.master_port),
+                            ("--rdzv-conf", self.rdzv_conf)):
             if value is not None:
                 args += [flag, str(value)]
         if not any(v is not None for v in (self.rdzv_endpoint, self.master_addr, self.nnodes)):
@@ -100,7 +105,7 @@ class LaunchOptions:
 def strip_launcher_flags(argv: list[str]) -> list[str]:
     """Remove torchrun-level flags (and their values) from ``launch`` arguments."""
     flags = {"--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend",
-             "--master-addr", "--master-port", "--max-restarts"}
+             "--master-addr", "--master-port", "--max-restarts", "--rdzv-conf"}
     out, skip = [], False
     for a in argv:
         if skip:
@@ -112,3 +117,67 @@ def strip_launcher_flags(argv: list[str]) -> list[str]:
             continue
         out.append(a)
     return out
+
+
+#: The ``--rdzv-conf`` keys torch's own rendezvous backends read, and what each value must be: the
+#: dynamic rendezvous of ``c10d`` (``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py``,
+#: ``create_handler``: seconds, the keep-alive beat every ``keep_alive_interval`` s and a node's loss
+#: seen after ``keep_alive_max_attempt`` missed beats), its store (``c10d_rendezvous_backend.py``) and
+#: ``static``'s store timeout (``static_tcp_rendezvous.py``). torch ignores any other key silently.
+RDZV_CONF_KEYS = {
+    "join_timeout": "seconds", "last_call_timeout": "seconds", "close_timeout": "seconds",
+    "heartbeat_timeout": "seconds", "keep_alive_interval": "seconds", "keep_alive_max_attempt": "count",
+    "cas_backoff_max_seconds": "float", "read_timeout": "seconds", "is_host": "bool", "store_type": "tcp|file",
+    "timeout": "seconds",
+}
+_BOOLS = ("1", "true", "t", "yes", "y", "0", "false", "f", "no", "n")  # torch's RendezvousParameters.get_as_bool
+
+
+def check_rdzv_conf(text: str, backend: str | None = None) -> dict[str, str]:
+    """``--rdzv-conf KEY=VALUE,...`` parsed as torchrun parses it, with its keys and values checked.
+
+    Args:
+        text: e.g. ``"last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"``.
+        backend: ``--rdzv-backend``; for one other than torch's ``c10d`` and ``static`` (``etcd``, a
+            registered one) the keys are not checked (its own keys), only the syntax.
+
+    Returns:
+        ``{key: value}`` (strings, as torch gets them).
+
+    Raises:
+        UsageError: not ``KEY=VALUE`` pairs; a key torch's rendezvous does not read (it would be ignored
+            silently: a misspelt key keeps torch's default wait); a value that is not what the key takes
+            (a positive whole number of seconds, a count >= 1, ``cas_backoff_max_seconds`` >= 0, a boolean,
+            ``tcp``/``file``).
+    """
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config  # torchrun's own parser
+
+    try:
+        conf = _parse_rendezvous_config(text)
+    except ValueError as e:
+        raise UsageError(f"--rdzv-conf must be KEY=VALUE,... (got {text!r}: {e})") from None
+    if backend not in (None, "c10d", "static"):
+        return conf
+    for key, value in conf.items():
+        kind = RDZV_CONF_KEYS.get(key)
+        if kind is None:
+            raise UsageError(f"--rdzv-conf: {key!r} is not a key torch's rendezvous reads (it would be ignored); "
+                             f"use {', '.join(RDZV_CONF_KEYS)}")
+        if not _valid(kind, value):
+            want = {"seconds": "a whole number of seconds >= 1", "count": "a whole number >= 1",
+                    "float": "a number of seconds >= 0", "bool": "true or false"}.get(kind, kind)
+            raise UsageError(f"--rdzv-conf: {key} must be {want} (got {value!r})")
+    return conf
+
+
+def _valid(kind: str, value: str) -> bool:
+    if kind in ("seconds", "count"):
+        return value.isdigit() and int(value) >= 1
+    if kind == "float":
+        try:
+            return math.isfinite(float(value)) and float(value) >= 0
+        except ValueError:
+            return False
+    if kind == "bool":
+        return value.lower() in _BOOLS
+    return value.strip().lower() in kind.split("|")

@@ -157,9 +157,14 @@ def _run_ranks(run, args, run_dir: Path, errors_dir: str, forwarder: SignalForwa
     except ChildFailedError as e:
         if forwarder is not None and forwarder.received is not None:
             return _interrupted(forwarder.received, run_dir)  # a rank died while stopping
-        code, line = _failure_report(e.failures, rank_errors(errors_dir), run_dir)
-        with contextlib.suppress(OSError):  # (no restart is left: a run still `restarting` has failed)
-            mark_failed(run_dir, line.removeprefix("error: "))
+        reports = rank_errors(errors_dir)
+        rank, code, line = _failure_report(e.failures, reports, run_dir)
+        # no restart is left: status.json says `failed` with the cause, also when rank 0 (its writer)
+        # was killed or only failed because another rank died. Rank 0's own error stays when it is the
+        # cause, and when this node saw only consequences (another node's rank died: its launcher knows)
+        consequence = bool(reports.get(rank, {}).get("secondary"))
+        with contextlib.suppress(OSError):
+            mark_failed(run_dir, line.removeprefix("error: "), keep_error=rank == 0 or consequence)
         print(line, file=sys.stderr)
         return code
     return 0
@@ -178,8 +183,8 @@ def _interrupted(sig: signal.Signals, run_dir: Path) -> int:
     return 1
 
 
-def _failure_report(failures: dict, reports: dict[int, dict], run_dir: Path) -> tuple[int, str]:
-    """One ``error:`` line and the exit code for failed ranks, naming the root cause.
+def _failure_report(failures: dict, reports: dict[int, dict], run_dir: Path) -> tuple[int, int, str]:
+    """The root cause's rank, the exit code and one ``error:`` line for failed ranks, naming the cause.
 
     When one rank fails, torchrun stops the others with SIGTERM and the ranks blocked in a
     collective with it fail too ("secondary" reports): the cause is, in order, the lowest
@@ -190,7 +195,7 @@ def _failure_report(failures: dict, reports: dict[int, dict], run_dir: Path) -> 
     if primary:
         rank = min(primary)
         msg = primary[rank]["message"]
-        return int(primary[rank]["code"]), (f"error: {msg}" if rank == 0 else f"error: rank {rank}: {msg}")
+        return rank, int(primary[rank]["code"]), (f"error: {msg}" if rank == 0 else f"error: rank {rank}: {msg}")
     died = [r for r, f in failures.items() if r not in reports and f.exitcode != -signal.SIGTERM]
     rank = min(died or failures)
     exitcode = failures[rank].exitcode
@@ -201,7 +206,7 @@ def _failure_report(failures: dict, reports: dict[int, dict], run_dir: Path) -> 
     # a collective timeout that aborted the ranks (NCCL's watchdog): the heartbeats name who they waited for
     now = time.time()
     stuck = "".join(f"; {describe_lag(b, now)}" for b in lagging_ranks(read_rank_beats(run_dir), now))
-    return 1, (f"error: rank {rank} {how}{stuck}; the run stopped; see {run_dir / 'train.log'} and resume with: "
+    return rank, 1, (f"error: rank {rank} {how}{stuck}; the run stopped; see {run_dir / 'train.log'} and resume with: "
                f"{resume_command(run_dir)}")
 
 

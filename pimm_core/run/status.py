@@ -53,7 +53,9 @@ class RunStatus:
         total_steps: the step the run ends at (the LR schedule's horizon).
         steps_per_epoch, epochs, world_size: the run's shape.
         stop_reason: why the run stopped early (``operator``, ``signal SIGTERM``...); None otherwise.
-        error: ``"<ExceptionClass>: <message>"`` of a failed run (written only then).
+        error: ``"<ExceptionClass>: <message>"`` of a failed run (written only then), or, when a rank died
+            without saying it (killed) or another rank's death caused rank 0's error, the launcher's line
+            naming the cause (``rank 1 was killed by SIGKILL; ...``, :func:`mark_failed`).
         memory_step: with ``checkpoint.memory_every_steps``: the newest step every rank can reach in
             the memory tier (:mod:`pimm_core.run.memory_index`); written only when set.
         recovery: where the latest restart of the ranks (``pimm launch --max-restarts``) took its
@@ -177,13 +179,22 @@ def mark_restarting(run_dir: Path, agent_pid: int, why: str) -> None:
     _rewrite(run_dir, ("starting", "running", "stopping"), "restarting", why, agent_pid=agent_pid)
 
 
-def mark_failed(run_dir: Path, why: str) -> None:
-    """``restarting`` -> ``failed``: the launch ended with no restart left before a new rank 0 said so.
+def mark_failed(run_dir: Path, why: str, *, keep_error: bool = False) -> None:
+    """The launch ended with a failed rank and no restart left: ``status.json`` says ``failed`` with the
+    cause ``why`` (the launcher's line, naming the rank: ``rank 0 was killed by SIGKILL; ...``).
+
+    Rank 0 writes ``failed`` itself when it fails with no restart left; it cannot when it was killed (the
+    record stays ``running``, or ``restarting`` from the previous attempt), and when another rank died
+    first, its own error is only the consequence (a lost connection). So a record in any state but an end
+    state is marked, and a ``failed`` one gets ``why`` as its error unless ``keep_error`` (rank 0's own
+    failure is the cause, or ``why`` names a consequence too: another node's rank died, and that node's
+    launcher names it). ``stopped`` and ``finished`` are left as they are.
 
     Raises:
         OSError: the write failed.
     """
-    _rewrite(run_dir, ("restarting",), "failed", why)
+    states = ("starting", "running", "restarting", "stopping", *(() if keep_error else ("failed",)))
+    _rewrite(run_dir, states, "failed", why, error=why)
 
 
 def _rewrite(run_dir: Path, states: tuple[str, ...], state: str, why: str, **extra: Any) -> None:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from _helpers import REPO, clean_env, hang_s, pimm
+from _helpers import REPO, clean_env, hang_s, pimm, pimm_here
 
 COMMANDS = [[], ["launch"], ["resume"], ["stop"], ["tui"], ["export"], ["checkpoints"], ["checkpoints", "ls"],
             ["checkpoints", "latest"], ["checkpoints", "verify"], ["checkpoints", "diff"]]
@@ -42,6 +42,15 @@ def test_nproc_per_node_below_one_is_refused(n, tmp_path):
              "--nproc-per-node", n)
     assert r.returncode == 2 and r.stderr == f"error: --nproc-per-node must be at least 1 (got {n})\n"
     assert not any(tmp_path.iterdir())  # nothing trained, nothing written
+
+
+def test_a_malformed_rdzv_conf_is_one_line(tmp_path):
+    r = pimm_here("launch", "--train.config", REPO / "configs" / "digits.toml", "--run.root", tmp_path,
+                  "--nproc-per-node", "2", "--rdzv-conf", "last_call_timeout=5,keep_alive_interval")
+    assert r.returncode == 2 and r.stderr == ("error: --rdzv-conf must be KEY=VALUE,... (got 'last_call_timeout=5,"
+                                              "keep_alive_interval': The rendezvous configuration option "
+                                              "'keep_alive_interval' must have a value specified.)\n"), r.stderr
+    assert not any(tmp_path.iterdir())
 
 
 def test_seed_spellings(tmp_path):

@@ -41,24 +41,33 @@ TIMEOUT = hang_s(180)
 
 
 # Started before node A's agent, so that its process id is the lower one (torch's c10d rendezvous numbers the
-# nodes by their agents' (host, pid)), it waits for node A to host the rendezvous, then becomes the agent.
+# nodes by their agents' (host, pid)), it imports what the launcher needs, waits for node A to host the
+# rendezvous, then runs `pimm launch` in this process: it joins within a second or two of node A, well inside
+# the last call (RDZV_CONF) that decides the first world size.
 _AFTER_A = """
-import os, socket, sys, time
+import socket, sys, time
+port, argv = int(sys.argv[1]), sys.argv[2:]
+import torch.distributed.run, pimm_core.cli, pimm_core.launch
 while True:
     with socket.socket() as s:
-        if s.connect_ex(("127.0.0.1", int(sys.argv[1]))) == 0:
+        if s.connect_ex(("127.0.0.1", port)) == 0:
             break
     time.sleep(0.05)
-os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+sys.argv = ["pimm", *argv]
+pimm_core.cli.run()
 """
+# The restart after node B's loss waits for its keep-alive beats to be missed (3 x 1 s here, 3 x 5 s by
+# default), then for the last call for more nodes (10 s here, 30 s by default): about 14 s, not 43 s.
+RDZV_CONF = "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
 def _agent(root: Path, node: str, port: int, env: dict[str, str], *, after_a: bool = False) -> subprocess.Popen:
     """One node's ``pimm launch`` in its own process session (a node's processes die together)."""
-    args = [sys.executable, *(("-c", _AFTER_A, str(port)) if after_a else ()), "-m", "pimm_core.cli", "launch",
+    args = [sys.executable, *(("-c", _AFTER_A, str(port)) if after_a else ("-m", "pimm_core.cli")), "launch",
             "--train.config", str(DIGITS), "--run.root", str(root), "--run.name", NAME, "--run.no-timestamp",
             "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1", "--", *OVERRIDES]
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1", "--rdzv-conf", RDZV_CONF,
+            "--", *OVERRIDES]
     (root / f"shm{node}").mkdir()
     out = open(root / f"node{node}.out", "w")
     return subprocess.Popen(args, cwd=REPO, env={**clean_env(), "PIMM_SHM_ROOT": str(root / f"shm{node}"), **env},
@@ -133,6 +142,8 @@ def test_a_node_lost_for_good_is_recovered_from_memory_at_the_smaller_world_size
     assert entry["tier"] == "memory" and entry["checkpoint_step"] == 6 and entry["policy"] == "global_order"
     assert entry["topology"]["saved_world_size"] == 2 and entry["topology"]["world_size"] == 1
     assert entry["saved_world_size"] == 2 and entry["world_size"] == 1
+    # the launch's --rdzv-conf is recorded with it (`pimm resume` starts the ranks with it again)
+    assert {s["launch"].get("rdzv_conf") for s in prov["starts"] if "launch" in s} == {RDZV_CONF}
     # every rank loads old rank 0's state: node A held it as its own (it ran rank 0) or as rank 0's buddy
     kept = "its own" if kept_rank == 0 else "held by its buddy rank 1"
     line = (f"recovered from memory at step 6 (restart 1; world size 2 -> 1: every rank from rank 0's copy ({kept}); "

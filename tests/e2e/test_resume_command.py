@@ -55,6 +55,27 @@ def test_resume_dry_run_reads_the_run_directory(base):
     assert any(line.endswith("(exact continuation)") for line in out), out
 
 
+def test_resume_reuses_the_recorded_rdzv_conf(copy):
+    """``pimm launch --rdzv-conf`` is recorded with the launch; ``pimm resume`` starts the ranks with it again
+    (a value given replaces it), and a recorded value that is not one (a hand-edited file) is one line."""
+    import json
+
+    prov = read_json(copy / "provenance.json")
+    conf = "last_call_timeout=10,keep_alive_interval=1"
+    prov["starts"][-1]["launch"] = {"launcher": "pimm", "nproc_per_node": 2, "max_restarts": 1, "rdzv_conf": conf}
+    (copy / "provenance.json").write_text(json.dumps(prov))
+    r = pimm_here("resume", copy, "--dry-run")
+    assert r.returncode == 0, describe(r)
+    assert r.stdout.splitlines()[0] == f"launch: world size 2 (--nproc-per-node 2 --max-restarts 1 --rdzv-conf {conf})"
+    r = pimm_here("resume", copy, "--dry-run", "--rdzv-conf", "join_timeout=60")
+    assert r.stdout.splitlines()[0].endswith("--rdzv-conf join_timeout=60)"), describe(r)
+    prov["starts"][-1]["launch"]["rdzv_conf"] = "last_call_timeout=soon"
+    (copy / "provenance.json").write_text(json.dumps(prov))
+    r = pimm_here("resume", copy, "--dry-run")
+    assert r.returncode == 2 and r.stderr == ("error: --rdzv-conf: last_call_timeout must be a whole number of "
+                                              "seconds >= 1 (got 'soon')\n"), describe(r)
+
+
 def test_resume_dry_run_shows_overrides_as_deltas(base):
     r = pimm_here("resume", base, "--dry-run", "--", "train.grad_accum=3", "data.batch_size=16")
     assert r.returncode == 0, describe(r)

@@ -9,7 +9,9 @@ are its config. A second test gives the W&B run steps past the resumed position 
 session that W&B had flushed) and checks they are not logged again.
 
 The killed and the stopped sessions are real processes (their fail points are read at import);
-the last resume runs in this process (``pimm_here``), with the same W&B environment.
+the last resume runs in this process (``pimm_here``), with the same W&B environment. A session that
+fails while torchrun has a restart left (in this process, the agent's environment variables set) leaves
+its W&B run preempting with exit code 0; with none left, exit code 1.
 """
 
 from __future__ import annotations
@@ -157,3 +159,48 @@ def test_wandb_without_its_package_is_one_error_line_before_any_rank(tmp_path, m
         assert r.returncode == 2 and len(errors) == 1, describe(r)
         assert "[log.wandb] needs the wandb package" in errors[0] and "pip install wandb" in errors[0]
         assert not (tmp_path / "digits" / "no").exists()
+
+
+@pytest.mark.parametrize("restarts, state, preempting, exit_code", [("1", "restarting", True, 0),
+                                                                     ("0", "failed", False, 1)])
+def test_a_session_that_fails_with_a_restart_left_leaves_the_wandb_run_preempting(tmp_path, monkeypatch, restarts,
+                                                                                  state, preempting, exit_code):
+    """A rank's session fails at step 3 under torchrun's agent (``pimm launch --max-restarts 1``, as the
+    agent tells it: ``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RESTART_COUNT``). With a restart left the W&B
+    run is marked preempting and finished with exit code 0 (the restarted ranks continue it); with none,
+    exit code 1. In this process: the failure is a callback's exception."""
+    import wandb
+
+    from pimm_core import Trainer, load_config
+
+    for k, v in _env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", restarts)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    cfg = load_config(DIGITS, ["train.max_steps=6", "train.log_every_steps=1", "checkpoint.every_epochs=0",
+                               "model.hidden=16", "data.num_workers=0", 'log.wandb.project="p"'])
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg, run_dir=run_dir)
+
+    class PeerLost(RuntimeError):
+        pass
+
+    def fail_at_three(tr) -> None:
+        if tr.state.global_step == 3:
+            raise PeerLost("a rank died")
+
+    trainer.callbacks.append(fail_at_three)
+    _wandb_teardown()
+    try:
+        with pytest.raises(PeerLost):
+            trainer.train(checkpoint_dir=run_dir / "model")
+    finally:
+        wandb.teardown()
+    assert read_json(run_dir / "status.json")["state"] == state
+    run_id = read_json(run_dir / "wandb.json")["run_id"]  # (the id the restarted ranks resume)
+    (session,) = _sessions(run_dir, run_id)
+    env = dict(os.environ)
+    types = [json.loads(line)["type"] for line in _inspect(session, env=env).splitlines()]
+    assert ("preempting" in types) is preempting, types
+    summary = json.loads(_inspect(session, "--summary", env=env))
+    assert summary["exit_code"] == exit_code and summary["step"] == 3, {k: summary[k] for k in ("exit_code", "step")}

@@ -76,3 +76,66 @@ def test_max_restarts_reaches_torchrun_and_is_recorded():
     assert strip_launcher_flags(["--max-restarts", "2", "--train.config", "x"]) == ["--train.config", "x"]
     with pytest.raises(UsageError, match="--max-restarts must be 0 or more"):
         LaunchOptions(max_restarts=-1).check()
+
+
+RDZV = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
+def test_rdzv_conf_reaches_torch_s_rendezvous_and_is_recorded():
+    """``--rdzv-conf`` as torchrun takes it: parsed by torchrun's own parser and read by torch's c10d
+    rendezvous handler (the one a one-node launch's ``--standalone`` creates), recorded with the launch and
+    reused by a resume unless given again."""
+    from datetime import timedelta
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+    from torch.distributed.run import get_args_parser
+
+    from pimm_core.launch.options import strip_launcher_flags
+
+    opts = LaunchOptions(nproc_per_node=2, max_restarts=1, rdzv_conf=RDZV)
+    opts.check()
+    args = get_args_parser().parse_args([*opts.torchrun_args(), "--module", "x"])
+    assert args.standalone and args.rdzv_conf == RDZV
+    # what torchrun's run() does for --standalone, then its config_from_args and launch_agent
+    handler = rendezvous_handler_registry.create_handler(RendezvousParameters(
+        backend="c10d", endpoint="localhost:0", run_id="t", min_nodes=1, max_nodes=1,
+        **_parse_rendezvous_config(args.rdzv_conf)))
+    try:
+        settings = handler.settings
+        assert settings.timeout.last_call == timedelta(seconds=5)
+        assert settings.keep_alive_interval == timedelta(seconds=1) and settings.keep_alive_max_attempt == 3
+    finally:
+        handler.shutdown()
+    assert opts.record()["rdzv_conf"] == RDZV
+    assert LaunchOptions.recorded(opts.record(), LaunchOptions()).rdzv_conf == RDZV
+    assert LaunchOptions.recorded(opts.record(), LaunchOptions(rdzv_conf="join_timeout=60")).rdzv_conf == \
+        "join_timeout=60"
+    assert "--rdzv-conf" not in LaunchOptions(nproc_per_node=2).torchrun_args()  # torch's defaults then
+    assert strip_launcher_flags(["--rdzv-conf", RDZV, "--rdzv-conf=x=1", "--", "a=1"]) == ["--", "a=1"]
+
+
+@pytest.mark.parametrize("conf, message", [
+    ("last_call_timeout", "--rdzv-conf must be KEY=VALUE,... (got 'last_call_timeout': The rendezvous "
+                          "configuration option 'last_call_timeout' must have a value specified.)"),
+    ("=5", "--rdzv-conf must be KEY=VALUE"),
+    ("last_call_timout=5", "--rdzv-conf: 'last_call_timout' is not a key torch's rendezvous reads (it would be "
+                           "ignored); use join_timeout, last_call_timeout,"),
+    ("keep_alive_interval=0", "--rdzv-conf: keep_alive_interval must be a whole number of seconds >= 1 (got '0')"),
+    ("last_call_timeout=2.5", "--rdzv-conf: last_call_timeout must be a whole number of seconds >= 1 (got '2.5')"),
+    ("keep_alive_max_attempt=-1", "--rdzv-conf: keep_alive_max_attempt must be a whole number >= 1 (got '-1')"),
+    ("cas_backoff_max_seconds=inf", "--rdzv-conf: cas_backoff_max_seconds must be a number of seconds >= 0"),
+    ("is_host=maybe", "--rdzv-conf: is_host must be true or false (got 'maybe')"),
+    ("store_type=redis", "--rdzv-conf: store_type must be tcp|file (got 'redis')"),
+])
+def test_a_malformed_rdzv_conf_is_refused(conf, message):
+    with pytest.raises(UsageError) as e:
+        LaunchOptions(nproc_per_node=2, rdzv_conf=conf).check()
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_rdzv_conf_of_another_backend_is_checked_for_its_syntax_only():
+    LaunchOptions(rdzv_backend="etcd-v2", rdzv_endpoint="h:2379", rdzv_conf="protocol=https").check()
+    with pytest.raises(UsageError, match="must be KEY=VALUE"):
+        LaunchOptions(rdzv_backend="etcd-v2", rdzv_endpoint="h:2379", rdzv_conf="protocol").check()
+    LaunchOptions(nproc_per_node=1, rdzv_conf="is_host=Yes,store_type=File,cas_backoff_max_seconds=0.5").check()

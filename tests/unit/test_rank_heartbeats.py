@@ -151,7 +151,7 @@ def test_the_launcher_names_the_stuck_rank_when_the_ranks_were_aborted(tmp_path:
         rank_file(tmp_path, r).write_text(json.dumps(RankBeat(rank=r, phase=phase, step=9, progress=now - 600,
                                                               updated=now - 1).to_json()))
     failures = {0: SimpleNamespace(exitcode=-signal.SIGABRT), 1: SimpleNamespace(exitcode=-signal.SIGTERM)}
-    code, line = _failure_report(failures, {}, tmp_path)
+    _, code, line = _failure_report(failures, {}, tmp_path)
     assert code == 1 and line.startswith("error: rank 0 was killed by SIGABRT; rank 1 made no progress for 600 s "
                                          "(phase data, step 9); the run stopped"), line
 

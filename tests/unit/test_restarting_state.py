@@ -36,6 +36,7 @@ def test_a_failed_group_with_restarts_left_marks_the_run_restarting_then_failed(
     mark_failed(tmp_path, "rank 1 was killed by SIGKILL")
     rec = read_run_status(tmp_path)
     assert rec.state == "failed" and "agent_pid" not in rec.extra and rec.step == 7
+    assert rec.error == "rank 1 was killed by SIGKILL"  # the launch's cause, not the previous attempt's
 
 
 def test_a_failed_group_with_no_restart_left_is_not_marked(tmp_path):
@@ -64,3 +65,19 @@ def test_restarting_whose_launcher_is_gone_is_stale(tmp_path):
     assert summarize(run, tmp_path).state == "restarting"
     assert json.loads((run / "status.json").read_text())["agent_pid"] == os.getpid()
 
+
+
+def test_the_launch_s_failure_names_the_cause_unless_rank_0_s_own_error_is_it(tmp_path):
+    """What the launcher writes when the last attempt failed (the e2e launches: tests/e2e/test_restarts_exhausted.py)."""
+    why = "rank 1 was killed by SIGKILL; the run stopped"
+    write_status(tmp_path, "failed", step=4, error="RuntimeError: Connection reset by peer")
+    mark_failed(tmp_path, why, keep_error=True)  # rank 0's own failure is the cause: its exception stays
+    assert read_run_status(tmp_path).error == "RuntimeError: Connection reset by peer"
+    mark_failed(tmp_path, why)  # rank 0 only lost its connection to the rank that died
+    rec = read_run_status(tmp_path)
+    assert rec.state == "failed" and rec.error == why and rec.step == 4
+    for state in ("stopped", "finished"):  # an end the ranks reached is kept
+        write_status(tmp_path, state, step=9)
+        mark_failed(tmp_path, why)
+        rec = read_run_status(tmp_path)
+        assert rec.state == state and rec.error is None
