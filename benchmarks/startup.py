@@ -20,6 +20,9 @@ run without ``PYTHONDONTWRITEBYTECODE`` (the warm-up round writes pimm's bytecod
 run does). Conditions: ``alone`` (the machine as it is; its load is in the output)
 and ``busy`` (beside ``--busy`` processes running ``while True: pass``). One warm-up round
 per condition is discarded. ``--nproc N`` launches N ranks (``--nproc-per-node``).
+``--compare-exec`` (with ``--nproc`` >= 2) also times ``pimm_exec``, the same launch with each rank
+started as a fresh ``python -m pimm_core.cli`` (``PIMM_RANK_START=exec``) instead of forked from the
+launcher's fork server (pimm_core/launch/rank_start.py): ``forked_over_exec`` is pimm / pimm_exec.
 
 Usage::
 
@@ -134,6 +137,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--busy", type=int, default=2, help="busy processes beside the 'busy' condition (0: skip it)")
     ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--compare-exec", action="store_true", help="also time ranks started as python -m (PIMM_RANK_START=exec)")
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     ap.add_argument("overrides", nargs="*", help="config overrides for pimm, e.g. model.hidden=1024")
     args = ap.parse_args()
@@ -152,8 +156,9 @@ def main() -> None:
         for condition in ("alone", "busy") if args.busy else ("alone",):
             hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)] \
                 if condition == "busy" else []
-            got: dict[str, list[float]] = {"import_torch": [], "pimm": [], "plain": []}
-            cpu: dict[str, list[float]] = {"import_torch": [], "pimm": [], "plain": []}
+            kinds = ["import_torch", "pimm", "plain", *(["pimm_exec"] if args.compare_exec else [])]
+            got: dict[str, list[float]] = {k: [] for k in kinds}
+            cpu: dict[str, list[float]] = {k: [] for k in kinds}
             loads = [load_average()]
             try:
                 for repeat in range(args.repeats + 1):
@@ -162,8 +167,13 @@ def main() -> None:
                     t_pimm = time_pimm(work, name, args.nproc, args.overrides, env)
                     remove(work / "digits" / name)
                     t_plain = time_plain(env)
+                    timed = {"import_torch": t_torch, "pimm": t_pimm, "plain": t_plain}
+                    if args.compare_exec:
+                        timed["pimm_exec"] = time_pimm(work, name + "x", args.nproc, args.overrides,
+                                                       {**env, "PIMM_RANK_START": "exec"})
+                        remove(work / "digits" / (name + "x"))
                     if repeat:  # the first round warms the page cache
-                        for k, (wall, used) in (("import_torch", t_torch), ("pimm", t_pimm), ("plain", t_plain)):
+                        for k, (wall, used) in timed.items():
                             got[k].append(wall)
                             cpu[k].append(used)
             finally:
@@ -183,6 +193,9 @@ def main() -> None:
                 "plain_cpu_ratio": r(med_cpu["plain"] / med_cpu["import_torch"], 3),
                 "seconds_all": {k: [r(x, 3) for x in v] for k, v in got.items()},
                 "cpu_seconds_all": {k: [r(x, 3) for x in v] for k, v in cpu.items()}, "load": loads}
+            if args.compare_exec:
+                results[condition]["forked_over_exec"] = {"wall": r(med["pimm"] / med["pimm_exec"], 3),
+                                                          "cpu": r(med_cpu["pimm"] / med_cpu["pimm_exec"], 3)}
             print(json.dumps({condition: results[condition]}), file=sys.stderr, flush=True)
     finally:
         remove(work)

@@ -65,3 +65,30 @@ class StartupProbe:
             self.done = True
             Path(self.out).write_text(json.dumps({"threads": torch.get_num_threads(),
                                                   "imported": [m for m in self.modules if m in sys.modules]}))
+
+
+class ExitProbe:
+    """At the first step's end, writes ``<out>-<rank>.json`` (this process's pid, its parent's, its parent's
+    parent, its session and ``$PIMM_LAUNCHER_PID``), leaves a thread pool with an idle worker thread (which
+    only the interpreter's exit stops: ``threading``'s exit functions), and registers an ``atexit`` function
+    that writes ``<out>-<rank>.exit``: a process ended as an interpreter does writes it."""
+
+    def __init__(self, out: str):
+        self.out, self.done = out, False
+
+    def on_step_end(self, trainer):
+        if self.done:
+            return
+        self.done = True
+        import atexit
+        from concurrent.futures import ThreadPoolExecutor
+
+        rank = trainer.info.rank
+        ppid = os.getppid()
+        grandparent = int(Path(f"/proc/{ppid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        Path(f"{self.out}-{rank}.json").write_text(json.dumps({
+            "pid": os.getpid(), "ppid": ppid, "grandparent": grandparent, "sid": os.getsid(0),
+            "launcher": int(os.environ["PIMM_LAUNCHER_PID"])}))
+        self.pool = ThreadPoolExecutor(1)
+        self.pool.submit(int).result()
+        atexit.register(Path(f"{self.out}-{rank}.exit").write_text, "exited")

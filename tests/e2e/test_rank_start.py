@@ -1,0 +1,49 @@
+"""How ``pimm launch --nproc-per-node N`` starts its ranks (pimm_core/launch/rank_start.py): forked from
+the launcher's fork server, which imported torch once, and otherwise as ``python -m pimm_core.cli`` would
+run them; ``PIMM_RANK_START=exec`` starts them that way instead."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from _helpers import DIGITS, REPO, clean_env, hang_s
+from test_user_code import USERPKG
+
+_PROBE = """
+[[callbacks]]
+target = "userpkg.hooks:ExitProbe"
+[callbacks.args]
+out = "{out}"
+"""
+
+
+def test_ranks_are_forked_from_the_launchers_server_and_exit_as_an_interpreter(tmp_path):
+    (tmp_path / "userpkg").symlink_to(USERPKG)  # beside the configs: found through their directory
+    cases = {"forked": {}, "exec": {"PIMM_RANK_START": "exec"}}
+
+    def launch(name: str) -> subprocess.CompletedProcess[str]:
+        config = tmp_path / f"{name}.toml"
+        config.write_text(DIGITS.read_text() + _PROBE.format(out=tmp_path / name))
+        cmd = [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(config), "--run.root",
+               str(tmp_path / "exp"), "--run.name", name, "--run.no-timestamp", "--nproc-per-node", "2", "--",
+               "train.max_steps=2", "data.num_workers=0"]
+        return subprocess.run(cmd, cwd=REPO, env={**clean_env(), **cases[name]}, capture_output=True, text=True,
+                              timeout=hang_s(300))
+
+    with ThreadPoolExecutor(len(cases)) as pool:  # two independent 2-rank runs at once
+        results = dict(zip(cases, pool.map(launch, cases)))
+    for name, result in results.items():
+        assert result.returncode == 0, f"{name}: {result.stdout[-2000:]}{result.stderr[-2000:]}"
+        for rank in (0, 1):
+            seen = json.loads((tmp_path / f"{name}-{rank}.json").read_text())
+            # the interpreter's exit ran in the rank: threading's (the idle pool worker did not keep the
+            # rank alive), then atexit's
+            assert (tmp_path / f"{name}-{rank}.exit").read_text() == "exited", (name, rank)
+            assert seen["sid"] == seen["pid"], (name, rank, seen)  # its own session, as torchrun gives a rank
+            if name == "forked":  # a child of the launcher's fork server, not of the launcher
+                assert seen["ppid"] != seen["launcher"] and seen["grandparent"] == seen["launcher"], seen
+            else:
+                assert seen["ppid"] == seen["launcher"], seen

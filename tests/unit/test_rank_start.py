@@ -1,0 +1,29 @@
+"""The ranks' fork server (pimm_core/launch/rank_start.py) imports torch without touching CUDA: a process
+forked after CUDA's initialization cannot use CUDA, so a preload that initialized it would break every
+rank on a GPU node."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+_SPY = """
+import importlib, json, torch
+calls = []
+for name in ("_cuda_init", "_cuda_getDeviceCount", "_cuda_getDevice", "_cuda_setDevice"):
+    real = getattr(torch._C, name, None)
+    if real is not None:  # (a torch built without CUDA has none of them)
+        setattr(torch._C, name, lambda *a, _n=name, _r=real, **k: (calls.append(_n), _r(*a, **k))[1])
+from pimm_core.launch.rank_start import PRELOAD
+for module in PRELOAD:
+    importlib.import_module(module)
+print(json.dumps({"calls": calls, "initialized": torch.cuda.is_initialized(), "preload": PRELOAD}))
+"""
+
+
+def test_the_rank_servers_preload_leaves_cuda_alone():
+    out = subprocess.run([sys.executable, "-c", _SPY], capture_output=True, text=True, check=True, timeout=300)
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "torch._dynamo" in seen["preload"]  # (what torch.optim would import in every rank)
+    assert seen["calls"] == [] and seen["initialized"] is False, seen
