@@ -179,7 +179,7 @@ class StatusWriter:
         """Have the thread write ``running`` with ``fields`` (:func:`write_status`'s), soon: no
         I/O and no encoding here. ``fields`` must not be changed afterwards (a new dict each call)."""
         with self._cond:
-            if not self._posting or self._closing:
+            if not self._posting:
                 return
             self._pending = fields
             if self._thread is None:
@@ -196,13 +196,16 @@ class StatusWriter:
             self._write(state, fields)
 
     def close(self) -> None:
-        """Write the record still waiting, if any, and stop the thread (joined)."""
+        """Write the record still waiting, if any, and stop the thread (joined; a later :meth:`post`
+        starts another)."""
         with self._cond:
             self._closing = True
             self._cond.notify()
             thread = self._thread
         if thread is not None:
             thread.join()
+        with self._cond:
+            self._closing, self._thread = False, None
 
     def _run(self) -> None:
         while True:
