@@ -164,6 +164,9 @@ class StatusWriter:
         run_dir: the run directory.
         report: called after each write, on the thread that wrote (under the write lock, so in
             the order of the writes), with the OSError of a write that failed or None.
+
+    Any other exception of the thread's write (a field JSON cannot encode: a bug) ends the thread
+    and is raised by the next :meth:`post`, on the training thread, as a synchronous write's would be.
     """
 
     def __init__(self, run_dir: Path, report: Callable[[OSError | None], None]):
@@ -174,11 +177,14 @@ class StatusWriter:
         self._posting = True  # False once a state other than running is written: post() is ignored
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._error: Exception | None = None  # what ended the thread, raised by the next post()
 
     def post(self, fields: dict[str, Any]) -> None:
         """Have the thread write ``running`` with ``fields`` (:func:`write_status`'s), soon: no
         I/O and no encoding here. ``fields`` must not be changed afterwards (a new dict each call)."""
         with self._cond:
+            if self._error is not None:
+                raise self._error
             if not self._posting:
                 return
             self._pending = fields
@@ -217,8 +223,14 @@ class StatusWriter:
             with self._io:
                 with self._cond:  # (taken under the write lock: write() drops it or comes after)
                     fields, self._pending = self._pending, None
-                if fields is not None:
+                if fields is None:
+                    continue
+                try:
                     self._write("running", fields)
+                except Exception as e:  # (not an OSError: those are reported)
+                    with self._cond:
+                        self._error = e
+                    return
 
     def _write(self, state: str, fields: dict[str, Any]) -> None:
         try:

@@ -82,3 +82,15 @@ def test_the_newest_heartbeat_is_written_by_close(tmp_path: Path) -> None:
     rec.close()
     status = read_json(tmp_path / "status.json")
     assert (status["state"], status["step"]) == ("running", 8)
+
+
+def test_a_record_the_writer_thread_cannot_encode_fails_the_next_logged_step(tmp_path: Path) -> None:
+    # (a bug: before the writer thread, the step's own write raised it; it must not vanish in a thread)
+    s = TrainState(global_step=2, epoch=0, iter=2)
+    rec = _recorder(tmp_path, s)
+    rec.status("running")
+    rec.status_extra = {"note": object()}
+    rec.heartbeat()
+    rec.close()  # (the thread has written, or failed to, once this returns)
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        rec.heartbeat()
