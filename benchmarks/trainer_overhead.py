@@ -27,7 +27,8 @@ A third comparison (``small_model``) is the quickstart's own size: configs/digit
 a fixed per-step cost shows. It also gives ``parts_us``: each per-step part of pimm's step
 and of the hand loop's, timed alone (the best of 5 rounds of ``--part-calls`` calls on the
 trained objects; ``logged_step`` is the extra of a step that writes its records, once per
-``log_every_steps``).
+``log_every_steps``, on the training thread; the ``status.json`` write, on a writer thread, is its own
+row: CPU of the same process, not of the training thread).
 
 Prints one JSON object::
 
@@ -160,6 +161,8 @@ def parts_us(cfg, run_dir: Path, calls: int) -> dict:
     trainer = Trainer(cfg, run_dir=run_dir)
     trainer.train()  # (the run's files, scheduler and recorder exist, as after any step)
     model, opt, rec = trainer.model, trainer.optimizer, trainer.recorder
+    # train() closed metrics.jsonl: open it again, so a logged step writes its line as in a run
+    rec.start(trainer.config, {"kind": "start"}, fresh=False, code_version=None, data_fingerprint=None)
     step = WindowStep(model, opt, trainer.scaler, trainer.ema, trainer.config.train, autocast=contextlib.nullcontext,
                       distributed=False, objective=trainer.objective)
     batch = next(iter(trainer.loader))
@@ -201,6 +204,22 @@ def parts_us(cfg, run_dir: Path, calls: int) -> dict:
     def unlogged():
         rec.on_step(0, loss, 1e-3, cfg.data.batch_size, grad_norm=loss)
 
+    from pimm_core.run import write_status
+
+    status_dir = run_dir / "status-write"  # (beside the run's: not racing its writer thread's last write)
+    status_dir.mkdir(exist_ok=True)
+
+    def status_write():  # (a logged step's status.json, as the recorder writes it)
+        write_status(status_dir, "running", pids=rec.pids, step=s.global_step, epoch=s.epoch, iter=s.iter,
+                     total_steps=rec.total, steps_per_epoch=rec.steps_per_epoch, epochs=rec.epochs, world_size=1,
+                     stop_reason=None)
+
+    hand_log = open(run_dir / "hand.jsonl", "a", encoding="utf-8", buffering=1)
+
+    def hand_logged():  # (as run_hand's logged step)
+        hand_log.write(json.dumps({"step": 1, "split": "train", "loss": loss.item(), "time": time.time()}) + "\n")
+        hand_log.flush()
+
     with rec.training():
         pimm = {
             "data (next batch)": _best_us(lambda: next_batch("pimm"), calls),
@@ -216,6 +235,9 @@ def parts_us(cfg, run_dir: Path, calls: int) -> dict:
                 _best_us(bookkeeping, calls),
             "logged step extra (metrics.jsonl + status.json + progress)":
                 round(_best_us(logged, max(calls // 10, 20)) - _best_us(unlogged, calls), 1),
+            # the same process's CPU, on status.json's writer thread since issue 38's fourth round (on the
+            # training thread before, inside the logged step's extra): one write per logged step
+            "status.json write (per logged step; writer thread)": _best_us(status_write, max(calls // 10, 20)),
         }
     hand = {
         "data (next batch)": _best_us(lambda: next_batch("hand"), calls),
@@ -224,7 +246,9 @@ def parts_us(cfg, run_dir: Path, calls: int) -> dict:
         "zero_grad": _best_us(lambda: opt.zero_grad(set_to_none=True), calls),
         "ema update (torch._foreach_lerp_)": _best_us(
             lambda: torch._foreach_lerp_(ema, [p.detach().float() for p in params], 0.001), calls),
+        "logged step extra (a flushed JSON line)": _best_us(hand_logged, max(calls // 10, 20)),
     }
+    hand_log.close()
     rec.close()
     del trainer
     return {"pimm": pimm, "hand": hand}

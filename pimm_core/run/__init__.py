@@ -4,7 +4,7 @@ One module per file kind, each with its writer and its reader side by side:
 
 - :mod:`.layout`: file names, what counts as a run directory, run naming.
 - :mod:`.claim`: creating the run directory (numbered names, taking it back unstarted).
-- :mod:`.status`: ``status.json`` (:class:`RunStatus`, :func:`write_status`, :func:`read_run_status`).
+- :mod:`.status`: ``status.json`` (:class:`RunStatus`, :func:`write_status`, :class:`StatusWriter`, :func:`read_run_status`).
 - :mod:`.metrics`: ``metrics.jsonl`` (:class:`MetricsWriter`, :func:`read_metrics`).
 - :mod:`.log`: ``train.log`` (:func:`log_handler`, :class:`LogTail`).
 - :mod:`.provenance`: ``provenance.json`` and the recorded launch.
@@ -34,11 +34,11 @@ from .log import LogTail, log_handler
 from .metrics import MetricsWriter, parse_record, read_metrics, supersede_after
 from .provenance import (LAUNCH_ENV, append_provenance, code_version, current_code_version, launch_record,
                          read_provenance, recorded_launch, recorded_world_size, scheduler_record)
-from .status import STATES, RunStatus, now_iso, read_run_status, write_status
+from .status import STATES, RunStatus, StatusWriter, now_iso, read_run_status, write_status
 
 __all__ = [
     "CONFIG", "CONTROL", "LAUNCH_ENV", "LOG", "METRICS", "MODEL", "PROVENANCE", "RUN_MARKERS", "STATES", "STATUS", "SUPERSEDED",
-    "LogTail", "MetricsWriter", "RunDirClaim", "RunStatus", "append_provenance", "check_run_dir", "claim_run_dir",
+    "LogTail", "MetricsWriter", "RunDirClaim", "RunStatus", "StatusWriter", "append_provenance", "check_run_dir", "claim_run_dir",
     "code_version", "current_code_version", "find_run_dir", "free_run_dir", "is_run_dir", "launch_record", "scheduler_record",
     "log_handler", "model_dir_of", "now_iso", "numbered", "parse_record", "read_json", "read_metrics",
     "read_provenance", "read_run_status", "recorded_launch", "recorded_world_size", "run_dir_for", "run_markers",

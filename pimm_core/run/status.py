@@ -1,8 +1,10 @@
 """``status.json``: the run's heartbeat, as a typed record, with its writer and reader (torch-free).
 
-Rank 0 replaces the file atomically at every state change and logged step. Readers (the
-console, ``pimm stop``, the launch's finished-run check, the run lock) take it through
-:func:`read_run_status`, which never raises: a missing or damaged file reads as a record
+Rank 0 replaces the file atomically at every state change and logged step: a state change at
+once, on the training thread; a logged step's ``running`` on a writer thread
+(:class:`StatusWriter`), so the training thread pays no JSON encoding and no file system call for
+it. Readers (the console, ``pimm stop``, the launch's finished-run check, the run lock) take it
+through :func:`read_run_status`, which never raises: a missing or damaged file reads as a record
 with ``state`` None and ``problem`` saying why.
 """
 
@@ -12,11 +14,12 @@ import dataclasses
 import json
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..faults import point
 from .jsonfile import write_json
@@ -143,6 +146,101 @@ def write_status(run_dir: Path, state: str, **fields: Any) -> None:
                                  extra={k: v for k, v in fields.items() if k not in names})
     point("status.write", Path(run_dir) / STATUS)  # a full disk at a heartbeat (crash tests)
     write_json(Path(run_dir) / STATUS, record.to_json(), durable=False)
+
+
+class StatusWriter:
+    """Rank 0's writer of ``status.json`` for one ``train()`` call: :meth:`post` hands a logged step's
+    ``running`` record to a writer thread, :meth:`write` writes any state at once.
+
+    Ordering, by construction: every write of the file happens under one lock, and the thread takes
+    the record it writes under that lock; :meth:`write` takes it too and, before it writes, drops the
+    record not yet taken. So a ``running`` handed over before a state change is written before it or
+    never, and never after it. After a state other than ``running`` is written (``stopping``,
+    ``finished``, ``failed``...), :meth:`post` is ignored until a ``running`` is written again with
+    :meth:`write`: a stale ``running`` cannot replace an end state.
+
+    Only the newest record handed over is written (a reader only ever needs the newest): the
+    thread writes when woken, a record handed over while it writes replaces the one waiting.
+
+    Args:
+        run_dir: the run directory.
+        report: called after each write, on the thread that wrote (under the write lock, so in
+            the order of the writes), with the OSError of a write that failed or None.
+
+    Any other exception of the thread's write (a field JSON cannot encode: a bug) ends the thread
+    and is raised by the next :meth:`post`, on the training thread, as a synchronous write's would be.
+    """
+
+    def __init__(self, run_dir: Path, report: Callable[[OSError | None], None]):
+        self.run_dir, self._report = Path(run_dir), report
+        self._io = threading.Lock()  # one replacement of the file at a time, in order
+        self._cond = threading.Condition()  # guards the fields below
+        self._pending: dict[str, Any] | None = None  # the newest record handed over, not yet taken
+        self._posting = True  # False once a state other than running is written: post() is ignored
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._error: Exception | None = None  # what ended the thread, raised by the next post()
+
+    def post(self, fields: dict[str, Any]) -> None:
+        """Have the thread write ``running`` with ``fields`` (:func:`write_status`'s), soon: no
+        I/O and no encoding here. ``fields`` must not be changed afterwards (a new dict each call)."""
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            if not self._posting:
+                return
+            self._pending = fields
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pimm-status", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def write(self, state: str, fields: dict[str, Any]) -> None:
+        """Write ``state`` with ``fields`` now, after any write in progress; a record handed over
+        and not yet written is dropped (this one is newer). The result goes to ``report``."""
+        with self._io:
+            with self._cond:
+                self._pending, self._posting = None, state == "running"
+            self._write(state, fields)
+
+    def close(self) -> None:
+        """Write the record still waiting, if any, and stop the thread (joined; a later :meth:`post`
+        starts another)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        with self._cond:
+            self._closing, self._thread = False, None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closing:
+                    self._cond.wait()
+                if self._pending is None:
+                    return  # closing, nothing left
+            with self._io:
+                with self._cond:  # (taken under the write lock: write() drops it or comes after)
+                    fields, self._pending = self._pending, None
+                if fields is None:
+                    continue
+                try:
+                    self._write("running", fields)
+                except Exception as e:  # (not an OSError: those are reported)
+                    with self._cond:
+                        self._error = e
+                    return
+
+    def _write(self, state: str, fields: dict[str, Any]) -> None:
+        try:
+            write_status(self.run_dir, state, **fields)
+        except OSError as e:
+            self._report(e)
+        else:
+            self._report(None)
 
 
 def read_run_status(run_dir: Path) -> RunStatus:

@@ -25,6 +25,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -35,8 +36,8 @@ from ..errors import ConfigError
 from ..process.console_log import attach_console
 from ..process.dist import DistInfo
 from ..process.lock import launcher_pid
-from ..run import (CONFIG, METRICS, PROVENANCE, MetricsWriter, append_provenance, launch_record, log_handler,
-                   now_iso, scheduler_record, supersede_after, write_status)
+from ..run import (CONFIG, METRICS, PROVENANCE, MetricsWriter, StatusWriter, append_provenance, launch_record,
+                   log_handler, now_iso, scheduler_record, supersede_after)
 from ..errors import PimmError, is_peer_loss, restarts_left
 from ..run.entries import MLFLOW_ID, TENSORBOARD_DIR, WANDB_FILES, WANDB_ID, check_run_entries
 from .rate import StepClock
@@ -72,6 +73,9 @@ class Recorder:
         self._log_handler: logging.Handler | None = None
         self._detach_console: Callable[[], None] = lambda: None
         self._failing: set[str] = set()  # the records whose last write failed
+        self._failing_lock = threading.Lock()  # (status.json's results come from its writer thread)
+        # status.json: state changes at once, a logged step's heartbeat on a writer thread
+        self._status = StatusWriter(run_dir, lambda e: self._result("status.json", e)) if self.writes else None
         self.clock = StepClock()  # samples/s and steps/s of training time (:mod:`.rate`)
         self.status_extra: dict[str, Any] = {}  # memory_step, recovery: written with every status.json
 
@@ -92,7 +96,9 @@ class Recorder:
 
     def close(self) -> None:
         """Detach this run's ``train.log`` and console (the logger is process-wide; later runs must
-        not write here) and close ``metrics.jsonl``."""
+        not write here) and close ``metrics.jsonl``, after the last ``status.json`` handed to its writer thread."""
+        if self._status is not None:
+            self._status.close()  # (before the log detaches: its failure or recovery line goes to train.log)
         if self._log_handler is not None:
             log.removeHandler(self._log_handler)
             self._log_handler.close()
@@ -162,14 +168,24 @@ class Recorder:
             (self.run_dir / name).unlink(missing_ok=True)
 
     def status(self, state: str, **extra: Any) -> None:
-        """Replace ``status.json``: ``state`` (``running``, ``stopping``, ...) and the position."""
-        if self.writes:
-            s, self._last_state = self.state, state
-            self._best_effort("status.json", write_status, self.run_dir, state, pids=self.pids, step=s.global_step,
-                              epoch=s.epoch, iter=s.iter, total_steps=self.total,
-                              steps_per_epoch=self.steps_per_epoch, epochs=self.epochs,
-                              world_size=self.info.world_size, stop_reason=s.stop_reason,
-                              **{**self.status_extra, **extra})
+        """Replace ``status.json`` now: ``state`` (``running``, ``stopping``, ...) and the position
+        (after any logged step's heartbeat still being written, which never lands after it)."""
+        if self._status is not None:
+            self._last_state = state
+            self._status.write(state, self._status_fields(extra))
+
+    def heartbeat(self) -> None:
+        """A logged step's ``status.json`` (``running`` and the position), written soon by the
+        writer thread: the training thread only builds the record."""
+        if self._status is not None:
+            self._last_state = "running"
+            self._status.post(self._status_fields({}))
+
+    def _status_fields(self, extra: dict[str, Any]) -> dict[str, Any]:
+        s = self.state
+        return {"pids": self.pids, "step": s.global_step, "epoch": s.epoch, "iter": s.iter, "total_steps": self.total,
+                "steps_per_epoch": self.steps_per_epoch, "epochs": self.epochs, "world_size": self.info.world_size,
+                "stop_reason": s.stop_reason, **self.status_extra, **extra}
 
     def failed(self, e: BaseException) -> None:
         """The session failed with ``e``: ``status.json`` says so, and ``train.log`` ends with the line the
@@ -200,13 +216,25 @@ class Recorder:
         try:
             write(*args, **kw)
         except OSError as e:
-            if not self._failing:
-                log.warning("warning: cannot write %s (%s); training goes on, the run's state is recorded when "
-                            "a write succeeds again; checkpoints are not affected", what, e.strerror or e)
-            self._failing.add(what)
+            self._result(what, e)
             return
-        if what in self._failing:
-            self._failing.discard(what)
+        if self._failing:
+            self._result(what, None)
+
+    def _result(self, what: str, error: OSError | None) -> None:
+        """The outcome of a write of ``what``: the warning of the first failure of a series, the line
+        of a record written again (from the training thread or ``status.json``'s writer thread)."""
+        with self._failing_lock:
+            first = error is not None and not self._failing
+            again = error is None and what in self._failing
+            if error is not None:
+                self._failing.add(what)
+            else:
+                self._failing.discard(what)
+        if first:
+            log.warning("warning: cannot write %s (%s); training goes on, the run's state is recorded when "
+                        "a write succeeds again; checkpoints are not affected", what, error.strerror or error)
+        elif again:
             log.info("%s written again", what)
 
     # --------------------------------------------------------------- moments
@@ -247,7 +275,7 @@ class Recorder:
                 record["grad_norm"] = grad_norm.item()
             self.record(record)
             self.progress.log(s, loss_value, lr, rate)
-            self.status("running")
+            self.heartbeat()
         self.progress.advance(s.global_step)
 
     def on_eval(self, epoch: int, metrics: dict[str, float], metric: str) -> None:

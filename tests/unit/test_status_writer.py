@@ -1,0 +1,96 @@
+"""``status.json`` at a logged step is written by a writer thread, state changes at once and last.
+
+A logged step only hands its ``running`` record over (the training thread does no file write for
+it); a state change (``stopping``, ``finished``...) is written on the calling thread after any
+write in progress, and a ``running`` handed over before or after it never replaces it. The writes
+are held with the ``status.write`` fail point (``pause``), the way the crash tests hold a save.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pimm_core import faults
+from pimm_core.process.dist import DistInfo
+from pimm_core.run import read_json
+from pimm_core.train.recorder import Recorder
+from pimm_core.train.state import TrainState
+
+
+def _recorder(run_dir: Path, state: TrainState) -> Recorder:
+    rec = Recorder(run_dir, DistInfo(), state, epochs=3, steps_per_epoch=50, log_every_steps=2)
+    rec.total = 150
+    return rec
+
+
+@pytest.fixture
+def held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The first ``status.json`` write stops at its ``status.write`` fail point until ``<dir>/status.write.go``."""
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    monkeypatch.setenv("PIMM_FAILPOINT_DIR", str(gates))
+    monkeypatch.setattr(faults, "_SPEC", "status.write=pause")
+    monkeypatch.setattr(faults, "_hits", {})
+    monkeypatch.setattr(faults, "PAUSE_LIMIT_S", 20.0)  # (a broken test ends instead of hanging)
+    return gates
+
+
+def _wait_for(path: Path) -> None:
+    deadline = time.monotonic() + 30
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.005)
+
+
+def test_a_logged_step_hands_status_json_over_and_an_end_state_is_written_last(tmp_path: Path, held: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    s = TrainState(global_step=2, epoch=0, iter=2)
+    rec = _recorder(run, s)
+    with rec.training():
+        rec.on_step(0, torch.tensor(0.5), 1e-3, 32)  # step 2: logged; its status write is held
+        _wait_for(held / "status.write.reached")  # (the writer thread is inside the write)
+        # the training thread went on past the step while its status.json is not written yet
+        assert not (run / "status.json").exists()
+        s.global_step = s.iter = 4
+        rec.on_step(0, torch.tensor(0.4), 1e-3, 32)  # step 4: handed over while step 2's write is held
+        s.stop_reason = "budget"
+        ended = threading.Thread(target=rec.status, args=("stopped",))
+        ended.start()  # (waits for the write in progress, or writes at once after it)
+        (held / "status.write.go").touch()
+        ended.join(30)
+        assert not ended.is_alive()
+        rec.heartbeat()  # a running after the end state: ignored
+    rec.close()
+    status = read_json(run / "status.json")
+    assert (status["state"], status["step"], status["stop_reason"]) == ("stopped", 4, "budget")
+
+
+def test_the_newest_heartbeat_is_written_by_close(tmp_path: Path) -> None:
+    s = TrainState(global_step=2, epoch=0, iter=2)
+    rec = _recorder(tmp_path, s)
+    rec.status("running")
+    with rec.training():
+        for step in (4, 6, 8):
+            s.global_step = s.iter = step
+            rec.on_step(0, torch.tensor(0.5), 1e-3, 32)
+    rec.close()
+    status = read_json(tmp_path / "status.json")
+    assert (status["state"], status["step"]) == ("running", 8)
+
+
+def test_a_record_the_writer_thread_cannot_encode_fails_the_next_logged_step(tmp_path: Path) -> None:
+    # (a bug: before the writer thread, the step's own write raised it; it must not vanish in a thread)
+    s = TrainState(global_step=2, epoch=0, iter=2)
+    rec = _recorder(tmp_path, s)
+    rec.status("running")
+    rec.status_extra = {"note": object()}
+    rec.heartbeat()
+    rec.close()  # (the thread has written, or failed to, once this returns)
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        rec.heartbeat()
