@@ -12,8 +12,8 @@ import sys
 
 _CODE = """
 import multiprocessing.forkserver as fs
-from pimm_core.data.workers import _ensure_forkserver
-_ensure_forkserver()
+from pimm_core.data.workers import worker_context
+worker_context("forkserver")  # (pimm_core.process.forkserver.start, as the ranks' fork server is started)
 print(fs._forkserver._forkserver_pid)
 """
 
