@@ -169,12 +169,25 @@ def read_back(root: Path, name: str) -> None:
 
 
 def main() -> None:
-    mode, root = sys.argv[1], Path(sys.argv[2])
+    run(sys.argv[1], Path(sys.argv[2]))
+
+
+def run(mode: str, root: Path) -> None:
+    """Run the comma-separated steps of ``mode`` on ``root``: under torchrun (``RANK`` set) in its
+    process group, else in a process group of one made here (also in the test's own process: the
+    group is destroyed at the end, the ``ok`` lines go to stdout)."""
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
     else:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     torch.set_num_threads(1)
+    try:
+        _steps(mode, root)
+    finally:
+        dist.destroy_process_group()
+
+
+def _steps(mode: str, root: Path) -> None:
     for step in mode.split(","):
         action, _, arg = step.partition(":")
         if action == "save":  # save:NAME:fsdp|plain[:nogather][:async]
@@ -202,7 +215,6 @@ def main() -> None:
                 same(torch.load(root / f"{arg}.ref.pt", weights_only=True)["model"], got, "warm start sharded")
             ok(f"warm {arg} into sharded x{info().world_size}")
         dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

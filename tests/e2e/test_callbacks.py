@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from _helpers import DIGITS, describe, pimm
-from test_user_code import USERPKG, _launch
+from test_user_code import USERPKG, _launch, _launch_here
 
 _CALLBACK = """
 [[callbacks]]
@@ -52,7 +52,10 @@ def test_a_config_callback_sees_each_moment_and_its_state_survives_a_resume(tmp_
 def test_a_wrong_callback_target_is_one_error_line_before_any_rank(tmp_path):
     config = _config(tmp_path, target="userpkg.hooks:EventCountr")
     for args in ((), ("--dry-run",)):
-        r = _launch(config, tmp_path / "exp", "bad", *args, nproc=2)
+        if args:  # the dry run: the same refusal, in this process (the user package imported anew)
+            r = _launch_here(config, tmp_path / "exp", "bad", *args, nproc=2, fresh="userpkg")
+        else:  # the launch through the console script
+            r = _launch(config, tmp_path / "exp", "bad", nproc=2)
         assert r.returncode == 2, describe(r)
         errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "callbacks[0].target" in errors[0] and "EventCounter" in errors[0], describe(r)
@@ -63,6 +66,6 @@ def test_a_wrong_callback_target_is_one_error_line_before_any_rank(tmp_path):
 def test_a_wrong_callback_argument_names_its_key(tmp_path):
     config = _config(tmp_path)
     config.write_text(config.read_text().replace("stop_at =", "stop_att ="))
-    r = _launch(config, tmp_path / "exp", "bad", "--dry-run")
+    r = _launch_here(config, tmp_path / "exp", "bad", "--dry-run", fresh="userpkg")  # (a refusal: no process of its own)
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 2 and len(errors) == 1 and "callbacks[0].args.stop_att" in errors[0], describe(r)

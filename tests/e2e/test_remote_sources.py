@@ -96,7 +96,8 @@ def test_warm_start_from_a_remote_step_checkpoint_loads_its_weights_and_cleans_u
     assert "standard checkpoint step_45 (step 45)" in dry.stdout and "checked against manifest.json" in dry.stdout
     assert not (tmp_path / "digits" / "dry").exists() and pimm_temps(tmp) == []  # nothing downloaded
 
-    r = warm_launch(tmp_path, "w", url("step_45"), env, here=False)
+    # the warm start itself in this process (its console-script path is the 2-rank launch's below)
+    r = warm_launch(tmp_path, "w", url("step_45"), env)
     assert r.returncode == 0, r.stdout + r.stderr
     run = tmp_path / "digits" / "w"
     start = read_json(run / "provenance.json")["starts"][0]

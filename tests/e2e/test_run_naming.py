@@ -97,10 +97,12 @@ def test_only_an_interrupted_first_save_is_refused_with_a_way_out(tmp_path, left
     (run_dir / "model" / leftover / "trainer.dcp").mkdir(parents=True)
     (run_dir / "model" / leftover / "weights.pth").write_bytes(b"partial")
     before = snapshot(tmp_path)
-    fresh = pimm("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "t", "--run.no-timestamp",
-                 "--nproc-per-node", "2", timeout=60)
+    # both in this process: refusals decided by the launcher before any rank (its console path and the
+    # "before spawning" at two ranks: test_distributed_launch_refuses_before_spawning)
+    fresh = pimm_here("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "t",
+                      "--run.no-timestamp", "--nproc-per-node", "2")
     resume = pimm_here("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "t",
-                       "--run.no-timestamp", "--train.resume")  # in this process: no torch import
+                       "--run.no-timestamp", "--train.resume")
     for result in (fresh, resume):
         assert result.returncode == 2, describe(result)
         lines = result.stderr.strip().splitlines()
@@ -115,7 +117,7 @@ def test_only_an_interrupted_first_save_is_refused_with_a_way_out(tmp_path, left
 def test_run_root_that_is_a_file_is_refused(tmp_path):
     root = tmp_path / "root"
     root.write_text("not a directory")
-    result = pimm("launch", "--train.config", DIGITS, "--run.root", root, "--nproc-per-node", "2", timeout=60)
+    result = pimm_here("launch", "--train.config", DIGITS, "--run.root", root, "--nproc-per-node", "2")  # (no rank)
     assert result.returncode == 2, describe(result)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "is a file" in lines[0], describe(result)

@@ -2,8 +2,8 @@
 
 ``_sharded_worker.py`` saves and loads through pimm's checkpoint layer; every load compares
 the restored model, optimizer (FQN-keyed, gathered) and EMA state with what the saver had,
-bitwise. Three launches, in order (later ones read the earlier ones' checkpoints; each costs
-mostly its start, so they are few):
+bitwise. Three sessions, in order (later ones read the earlier ones' checkpoints; a launch costs
+mostly its start, so there are two, and the one-rank session runs in the test's own process):
 
 - 2 ranks: ``s2`` (sharded), ``g2`` (sharded, ``gather_weights=False``: no weights.pth),
   ``a2`` (sharded, written in the background); loads 2 -> 2, sharded -> plain (DDP-like:
@@ -19,6 +19,8 @@ mostly its start, so they are few):
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import _sharded_worker
 from _helpers import REPO, clean_env, hang_s, pimm_here
 from pimm_core.checkpoint.records.manifest import read_manifest
 from pimm_core.checkpoint.tensors.safe_read import read_dcp_metadata
@@ -47,12 +50,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     root = tmp_path_factory.mktemp("sharded")
     passed: list[str] = []
     for nproc, mode in LAUNCHES:
-        launcher = [] if nproc is None else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                             str(nproc)]
-        r = subprocess.run([sys.executable, *launcher, str(WORKER), mode, str(root)], cwd=REPO, env=clean_env(),
-                           capture_output=True, text=True, timeout=hang_s(300))
-        assert r.returncode == 0, f"{nproc or 1} rank(s), {mode}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-6000:]}"
-        passed += [line[3:] for line in r.stdout.splitlines() if line.startswith("ok ")]
+        if nproc is None:  # one rank: in this process (a process group of one, destroyed after), no start of its own
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                _sharded_worker.run(mode, root)
+            stdout = out.getvalue()
+        else:
+            r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                str(nproc), str(WORKER), mode, str(root)], cwd=REPO, env=clean_env(),
+                               capture_output=True, text=True, timeout=hang_s(300))
+            assert r.returncode == 0, f"{nproc} ranks, {mode}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-6000:]}"
+            stdout = r.stdout
+        passed += [line[3:] for line in stdout.splitlines() if line.startswith("ok ")]
     return root, passed
 
 
