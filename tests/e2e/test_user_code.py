@@ -17,7 +17,6 @@ in a fresh process finding the user code.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
