@@ -107,6 +107,31 @@ def run_rank(argv: list[str]) -> None:
         os.kill(os.getpid(), -code)
     if code:
         raise SystemExit(code)
+    _hand_back()
+
+
+def _hand_back() -> None:
+    """Give torchrun's agent this rank's result (done: None) and exit at once.
+
+    torch's wrapper around a rank it runs as a function (``_wrap`` in
+    ``torch.distributed.elastic.multiprocessing.api``) puts the function's return value on the rank's
+    queue and then waits until the agent has read every rank's. An agent that is stopping its ranks
+    instead (torchrun's handling of a stop signal, another rank's failure) never reads them: the rank
+    that finished, having saved ``last``, would wait for the SIGKILL that ends the agent's shutdown
+    timeout (``--shutdown-timeout``, 600 s here), and the launch with it. The queue is a
+    ``SimpleQueue``, written at once and read by the agent whenever it reads it (after this process is
+    gone too), so the value is put here and the process ends. Without that queue in reach (another
+    torch), this returns, and torch's wrapper puts the value and waits.
+    """
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "_wrap" and "ret_val_" in frame.f_locals):
+        frame = frame.f_back
+    if frame is None:
+        return
+    frame.f_locals["ret_val_"].put(None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _exit_code(code: object) -> int:
