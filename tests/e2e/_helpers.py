@@ -248,3 +248,15 @@ def memory_index(run: Path, rank: int) -> dict[str, Any]:
         return json.loads((run / "memory" / f"{rank}.json").read_text())
     except (OSError, ValueError):
         return {}
+
+
+def wait_while_running(check, what: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Wait until ``check()`` is true, failing at once (with the launch's output) if ``proc`` (started with
+    ``stdout=PIPE, stderr=STDOUT, text=True``) ends first; ``timeout`` (scaled by :func:`hang_s`) catches hangs."""
+    import time
+
+    deadline = time.monotonic() + hang_s(timeout)
+    while not check():
+        assert proc.poll() is None, f"the launch ended while waiting for {what}: {proc.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)

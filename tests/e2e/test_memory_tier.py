@@ -21,13 +21,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from _helpers import DIGITS, REPO, clean_env, hang_s, memory_index
+from _helpers import DIGITS, REPO, clean_env, hang_s, memory_index, wait_while_running
 
 OVERRIDES = ("train.epochs=1", "model.hidden=16", "train.log_every_steps=5", "checkpoint.memory_every_steps=3",
              "checkpoint.every_epochs=1", "data.num_workers=0")
@@ -48,14 +47,6 @@ def _finish(proc: subprocess.Popen) -> str:
     return out
 
 
-def _wait_for(check, what: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + hang_s(120)
-    while not check():
-        assert proc.poll() is None, f"the launch ended while waiting for {what}: {proc.communicate()[0][-3000:]}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 
 def _pause_then_kill(root: Path, name: str, *remove: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """A launch whose rank 1 pauses at step 8; once both ranks hold their copies of step 6, the copies
@@ -65,8 +56,8 @@ def _pause_then_kill(root: Path, name: str, *remove: str, extra: tuple[str, ...]
     proc = _start(root, name, {**KILLED, "PIMM_FAILPOINT": "memory.step@8=pause", "PIMM_FAILPOINT_DIR": str(gate)},
                   *extra)
     run = root / "digits" / name
-    _wait_for(lambda: (gate / "memory.step.reached.8").exists(), "rank 1 paused at step 8", proc)
-    _wait_for(lambda: all((memory_index(run, r).get("own") or {}).get("step") == 6 and
+    wait_while_running(lambda: (gate / "memory.step.reached.8").exists(), "rank 1 paused at step 8", proc)
+    wait_while_running(lambda: all((memory_index(run, r).get("own") or {}).get("step") == 6 and
                           (memory_index(run, r).get("buddy") or {}).get("step") == 6 for r in (0, 1)),
               "both ranks' copies of step 6", proc)
     shm = next((root / "shm").glob(f"pimm-{name}-*"))
@@ -76,7 +67,7 @@ def _pause_then_kill(root: Path, name: str, *remove: str, extra: tuple[str, ...]
         path.unlink()
     os.kill(memory_index(run, 1)["pid"], signal.SIGKILL)
     # between the kill and the restarted rank 0's first status: what status.json says meanwhile
-    _wait_for(lambda: _state(run) in ("restarting", "failed") or "recovery" in _status(run), "the state after the kill",
+    wait_while_running(lambda: _state(run) in ("restarting", "failed") or "recovery" in _status(run), "the state after the kill",
               proc)
     (root / f"state-{name}.json").write_text(json.dumps({"status": _status(run), "launcher": proc.pid}))
     return proc

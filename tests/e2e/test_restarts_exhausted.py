@@ -17,12 +17,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from _helpers import DIGITS, REPO, clean_env, hang_s
+from _helpers import DIGITS, REPO, clean_env, hang_s, wait_while_running
 
 OVERRIDES = ("train.epochs=1", "model.hidden=16", "train.log_every_steps=5", "checkpoint.memory_every_steps=3",
              "checkpoint.every_epochs=1", "data.num_workers=0")
@@ -43,28 +42,20 @@ def _status(run: Path) -> dict:
         return {}
 
 
-def _wait_for(check, what: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + hang_s(120)
-    while not check():
-        assert proc.poll() is None, f"the launch ended while waiting for {what}: {proc.communicate()[0][-3000:]}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 def _kill_rank0_twice(root: Path, proc: subprocess.Popen, gate: Path) -> dict:
     """Rank 0 pauses at its 4th step in each attempt (a fail point); this test kills it there by the pid
     status.json names: once with a restart left (``restarting``), once with none."""
     run = root / "digits" / "rank0"
     seen: dict = {"pids": []}
     for attempt in range(2):
-        _wait_for(lambda: (gate / "memory.step.reached.4").exists(), f"rank 0 paused (attempt {attempt})", proc)
+        wait_while_running(lambda: (gate / "memory.step.reached.4").exists(), f"rank 0 paused (attempt {attempt})", proc)
         (gate / "memory.step.reached.4").unlink()
         pid = _status(run)["pid"]
         assert pid not in seen["pids"], "status.json still names the killed rank 0"
         seen["pids"].append(pid)
         os.kill(pid, signal.SIGKILL)
         if attempt == 0:
-            _wait_for(lambda: _status(run).get("state") == "restarting", "restarting after the first kill", proc)
+            wait_while_running(lambda: _status(run).get("state") == "restarting", "restarting after the first kill", proc)
     return seen
 
 
