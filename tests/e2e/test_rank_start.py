@@ -47,3 +47,37 @@ def test_ranks_are_forked_from_the_launchers_server_and_exit_as_an_interpreter(t
                 assert seen["ppid"] != seen["launcher"] and seen["grandparent"] == seen["launcher"], seen
             else:
                 assert seen["ppid"] == seen["launcher"], seen
+
+
+def test_a_stop_signal_to_the_launcher_ends_it_once_the_forked_ranks_saved(tmp_path):
+    """A terminal's Ctrl-C at a one-node launch: torchrun's agent stops the ranks (SIGINT), they save `last` and
+    end, and so does the launcher. A forked rank that finished once waited for the agent to read its result
+    while the agent waited for it to exit, until the shutdown timeout (600 s by default; here an hour, so
+    that the wait below catches it) SIGKILLed it."""
+    import os
+    import signal
+    import time
+
+    from _helpers import read_json
+
+    run = tmp_path / "exp" / "digits" / "stop"
+    cmd = [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(DIGITS), "--run.root",
+           str(tmp_path / "exp"), "--run.name", "stop", "--run.no-timestamp", "--nproc-per-node", "2", "--",
+           "train.epochs=300", "data.num_workers=0", "train.log_every_steps=1"]
+    launcher = subprocess.Popen(cmd, cwd=REPO, env={**clean_env(), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3600"},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + hang_s(120)
+        while not (run / "metrics.jsonl").exists() or "train" not in (run / "metrics.jsonl").read_text():
+            assert launcher.poll() is None, launcher.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no step within the limit"
+            time.sleep(0.1)
+        os.killpg(launcher.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the launcher's process group
+        out, _ = launcher.communicate(timeout=hang_s(120))
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 0, out[-3000:]
+    assert read_json(run / "status.json")["state"] == "stopped"
+    assert "pimm resume" in out
