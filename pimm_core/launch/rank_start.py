@@ -60,16 +60,29 @@ def torchrun_args() -> list[str]:
 
 
 @contextlib.contextmanager
-def rank_server() -> Iterator[None]:
+def rank_server(wanted: bool = True) -> Iterator[bool]:
     """Inside: this process's fork server is a fresh one, started now (with the environment the
     ranks must get) and preloading :data:`PRELOAD`; stopped on the way out, once the ranks are gone.
 
-    The server imports while torchrun's agent meets the other agents (the rendezvous).
+    Yields whether the ranks are forked from it: False when not ``wanted``, or when the server cannot
+    start (its socket under ``$TMPDIR``, say, longer than a socket path may be); that says why in one
+    ``warning:`` line, and the ranks then start as ``python -m pimm_core.cli``. The server imports
+    while torchrun's agent meets the other agents (the rendezvous).
     """
+    if not wanted:
+        yield False
+        return
     forkserver.stop()  # (one left by an earlier launch in this process holds that launch's environment)
-    forkserver.start(PRELOAD)
     try:
-        yield
+        forkserver.start(PRELOAD)
+    except OSError as e:
+        hint = "; a shorter $TMPDIR avoids this" if "too long" in str(e) else ""
+        print(f"warning: the ranks' fork server could not start ({e}){hint}: each rank starts as "
+              "python -m pimm_core.cli and imports torch itself", file=sys.stderr, flush=True)
+        yield False
+        return
+    try:
+        yield True
     finally:
         forkserver.stop()
 

@@ -5,6 +5,7 @@ rank on a GPU node."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -27,3 +28,19 @@ def test_the_rank_servers_preload_leaves_cuda_alone():
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert "torch._dynamo" in seen["preload"]  # (what torch.optim would import in every rank)
     assert seen["calls"] == [] and seen["initialized"] is False, seen
+
+
+def test_a_server_that_cannot_start_leaves_the_ranks_to_start_as_python_m(tmp_path):
+    # multiprocessing puts the server's socket under $TMPDIR; a socket path has at most 107 bytes
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    code = ("from pimm_core.launch.rank_start import rank_server\n"
+            "with rank_server(True) as forked:\n"
+            "    print('forked', forked)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TMPDIR": str(deep)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "forked False"
+    warning = out.stderr.strip().splitlines()
+    assert len(warning) == 1 and warning[0].startswith("warning: the ranks' fork server could not start"), warning
+    assert "a shorter $TMPDIR avoids this" in warning[0]
