@@ -43,7 +43,6 @@ import threading
 
 from ..errors import ConfigError
 from ..process import forkserver
-from ..process.forkserver import STOP_SIGNALS
 
 #: What the fork server imports once so that each worker it forks has it already.
 PRELOAD = ["pimm_core.data.loaders"]  # the module itself: the package imports nothing at import
@@ -65,16 +64,34 @@ def worker_context(method: str) -> multiprocessing.context.BaseContext:
 
     Returns:
         ``multiprocessing.get_context(method)``; for ``"forkserver"`` the server is running
-        (started here the first time, preloaded and with :data:`STOP_SIGNALS` blocked).
+        (started here the first time, preloaded and with the stop signals blocked), or, when
+        it cannot start (its socket path under a long ``$TMPDIR``), the ``"spawn"`` context, with
+        one warning.
     """
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         # this is a worker importing the user's script as its __main__, and the script trains
         raise ConfigError(MAIN_GUARD)
-    ctx = multiprocessing.get_context(method)
     if method == "forkserver":
         with _start_lock:
-            forkserver.start(PRELOAD)  # (no effect once it runs)
-    return ctx
+            try:
+                forkserver.start(PRELOAD)  # (no effect once it runs)
+            except OSError as e:  # (its socket under a long $TMPDIR, say): the workers start as fresh interpreters
+                _warn_spawn(e)
+                method = "spawn"
+    return multiprocessing.get_context(method)
+
+
+_warned: list[str] = []
+
+
+def _warn_spawn(e: OSError) -> None:
+    if not _warned:
+        import logging
+
+        hint = "; a shorter $TMPDIR avoids this" if "too long" in str(e) else ""
+        _warned.append(str(e))
+        logging.getLogger("pimm").warning("warning: DataLoader workers start with 'spawn' (each imports torch): "
+                                          "their fork server could not start (%s)%s", e, hint)
 
 
 def check_importable(what: str, obj: object, method: str) -> None:

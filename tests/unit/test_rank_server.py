@@ -44,3 +44,20 @@ def test_a_server_that_cannot_start_leaves_the_ranks_to_start_as_python_m(tmp_pa
     warning = out.stderr.strip().splitlines()
     assert len(warning) == 1 and warning[0].startswith("warning: the ranks' fork server could not start"), warning
     assert "a shorter $TMPDIR avoids this" in warning[0]
+
+
+def test_dataloader_workers_start_with_spawn_when_their_fork_server_cannot_start(tmp_path):
+    # a rank's DataLoader workers: the same socket-length limit under a long $TMPDIR, one warning, workers by spawn
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    code = ("import logging\n"
+            "logging.basicConfig(format='%(message)s')\n"
+            "from pimm_core.data.workers import worker_context\n"
+            "print(worker_context('forkserver').get_start_method(), worker_context('forkserver').get_start_method())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TMPDIR": str(deep)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["spawn", "spawn"]
+    warning = out.stderr.strip().splitlines()
+    assert len(warning) == 1 and "DataLoader workers start with 'spawn'" in warning[0], warning
+    assert "a shorter $TMPDIR avoids this" in warning[0]
