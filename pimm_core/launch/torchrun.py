@@ -146,9 +146,17 @@ def _run_ranks(run, args, run_dir: Path, errors_dir: str, forwarder: SignalForwa
     """``torch.distributed.run.run(args)``, turning its outcome into one report and an exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     try:
         run(args)
+    except RendezvousError as e:  # the nodes never met (or no longer can, after a restart): one line, no traceback
+        line = _rendezvous_failure(e, args, run_dir)
+        if (run_dir / STATUS).exists():  # (ranks ran before: a restart's rendezvous failed)
+            with contextlib.suppress(OSError):
+                mark_failed(run_dir, line.removeprefix("error: "))
+        print(line, file=sys.stderr)
+        return 1
     except SignalException as e:
         # torchrun forwarded the signal to the ranks; they stop cleanly and save `last`. A
         # further signal raises again inside torchrun's wait for the ranks and lands here
@@ -169,6 +177,20 @@ def _run_ranks(run, args, run_dir: Path, errors_dir: str, forwarder: SignalForwa
         print(line, file=sys.stderr)
         return code
     return 0
+
+
+def _rendezvous_failure(e: BaseException, args, run_dir: Path) -> str:
+    """The ``error:`` line of a rendezvous that failed: where, why, and what to do."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    detail = f": {e}" if str(e) else ""
+    what = "timed out" if isinstance(e, RendezvousTimeoutError) else f"failed ({type(e).__name__}{detail})"
+    line = (f"error: the rendezvous of the nodes at {args.rdzv_endpoint} {what}: start this command on every node "
+            f"(the same --rdzv-endpoint, --nnodes {args.nnodes}), or give them longer with --rdzv-conf "
+            "join_timeout=SECONDS")
+    if (run_dir / STATUS).exists():
+        line += f"; resume with: {resume_command(run_dir)}"
+    return line
 
 
 def _interrupted(sig: signal.Signals, run_dir: Path) -> int:
