@@ -81,15 +81,16 @@ def worker_context(method: str) -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context(method)
 
 
-_warned: list[str] = []
+_warned = False
 
 
 def _warn_spawn(e: OSError) -> None:
-    if not _warned:
+    global _warned
+    if not _warned:  # (once a process: each loader of the run asks)
         import logging
 
+        _warned = True
         hint = "; a shorter $TMPDIR avoids this" if "too long" in str(e) else ""
-        _warned.append(str(e))
         logging.getLogger("pimm").warning("warning: DataLoader workers start with 'spawn' (each imports torch): "
                                           "their fork server could not start (%s)%s", e, hint)
 

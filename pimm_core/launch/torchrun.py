@@ -94,12 +94,15 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
     handled = forwarder.TORCHRUN_ARGS if forwarder else \
         ["--signals-to-handle", ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT",
                                                         *(s.name for s in signals)]))]
-    # the ranks forked from a server that imported torch once (rank_start.py), or each a `python -m`
-    args = {}
-    for forked, entry in ((True, rank_start_args()), (False, ["--module", "pimm_core.cli"])):
-        args[forked] = get_args_parser().parse_args([*opts.torchrun_args(), *handled, *entry, *worker_args])
+
+    def torchrun_args(forked: bool):
+        # the ranks forked from a server that imported torch once (rank_start.py), or each a `python -m`
+        entry = rank_start_args() if forked else ["--module", "pimm_core.cli"]
+        args = get_args_parser().parse_args([*opts.torchrun_args(), *handled, *entry, *worker_args])
         if not single_node:
-            use_ordered_shutdown(args[forked])  # the agent hosting the c10d store leaves last (rendezvous.py)
+            use_ordered_shutdown(args)  # the agent hosting the c10d store leaves last (rendezvous.py)
+        return args
+
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     # torchrun's agent announces the forwarded stop signal ("Received 15 death signal, shutting
     # down workers"): the ranks' stop summary says it for the user. Its loggers set their own level.
@@ -127,7 +130,7 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
                 return 0
             with forwarder or contextlib.nullcontext(), watch_restarts(run_dir), \
                     rank_server(forked_ranks()) as forked:
-                return _run_ranks(run, args[forked], run_dir, errors_dir, forwarder)
+                return _run_ranks(run, torchrun_args(forked), run_dir, errors_dir, forwarder)
         finally:
             os.environ.pop(RANK_ERRORS_ENV, None)
             os.environ.pop(LAUNCH_ENV, None)
