@@ -87,9 +87,10 @@ def rank_server(wanted: bool = True) -> Iterator[bool]:
         forkserver.stop()
 
 
-def run_rank(argv: list[str]) -> None:
+def run_rank(argv: list[str], script: str | None = None) -> None:
     """Run ``pimm argv`` as this rank, forked from the fork server (torchrun runs this through
-    :data:`RANK_SCRIPT`), as ``python -m pimm_core.cli argv`` would.
+    :data:`RANK_SCRIPT`), as ``python -m pimm_core.cli argv`` would; with ``script``, that file
+    instead, as ``python SCRIPT argv`` would (its directory first on ``sys.path``).
 
     Returns (exit code 0, what torchrun's agent waits for: it counts a rank as done by the value
     it returns), or raises ``SystemExit`` with the rank's non-zero exit code.
@@ -97,15 +98,19 @@ def run_rank(argv: list[str]) -> None:
     os.setsid()  # its own session, as torchrun gives a rank it starts: only the launcher gets a terminal's ^C
     forkserver.leave_parent_server()  # it dies with the launcher, and this rank with it (lock.follow_launcher)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, forkserver.STOP_SIGNALS)  # (blocked in the server; pending ones arrive now)
-    cwd = os.getcwd()
-    first = [cwd, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
-    sys.path[:] = list(dict.fromkeys(first + sys.path))  # `python -m`: the working directory, then $PYTHONPATH
-    sys.argv = [sys.argv[0], *argv]
+    # `python -m`: the working directory, then $PYTHONPATH; `python SCRIPT`: the script's directory
+    here = os.getcwd() if script is None else os.path.dirname(os.path.abspath(script))
+    first = [here, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    sys.path[:] = list(dict.fromkeys(first + sys.path))
+    sys.argv = [sys.argv[0] if script is None else script, *argv]
     code = 0
     try:
         import runpy
 
-        runpy.run_module("pimm_core.cli", run_name="__main__", alter_sys=True)
+        if script is None:
+            runpy.run_module("pimm_core.cli", run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         code = _exit_code(e.code)
     except KeyboardInterrupt:

@@ -15,6 +15,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 DIGITS = REPO / "configs" / "digits.toml"
+#: ``python -m torch.distributed.run``, with the ranks forked from a server that imported torch once (_torchrun.py)
+TORCHRUN = [sys.executable, str(Path(__file__).with_name("_torchrun.py"))]
 
 # Time limits in these tests only catch hangs. Each is written as a bound for an idle machine and
 # stretched by hang_s(): under other load this 2-core machine is 3-5x slower (``import torch``

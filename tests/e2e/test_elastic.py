@@ -29,7 +29,7 @@ import torch
 
 from pimm_core.run.topology import ROWS
 
-from _helpers import REPO, clean_env, pimm, pimm_here, read_json, read_jsonl
+from _helpers import REPO, TORCHRUN, clean_env, pimm, pimm_here, read_json, read_jsonl
 from _resume_driver import run_job, set_env
 
 DRIVER = Path(__file__).with_name("_resume_driver.py")
@@ -53,7 +53,7 @@ BN = [*OVERRIDES, "model.target=userpkg.nets:tied_bn", "model.args.width=32", "m
 def _torchrun(jobs: list[dict], jobs_file: Path, nproc: int) -> None:
     """One launch at ``nproc`` ranks running ``jobs`` one after the other (each its own USERPKG_SEEN)."""
     jobs_file.write_text(json.dumps(jobs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc),
            str(DRIVER), str(jobs_file)]
     r = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"

@@ -17,13 +17,12 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from _helpers import REPO, clean_env, describe, hang_s, launch, pimm, pimm_here, read_json, read_jsonl
+from _helpers import REPO, TORCHRUN, clean_env, describe, hang_s, launch, pimm, pimm_here, read_json, read_jsonl
 from _resume_driver import BASE, run_job
 
 DRIVER = Path(__file__).with_name("_resume_driver.py")
@@ -35,7 +34,7 @@ DDP = [*COMMON, "train.strategy=ddp"]
 
 def _torchrun(jobs: list[dict], jobs_file: Path, nproc: int = 2, background: bool = False):
     jobs_file.write_text(json.dumps(jobs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc),
            str(DRIVER), str(jobs_file)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc if background else _wait(proc)

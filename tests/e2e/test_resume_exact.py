@@ -17,13 +17,12 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from _helpers import REPO, clean_env, hang_s, read_json, read_jsonl, resumed_records
+from _helpers import REPO, TORCHRUN, clean_env, hang_s, read_json, read_jsonl, resumed_records
 from _resume_driver import run_job
 
 STEPS1, STEPS2 = 45, 23  # optimizer steps per epoch at world size 1 / 2 (1,437 samples, batch 32)
@@ -51,7 +50,7 @@ def _lines(path: Path) -> int:
 def _torchrun_start(jobs: list[dict], jobs_file: Path) -> subprocess.Popen:
     """Start ``_resume_driver.py JOBS`` as the 2 ranks of a torchrun job; :func:`_torchrun_wait` for it."""
     jobs_file.write_text(json.dumps(jobs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2",
            str(DRIVER), str(jobs_file)]
     return subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

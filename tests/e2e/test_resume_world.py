@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import REPO, clean_env, describe, hang_s, pimm, pimm_here, read_json, release, undeletable
+from _helpers import REPO, TORCHRUN, clean_env, describe, hang_s, pimm, pimm_here, read_json, release, undeletable
 from _resume_driver import run_job
 from conftest import STOPPED_AT, STOPPED_OVERRIDES
 
@@ -334,7 +334,7 @@ def _ranks(jobs: list[dict], jobs_file: Path) -> subprocess.CompletedProcess[str
     import json
 
     jobs_file.write_text(json.dumps(jobs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(DRIVER),
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", str(DRIVER),
            str(jobs_file)]
     return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=hang_s(600))
 

@@ -22,14 +22,13 @@ from __future__ import annotations
 import contextlib
 import io
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import _sharded_worker
-from _helpers import REPO, clean_env, hang_s, pimm_here
+from _helpers import REPO, TORCHRUN, clean_env, hang_s, pimm_here
 from pimm_core.checkpoint.records.manifest import read_manifest
 from pimm_core.checkpoint.tensors.safe_read import read_dcp_metadata
 from pimm_core.checkpoint.select.selection import select_resume
@@ -56,7 +55,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
                 _sharded_worker.run(mode, root)
             stdout = out.getvalue()
         else:
-            r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            r = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node",
                                 str(nproc), str(WORKER), mode, str(root)], cwd=REPO, env=clean_env(),
                                capture_output=True, text=True, timeout=hang_s(300))
             assert r.returncode == 0, f"{nproc} ranks, {mode}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-6000:]}"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import REPO, clean_env, describe, hang_s
+from _helpers import REPO, TORCHRUN, clean_env, describe, hang_s
 
 USERPKG = Path(__file__).resolve().parent / "userpkg"
 
@@ -62,7 +62,7 @@ def results(tmp_path_factory) -> dict[str, list[dict]]:
     root = tmp_path_factory.mktemp("collectives")
     (root / "userpkg").symlink_to(USERPKG)  # beside the config: found through its directory
     (root / "c.toml").write_text(CONFIG)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    r = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "2",
                         __file__, str(root)], cwd=REPO, env=clean_env(), capture_output=True, text=True,
                        timeout=hang_s(300))
     assert r.returncode == 0, describe(r)

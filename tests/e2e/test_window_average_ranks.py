@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _helpers import REPO, clean_env, describe, hang_s, read_jsonl
+from _helpers import REPO, TORCHRUN, clean_env, describe, hang_s, read_jsonl
 
 USERPKG = Path(__file__).resolve().parent / "userpkg"
 
@@ -95,7 +95,7 @@ def runs(tmp_path_factory) -> dict[tuple[str, str], Path]:
             (root / f"{task}-{strategy}").mkdir()
             jobs[task, strategy] = _job(root / f"{task}-{strategy}", task, strategy)
     (root / "jobs.json").write_text(json.dumps(list(jobs.values())))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    r = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "2",
                         __file__, str(root / "jobs.json")], cwd=REPO, env=clean_env(), capture_output=True, text=True,
                        timeout=hang_s(400))
     assert r.returncode == 0, describe(r)
