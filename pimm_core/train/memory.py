@@ -39,6 +39,7 @@ import torch
 
 from ..checkpoint.memory import exchange
 from ..checkpoint.memory.store import RankStore, remove_stale
+from ..checkpoint.tensors.local_shards import to_local
 from ..checkpoint.tensors.staging import StagingBuffers
 from ..checkpoint.tensors.state import pack, rng_state, unwrap
 from ..errors import ConfigError
@@ -155,9 +156,10 @@ class MemorySnapshots:
         manifest = json.loads(json.dumps(ck.manifest("memory", loader is not None), default=str))  # (plain values)
         # Copied into the buffers of the previous snapshot (whose round is over: _snapshot waited for it).
         cpu = self.staging.copy_tree
-        return {"model": cpu("model", unwrap(self.tr.model).state_dict()),
-                "optimizer": cpu("optimizer", self.tr.optimizer.state_dict()),
-                "ema": cpu("ema", ck.ema_weights()), "meta": pack(ck.meta()),
+        # Sharded (FSDP2, tensor parallel): this rank's own shards, each with what rebuilds its DTensor.
+        return {"model": cpu("model", to_local(unwrap(self.tr.model).state_dict())),
+                "optimizer": cpu("optimizer", to_local(self.tr.optimizer.state_dict())),
+                "ema": cpu("ema", to_local(ck.ema_weights())), "meta": pack(ck.meta()),
                 "rank_state": pack({"rng": rng_state(), "loader": cpu("loader", loader)}), "manifest": pack(manifest)}
 
     def _round(self, step: int, epoch: int, staged: dict[str, Any]) -> None:

@@ -33,6 +33,7 @@ import torch
 
 from ..checkpoint.formats.protocol import LoadedState
 from ..checkpoint.memory import exchange
+from ..checkpoint.tensors.local_shards import from_local, has_local, live_layouts
 from ..checkpoint.tensors.state import unpack, unwrap
 from ..faults import point, register
 from ..process import dist
@@ -182,6 +183,11 @@ def recover_from_memory(tr: TrainerHost, mem: MemorySnapshots, checkpoint_dir: P
     step, saved_world = plan.step, plan.saved_world
     if newest_tier(step, disk) == "disk":  # decided from values every rank has: no copy is read
         raise NoCommonStep(f"newer than the newest step every rank can reach in memory, {step}")
+    layouts = live_layouts(tr.model)  # (the same on every rank: one config)
+    if layouts and saved_world != mem.world:
+        raise NoCommonStep(f"memory holds each rank's own shards of step {step} (sharded state: train.strategy = "
+                           f"'fsdp' or parallel.tp > 1), which it does not reshard from world size {saved_world} "
+                           f"to {mem.world}; the disk tier does (DCP)")
     want = plan.needs[mem.rank]
     read_from = None  # the rank directory whose copy this rank read
     data, problem, cache = None, None, {}
@@ -204,7 +210,7 @@ def recover_from_memory(tr: TrainerHost, mem: MemorySnapshots, checkpoint_dir: P
     parsed = None
     if problem is None:
         try:
-            parsed = _parse(bytes(data), saved_world, own_rank_state=want == mem.rank)
+            parsed = _parse(bytes(data), saved_world, layouts, own_rank_state=want == mem.rank)
         except Exception as e:  # a copy that does not load: every rank goes to disk together, nothing applied
             problem = f"rank {mem.rank}'s copy of step {step} did not load ({type(e).__name__}: {e})"
     gathered = dist.all_gather_object((problem, read_from))
@@ -243,19 +249,27 @@ def _read(mem: MemorySnapshots, held: Any) -> tuple[Any, str | None]:
         return None, str(e)
 
 
-def _parse(data: bytes, world: int, *, own_rank_state: bool = True
+def _parse(data: bytes, world: int, layouts: dict[tuple, Any] | None = None, *, own_rank_state: bool = True
            ) -> tuple[dict[str, Any], LoadedState, dict[str, Any]]:
     """One snapshot read back (``weights_only``): its tensors, its trainer state and its manifest.
 
     Args:
         world: the world size its sidecar says took it.
+        layouts: the live model's ``DTensor`` layouts (:func:`~..checkpoint.tensors.local_shards.live_layouts`;
+            empty or None: the model is not sharded): a sharded copy's local shards become ``DTensor`` s on them.
         own_rank_state: the copy is this rank's own (its RNG and cursor apply); else another rank's,
             whose per-rank state is left out (as a disk checkpoint has no entry for a rank it did not have).
 
     Raises:
-        ValueError: taken at another world size. pickle.UnpicklingError and others: not a snapshot.
+        ValueError: taken at another world size, or sharded otherwise than the model is now.
+            pickle.UnpicklingError and others: not a snapshot.
     """
     obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    if bool(layouts) != has_local(obj["model"]):
+        raise ValueError(f"a copy of {'sharded' if has_local(obj['model']) else 'unsharded'} state; the model is "
+                         f"{'sharded' if layouts else 'unsharded'} now")
+    if layouts:  # (each rank's own shards: the same world size and layout, checked entry by entry)
+        obj.update({k: from_local(obj.get(k), layouts) for k in ("model", "optimizer", "ema")})
     meta, rank_state, manifest = unpack(obj["meta"]), unpack(obj["rank_state"]), unpack(obj["manifest"])
     if meta.get("world_size") != world:
         raise ValueError(f"taken at world size {meta.get('world_size')}, its sidecar says {world}")
