@@ -22,6 +22,9 @@ Four figures, each against a baseline measured in the same run (alternated, medi
   ``restarting`` (or ``failed``) and the recovery was recorded.
 - ``steps_lost``: per failure, the newest step logged before the kill minus the step the recovery
   resumed from (``status.json``'s ``recovery``), memory vs disk only (goal: <= N with the tier).
+- ``--strategy fsdp``: the recovery runs shard the model (``train.strategy = "fsdp"``): each rank's
+  copy is its own shards (``own_copy_bytes_median``, against the DDP row's whole state), the trainer's
+  stall line is the FSDP snapshot's.
 - ``memory_per_rank``: the bytes under each rank's shared-memory directory (its own copy and the
   buddy's it holds, read while the run is live) over the bytes of its state (the own copy's size
   in ``memory/<rank>.json``); goal <= 2.
@@ -29,7 +32,7 @@ Four figures, each against a baseline measured in the same run (alternated, medi
 Usage::
 
     uv run python benchmarks/memory_tier.py [--hidden 128 3200] [--repeats 3] [--every-memory 5]
-        [--every-disk 20] [--kill-after 33] [--stall-repeats 7]
+        [--every-disk 20] [--kill-after 33] [--stall-repeats 7] [--strategy ddp fsdp] [--no-stall]
 
 Prints one JSON object, with ``uptime``'s load average at the start and end of each part.
 """
@@ -159,9 +162,9 @@ def _du(path: Path) -> int:
 
 
 def one_failure(root: Path, name: str, hidden: int, memory_every: int, disk_every: int, kill_after: int,
-                timeout: float) -> dict[str, Any]:
+                timeout: float, strategy: str = "ddp") -> dict[str, Any]:
     """One run killed once: rank 1 gets SIGKILL once it logged ``kill_after`` steps; figures of its recovery."""
-    overrides = [f"model.hidden={hidden}", "train.log_every_steps=1", "train.epochs=100", "train.max_steps=100000",
+    overrides = [f"train.strategy={strategy}", f"model.hidden={hidden}", "train.log_every_steps=1", "train.epochs=100", "train.max_steps=100000",
                  "checkpoint.every_epochs=0", f"checkpoint.every_steps={disk_every}",
                  f"checkpoint.memory_every_steps={memory_every}", "eval.every_epochs=1000"]
     cmd = [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(CONFIG), "--run.root", str(root),
@@ -240,7 +243,7 @@ def one_failure(root: Path, name: str, hidden: int, memory_every: int, disk_ever
 
 
 def recovery(hidden: int, repeats: int, every_memory: int, every_disk: int, kill_after: int,
-             work: Path) -> dict[str, Any]:
+             work: Path, strategy: str = "ddp") -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {"memory": [], "disk": []}
     failed: list[dict[str, Any]] = []
     for i in range(repeats):  # alternated: memory, disk, memory, disk ...
@@ -248,7 +251,7 @@ def recovery(hidden: int, repeats: int, every_memory: int, every_disk: int, kill
             mem = every_memory if kind == "memory" else 0
             try:
                 runs[kind].append(one_failure(work, f"{kind}-{hidden}-{i}", hidden, mem, every_disk, kill_after,
-                                              timeout=600))
+                                              timeout=600, strategy=strategy))
                 print(json.dumps({"hidden": hidden, **runs[kind][-1], "uptime": uptime()}), file=sys.stderr,
                       flush=True)  # (each run as it ends: a long benchmark interrupted keeps its figures)
             except TimeoutError as e:  # said in the output, with the run's last lines; the others still count
@@ -260,7 +263,9 @@ def recovery(hidden: int, repeats: int, every_memory: int, every_disk: int, kill
     rec = {k: median([x["recovery_s"] for x in v]) for k, v in runs.items() if v}
     lost = {k: median([x["steps_lost"] for x in v]) for k, v in runs.items() if v}
     shm = [s["shm_bytes"] / s["state_bytes"] for x in runs["memory"] for s in x["shm"].values() if s["state_bytes"]]
-    return {"hidden": hidden, "every_memory": every_memory, "every_disk": every_disk,
+    own = [s["state_bytes"] for x in runs["memory"] for s in x["shm"].values()]
+    return {"hidden": hidden, "strategy": strategy, "every_memory": every_memory, "every_disk": every_disk,
+            "own_copy_bytes_median": median(own) if own else None,
             "recovery_s_median": {k: r(v, 3) for k, v in rec.items()},
             "ratio_recovery_memory_to_disk": r(rec["memory"] / rec["disk"]) if len(rec) == 2 else None,
             "steps_lost_median": lost,
@@ -330,6 +335,9 @@ def main() -> None:
     ap.add_argument("--every-disk", type=int, default=20)
     ap.add_argument("--kill-after", type=int, default=33, help="rank 1 is killed once this step is logged")
     ap.add_argument("--no-recovery", action="store_true")
+    ap.add_argument("--no-stall", action="store_true", help="skip the in-process stall figures")
+    ap.add_argument("--strategy", nargs="+", default=["ddp"], choices=["ddp", "fsdp"],
+                    help="train.strategy of the recovery runs (fsdp: each rank's copy is its shards)")
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     ap.add_argument("--paper", type=Path, help="print the paper model of docs/scaling.md from this script's JSON")
     args = ap.parse_args()
@@ -341,13 +349,14 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="pimm-memory-bench-", dir=args.dir))
     out: dict[str, Any] = {"uptime_start": uptime(), "stall": [], "recovery": []}
     try:
-        for h in args.hidden:
+        for h in [] if args.no_stall else args.hidden:
             out["stall"].append({**stall(h, args.stall_repeats, work), "uptime": uptime()})
             print(json.dumps(out["stall"][-1]), file=sys.stderr, flush=True)
         if not args.no_recovery:
             for h in args.hidden:
-                out["recovery"].append({**recovery(h, args.repeats, args.every_memory, args.every_disk,
-                                                   args.kill_after, work), "uptime": uptime()})
+                for strategy in args.strategy:
+                    out["recovery"].append({**recovery(h, args.repeats, args.every_memory, args.every_disk,
+                                                       args.kill_after, work, strategy), "uptime": uptime()})
     finally:
         out["uptime_end"] = uptime()
         out["machine"] = machine(work.parent, load_start)

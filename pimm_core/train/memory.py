@@ -6,7 +6,9 @@ What a snapshot holds is what the disk ``last`` holds, built by the same code
 (:meth:`~.checkpointer.Checkpointer.meta`, ``manifest``, the RNG and loader cursor of
 :meth:`~.checkpointer.Checkpointer.save`): the unwrapped model's ``state_dict``, the optimizer's,
 the EMA weights, and ``meta``/``rank_state``/``manifest`` packed as a disk checkpoint packs them, so
-one ``torch.load(weights_only=True)`` reads it back. Taken after a step inside an epoch or at an
+one ``torch.load(weights_only=True)`` reads it back. A sharded model's (FSDP2, tensor parallel) ``DTensor``
+entries are this rank's local shards with what rebuilds them (:func:`~..checkpoint.tensors.local_shards.to_local`):
+a rank's copy is its shard of the state, not the whole model's. Taken after a step inside an epoch or at an
 epoch's end (after its evaluation, as the epoch-end save is), never at the run's last step (the final
 disk save follows).
 

@@ -9,12 +9,15 @@ longer runs), and agree on the newest step at which every rank of the world that
 record their world size) can be reached: its own copy or its buddy's. What each new rank loads:
 
 - **the same world size**: rank ``r`` loads rank ``r``'s copy (its RNG and loader cursor with it: the
-  run continues bitwise, :func:`~.resume.apply_loaded`'s ``same`` row);
+  run continues bitwise, :func:`~.resume.apply_loaded`'s ``same`` row). Under FSDP2 or tensor parallel
+  the copy holds rank ``r``'s own ``DTensor`` shards (:mod:`~..checkpoint.tensors.local_shards`), rebuilt
+  on the restarted model's meshes and loaded into rank ``r``'s shards;
 - **another world size** (a node lost for good under ``--nnodes MIN:MAX``, or one that joined): every
-  rank loads old rank 0's copy. The model and optimizer state is replicated under DDP (FSDP and tensor
-  parallel are refused with the memory tier), and ``meta`` is rank 0's as a disk checkpoint's is; the
-  per-rank RNG and cursor follow the resume policy at another world size, as the disk ``last``'s do
-  (``global_order``: the samples consumed from the counters; ``world_size``: the epoch replays).
+  rank loads old rank 0's copy. The model and optimizer state is replicated under DDP, and ``meta`` is
+  rank 0's as a disk checkpoint's is; the per-rank RNG and cursor follow the resume policy at another
+  world size, as the disk ``last``'s do (``global_order``: the samples consumed from the counters;
+  ``world_size``: the epoch replays). Sharded state (FSDP, tensor parallel) is not resharded from
+  memory: such a restart recovers from the disk ``last`` (DCP reshards it), said in the recovery line.
 
 A rank that holds the copy it needs on its node reads it there; the others receive it from the lowest
 rank holding it (over the side gloo group); the log and provenance name the copy each rank read. Every

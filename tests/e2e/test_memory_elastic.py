@@ -61,13 +61,14 @@ pimm_core.cli.run()
 RDZV_CONF = "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
-def _agent(root: Path, node: str, port: int, env: dict[str, str], *, after_a: bool = False) -> subprocess.Popen:
+def _agent(root: Path, node: str, port: int, env: dict[str, str], *, after_a: bool = False,
+           overrides: tuple[str, ...] = OVERRIDES) -> subprocess.Popen:
     """One node's ``pimm launch`` in its own process session (a node's processes die together)."""
     args = [sys.executable, *(("-c", _AFTER_A, str(port)) if after_a else ("-m", "pimm_core.cli")), "launch",
             "--train.config", str(DIGITS), "--run.root", str(root), "--run.name", NAME, "--run.no-timestamp",
             "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1", "--rdzv-conf", RDZV_CONF,
-            "--", *OVERRIDES]
+            "--", *overrides]
     (root / f"shm{node}").mkdir()
     out = open(root / f"node{node}.out", "w")
     return subprocess.Popen(args, cwd=REPO, env={**clean_env(), "PIMM_SHM_ROOT": str(root / f"shm{node}"), **env},
@@ -88,14 +89,16 @@ def _wait_for(check, what: str, procs: list[subprocess.Popen], root: Path) -> No
         time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def lost(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("memelastic")
+def _lose_node_b(root: Path, overrides: tuple[str, ...]) -> tuple[Path, str, int, dict]:
+    """The scenario of the module docstring: node B (rank 0) lost for good after both ranks' copies of
+    step 6; node A's launch runs to its end. Returns the run, node A's output, node B's old rank and the
+    copies each node held before the loss."""
     port, gate = free_port(), root / "gate"
     gate.mkdir()
     node_b = _agent(root, "B", port, {"PIMM_FAILPOINT": "memory.step@8=pause", "PIMM_FAILPOINT_DIR": str(gate),
-                                      "PIMM_FAILPOINT_RESTART": "0"}, after_a=True)  # rank 0: the lower pid
-    node_a = _agent(root, "A", port, {})  # hosts the rendezvous (its store), so it must outlive node B
+                                      "PIMM_FAILPOINT_RESTART": "0"}, after_a=True,
+                    overrides=overrides)  # rank 0: the lower pid
+    node_a = _agent(root, "A", port, {}, overrides=overrides)  # hosts the rendezvous (its store): outlives node B
     run = root / "digits" / NAME
     procs = [node_a, node_b]
     _wait_for(lambda: (gate / "memory.step.reached.8").exists(), "node B's rank paused at step 8", procs, root)
@@ -114,13 +117,20 @@ def lost(tmp_path_factory) -> dict:
         code = None
     out = (root / "nodeA.out").read_text()
     assert code == 0, out[-5000:]
+    return run, out, int(b_dir.name), held_before
+
+
+@pytest.fixture(scope="module")
+def lost(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("memelastic")
+    run, out, lost_rank, held_before = _lose_node_b(root, OVERRIDES)
 
     from pimm_core import Trainer, load_config  # the uninterrupted run: one rank, the same global batch
 
     reference = root / "reference"
     cfg = load_config(DIGITS, [*OVERRIDES, "checkpoint.memory_every_steps=0"])  # (snapshots change nothing)
     Trainer(cfg, run_dir=reference).train(checkpoint_dir=reference / "model")
-    return {"root": root, "run": run, "out": out, "lost_rank": int(b_dir.name), "held_before": held_before}
+    return {"root": root, "run": run, "out": out, "lost_rank": lost_rank, "held_before": held_before}
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:
@@ -171,3 +181,24 @@ def test_the_lost_nodes_memory_is_removed_by_the_next_run_there_and_the_survivor
     monkeypatch.setenv("PIMM_SHM_ROOT", str(root / "shmB"))
     assert remove_stale() == [left]  # the next pimm run on node B: its rank locks free, its agent dead
     assert list((root / "shmB").iterdir()) == []
+
+
+def test_sharded_state_lost_with_a_node_is_recovered_from_the_disk_at_the_smaller_world_size(tmp_path):
+    """FSDP: memory holds each rank's own shards, which it does not reshard to another world size: the
+    restart at world size 1 takes the disk ``last`` (step 6, DCP reshards it), said in one line, and
+    trains to the end (not from step 0). On the old code the config was refused."""
+    run, out, _, _ = _lose_node_b(tmp_path, (*OVERRIDES, "train.strategy=fsdp", "checkpoint.every_steps=6"))
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "finished" and status["step"] == 22
+    line = ("recovered from disk at step 6 (restart 1; memory holds each rank's own shards of step 6 (sharded state: "
+            "train.strategy = 'fsdp' or parallel.tp > 1), which it does not reshard from world size 2 to 1; "
+            "the disk tier does (DCP))")
+    log = (run / "train.log").read_text()
+    assert log.count(line) == 1, log[-4000:]
+    assert status["recovery"] | {"message": None} == {"tier": "disk", "step": 6, "restart": 1, "message": None,
+                                                      "saved_world_size": 2, "world_size": 1}
+    assert status["recovery"]["message"] == line
+    prov = json.loads((run / "provenance.json").read_text())
+    (entry,) = [e for e in prov["starts"] if e.get("kind") == "recovery"]
+    assert entry["tier"] == "disk" and entry["step"] == 6 and entry["message"] == line
+    assert "starts over" not in log and "recovered from memory" not in log
