@@ -68,8 +68,10 @@ def uptime() -> str:
 
 
 # ----------------------------------------------------------------------------- stall (in process)
-def stall(hidden: int, repeats: int, work: Path) -> dict[str, Any]:
+def stall(hidden: int, repeats: int, work: Path, strategy: str = "ddp") -> dict[str, Any]:
     import torch
+
+    from pimm_core.checkpoint.tensors.local_shards import to_local
 
     from pimm_core.checkpoint.formats.standard import save_standard
     from pimm_core.models import mlp
@@ -87,12 +89,28 @@ def stall(hidden: int, repeats: int, work: Path) -> dict[str, Any]:
 
     torch.manual_seed(0)
     model = mlp(64, 10, hidden, 0.1)
+    if strategy == "fsdp":  # one rank (a one-rank gloo group): DTensor shards, staged as the trainer stages them
+        import torch.distributed as tdist
+        from torch.distributed.fsdp import fully_shard
+
+        if not tdist.is_initialized():
+            tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+        for layer in model.modules():
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(32, 64)).sum().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    state = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
-        v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    def nbytes(obj: Any) -> int:  # (local shards: the bytes a snapshot stages)
+        if isinstance(obj, torch.Tensor):
+            return obj.numel() * obj.element_size()
+        if isinstance(obj, dict):
+            return sum(nbytes(v) for v in obj.values())
+        return sum(nbytes(v) for v in obj) if isinstance(obj, (list, tuple)) else 0
+
+    state = nbytes(to_local(model.state_dict())) + nbytes(to_local(opt.state_dict()["state"]))
     info = DistInfo()
     meta = {"trainer": {"global_step": 1}}
     manifest = {"kind": "last", "step": 1, "epoch": 0, "iter": 0}
@@ -107,12 +125,12 @@ def stall(hidden: int, repeats: int, work: Path) -> dict[str, Any]:
     for i in range(repeats + 1):  # alternated; the first round is a warm-up
         settle()
         t0 = time.perf_counter()
-        staged = {"model": staging.copy_tree("model", model.state_dict()),
-                  "optimizer": staging.copy_tree("optimizer", opt.state_dict())}
+        staged = {"model": staging.copy_tree("model", to_local(model.state_dict())),
+                  "optimizer": staging.copy_tree("optimizer", to_local(opt.state_dict()))}
         t_mem = time.perf_counter() - t0
         del staged
         t0 = time.perf_counter()
-        staged = {"model": fresh(model.state_dict()), "optimizer": fresh(opt.state_dict())}
+        staged = {"model": fresh(to_local(model.state_dict())), "optimizer": fresh(to_local(opt.state_dict()))}
         t_fresh = time.perf_counter() - t0
         del staged
         settle()
@@ -126,7 +144,7 @@ def stall(hidden: int, repeats: int, work: Path) -> dict[str, Any]:
             disk_s.append(t_disk)
     remove(disk_dir)
     params = sum(p.numel() for p in model.parameters())
-    return {"hidden": hidden, "params": params, "state_bytes": state,
+    return {"hidden": hidden, "strategy": strategy, "params": params, "state_bytes": state,
             "memory_snapshot_stall_s_median": r(median(mem_s), 5), "disk_save_s_median": r(median(disk_s)),
             "ratio_memory_to_disk": r(median(mem_s) / median(disk_s)),
             "fresh_copy_stall_s_median": r(median(fresh_s), 5),
@@ -349,8 +367,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="pimm-memory-bench-", dir=args.dir))
     out: dict[str, Any] = {"uptime_start": uptime(), "stall": [], "recovery": []}
     try:
-        for h in [] if args.no_stall else args.hidden:
-            out["stall"].append({**stall(h, args.stall_repeats, work), "uptime": uptime()})
+        for h, strategy in [] if args.no_stall else [(h, s) for h in args.hidden for s in args.strategy]:
+            out["stall"].append({**stall(h, args.stall_repeats, work, strategy), "uptime": uptime()})
             print(json.dumps(out["stall"][-1]), file=sys.stderr, flush=True)
         if not args.no_recovery:
             for h in args.hidden:
