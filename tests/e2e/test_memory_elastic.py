@@ -183,22 +183,30 @@ def test_the_lost_nodes_memory_is_removed_by_the_next_run_there_and_the_survivor
     assert list((root / "shmB").iterdir()) == []
 
 
-def test_sharded_state_lost_with_a_node_is_recovered_from_the_disk_at_the_smaller_world_size(tmp_path):
-    """FSDP: memory holds each rank's own shards, which it does not reshard to another world size: the
-    restart at world size 1 takes the disk ``last`` (step 6, DCP reshards it), said in one line, and
-    trains to the end (not from step 0). On the old code the config was refused."""
-    run, out, _, _ = _lose_node_b(tmp_path, (*OVERRIDES, "train.strategy=fsdp", "checkpoint.every_steps=6"))
+def test_sharded_state_lost_with_a_node_is_resharded_from_memory_at_the_smaller_world_size(lost, tmp_path):
+    """FSDP: each copy holds its rank's own shards. The survivor (world size 1) holds both old ranks'
+    copies (its own and its buddy's): it reads both, checks them and cuts its new shards from them, though
+    the disk ``last`` is at step 6 too, and trains to the end on the uninterrupted one-rank trajectory
+    (the reference of the DDP case: FSDP at one rank computes the same). On the old code the config was
+    refused."""
+    run, out, lost_rank, _ = _lose_node_b(tmp_path, (*OVERRIDES, "train.strategy=fsdp", "checkpoint.every_steps=6"))
+    kept_rank = 1 - lost_rank
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "finished" and status["step"] == 22
-    line = ("recovered from disk at step 6 (restart 1; memory holds each rank's own shards of step 6 (sharded state: "
-            "train.strategy = 'fsdp' or parallel.tp > 1), which it does not reshard from world size 2 to 1; "
-            "the disk tier does (DCP))")
+    kept = f" (rank {lost_rank}'s held by its buddy rank {kept_rank})"
+    line = (f"recovered from memory at step 6 (restart 1; world size 2 -> 1: sharded state resharded from every "
+            f"rank's copy{kept}; disk at step 6 too: memory is faster)")
     log = (run / "train.log").read_text()
     assert log.count(line) == 1, log[-4000:]
-    assert status["recovery"] | {"message": None} == {"tier": "disk", "step": 6, "restart": 1, "message": None,
+    assert status["recovery"] | {"message": None} == {"tier": "memory", "step": 6, "restart": 1, "message": None,
                                                       "saved_world_size": 2, "world_size": 1}
-    assert status["recovery"]["message"] == line
     prov = json.loads((run / "provenance.json").read_text())
     (entry,) = [e for e in prov["starts"] if e.get("kind") == "recovery"]
-    assert entry["tier"] == "disk" and entry["step"] == 6 and entry["message"] == line
-    assert "starts over" not in log and "recovered from memory" not in log
+    assert entry["tier"] == "memory" and entry["message"] == line and entry["policy"] == "global_order"
+    assert entry["read_from"] == {"0": {"0": kept_rank, "1": kept_rank}}
+    assert "starts over" not in log and "recovered from disk" not in log
+    ref, got = _weights(lost["root"] / "reference"), _weights(run)
+    assert ref.keys() == got.keys()
+    for k in ref:
+        scale = ref[k].abs().max().clamp_min(1e-12)
+        assert ((got[k] - ref[k]).abs().max() / scale).item() <= 1e-5, k

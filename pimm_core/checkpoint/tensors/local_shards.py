@@ -8,6 +8,11 @@ state tree by its local shard and what rebuilds it (mesh shape and dimension nam
 global shape and stride); :func:`from_local` rebuilds the ``DTensor`` s on the live model's meshes
 (the same world size and layout: the mesh and placement objects of a live ``DTensor`` of the same
 spec). No collective in either direction; the local shard is used as it is (no copy, no gather).
+
+At another world size, :func:`from_owners` assembles each tensor from every old rank's shard (each
+recorded with its global offset, DCP's ``__create_chunk_list__``) and cuts the live layout's local
+shard from it (``distribute_tensor(src_data_rank=None)``: no communication): exact, at the cost of one
+whole tensor at a time in CPU memory.
 """
 
 from __future__ import annotations
@@ -37,12 +42,22 @@ def to_local(obj: Any) -> Any:
     if isinstance(obj, dtensor):
         mesh, dims, placements = _spec(obj)
         return {MARK: obj.to_local(), "mesh": list(mesh), "dims": list(dims), "placements": placements,
-                "shape": list(obj.shape), "stride": list(obj.stride())}
+                "shape": list(obj.shape), "stride": list(obj.stride()), "offset": _offset(obj)}
     if isinstance(obj, dict):
         return {k: to_local(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_local(v) for v in obj)
     return obj
+
+
+def _offset(t: Any) -> list[int] | None:
+    """The global offset of ``t``'s local shard (one chunk per rank, as DCP plans a save), None when
+    the layout has none (a partial placement)."""
+    try:
+        chunks = t.__create_chunk_list__()
+    except (RuntimeError, ValueError, AssertionError, NotImplementedError):
+        return None
+    return [int(o) for o in chunks[0].offsets] if len(chunks) == 1 else None
 
 
 def has_local(obj: Any) -> bool:
@@ -90,3 +105,42 @@ def from_local(obj: Any, layouts: dict[tuple, tuple[Any, Any]]) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(from_local(v, layouts) for v in obj)
     return obj
+
+
+def from_owners(trees: list[Any], live: Any) -> Any:
+    """Every old rank's tree of :func:`to_local` (one structure: the same model and optimizer, rank order)
+    as one tree of the live layout: each entry assembled into its whole tensor from all the shards and,
+    where ``live`` (a parallel tree of the live tensors; None where there is none) has a ``DTensor``, cut
+    to this rank's shard of it; other values are the first tree's (old rank 0's).
+
+    Raises:
+        ValueError: an entry without an offset (a layout DCP cannot describe either), or trees of
+            different structures.
+    """
+    first = trees[0]
+    if isinstance(first, dict):
+        if MARK in first:
+            return _assemble(trees, live)
+        if any(not isinstance(t, dict) or t.keys() != first.keys() for t in trees):
+            raise ValueError("the old ranks' copies differ in structure")
+        return {k: from_owners([t[k] for t in trees], live.get(k) if isinstance(live, dict) else None)
+                for k in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(from_owners([t[i] for t in trees], live[i] if isinstance(live, (list, tuple))
+                                       and i < len(live) else None) for i in range(len(first)))
+    return first
+
+
+def _assemble(entries: list[dict[str, Any]], live: Any) -> torch.Tensor:
+    if any(e.get("offset") is None for e in entries):
+        raise ValueError(f"a shard with placements {entries[0]['placements']} has no offset to reshard it by")
+    whole = torch.empty(entries[0]["shape"], dtype=entries[0][MARK].dtype)
+    for e in entries:  # (a replicated dimension writes the same values twice)
+        local = e[MARK]
+        whole[tuple(slice(o, o + n) for o, n in zip(e["offset"], local.shape))] = local
+    dtensor = dtensor_type()
+    if dtensor is not None and isinstance(live, dtensor):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(whole.to(live.device), live.device_mesh, live.placements, src_data_rank=None)
+    return whole
