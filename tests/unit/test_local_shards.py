@@ -56,3 +56,25 @@ def test_a_shard_of_another_layout_is_refused(sharded):
         from_local({"0.weight": entry}, {})  # (an unsharded model now)
     with pytest.raises(ValueError, match="fits no parameter"):
         from_local({"0.weight": {**entry, "mesh": [2]}}, live_layouts(model))  # (taken at another world size)
+
+
+def test_shards_of_another_world_size_are_assembled_and_cut_to_the_live_layout(sharded):
+    """Two old ranks' shards of rows 0-3 and 4-5 (as ``to_local`` records them at 2 ranks) become the live
+    one-rank DTensor, every value where it was; a shard without an offset is refused."""
+    from torch.distributed.tensor import DTensor
+
+    from pimm_core.checkpoint.tensors.local_shards import MARK, from_owners
+
+    model, _ = sharded
+    live = model.state_dict()["0.weight"]
+    whole = torch.arange(24, dtype=torch.float32).view(6, 4)
+    spec = {"mesh": [2], "dims": [], "placements": "(Shard(dim=0),)", "shape": [6, 4], "stride": [4, 1]}
+    owners = [{"w": {MARK: whole[:4].clone(), **spec, "offset": [0, 0]}, "n": 7},
+              {"w": {MARK: whole[4:].clone(), **spec, "offset": [4, 0]}, "n": 8}]
+    got = from_owners(owners, {"w": live})
+    assert isinstance(got["w"], DTensor) and got["w"].placements == live.placements
+    assert torch.equal(got["w"].to_local(), whole) and got["n"] == 7  # (other values: old rank 0's)
+    assert torch.equal(from_owners(owners, {})["w"], whole)  # no live DTensor: the whole tensor
+    owners[1]["w"]["offset"] = None
+    with pytest.raises(ValueError, match="no offset"):
+        from_owners(owners, {"w": live})
