@@ -22,6 +22,9 @@ Four figures, each against a baseline measured in the same run (alternated, medi
   ``restarting`` (or ``failed``) and the recovery was recorded.
 - ``steps_lost``: per failure, the newest step logged before the kill minus the step the recovery
   resumed from (``status.json``'s ``recovery``), memory vs disk only (goal: <= N with the tier).
+- ``--strategy fsdp``: the recovery runs shard the model (``train.strategy = "fsdp"``): each rank's
+  copy is its own shards (``own_copy_bytes_median``, against the DDP row's whole state), the trainer's
+  stall line is the FSDP snapshot's.
 - ``memory_per_rank``: the bytes under each rank's shared-memory directory (its own copy and the
   buddy's it holds, read while the run is live) over the bytes of its state (the own copy's size
   in ``memory/<rank>.json``); goal <= 2.
@@ -29,7 +32,7 @@ Four figures, each against a baseline measured in the same run (alternated, medi
 Usage::
 
     uv run python benchmarks/memory_tier.py [--hidden 128 3200] [--repeats 3] [--every-memory 5]
-        [--every-disk 20] [--kill-after 33] [--stall-repeats 7]
+        [--every-disk 20] [--kill-after 33] [--stall-repeats 7] [--strategy ddp fsdp] [--no-stall]
 
 Prints one JSON object, with ``uptime``'s load average at the start and end of each part.
 """
@@ -65,8 +68,10 @@ def uptime() -> str:
 
 
 # ----------------------------------------------------------------------------- stall (in process)
-def stall(hidden: int, repeats: int, work: Path) -> dict[str, Any]:
+def stall(hidden: int, repeats: int, work: Path, strategy: str = "ddp") -> dict[str, Any]:
     import torch
+
+    from pimm_core.checkpoint.tensors.local_shards import to_local
 
     from pimm_core.checkpoint.formats.standard import save_standard
     from pimm_core.models import mlp
@@ -84,12 +89,28 @@ def stall(hidden: int, repeats: int, work: Path) -> dict[str, Any]:
 
     torch.manual_seed(0)
     model = mlp(64, 10, hidden, 0.1)
+    if strategy == "fsdp":  # one rank (a one-rank gloo group): DTensor shards, staged as the trainer stages them
+        import torch.distributed as tdist
+        from torch.distributed.fsdp import fully_shard
+
+        if not tdist.is_initialized():
+            tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+        for layer in model.modules():
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(32, 64)).sum().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    state = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
-        v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    def nbytes(obj: Any) -> int:  # (local shards: the bytes a snapshot stages)
+        if isinstance(obj, torch.Tensor):
+            return obj.numel() * obj.element_size()
+        if isinstance(obj, dict):
+            return sum(nbytes(v) for v in obj.values())
+        return sum(nbytes(v) for v in obj) if isinstance(obj, (list, tuple)) else 0
+
+    state = nbytes(to_local(model.state_dict())) + nbytes(to_local(opt.state_dict()["state"]))
     info = DistInfo()
     meta = {"trainer": {"global_step": 1}}
     manifest = {"kind": "last", "step": 1, "epoch": 0, "iter": 0}
@@ -104,12 +125,12 @@ def stall(hidden: int, repeats: int, work: Path) -> dict[str, Any]:
     for i in range(repeats + 1):  # alternated; the first round is a warm-up
         settle()
         t0 = time.perf_counter()
-        staged = {"model": staging.copy_tree("model", model.state_dict()),
-                  "optimizer": staging.copy_tree("optimizer", opt.state_dict())}
+        staged = {"model": staging.copy_tree("model", to_local(model.state_dict())),
+                  "optimizer": staging.copy_tree("optimizer", to_local(opt.state_dict()))}
         t_mem = time.perf_counter() - t0
         del staged
         t0 = time.perf_counter()
-        staged = {"model": fresh(model.state_dict()), "optimizer": fresh(opt.state_dict())}
+        staged = {"model": fresh(to_local(model.state_dict())), "optimizer": fresh(to_local(opt.state_dict()))}
         t_fresh = time.perf_counter() - t0
         del staged
         settle()
@@ -123,7 +144,7 @@ def stall(hidden: int, repeats: int, work: Path) -> dict[str, Any]:
             disk_s.append(t_disk)
     remove(disk_dir)
     params = sum(p.numel() for p in model.parameters())
-    return {"hidden": hidden, "params": params, "state_bytes": state,
+    return {"hidden": hidden, "strategy": strategy, "params": params, "state_bytes": state,
             "memory_snapshot_stall_s_median": r(median(mem_s), 5), "disk_save_s_median": r(median(disk_s)),
             "ratio_memory_to_disk": r(median(mem_s) / median(disk_s)),
             "fresh_copy_stall_s_median": r(median(fresh_s), 5),
@@ -159,9 +180,9 @@ def _du(path: Path) -> int:
 
 
 def one_failure(root: Path, name: str, hidden: int, memory_every: int, disk_every: int, kill_after: int,
-                timeout: float) -> dict[str, Any]:
+                timeout: float, strategy: str = "ddp") -> dict[str, Any]:
     """One run killed once: rank 1 gets SIGKILL once it logged ``kill_after`` steps; figures of its recovery."""
-    overrides = [f"model.hidden={hidden}", "train.log_every_steps=1", "train.epochs=100", "train.max_steps=100000",
+    overrides = [f"train.strategy={strategy}", f"model.hidden={hidden}", "train.log_every_steps=1", "train.epochs=100", "train.max_steps=100000",
                  "checkpoint.every_epochs=0", f"checkpoint.every_steps={disk_every}",
                  f"checkpoint.memory_every_steps={memory_every}", "eval.every_epochs=1000"]
     cmd = [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(CONFIG), "--run.root", str(root),
@@ -240,7 +261,7 @@ def one_failure(root: Path, name: str, hidden: int, memory_every: int, disk_ever
 
 
 def recovery(hidden: int, repeats: int, every_memory: int, every_disk: int, kill_after: int,
-             work: Path) -> dict[str, Any]:
+             work: Path, strategy: str = "ddp") -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {"memory": [], "disk": []}
     failed: list[dict[str, Any]] = []
     for i in range(repeats):  # alternated: memory, disk, memory, disk ...
@@ -248,7 +269,7 @@ def recovery(hidden: int, repeats: int, every_memory: int, every_disk: int, kill
             mem = every_memory if kind == "memory" else 0
             try:
                 runs[kind].append(one_failure(work, f"{kind}-{hidden}-{i}", hidden, mem, every_disk, kill_after,
-                                              timeout=600))
+                                              timeout=600, strategy=strategy))
                 print(json.dumps({"hidden": hidden, **runs[kind][-1], "uptime": uptime()}), file=sys.stderr,
                       flush=True)  # (each run as it ends: a long benchmark interrupted keeps its figures)
             except TimeoutError as e:  # said in the output, with the run's last lines; the others still count
@@ -260,7 +281,9 @@ def recovery(hidden: int, repeats: int, every_memory: int, every_disk: int, kill
     rec = {k: median([x["recovery_s"] for x in v]) for k, v in runs.items() if v}
     lost = {k: median([x["steps_lost"] for x in v]) for k, v in runs.items() if v}
     shm = [s["shm_bytes"] / s["state_bytes"] for x in runs["memory"] for s in x["shm"].values() if s["state_bytes"]]
-    return {"hidden": hidden, "every_memory": every_memory, "every_disk": every_disk,
+    own = [s["state_bytes"] for x in runs["memory"] for s in x["shm"].values()]
+    return {"hidden": hidden, "strategy": strategy, "every_memory": every_memory, "every_disk": every_disk,
+            "own_copy_bytes_median": median(own) if own else None,
             "recovery_s_median": {k: r(v, 3) for k, v in rec.items()},
             "ratio_recovery_memory_to_disk": r(rec["memory"] / rec["disk"]) if len(rec) == 2 else None,
             "steps_lost_median": lost,
@@ -330,6 +353,9 @@ def main() -> None:
     ap.add_argument("--every-disk", type=int, default=20)
     ap.add_argument("--kill-after", type=int, default=33, help="rank 1 is killed once this step is logged")
     ap.add_argument("--no-recovery", action="store_true")
+    ap.add_argument("--no-stall", action="store_true", help="skip the in-process stall figures")
+    ap.add_argument("--strategy", nargs="+", default=["ddp"], choices=["ddp", "fsdp"],
+                    help="train.strategy of the recovery runs (fsdp: each rank's copy is its shards)")
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     ap.add_argument("--paper", type=Path, help="print the paper model of docs/scaling.md from this script's JSON")
     args = ap.parse_args()
@@ -341,13 +367,14 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="pimm-memory-bench-", dir=args.dir))
     out: dict[str, Any] = {"uptime_start": uptime(), "stall": [], "recovery": []}
     try:
-        for h in args.hidden:
-            out["stall"].append({**stall(h, args.stall_repeats, work), "uptime": uptime()})
+        for h, strategy in [] if args.no_stall else [(h, s) for h in args.hidden for s in args.strategy]:
+            out["stall"].append({**stall(h, args.stall_repeats, work, strategy), "uptime": uptime()})
             print(json.dumps(out["stall"][-1]), file=sys.stderr, flush=True)
         if not args.no_recovery:
             for h in args.hidden:
-                out["recovery"].append({**recovery(h, args.repeats, args.every_memory, args.every_disk,
-                                                   args.kill_after, work), "uptime": uptime()})
+                for strategy in args.strategy:
+                    out["recovery"].append({**recovery(h, args.repeats, args.every_memory, args.every_disk,
+                                                       args.kill_after, work, strategy), "uptime": uptime()})
     finally:
         out["uptime_end"] = uptime()
         out["machine"] = machine(work.parent, load_start)

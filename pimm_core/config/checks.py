@@ -113,11 +113,6 @@ def validate(cfg: Config, where: Where, origins: dict[str, str]) -> None:
     if cfg.parallel.tp_plan is not None and not is_target(cfg.parallel.tp_plan):
         raise ConfigError(f"{where('parallel.tp_plan', origins.get('parallel.tp_plan', 'file'))}: parallel.tp_plan = "
                           f"{cfg.parallel.tp_plan!r} is not a target; write 'package.module:function'")
-    if cfg.checkpoint.memory_every_steps and (cfg.train.strategy == "fsdp" or cfg.parallel.tp > 1):
-        key = "checkpoint.memory_every_steps"
-        raise ConfigError(f"{where(key, origins.get(key, 'file'))}: the memory tier keeps whole (unsharded) "
-                          "state per rank and does not support train.strategy = 'fsdp' or parallel.tp > 1 yet; "
-                          "set checkpoint.memory_every_steps = 0 (disk checkpoints: checkpoint.every_steps)")
     if cfg.eval.weights == "ema" and not cfg.ema.enabled:
         raise ConfigError(f"{where('eval.weights', origins.get('eval.weights', 'file'))}: eval.weights = 'ema' "
                           "needs ema.enabled = true")

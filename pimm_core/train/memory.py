@@ -6,7 +6,9 @@ What a snapshot holds is what the disk ``last`` holds, built by the same code
 (:meth:`~.checkpointer.Checkpointer.meta`, ``manifest``, the RNG and loader cursor of
 :meth:`~.checkpointer.Checkpointer.save`): the unwrapped model's ``state_dict``, the optimizer's,
 the EMA weights, and ``meta``/``rank_state``/``manifest`` packed as a disk checkpoint packs them, so
-one ``torch.load(weights_only=True)`` reads it back. Taken after a step inside an epoch or at an
+one ``torch.load(weights_only=True)`` reads it back. A sharded model's (FSDP2, tensor parallel) ``DTensor``
+entries are this rank's local shards with what rebuilds them (:func:`~..checkpoint.tensors.local_shards.to_local`):
+a rank's copy is its shard of the state, not the whole model's. Taken after a step inside an epoch or at an
 epoch's end (after its evaluation, as the epoch-end save is), never at the run's last step (the final
 disk save follows).
 
@@ -39,6 +41,7 @@ import torch
 
 from ..checkpoint.memory import exchange
 from ..checkpoint.memory.store import RankStore, remove_stale
+from ..checkpoint.tensors.local_shards import to_local
 from ..checkpoint.tensors.staging import StagingBuffers
 from ..checkpoint.tensors.state import pack, rng_state, unwrap
 from ..errors import ConfigError
@@ -155,9 +158,10 @@ class MemorySnapshots:
         manifest = json.loads(json.dumps(ck.manifest("memory", loader is not None), default=str))  # (plain values)
         # Copied into the buffers of the previous snapshot (whose round is over: _snapshot waited for it).
         cpu = self.staging.copy_tree
-        return {"model": cpu("model", unwrap(self.tr.model).state_dict()),
-                "optimizer": cpu("optimizer", self.tr.optimizer.state_dict()),
-                "ema": cpu("ema", ck.ema_weights()), "meta": pack(ck.meta()),
+        # Sharded (FSDP2, tensor parallel): this rank's own shards, each with what rebuilds its DTensor.
+        return {"model": cpu("model", to_local(unwrap(self.tr.model).state_dict())),
+                "optimizer": cpu("optimizer", to_local(self.tr.optimizer.state_dict())),
+                "ema": cpu("ema", to_local(ck.ema_weights())), "meta": pack(ck.meta()),
                 "rank_state": pack({"rng": rng_state(), "loader": cpu("loader", loader)}), "manifest": pack(manifest)}
 
     def _round(self, step: int, epoch: int, staged: dict[str, Any]) -> None:

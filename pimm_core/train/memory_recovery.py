@@ -9,12 +9,16 @@ longer runs), and agree on the newest step at which every rank of the world that
 record their world size) can be reached: its own copy or its buddy's. What each new rank loads:
 
 - **the same world size**: rank ``r`` loads rank ``r``'s copy (its RNG and loader cursor with it: the
-  run continues bitwise, :func:`~.resume.apply_loaded`'s ``same`` row);
+  run continues bitwise, :func:`~.resume.apply_loaded`'s ``same`` row). Under FSDP2 or tensor parallel
+  the copy holds rank ``r``'s own ``DTensor`` shards (:mod:`~..checkpoint.tensors.local_shards`), rebuilt
+  on the restarted model's meshes and loaded into rank ``r``'s shards;
 - **another world size** (a node lost for good under ``--nnodes MIN:MAX``, or one that joined): every
-  rank loads old rank 0's copy. The model and optimizer state is replicated under DDP (FSDP and tensor
-  parallel are refused with the memory tier), and ``meta`` is rank 0's as a disk checkpoint's is; the
-  per-rank RNG and cursor follow the resume policy at another world size, as the disk ``last``'s do
-  (``global_order``: the samples consumed from the counters; ``world_size``: the epoch replays).
+  rank loads old rank 0's copy. The model and optimizer state is replicated under DDP, and ``meta`` is
+  rank 0's as a disk checkpoint's is; the per-rank RNG and cursor follow the resume policy at another
+  world size, as the disk ``last``'s do (``global_order``: the samples consumed from the counters;
+  ``world_size``: the epoch replays). Sharded state (FSDP, tensor parallel) is resharded: every new
+  rank reads every old rank's copy (on its node or sent to it) and cuts its new shards from them
+  (:mod:`.memory_reshard`); a copy that cannot be resharded sends every rank to the disk ``last``.
 
 A rank that holds the copy it needs on its node reads it there; the others receive it from the lowest
 rank holding it (over the side gloo group); the log and provenance name the copy each rank read. Every
@@ -33,11 +37,13 @@ import torch
 
 from ..checkpoint.formats.protocol import LoadedState
 from ..checkpoint.memory import exchange
+from ..checkpoint.tensors.local_shards import from_local, has_local, live_layouts
 from ..checkpoint.tensors.state import unpack, unwrap
 from ..faults import point, register
 from ..process import dist
 from ..run.memory_index import remove_rank_indexes_from
 from .memory import MemorySnapshots, restart_count
+from .memory_reshard import merge_owners, read_every_copy
 from .resume import apply_loaded
 
 if TYPE_CHECKING:
@@ -102,13 +108,16 @@ class Plan(NamedTuple):
     local: dict[int, set[int]]  # old rank -> the new ranks holding its copy on their node
 
 
-def plan_recovery(everyone: list[list[tuple[int, int, int, str, int]]], world: int) -> Plan:
+def plan_recovery(everyone: list[list[tuple[int, int, int, str, int]]], world: int, *,
+                  every_owner: bool = False) -> Plan:
     """The newest step every rank of the world that took it can be reached at, and who reads what.
 
     Args:
         everyone: per new rank, the complete copies on its node as ``(saved_world, owner, step, sha256,
             kept_by)`` (``kept_by``: the rank directory holding it).
         world: the new world size.
+        every_owner: a source for every old rank's copy (sharded state at another world size: every new
+            rank reads them all), not only for those in ``needs``.
 
     Raises:
         NoCommonStep: no such step (the message names the ranks without a copy).
@@ -130,7 +139,7 @@ def plan_recovery(everyone: list[list[tuple[int, int, int, str, int]]], world: i
     owners = reach[(saved_world, step)]
     needs = {r: r for r in range(world)} if saved_world == world else {r: 0 for r in range(world)}
     sources, local = {}, {}
-    for owner in sorted(set(needs.values())):
+    for owner in range(saved_world) if every_owner else sorted(set(needs.values())):
         holders = owners[owner]
         # read where it lies when the owner holds it (no transfer), else from the lowest holder
         holder = owner if owner in holders and saved_world == world else min(holders)
@@ -178,10 +187,13 @@ def recover_from_memory(tr: TrainerHost, mem: MemorySnapshots, checkpoint_dir: P
             if key not in held or kept_by == h.copy.rank:  # (the owner's own copy first)
                 held[key] = (kept_by, h)
     mine = sorted((w, o, s, h.copy.sha256, kept_by) for (w, o, s), (kept_by, h) in held.items())
-    plan = plan_recovery(dist.all_gather_object(mine), mem.world)
+    layouts = live_layouts(tr.model)  # (the same on every rank: one config)
+    plan = plan_recovery(dist.all_gather_object(mine), mem.world, every_owner=bool(layouts))
     step, saved_world = plan.step, plan.saved_world
     if newest_tier(step, disk) == "disk":  # decided from values every rank has: no copy is read
         raise NoCommonStep(f"newer than the newest step every rank can reach in memory, {step}")
+    if layouts and saved_world != mem.world:  # sharded state at another world size: every copy, resharded
+        return _apply(tr, mem, plan, *_resharded(tr, mem, plan, held), checkpoint_dir, disk)
     want = plan.needs[mem.rank]
     read_from = None  # the rank directory whose copy this rank read
     data, problem, cache = None, None, {}
@@ -204,9 +216,33 @@ def recover_from_memory(tr: TrainerHost, mem: MemorySnapshots, checkpoint_dir: P
     parsed = None
     if problem is None:
         try:
-            parsed = _parse(bytes(data), saved_world, own_rank_state=want == mem.rank)
+            parsed = _parse(bytes(data), saved_world, layouts, own_rank_state=want == mem.rank)
         except Exception as e:  # a copy that does not load: every rank goes to disk together, nothing applied
             problem = f"rank {mem.rank}'s copy of step {step} did not load ({type(e).__name__}: {e})"
+    return _apply(tr, mem, plan, parsed, problem, read_from, checkpoint_dir, disk)
+
+
+def _resharded(tr: TrainerHost, mem: MemorySnapshots, plan: Plan, held: dict) -> tuple[Any, str | None, Any]:
+    """Every old rank's copy read, checked and merged into this rank's shards (:mod:`.memory_reshard`):
+    ``(parsed, problem, read_from)`` as :func:`_apply` takes them."""
+    copies, problem, read_from = read_every_copy(mem, plan, held)
+    parsed = None
+    if problem is None:
+        try:
+            objs = [_parse(copies.pop(o), plan.saved_world, reshard=True, own_rank_state=o == 0 and mem.rank == 0)
+                    for o in range(plan.saved_world)]
+            obj, (_, loaded, manifest) = merge_owners(tr, [o[0] for o in objs]), objs[0]
+            loaded.ema_state_dict = obj.get("ema")  # (merged into this rank's shards)
+            parsed = obj, loaded, manifest
+        except Exception as e:  # every rank goes to disk together, nothing applied
+            problem = f"the copies of step {plan.step} did not reshard ({type(e).__name__}: {e})"
+    return parsed, problem, read_from
+
+
+def _apply(tr: TrainerHost, mem: MemorySnapshots, plan: Plan, parsed: Any, problem: str | None, read_from: Any,
+           checkpoint_dir: Path | None, disk: int | None) -> dict[str, Any]:
+    """Every rank's outcome gathered; on no problem anywhere, the state applied and the line said."""
+    step, saved_world = plan.step, plan.saved_world
     gathered = dist.all_gather_object((problem, read_from))
     problems = [p for p, _ in gathered if p]
     if problems:
@@ -216,7 +252,13 @@ def recover_from_memory(tr: TrainerHost, mem: MemorySnapshots, checkpoint_dir: P
     tr.optimizer.load_state_dict(obj["optimizer"])
     entry = apply_loaded(tr, loaded, manifest, f"memory step {step}", "memory", checkpoint_dir)
     read = {r: kept_by for r, (_, kept_by) in enumerate(gathered)}
-    from_buddy, how = describe_reads(plan, read, mem.world)
+    if isinstance(read_from, dict):  # resharded: every old rank's copy, each from a rank directory
+        from_buddy = {o: b for r in sorted(read) for o, b in sorted(read[r].items()) if b != o}
+        kept = "; ".join(f"rank {o}'s held by its buddy rank {b}" for o, b in sorted(from_buddy.items()))
+        how = (f"world size {saved_world} -> {mem.world}: sharded state resharded from every rank's copy"
+               f"{f' ({kept})' if kept else ''}")
+    else:
+        from_buddy, how = describe_reads(plan, read, mem.world)
     restart = restart_count()
     line = f"recovered from memory at step {step} (restart {restart}; {how}; {_disk_clause(step, disk)})"
     if tr.info.is_main:
@@ -243,19 +285,28 @@ def _read(mem: MemorySnapshots, held: Any) -> tuple[Any, str | None]:
         return None, str(e)
 
 
-def _parse(data: bytes, world: int, *, own_rank_state: bool = True
-           ) -> tuple[dict[str, Any], LoadedState, dict[str, Any]]:
+def _parse(data: bytes, world: int, layouts: dict[tuple, Any] | None = None, *, own_rank_state: bool = True,
+           reshard: bool = False) -> tuple[dict[str, Any], LoadedState, dict[str, Any]]:
     """One snapshot read back (``weights_only``): its tensors, its trainer state and its manifest.
 
     Args:
         world: the world size its sidecar says took it.
+        layouts: the live model's ``DTensor`` layouts (:func:`~..checkpoint.tensors.local_shards.live_layouts`;
+            empty or None: the model is not sharded): a sharded copy's local shards become ``DTensor`` s on them.
+        reshard: a sharded copy left as its local shards (:func:`~.memory_reshard.merge_owners` merges them).
         own_rank_state: the copy is this rank's own (its RNG and cursor apply); else another rank's,
             whose per-rank state is left out (as a disk checkpoint has no entry for a rank it did not have).
 
     Raises:
-        ValueError: taken at another world size. pickle.UnpicklingError and others: not a snapshot.
+        ValueError: taken at another world size, or sharded otherwise than the model is now.
+            pickle.UnpicklingError and others: not a snapshot.
     """
     obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    if not reshard and bool(layouts) != has_local(obj["model"]):
+        raise ValueError(f"a copy of {'sharded' if has_local(obj['model']) else 'unsharded'} state; the model is "
+                         f"{'sharded' if layouts else 'unsharded'} now")
+    if layouts:  # (each rank's own shards: the same world size and layout, checked entry by entry)
+        obj.update({k: from_local(obj.get(k), layouts) for k in ("model", "optimizer", "ema")})
     meta, rank_state, manifest = unpack(obj["meta"]), unpack(obj["rank_state"]), unpack(obj["manifest"])
     if meta.get("world_size") != world:
         raise ValueError(f"taken at world size {meta.get('world_size')}, its sidecar says {world}")

@@ -61,13 +61,14 @@ pimm_core.cli.run()
 RDZV_CONF = "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
-def _agent(root: Path, node: str, port: int, env: dict[str, str], *, after_a: bool = False) -> subprocess.Popen:
+def _agent(root: Path, node: str, port: int, env: dict[str, str], *, after_a: bool = False,
+           overrides: tuple[str, ...] = OVERRIDES) -> subprocess.Popen:
     """One node's ``pimm launch`` in its own process session (a node's processes die together)."""
     args = [sys.executable, *(("-c", _AFTER_A, str(port)) if after_a else ("-m", "pimm_core.cli")), "launch",
             "--train.config", str(DIGITS), "--run.root", str(root), "--run.name", NAME, "--run.no-timestamp",
             "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1", "--rdzv-conf", RDZV_CONF,
-            "--", *OVERRIDES]
+            "--", *overrides]
     (root / f"shm{node}").mkdir()
     out = open(root / f"node{node}.out", "w")
     return subprocess.Popen(args, cwd=REPO, env={**clean_env(), "PIMM_SHM_ROOT": str(root / f"shm{node}"), **env},
@@ -88,14 +89,16 @@ def _wait_for(check, what: str, procs: list[subprocess.Popen], root: Path) -> No
         time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def lost(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("memelastic")
+def _lose_node_b(root: Path, overrides: tuple[str, ...]) -> tuple[Path, str, int, dict]:
+    """The scenario of the module docstring: node B (rank 0) lost for good after both ranks' copies of
+    step 6; node A's launch runs to its end. Returns the run, node A's output, node B's old rank and the
+    copies each node held before the loss."""
     port, gate = free_port(), root / "gate"
     gate.mkdir()
     node_b = _agent(root, "B", port, {"PIMM_FAILPOINT": "memory.step@8=pause", "PIMM_FAILPOINT_DIR": str(gate),
-                                      "PIMM_FAILPOINT_RESTART": "0"}, after_a=True)  # rank 0: the lower pid
-    node_a = _agent(root, "A", port, {})  # hosts the rendezvous (its store), so it must outlive node B
+                                      "PIMM_FAILPOINT_RESTART": "0"}, after_a=True,
+                    overrides=overrides)  # rank 0: the lower pid
+    node_a = _agent(root, "A", port, {}, overrides=overrides)  # hosts the rendezvous (its store): outlives node B
     run = root / "digits" / NAME
     procs = [node_a, node_b]
     _wait_for(lambda: (gate / "memory.step.reached.8").exists(), "node B's rank paused at step 8", procs, root)
@@ -114,13 +117,20 @@ def lost(tmp_path_factory) -> dict:
         code = None
     out = (root / "nodeA.out").read_text()
     assert code == 0, out[-5000:]
+    return run, out, int(b_dir.name), held_before
+
+
+@pytest.fixture(scope="module")
+def lost(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("memelastic")
+    run, out, lost_rank, held_before = _lose_node_b(root, OVERRIDES)
 
     from pimm_core import Trainer, load_config  # the uninterrupted run: one rank, the same global batch
 
     reference = root / "reference"
     cfg = load_config(DIGITS, [*OVERRIDES, "checkpoint.memory_every_steps=0"])  # (snapshots change nothing)
     Trainer(cfg, run_dir=reference).train(checkpoint_dir=reference / "model")
-    return {"root": root, "run": run, "out": out, "lost_rank": int(b_dir.name), "held_before": held_before}
+    return {"root": root, "run": run, "out": out, "lost_rank": lost_rank, "held_before": held_before}
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:
@@ -171,3 +181,32 @@ def test_the_lost_nodes_memory_is_removed_by_the_next_run_there_and_the_survivor
     monkeypatch.setenv("PIMM_SHM_ROOT", str(root / "shmB"))
     assert remove_stale() == [left]  # the next pimm run on node B: its rank locks free, its agent dead
     assert list((root / "shmB").iterdir()) == []
+
+
+def test_sharded_state_lost_with_a_node_is_resharded_from_memory_at_the_smaller_world_size(lost, tmp_path):
+    """FSDP: each copy holds its rank's own shards. The survivor (world size 1) holds both old ranks'
+    copies (its own and its buddy's): it reads both, checks them and cuts its new shards from them, though
+    the disk ``last`` is at step 6 too, and trains to the end on the uninterrupted one-rank trajectory
+    (the reference of the DDP case: FSDP at one rank computes the same). On the old code the config was
+    refused."""
+    run, out, lost_rank, _ = _lose_node_b(tmp_path, (*OVERRIDES, "train.strategy=fsdp", "checkpoint.every_steps=6"))
+    kept_rank = 1 - lost_rank
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "finished" and status["step"] == 22
+    kept = f" (rank {lost_rank}'s held by its buddy rank {kept_rank})"
+    line = (f"recovered from memory at step 6 (restart 1; world size 2 -> 1: sharded state resharded from every "
+            f"rank's copy{kept}; disk at step 6 too: memory is faster)")
+    log = (run / "train.log").read_text()
+    assert log.count(line) == 1, log[-4000:]
+    assert status["recovery"] | {"message": None} == {"tier": "memory", "step": 6, "restart": 1, "message": None,
+                                                      "saved_world_size": 2, "world_size": 1}
+    prov = json.loads((run / "provenance.json").read_text())
+    (entry,) = [e for e in prov["starts"] if e.get("kind") == "recovery"]
+    assert entry["tier"] == "memory" and entry["message"] == line and entry["policy"] == "global_order"
+    assert entry["read_from"] == {"0": {"0": kept_rank, "1": kept_rank}}
+    assert "starts over" not in log and "recovered from disk" not in log
+    ref, got = _weights(lost["root"] / "reference"), _weights(run)
+    assert ref.keys() == got.keys()
+    for k in ref:
+        scale = ref[k].abs().max().clamp_min(1e-12)
+        assert ((got[k] - ref[k]).abs().max() / scale).item() <= 1e-5, k
