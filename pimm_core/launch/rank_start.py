@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.util
 import os
 import signal
 import sys
@@ -81,9 +82,19 @@ def rank_server(wanted: bool = True) -> Iterator[bool]:
               "python -m pimm_core.cli and imports torch itself", file=sys.stderr, flush=True)
         yield False
         return
+    # multiprocessing's start of each rank imports the launcher's __main__ again, by path, before torchrun's
+    # agent sets the rank's environment: the `pimm` console script would import pimm_core there, and a module
+    # that reads the environment at import (faults: RANK) would see the server's. The ranks run pimm_core.cli:
+    # name that their main module, which multiprocessing does not import again (a package's __main__).
+    main = sys.modules["__main__"]
+    spec = main.__dict__.get("__spec__")
+    if spec is None:
+        main.__spec__ = importlib.util.find_spec("pimm_core.cli.__main__")
     try:
         yield True
     finally:
+        if spec is None:
+            main.__spec__ = None
         forkserver.stop()
 
 

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from _helpers import DIGITS, REPO, clean_env, hang_s
 from test_user_code import USERPKG
@@ -22,15 +23,21 @@ out = "{out}"
 
 def test_ranks_are_forked_from_the_launchers_server_and_exit_as_an_interpreter(tmp_path):
     (tmp_path / "userpkg").symlink_to(USERPKG)  # beside the configs: found through their directory
-    cases = {"forked": {}, "exec": {"PIMM_RANK_START": "exec"}}
+    # "console": forked too, the launcher started as the `pimm` console script, whose module multiprocessing
+    # imports again in each rank before the rank's environment is set. In every case a fail point armed for
+    # rank 1 only (a name no code passes) must be armed in rank 1 alone: pimm's modules see the rank's RANK.
+    cases = {"forked": {}, "exec": {"PIMM_RANK_START": "exec"}, "console": {}}
+    armed = {"PIMM_FAILPOINT": "test.never_passed", "PIMM_FAILPOINT_RANK": "1"}
 
     def launch(name: str) -> subprocess.CompletedProcess[str]:
         config = tmp_path / f"{name}.toml"
         config.write_text(DIGITS.read_text() + _PROBE.format(out=tmp_path / name))
-        cmd = [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(config), "--run.root",
+        pimm = [str(Path(sys.executable).with_name("pimm"))] if name == "console" else [sys.executable, "-m",
+                                                                                         "pimm_core.cli"]
+        cmd = [*pimm, "launch", "--train.config", str(config), "--run.root",
                str(tmp_path / "exp"), "--run.name", name, "--run.no-timestamp", "--nproc-per-node", "2", "--",
                "train.max_steps=2", "data.num_workers=0"]
-        return subprocess.run(cmd, cwd=REPO, env={**clean_env(), **cases[name]}, capture_output=True, text=True,
+        return subprocess.run(cmd, cwd=REPO, env={**clean_env(), **armed, **cases[name]}, capture_output=True, text=True,
                               timeout=hang_s(300))
 
     with ThreadPoolExecutor(len(cases)) as pool:  # two independent 2-rank runs at once
@@ -43,7 +50,8 @@ def test_ranks_are_forked_from_the_launchers_server_and_exit_as_an_interpreter(t
             # rank alive), then atexit's
             assert (tmp_path / f"{name}-{rank}.exit").read_text() == "exited", (name, rank)
             assert seen["sid"] == seen["pid"], (name, rank, seen)  # its own session, as torchrun gives a rank
-            if name == "forked":  # a child of the launcher's fork server, not of the launcher
+            assert seen["failpoint_armed"] == (rank == 1), (name, rank, seen)
+            if name != "exec":  # a child of the launcher's fork server, not of the launcher
                 assert seen["ppid"] != seen["launcher"] and seen["grandparent"] == seen["launcher"], seen
             else:
                 assert seen["ppid"] == seen["launcher"], seen

@@ -69,7 +69,7 @@ class StartupProbe:
 
 class ExitProbe:
     """At the first step's end, writes ``<out>-<rank>.json`` (this process's pid, its parent's, its parent's
-    parent, its session and ``$PIMM_LAUNCHER_PID``), leaves a thread pool with an idle worker thread (which
+    parent, its session, ``$PIMM_LAUNCHER_PID`` and whether pimm's fail points are armed in it), leaves a thread pool with an idle worker thread (which
     only the interpreter's exit stops: ``threading``'s exit functions), and registers an ``atexit`` function
     that writes ``<out>-<rank>.exit``: a process ended as an interpreter does writes it."""
 
@@ -83,12 +83,14 @@ class ExitProbe:
         import atexit
         from concurrent.futures import ThreadPoolExecutor
 
+        from pimm_core import faults  # (what a pimm module that read the environment at import saw)
+
         rank = trainer.info.rank
         ppid = os.getppid()
         grandparent = int(Path(f"/proc/{ppid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         Path(f"{self.out}-{rank}.json").write_text(json.dumps({
             "pid": os.getpid(), "ppid": ppid, "grandparent": grandparent, "sid": os.getsid(0),
-            "launcher": int(os.environ["PIMM_LAUNCHER_PID"])}))
+            "launcher": int(os.environ["PIMM_LAUNCHER_PID"]), "failpoint_armed": bool(faults._SPEC)}))
         self.pool = ThreadPoolExecutor(1)
         self.pool.submit(int).result()
         atexit.register(Path(f"{self.out}-{rank}.exit").write_text, "exited")
