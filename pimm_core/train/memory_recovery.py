@@ -43,7 +43,7 @@ from ..faults import point, register
 from ..process import dist
 from ..run.memory_index import remove_rank_indexes_from
 from .memory import MemorySnapshots, restart_count
-from .memory_reshard import merge_owners, read_every_copy
+from .memory_reshard import merge_owners, read_copy, read_every_copy
 from .resume import apply_loaded
 
 if TYPE_CHECKING:
@@ -202,10 +202,10 @@ def recover_from_memory(tr: TrainerHost, mem: MemorySnapshots, checkpoint_dir: P
         if new_rank in plan.local[owner]:  # on its node: read there
             if new_rank == mem.rank:
                 read_from, copy = held.get((saved_world, owner, step), (None, None))
-                data, problem = _read(mem, copy)
+                data, problem = read_copy(mem, copy)
         elif mem.rank == src.holder:
             if owner not in cache:
-                cache[owner] = _read(mem, held.get((saved_world, owner, step), (None, None))[1])[0]
+                cache[owner] = read_copy(mem, held.get((saved_world, owner, step), (None, None))[1])[0]
             exchange.send_bytes(mem.group, cache[owner] if cache[owner] is not None else b"", new_rank)
         elif mem.rank == new_rank:
             read_from, data = src.kept_by, exchange.recv_bytes(mem.group, src.holder)
@@ -274,15 +274,6 @@ def _sha(data: Any) -> str:
     import hashlib
 
     return hashlib.sha256(data).hexdigest()
-
-
-def _read(mem: MemorySnapshots, held: Any) -> tuple[Any, str | None]:
-    if held is None:
-        return None, "copy missing"
-    try:
-        return mem.store.read(held), None
-    except (OSError, ValueError) as e:
-        return None, str(e)
 
 
 def _parse(data: bytes, world: int, layouts: dict[tuple, Any] | None = None, *, own_rank_state: bool = True,

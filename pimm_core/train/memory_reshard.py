@@ -43,14 +43,14 @@ def read_every_copy(mem: MemorySnapshots, plan: Any, held: dict[tuple[int, int, 
             if new_rank in plan.local[owner]:  # on its node: read there
                 if new_rank == mem.rank:
                     kept_by, copy = held.get((plan.saved_world, owner, plan.step), (None, None))
-                    data, why = _read(mem, copy)
+                    data, why = read_copy(mem, copy)
                     read_from[owner] = kept_by
                     problem = problem or (why and f"rank {owner}'s copy of step {plan.step}: {why}")
                     if data is not None:
                         copies[owner] = data
             elif mem.rank == src.holder:
                 if owner not in sent:
-                    sent[owner] = _read(mem, held.get((plan.saved_world, owner, plan.step), (None, None))[1])[0] or b""
+                    sent[owner] = read_copy(mem, held.get((plan.saved_world, owner, plan.step), (None, None))[1])[0] or b""
                 exchange.send_bytes(mem.group, sent[owner], new_rank)
             elif mem.rank == new_rank:
                 data = bytes(exchange.recv_bytes(mem.group, src.holder))
@@ -88,7 +88,8 @@ def merge_owners(tr: Any, objs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _read(mem: MemorySnapshots, held: Any) -> tuple[bytes | None, str | None]:
+def read_copy(mem: MemorySnapshots, held: Any) -> tuple[bytes | None, str | None]:
+    """The bytes of the copy ``held`` describes (None: not held), or None and why it could not be read."""
     if held is None:
         return None, "copy missing"
     try:
