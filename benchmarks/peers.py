@@ -28,9 +28,13 @@ complete training state, then restores it into a freshly built model and optimiz
 ``--busy N`` measures every size twice in the same run, alternating round by round:
 idle, and beside N CPU-bound processes (``python3 -c "while True: pass"``) that the
 benchmark starts before the round and kills after it. pimm's save is also split into
-its parts (``pimm_parts_s``: state dict, DCP write, ``weights.pth``, the sha256 left
-after the writes, the wait for the shards' background fsync, the fsync of the rest, manifest
-and markers, rotation; ``other`` is what is left).
+its parts (``pimm_parts_s``: state dict, DCP write, ``weights.pth`` (of which its own
+fsync, ``weights_fsync``), the sha256 computed during the writes (``sha256_in_writes``,
+summed over threads: it overlaps them), the page release in step with the writes, the
+sha256 left after the writes, the wait for the shards' background fsync, the fsync of the
+rest, manifest and markers, rotation; ``other`` is what is left), and the parts run alone
+on the same state in the same round (``pimm_parts_s.alone``: the sha256 of the tensors'
+bytes, the DCP write and ``weights.pth`` without hashing), wall and CPU seconds.
 
 Lightning and Accelerate do not fsync; ``save_durable_s`` adds an fsync of every file
 they wrote (what pimm's save includes), so ``ratio_to_pimm.save_durable`` compares like
@@ -103,7 +107,45 @@ PARTS = {"state_dict": ("pimm_core.checkpoint.formats.standard", "dcp_state"),
          "manifest": ("pimm_core.checkpoint.publish.rotation", "write_manifest"),
          "rotate": ("pimm_core.checkpoint.publish.rotation", "rotate_into_place"),
          "release_pages": ("pimm_core.checkpoint.formats.standard", "release_cached_pages"),
+         "release_pages_in_step": ("pimm_core.fsio", "PageRelease.advance"),  # (inside the writes)
+         "weights_fsync": ("pimm_core.fsio", "fsync_file"),  # (weights.pth's own fsync, inside weights_pth)
          "set_up": ("pimm_core.checkpoint.publish.rotation", "prepare")}
+# Parts that run inside others (not subtracted for `other`).
+NESTED = {"release_pages_in_step", "weights_fsync", "sha256_in_writes"}
+
+
+class _TimedSha:
+    """hashlib.sha256 whose update()s add their seconds to ``totals["sha256_in_writes"]`` (summed
+    over threads: it overlaps the writes)."""
+
+    def __init__(self, totals: dict[str, float], *a):
+        import hashlib
+
+        self._h, self._totals = hashlib.sha256(*a), totals
+
+    def update(self, b) -> None:
+        t0 = time.perf_counter()
+        self._h.update(b)
+        dt = time.perf_counter() - t0
+        self._totals["sha256_in_writes"] = self._totals.get("sha256_in_writes", 0.0) + dt
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+@contextlib.contextmanager
+def sha_timer(parts: dict[str, float]):
+    """Inside: the sha256 computed while pimm's files are written is timed (``sha256_in_writes``)."""
+    import types
+
+    from pimm_core.checkpoint.publish import follow
+
+    real = follow.hashlib
+    follow.hashlib = types.SimpleNamespace(sha256=lambda *a: _TimedSha(parts, *a))
+    try:
+        yield
+    finally:
+        follow.hashlib = real
 
 
 def parts_timer(parts: dict[str, float]):
@@ -135,13 +177,13 @@ class Pimm:
         meta = {"trainer": {"global_step": 1, "epoch": 0, "iter": 1}, "scheduler": {}, "scaler": {}, "world_size": 1,
                 "workers_per_rank": 0}  # what a resume needs (load_standard checks it)
         parts: dict[str, float] = {}
-        with parts_timer(parts):
+        with parts_timer(parts), sha_timer(parts):
             t0 = time.perf_counter()
             save_standard(self.dir, model=self.model, optimizer=self.opt, meta=meta,
                           rank_state={"rng": torch.get_rng_state()}, manifest={"kind": "last", "step": 1, "epoch": 0, "iter": 1},
                           info=DistInfo())
             t = time.perf_counter() - t0
-        parts["other"] = max(0.0, t - sum(parts.values()))
+        parts["other"] = max(0.0, t - sum(v for k, v in parts.items() if k not in NESTED))
         self.parts = parts
         return t, t, self.dir / "last"  # already durable
 
@@ -161,6 +203,56 @@ class Pimm:
         verify = time.perf_counter() - t1
         assert not problems, problems
         return {"load_s": t, "verify_s": verify}
+
+
+def components(pimm: Pimm, work: Path) -> dict[str, float]:
+    """pimm's save in parts, each run alone on the same state (wall and CPU seconds): the sha256
+    of every tensor's bytes (what the save hashes, less the pickles and zip headers), the DCP
+    write of the trainer state without hashing (DCP's own fsync), ``weights.pth`` without
+    hashing (written, fsynced, renamed), each replacing its previous copy as the save does."""
+    import hashlib
+
+    import torch.distributed.checkpoint as dcp
+
+    from pimm_core.checkpoint.formats.standard import _shard_writer, dcp_state
+    from pimm_core.checkpoint.formats.weights_file import weights_payload
+    from pimm_core.checkpoint.publish.rotation import save_torch_file, without_zip_crc32
+    from pimm_core.fsio import remove_tree
+
+    tensors = [p.detach() for p in pimm.model.parameters()] + [
+        v for st in pimm.opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim()]
+    base = work / "components"
+    base.mkdir(exist_ok=True)
+
+    def sha() -> None:
+        h = hashlib.sha256()
+        for t in tensors:
+            h.update(memoryview(t.numpy()).cast("B"))
+
+    def dcp_write() -> None:
+        old, new = base / "dcp", base / "dcp.new"
+        remove_tree(new)
+        new.mkdir()
+        state = dcp_state(pimm.model, pimm.opt, {"trainer": {}}, {}, 0)
+        release_cached_pages(old)
+        with without_zip_crc32():
+            dcp.save(state, storage_writer=_shard_writer(new, None, None), no_dist=True)
+        remove_tree(old)
+        new.rename(old)
+
+    def weights() -> None:
+        release_cached_pages(base / "weights.pth")  # (save_torch_file also does, as the save)
+        with without_zip_crc32():
+            save_torch_file(base / "weights.pth", weights_payload(pimm.model, None))
+
+    out: dict[str, float] = {}
+    for name, fn in (("sha256_alone", sha), ("dcp_write_unhashed", dcp_write), ("weights_pth_unhashed", weights)):
+        settle()
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        out[f"{name}_s"] = time.perf_counter() - t0
+        out[f"{name}_cpu_s"] = time.process_time() - c0
+    return out
 
 
 class PimmAtOnce(Pimm):
@@ -400,6 +492,8 @@ def measure(mib: float, args: argparse.Namespace, names: list[str]) -> dict:
                                 rec.setdefault(key, []).append(v)
                             if eng.name.startswith("pimm"):
                                 parts.setdefault((cond, eng.name), []).append(eng.parts)
+                    if repeat and not args.no_components:
+                        parts.setdefault((cond, "alone"), []).append(components(pimm, work))
     finally:
         remove(work)
 
@@ -444,6 +538,8 @@ def main() -> None:
                     help="comma-separated subset of pimm,raw,accelerate,lightning,pimm_at_once (pimm always "
                          "runs; pimm_at_once: the ablation, the previous checkpoint's pages released at once)")
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    ap.add_argument("--no-components", action="store_true",
+                    help="leave out pimm's save parts measured alone (pimm_parts_s.alone)")
     args = ap.parse_args()
     names = ["pimm"] + [n for n in args.engines.split(",") if n and n != "pimm"]
     unknown = sorted(set(names) - {"pimm", "pimm_at_once", "raw", "accelerate", "lightning"})

@@ -91,7 +91,7 @@ def test_files_written_through_writing_are_hashed_by_their_writer_without_a_thre
     seen: list[int] = []
     hasher = FollowingHasher(tmp_path, None, on_written=seen.append).start()
     assert not hasher._thread.is_alive()  # nothing to follow: no thread polls the directory
-    obj = {"state_dict": {"w": torch.randn(300, 300), "b": torch.zeros(3)}}
+    obj = {"state_dict": {"w": torch.randn(600, 600), "b": torch.zeros(3)}}  # (w: hashed beside its write)
     with hasher.writing(open(tmp_path / ".weights.pth.1.tmp", "wb")) as f:
         torch.save(obj, f)
     os.replace(tmp_path / ".weights.pth.1.tmp", tmp_path / "weights.pth")
@@ -107,10 +107,13 @@ def test_files_written_through_writing_are_hashed_by_their_writer_without_a_thre
     with pytest.raises(ValueError), hasher.writing(open(tmp_path / "failed.bin", "wb")) as f:
         f.write(b"partial")
         raise ValueError("the writer failed")
+    (tmp_path / "refused.bin").write_bytes(b"")
+    with pytest.raises(OSError), hasher.writing(open(tmp_path / "refused.bin", "rb")) as f:
+        f.write(os.urandom(2 << 20))  # a large write that fails while its bytes are being hashed
     known = hasher.finish()
 
     files = describe_files(tmp_path, known=known)
-    for name in ("weights.pth", "__0_0.distcp", "seeked.bin", "failed.bin"):
+    for name in ("weights.pth", "__0_0.distcp", "seeked.bin", "failed.bin", "refused.bin"):
         assert files[name]["sha256"] == sha256_file(tmp_path / name), name
     hashed_here = {v["sha256"] for v in known.values()}
     assert hashed_here == {sha256_file(tmp_path / "weights.pth"), sha256_file(tmp_path / "__0_0.distcp")}

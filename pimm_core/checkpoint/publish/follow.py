@@ -26,10 +26,15 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
 CHUNK = 8 << 20
+# A write through a HashedFile at least this large is hashed on a hashing thread while the
+# calling thread writes it (both release the GIL): the save's time is the longer of the two,
+# not their sum. Smaller ones (zip headers, pickles) are hashed inline: a hand-off costs more.
+PARALLEL_MIN = 1 << 20
 STEP = 32 << 20  # hashed per file per pass, so the writers' progress is seen (on_written) at least this often
 POLL_S = 0.005
 
@@ -46,12 +51,30 @@ class _Followed:
         self.broken = False
 
 
+_hash_pool: ThreadPoolExecutor | None = None
+_hash_pool_lock = threading.Lock()
+
+
+def _hashing_pool() -> ThreadPoolExecutor:
+    """The hashing threads, started once, shared by every :class:`HashedFile` (each has at most
+    one update in flight: two files written at once are hashed at once)."""
+    global _hash_pool
+    with _hash_pool_lock:
+        if _hash_pool is None:
+            _hash_pool = ThreadPoolExecutor(2, thread_name_prefix="pimm-sha256-w")
+        return _hash_pool
+
+
 class HashedFile:
     """A binary file open for writing whose bytes are hashed as they are written through it.
 
     Made by :meth:`FollowingHasher.writing`; the result is recorded when it is closed, and
     only if every byte went through :meth:`write` in order (a ``seek`` or ``truncate``, or a
     position that is not the bytes written so far, leaves the file to the ordinary hash).
+
+    A large write (>= ``PARALLEL_MIN`` bytes, a tensor's storage) is hashed on a hashing
+    thread while this thread writes the same buffer; :meth:`write` returns once both are
+    done, so the caller's buffer is never read after it returns and the updates stay in order.
     """
 
     def __init__(self, f: Any, owner: FollowingHasher) -> None:
@@ -60,16 +83,31 @@ class HashedFile:
         self._pos = f.tell()
         self._broken = self._pos != 0  # (a file not written from its start is not hashed here)
         self._closed = False
+        self._unreported = 0
 
     def write(self, b: Any) -> int:
         view = memoryview(b)
-        n = self._f.write(view)
+        if view.nbytes >= PARALLEL_MIN:
+            hashed = _hashing_pool().submit(self._sha.update, view)  # (hashlib releases the GIL)
+            try:
+                n = self._f.write(view)
+            finally:
+                hashed.result()  # (also on a failed write: the thread reads `view` until then)
+        else:
+            n = self._f.write(view)
+            self._sha.update(view)
         if n is not None and n != view.nbytes:  # (a raw file's short write: the caller writes the rest)
             self._broken = True
-        self._sha.update(view)  # hashlib releases the GIL for large updates
         self._pos += view.nbytes
-        self._owner._wrote(view.nbytes)
+        self._unreported += view.nbytes
+        if self._unreported >= PARALLEL_MIN:  # (progress in steps: a zip header's write is a few bytes)
+            self._report()
         return view.nbytes if n is None else n
+
+    def _report(self) -> None:
+        n, self._unreported = self._unreported, 0
+        if n:
+            self._owner._wrote(n)
 
     def tell(self) -> int:
         pos = self._f.tell()
@@ -102,6 +140,7 @@ class HashedFile:
         if self._closed:
             return
         self._closed = True
+        self._report()
         try:
             self._f.flush()
             st = os.fstat(self._f.fileno())
@@ -132,8 +171,9 @@ class FollowingHasher:
         match: called with the path relative to ``root`` (POSIX); True to follow it.
             None: no file is followed (no thread; only :meth:`writing`'s files are hashed).
         on_written: called at least once per ``STEP`` bytes hashed of each followed file
-            and whenever the files grew (on the hashing thread), and at each write through
-            :meth:`writing` (on the writer's), with the bytes written so far to all of them
+            and whenever the files grew (on the hashing thread), and for each ``PARALLEL_MIN``
+            bytes written through :meth:`writing` and at its close (on the writer's thread),
+            with the bytes written so far to all of them
             together (the previous checkpoint's pages are released in step with it:
             :class:`~pimm_core.fsio.PageRelease`; calls are serialized).
     """
