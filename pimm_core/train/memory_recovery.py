@@ -43,7 +43,7 @@ from ..faults import point, register
 from ..process import dist
 from ..run.memory_index import remove_rank_indexes_from
 from .memory import MemorySnapshots, restart_count
-from .memory_reshard import merge_owners, read_copy, read_every_copy
+from .memory_reshard import available_bytes, merge_owners, read_copy, read_every_copy, too_big
 from .resume import apply_loaded
 
 if TYPE_CHECKING:
@@ -193,6 +193,13 @@ def recover_from_memory(tr: TrainerHost, mem: MemorySnapshots, checkpoint_dir: P
     if newest_tier(step, disk) == "disk":  # decided from values every rank has: no copy is read
         raise NoCommonStep(f"newer than the newest step every rank can reach in memory, {step}")
     if layouts and saved_world != mem.world:  # sharded state at another world size: every copy, resharded
+        sizes = {o: h.copy.bytes for (w, o, s), (_, h) in held.items() if w == saved_world and s == step}
+        free = available_bytes()
+        gathered = dist.all_gather_object((sizes, None if free is None else free // mem.local))
+        everyone = {o: n for node_sizes, _ in gathered for o, n in node_sizes.items()}
+        why = too_big(sum(everyone.values()), [f for _, f in gathered])  # (the same on every rank)
+        if why:
+            raise NoCommonStep(why)
         return _apply(tr, mem, plan, *_resharded(tr, mem, plan, held), checkpoint_dir, disk)
     want = plan.needs[mem.rank]
     read_from = None  # the rank directory whose copy this rank read

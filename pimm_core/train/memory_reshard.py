@@ -5,7 +5,9 @@ a new rank needs every old rank's copy: it reads those on its node (an owner's o
 buddy kept) and receives the others from the rank the plan names (:func:`read_every_copy`, the
 plan's order on every rank). :func:`merge_owners` then builds each tensor whole from the shards and
 cuts this rank's shard of the live layout from it: exact (the values are copied, nothing is reduced),
-and every rank holds one copy of the whole state in CPU memory while it recovers.
+and every rank holds one copy of the whole state in CPU memory while it recovers. :func:`too_big` checks
+first that the node's free memory holds that for each of its ranks; where it does not, every rank takes
+the disk ``last`` instead, said in one line, rather than the node running out of memory.
 """
 
 from __future__ import annotations
@@ -19,6 +21,39 @@ from ..checkpoint.tensors.state import unwrap
 
 if TYPE_CHECKING:
     from .memory import MemorySnapshots
+
+
+#: Bytes a rank holds per byte of the whole state while it reshards: the copies read, then their tensors.
+RESHARD_FACTOR = 2
+
+
+def available_bytes() -> int | None:
+    """The node's free memory (``MemAvailable`` of ``/proc/meminfo``, bytes); None where it is not known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def too_big(state_bytes: int, free_per_rank: list[int | None]) -> str | None:
+    """Why the ranks cannot reshard ``state_bytes`` (every old rank's copy together) in memory, or None.
+
+    Args:
+        state_bytes: the sizes of every old rank's copy of the step, summed (bytes).
+        free_per_rank: each rank's share of its node's free memory (:func:`available_bytes` divided by
+            the node's ranks; None: not known, not checked), in rank order.
+    """
+    need = RESHARD_FACTOR * state_bytes
+    for rank, free in enumerate(free_per_rank):
+        if free is not None and need > free:
+            return (f"resharding from memory needs every old rank's copy in each rank's memory, about "
+                    f"{need / 2**30:.2f} GiB, more than rank {rank}'s share of its node's free memory "
+                    f"({free / 2**30:.2f} GiB)")
+    return None
 
 
 def read_every_copy(mem: MemorySnapshots, plan: Any, held: dict[tuple[int, int, int], tuple[int, Any]]

@@ -136,3 +136,18 @@ def test_the_console_says_the_world_size_changed():
     recovery = {"tier": "memory", "step": 6, "restart": 1, "saved_world_size": 2, "world_size": 1}
     assert recovery_text(recovery) == "recovered from memory at step 6 (restart 1; world size 2 -> 1)"
     assert recovery_text({**recovery, "world_size": 2}) == "recovered from memory at step 6 (restart 1)"
+
+
+def test_a_reshard_that_the_nodes_free_memory_cannot_hold_goes_to_disk_and_says_why():
+    """Sharded state at another world size: each rank reads every old rank's copy. Where that (twice the
+    whole state: the bytes, then their tensors) is more than a rank's share of its node's free memory, the
+    ranks take the disk ``last`` (the reason in one line) instead of running the node out of memory."""
+    from pimm_core.train.memory_reshard import available_bytes, too_big
+
+    free = available_bytes()
+    assert free is not None and free > 0  # (this machine's /proc/meminfo)
+    gib = 2**30
+    assert too_big(3 * gib, [8 * gib, 7 * gib]) is None  # 6 GiB needed: both ranks' shares hold it
+    why = too_big(3 * gib, [8 * gib, 5 * gib])
+    assert why is not None and "rank 1" in why and "6.00 GiB" in why and "5.00 GiB" in why, why
+    assert too_big(3 * gib, [None, None]) is None  # not known: not refused
