@@ -23,16 +23,17 @@ out = "{out}"
 
 def test_ranks_are_forked_from_the_launchers_server_and_exit_as_an_interpreter(tmp_path):
     (tmp_path / "userpkg").symlink_to(USERPKG)  # beside the configs: found through their directory
-    # "console": forked too, the launcher started as the `pimm` console script, whose module multiprocessing
-    # imports again in each rank before the rank's environment is set. In every case a fail point armed for
-    # rank 1 only (a name no code passes) must be armed in rank 1 alone: pimm's modules see the rank's RANK.
-    cases = {"forked": {}, "exec": {"PIMM_RANK_START": "exec"}, "console": {}}
+    # "forked" is launched as the `pimm` console script (as `uv run pimm` does), whose module multiprocessing
+    # imports again in each rank before the rank's environment is set; "exec" as `python -m pimm_core.cli`. In
+    # both, a fail point armed for rank 1 only (a name no code passes) must be armed in rank 1 alone: pimm's
+    # modules see the rank's RANK.
+    cases = {"forked": {}, "exec": {"PIMM_RANK_START": "exec"}}
     armed = {"PIMM_FAILPOINT": "test.never_passed", "PIMM_FAILPOINT_RANK": "1"}
 
     def launch(name: str) -> subprocess.CompletedProcess[str]:
         config = tmp_path / f"{name}.toml"
         config.write_text(DIGITS.read_text() + _PROBE.format(out=tmp_path / name))
-        pimm = [str(Path(sys.executable).with_name("pimm"))] if name == "console" else [sys.executable, "-m",
+        pimm = [str(Path(sys.executable).with_name("pimm"))] if name == "forked" else [sys.executable, "-m",
                                                                                          "pimm_core.cli"]
         cmd = [*pimm, "launch", "--train.config", str(config), "--run.root",
                str(tmp_path / "exp"), "--run.name", name, "--run.no-timestamp", "--nproc-per-node", "2", "--",
@@ -51,7 +52,7 @@ def test_ranks_are_forked_from_the_launchers_server_and_exit_as_an_interpreter(t
             assert (tmp_path / f"{name}-{rank}.exit").read_text() == "exited", (name, rank)
             assert seen["sid"] == seen["pid"], (name, rank, seen)  # its own session, as torchrun gives a rank
             assert seen["failpoint_armed"] == (rank == 1), (name, rank, seen)
-            if name != "exec":  # a child of the launcher's fork server, not of the launcher
+            if name == "forked":  # a child of the launcher's fork server, not of the launcher
                 assert seen["ppid"] != seen["launcher"] and seen["grandparent"] == seen["launcher"], seen
             else:
                 assert seen["ppid"] == seen["launcher"], seen
