@@ -80,6 +80,9 @@ def launch(
                          "--run.no-timestamp on every node")
     from ..process.dist import under_launcher
 
+    if not under_launcher():  # (a rank gets no launcher flags)
+        opts.check_rdzv_conf_applies()
+
     is_rank0 = not under_launcher() or os.environ.get("RANK", "0") == "0"
     if auto_resume or resume or resume_from:
         from ..launch.requeue import restart_resumes
@@ -144,6 +147,8 @@ def resume(
                          f"{record.get('world_size')}); run `{command('resume', run_dir)}` under that launcher again, "
                          "or pass --nproc-per-node N to start the ranks here")
     opts = LaunchOptions.recorded(record, given)
+    if rdzv_conf is not None:
+        opts.check_rdzv_conf_applies()
     if rdzv_conf is None and opts.rdzv_conf is not None:
         opts.check()  # the recorded --rdzv-conf (a hand-edited provenance.json) is checked as a given one
     if not dry_run:

@@ -66,6 +66,13 @@ class LaunchOptions:
         if self.rdzv_conf is not None:
             check_rdzv_conf(self.rdzv_conf, self.rdzv_backend)
 
+    def check_rdzv_conf_applies(self) -> None:
+        """Raises UsageError for a ``--rdzv-conf`` given to a launch that starts no torchrun (one process on
+        one node, no restarts: pimm trains in its own process, and nothing would read it)."""
+        if self.rdzv_conf is not None and not self.wants_spawn():
+            raise UsageError("--rdzv-conf sets torchrun's rendezvous, and this launch starts none (one process on "
+                             "one node): drop it, or start ranks with --nproc-per-node N, --nnodes or --max-restarts K")
+
     def world_size(self) -> int:
         """Ranks in all (the largest node count for ``MIN:MAX``)."""
         return (self.nproc_per_node or 1) * int(str(self.nnodes or "1").split(":")[-1])

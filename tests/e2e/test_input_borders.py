@@ -112,6 +112,8 @@ def test_the_largest_seed_trains_a_step(tmp_path):
     (["--train.config", DIGITS, "--dry-run", "--master-port", "0"], "--master-port"),
     (["--train.config", DIGITS, "--master-port", "99999"], "--master-port"),
     (["--train.config", DIGITS, "--dry-run", "--rdzv-endpoint", "localhost:70000"], "--rdzv-endpoint"),
+    # a rendezvous setting for a launch that starts no torchrun (one process): nothing would read it
+    (["--train.config", DIGITS, "--rdzv-conf", "last_call_timeout=10"], "--rdzv-conf"),
 ])
 def test_cli_refuses_bad_values_in_one_line(tmp_path, args, flag):
     result = pimm("launch", "--run.root", tmp_path, *args, timeout=120)

@@ -74,6 +74,12 @@ def test_resume_reuses_the_recorded_rdzv_conf(copy):
     r = pimm_here("resume", copy, "--dry-run")
     assert r.returncode == 2 and r.stderr == ("error: --rdzv-conf: last_call_timeout must be a whole number of "
                                               "seconds >= 1 (got 'soon')\n"), describe(r)
+    # resumed as one process (no torchrun): a --rdzv-conf given would be read by nothing
+    prov["starts"][-1]["launch"] = {"launcher": "pimm", "nproc_per_node": 1}
+    (copy / "provenance.json").write_text(json.dumps(prov))
+    r = pimm_here("resume", copy, "--dry-run", "--rdzv-conf", "join_timeout=60")
+    assert r.returncode == 2 and r.stderr.startswith("error: --rdzv-conf sets torchrun's rendezvous, and this "
+                                                     "launch starts none"), describe(r)
 
 
 def test_resume_dry_run_shows_overrides_as_deltas(base):
