@@ -28,6 +28,7 @@ every rank to the disk tier, nothing applied.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 from pathlib import Path
@@ -43,7 +44,7 @@ from ..faults import point, register
 from ..process import dist
 from ..run.memory_index import remove_rank_indexes_from
 from .memory import MemorySnapshots, restart_count
-from .memory_reshard import available_bytes, merge_owners, read_copy, read_every_copy, too_big
+from .memory_reshard import available_bytes, describe_reshard, merge_owners, too_big
 from .resume import apply_loaded
 
 if TYPE_CHECKING:
@@ -202,24 +203,8 @@ def recover_from_memory(tr: TrainerHost, mem: MemorySnapshots, checkpoint_dir: P
             raise NoCommonStep(why)
         return _apply(tr, mem, plan, *_resharded(tr, mem, plan, held), checkpoint_dir, disk)
     want = plan.needs[mem.rank]
-    read_from = None  # the rank directory whose copy this rank read
-    data, problem, cache = None, None, {}
-    for new_rank, owner in sorted(plan.needs.items()):  # every rank walks the same plan
-        src = plan.sources[owner]
-        if new_rank in plan.local[owner]:  # on its node: read there
-            if new_rank == mem.rank:
-                read_from, copy = held.get((saved_world, owner, step), (None, None))
-                data, problem = read_copy(mem, copy)
-        elif mem.rank == src.holder:
-            if owner not in cache:
-                cache[owner] = read_copy(mem, held.get((saved_world, owner, step), (None, None))[1])[0]
-            exchange.send_bytes(mem.group, cache[owner] if cache[owner] is not None else b"", new_rank)
-        elif mem.rank == new_rank:
-            read_from, data = src.kept_by, exchange.recv_bytes(mem.group, src.holder)
-            problem = None if data else f"rank {src.holder} could not read its copy of rank {owner}"
-            if data and _sha(data) != src.sha256:
-                problem = f"the copy of rank {owner} at step {step} from rank {src.holder} failed its sha256 check"
-    cache.clear()
+    copies, problem, read = read_copies(mem, plan, held, sorted(plan.needs.items()))
+    data, read_from = copies.get(want), read.get(want)  # (read_from: the rank directory whose copy it read)
     parsed = None
     if problem is None:
         try:
@@ -232,7 +217,8 @@ def recover_from_memory(tr: TrainerHost, mem: MemorySnapshots, checkpoint_dir: P
 def _resharded(tr: TrainerHost, mem: MemorySnapshots, plan: Plan, held: dict) -> tuple[Any, str | None, Any]:
     """Every old rank's copy read, checked and merged into this rank's shards (:mod:`.memory_reshard`):
     ``(parsed, problem, read_from)`` as :func:`_apply` takes them."""
-    copies, problem, read_from = read_every_copy(mem, plan, held)
+    every = [(r, o) for r in range(mem.world) for o in range(plan.saved_world)]  # (each new rank: every copy)
+    copies, problem, read_from = read_copies(mem, plan, held, every)
     parsed = None
     if problem is None:
         try:
@@ -260,10 +246,7 @@ def _apply(tr: TrainerHost, mem: MemorySnapshots, plan: Plan, parsed: Any, probl
     entry = apply_loaded(tr, loaded, manifest, f"memory step {step}", "memory", checkpoint_dir)
     read = {r: kept_by for r, (_, kept_by) in enumerate(gathered)}
     if isinstance(read_from, dict):  # resharded: every old rank's copy, each from a rank directory
-        from_buddy = {o: b for r in sorted(read) for o, b in sorted(read[r].items()) if b != o}
-        kept = "; ".join(f"rank {o}'s held by its buddy rank {b}" for o, b in sorted(from_buddy.items()))
-        how = (f"world size {saved_world} -> {mem.world}: sharded state resharded from every rank's copy"
-               f"{f' ({kept})' if kept else ''}")
+        from_buddy, how = describe_reshard(read, saved_world, mem.world)
     else:
         from_buddy, how = describe_reads(plan, read, mem.world)
     restart = restart_count()
@@ -277,10 +260,56 @@ def _apply(tr: TrainerHost, mem: MemorySnapshots, plan: Plan, parsed: Any, probl
             "disk_step": disk, "saved_world_size": saved_world, "world_size": mem.world, "message": line}
 
 
-def _sha(data: Any) -> str:
-    import hashlib
+def read_copies(mem: MemorySnapshots, plan: Plan, held: dict[tuple[int, int, int], tuple[int, Any]],
+                pairs: list[tuple[int, int]]) -> tuple[dict[int, bytes], str | None, dict[int, int]]:
+    """The copies of ``plan.step`` each new rank needs, checked (sha256); a collective over ``mem.group``.
 
-    return hashlib.sha256(data).hexdigest()
+    Args:
+        held: the complete copies on this node, ``(world, owner, step) -> (kept_by, Held)``.
+        pairs: ``(new rank, old rank whose copy it needs)``, the same list in the same order on every rank.
+
+    Returns:
+        ``(copies, problem, read_from)`` for this rank: old rank -> its copy's bytes; the first problem (None:
+        none); old rank -> the rank directory whose copy this rank read.
+    """
+    copies: dict[int, bytes] = {}
+    read_from: dict[int, int] = {}
+    problem: str | None = None
+    sent: dict[int, bytes] = {}
+    for new_rank, owner in pairs:
+        src = plan.sources[owner]
+        if new_rank in plan.local[owner]:  # on its node: read there
+            if new_rank == mem.rank:
+                read_from[owner], copy = held.get((plan.saved_world, owner, plan.step), (None, None))
+                data, why = read_copy(mem, copy)
+                problem = problem or (why and f"rank {owner}'s copy of step {plan.step}: {why}")
+                if data is not None:
+                    copies[owner] = data
+        elif mem.rank == src.holder:  # another node's rank needs it: send the copy here (read once)
+            if owner not in sent:
+                sent[owner] = read_copy(mem, held.get((plan.saved_world, owner, plan.step), (None, None))[1])[0] or b""
+            exchange.send_bytes(mem.group, sent[owner], new_rank)
+        elif mem.rank == new_rank:
+            data = bytes(exchange.recv_bytes(mem.group, src.holder))
+            read_from[owner] = src.kept_by
+            if not data:
+                problem = problem or f"rank {src.holder} could not read its copy of rank {owner}"
+            elif hashlib.sha256(data).hexdigest() != src.sha256:
+                problem = problem or (f"the copy of rank {owner} at step {plan.step} from rank {src.holder} "
+                                      "failed its sha256 check")
+            else:
+                copies[owner] = data
+    return copies, problem, read_from
+
+
+def read_copy(mem: MemorySnapshots, held: Any) -> tuple[bytes | None, str | None]:
+    """The bytes of the copy ``held`` describes (None: not held), or None and why it could not be read."""
+    if held is None:
+        return None, "copy missing"
+    try:
+        return mem.store.read(held), None
+    except (OSError, ValueError) as e:
+        return None, str(e)
 
 
 def _parse(data: bytes, world: int, layouts: dict[tuple, Any] | None = None, *, own_rank_state: bool = True,

@@ -2,7 +2,7 @@
 
 Each old rank's copy holds its own ``DTensor`` shards (:mod:`~..checkpoint.tensors.local_shards`), so
 a new rank needs every old rank's copy: it reads those on its node (an owner's own, or the one its
-buddy kept) and receives the others from the rank the plan names (:func:`read_every_copy`, the
+buddy kept) and receives the others from the rank the plan names (``memory_recovery.read_copies``, the
 plan's order on every rank). :func:`merge_owners` then builds each tensor whole from the shards and
 cuts this rank's shard of the live layout from it: exact (the values are copied, nothing is reduced),
 and every rank holds one copy of the whole state in CPU memory while it recovers. :func:`too_big` checks
@@ -12,16 +12,10 @@ the disk ``last`` instead, said in one line, rather than the node running out of
 
 from __future__ import annotations
 
-import hashlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..checkpoint.memory import exchange
 from ..checkpoint.tensors.local_shards import from_owners
 from ..checkpoint.tensors.state import unwrap
-
-if TYPE_CHECKING:
-    from .memory import MemorySnapshots
-
 
 #: Bytes a rank holds per byte of the whole state while it reshards: the copies read, then their tensors.
 RESHARD_FACTOR = 2
@@ -56,51 +50,6 @@ def too_big(state_bytes: int, free_per_rank: list[int | None]) -> str | None:
     return None
 
 
-def read_every_copy(mem: MemorySnapshots, plan: Any, held: dict[tuple[int, int, int], tuple[int, Any]]
-                    ) -> tuple[dict[int, bytes], str | None, dict[int, int]]:
-    """Every old rank's copy of ``plan.step``, checked (sha256); a collective over ``mem.group``.
-
-    Args:
-        plan: the recovery plan (:class:`~.memory_recovery.Plan`) with a source for every old rank.
-        held: the complete copies on this node, ``(world, owner, step) -> (kept_by, Held)``.
-
-    Returns:
-        ``(copies, problem, read_from)``: old rank -> its bytes; the first problem on this rank (None:
-        none); old rank -> the rank directory whose copy this rank read.
-    """
-    copies: dict[int, bytes] = {}
-    read_from: dict[int, int] = {}
-    problem: str | None = None
-    sent: dict[int, bytes] = {}
-    for new_rank in range(mem.world):  # every rank walks the same plan in the same order
-        for owner in range(plan.saved_world):
-            src = plan.sources[owner]
-            if new_rank in plan.local[owner]:  # on its node: read there
-                if new_rank == mem.rank:
-                    kept_by, copy = held.get((plan.saved_world, owner, plan.step), (None, None))
-                    data, why = read_copy(mem, copy)
-                    read_from[owner] = kept_by
-                    problem = problem or (why and f"rank {owner}'s copy of step {plan.step}: {why}")
-                    if data is not None:
-                        copies[owner] = data
-            elif mem.rank == src.holder:
-                if owner not in sent:
-                    sent[owner] = read_copy(mem, held.get((plan.saved_world, owner, plan.step), (None, None))[1])[0] or b""
-                exchange.send_bytes(mem.group, sent[owner], new_rank)
-            elif mem.rank == new_rank:
-                data = bytes(exchange.recv_bytes(mem.group, src.holder))
-                read_from[owner] = src.kept_by
-                if not data:
-                    problem = problem or f"rank {src.holder} could not read its copy of rank {owner}"
-                elif hashlib.sha256(data).hexdigest() != src.sha256:
-                    problem = problem or (f"the copy of rank {owner} at step {plan.step} from rank {src.holder} "
-                                          "failed its sha256 check")
-                else:
-                    copies[owner] = data
-    sent.clear()
-    return copies, problem, read_from
-
-
 def merge_owners(tr: Any, objs: list[dict[str, Any]]) -> dict[str, Any]:
     """The old ranks' snapshots (in rank order) as one of this rank's layout: ``model``, ``optimizer``
     (by parameter index, as ``state_dict()`` numbers them) and ``ema`` with this rank's shards of the
@@ -123,11 +72,10 @@ def merge_owners(tr: Any, objs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def read_copy(mem: MemorySnapshots, held: Any) -> tuple[bytes | None, str | None]:
-    """The bytes of the copy ``held`` describes (None: not held), or None and why it could not be read."""
-    if held is None:
-        return None, "copy missing"
-    try:
-        return mem.store.read(held), None
-    except (OSError, ValueError) as e:
-        return None, str(e)
+def describe_reshard(read: dict[int, dict[int, int]], saved_world: int, world: int) -> tuple[dict[int, int], str]:
+    """What a resharded recovery read: ``(from_buddy, clause)``, ``from_buddy`` old rank -> the buddy rank
+    whose directory held the copy read (where it was not the owner's own), ``read`` new rank -> its reads."""
+    from_buddy = {o: b for r in sorted(read) for o, b in sorted(read[r].items()) if b != o}
+    kept = "; ".join(f"rank {o}'s held by its buddy rank {b}" for o, b in sorted(from_buddy.items()))
+    return from_buddy, (f"world size {saved_world} -> {world}: sharded state resharded from every rank's copy"
+                        f"{f' ({kept})' if kept else ''}")
