@@ -22,7 +22,9 @@ and ``busy`` (beside ``--busy`` processes running ``while True: pass``). One war
 per condition is discarded. ``--nproc N`` launches N ranks (``--nproc-per-node``).
 ``--compare-exec`` (with ``--nproc`` >= 2) also times ``pimm_exec``, the same launch with each rank
 started as a fresh ``python -m pimm_core.cli`` (``PIMM_RANK_START=exec``) instead of forked from the
-launcher's fork server (pimm_core/launch/rank_start.py): ``forked_over_exec`` is pimm / pimm_exec.
+launcher's fork server (pimm_core/launch/rank_start.py), and ``pimm_server``, the ranks forked from a
+fork server that is a fresh interpreter (``PIMM_RANK_START=server``) instead of a fork of the
+launcher: ``forked_over_exec`` is pimm / pimm_exec, ``forked_over_server`` pimm / pimm_server.
 
 Usage::
 
@@ -156,7 +158,7 @@ def main() -> None:
         for condition in ("alone", "busy") if args.busy else ("alone",):
             hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)] \
                 if condition == "busy" else []
-            kinds = ["import_torch", "pimm", "plain", *(["pimm_exec"] if args.compare_exec else [])]
+            kinds = ["import_torch", "pimm", "plain", *(["pimm_server", "pimm_exec"] if args.compare_exec else [])]
             got: dict[str, list[float]] = {k: [] for k in kinds}
             cpu: dict[str, list[float]] = {k: [] for k in kinds}
             loads = [load_average()]
@@ -169,9 +171,10 @@ def main() -> None:
                     t_plain = time_plain(env)
                     timed = {"import_torch": t_torch, "pimm": t_pimm, "plain": t_plain}
                     if args.compare_exec:
-                        timed["pimm_exec"] = time_pimm(work, name + "x", args.nproc, args.overrides,
-                                                       {**env, "PIMM_RANK_START": "exec"})
-                        remove(work / "digits" / (name + "x"))
+                        for kind, how in (("pimm_server", "server"), ("pimm_exec", "exec")):
+                            timed[kind] = time_pimm(work, name + how, args.nproc, args.overrides,
+                                                    {**env, "PIMM_RANK_START": how})
+                            remove(work / "digits" / (name + how))
                     if repeat:  # the first round warms the page cache
                         for k, (wall, used) in timed.items():
                             got[k].append(wall)
@@ -196,6 +199,8 @@ def main() -> None:
             if args.compare_exec:
                 results[condition]["forked_over_exec"] = {"wall": r(med["pimm"] / med["pimm_exec"], 3),
                                                           "cpu": r(med_cpu["pimm"] / med_cpu["pimm_exec"], 3)}
+                results[condition]["forked_over_server"] = {"wall": r(med["pimm"] / med["pimm_server"], 3),
+                                                            "cpu": r(med_cpu["pimm"] / med_cpu["pimm_server"], 3)}
             print(json.dumps({condition: results[condition]}), file=sys.stderr, flush=True)
     finally:
         remove(work)

@@ -14,11 +14,14 @@ start method on Linux for this reason.
 pimm therefore starts DataLoader workers with ``data.multiprocessing_context`` (PyTorch's
 DataLoader argument of that name), ``"forkserver"`` by default:
 
-- The fork server is a fresh interpreter started by ``exec`` (only the file descriptors
-  multiprocessing passes, so no run lock is inherited), single-threaded, which forks the
-  workers on request. It preloads ``pimm_core.data.loaders`` (torch, numpy, torchdata) once, so a
-  worker starts in milliseconds instead of importing torch at every epoch
-  (``benchmarks/worker_start.py`` measures the choices).
+- The fork server is single-threaded and forks the workers on request. It has
+  ``pimm_core.data.loaders`` (torch, numpy, torchdata) imported once, so a worker starts in
+  milliseconds instead of importing torch at every epoch (``benchmarks/worker_start.py``
+  measures the choices). A rank that will start workers forks it from itself at its start,
+  before it runs any thread of its own (:func:`start_server_early`; torch imported there once, not
+  again in the server), with every inherited file pointed at ``/dev/null``, so no run lock is held
+  by it (:func:`pimm_core.process.forkserver.start`); else it is a fresh interpreter started by
+  ``exec`` (only the file descriptors multiprocessing passes).
 - It is started with the stop signals (SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2) blocked,
   a mask it and the workers it forks inherit: torchrun stops a rank with ``killpg`` and a
   scheduler signals every process of a job step, and a fork server killed by that signal
@@ -54,6 +57,25 @@ _start_lock = threading.Lock()
 MAIN_GUARD = ("a DataLoader worker imported the training script and it started training again: DataLoader workers "
               "import the script that trains (data.multiprocessing_context = 'forkserver' or 'spawn'), so put its "
               "training code under if __name__ == \"__main__\":")
+
+
+def start_server_early(method: str, num_workers: int) -> None:
+    """At a rank's start, before it starts threads: start its workers' fork server (``"forkserver"``
+    with ``num_workers`` > 0; else nothing) as a fork of this process, which imports
+    ``pimm_core.data.loaders`` (torch) first, what the rank would import anyway. The server then does not
+    import torch again: about 2 CPU-s a rank. A server that cannot start here is left to
+    :func:`worker_context`, which says why."""
+    if method != "forkserver" or num_workers <= 0:
+        return
+    import importlib
+
+    for module in PRELOAD:
+        importlib.import_module(module)
+    with _start_lock:
+        try:
+            forkserver.start(PRELOAD, fork_this=True)
+        except OSError:
+            pass
 
 
 def worker_context(method: str) -> multiprocessing.context.BaseContext:

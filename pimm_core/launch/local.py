@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from ..config import Config
+from ..data.workers import start_server_early
 from ..errors import CheckpointError, TrainingError, restarts_left
 from ..faults import point
 from ..process.console_log import setup_logging
@@ -50,6 +51,8 @@ def train_here(cfg: Config, config_path: Path | None, resume_from: str | None = 
 def _train_here(cfg: Config, config_path: Path | None, resume_from: str | None, leftovers_ok: bool,
                 stop: StopRequest) -> int:
     point("launch.starting")
+    # before this rank starts any thread: its DataLoader workers' fork server, forked from it (workers.py)
+    start_server_early(cfg.data.multiprocessing_context, cfg.data.num_workers)
     follow_launcher()  # a rank of `pimm launch --nproc-per-node` dies with it (lock.py)
     from ..process import dist
 

@@ -7,8 +7,10 @@ again by every rank a torchrun restart starts. ``pimm launch --nproc-per-node N`
 torchrun a function to run (``--run-path``, :data:`RANK_SCRIPT`) with ``--start-method
 forkserver``: torchrun's agent asks multiprocessing's fork server for each rank, and the
 server, started once per launch with :data:`PRELOAD` imported, forks it in milliseconds
-(``benchmarks/startup.py`` measures both). A restarted rank (``--max-restarts``) is forked
-from the same server.
+(``benchmarks/startup.py`` measures both). The server is itself a fork of the launcher, which
+has imported torch already (:func:`pimm_core.process.forkserver.start`, ``fork_this``), where that
+is safe; else, or with ``PIMM_RANK_START=server``, a fresh interpreter that imports torch again.
+A restarted rank (``--max-restarts``) is forked from the same server.
 
 What a rank started this way keeps from ``python -m pimm_core.cli`` (:func:`run_rank`):
 its own session (torchrun starts each rank with ``start_new_session``); the launch's
@@ -44,7 +46,8 @@ from ..process import forkserver
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.parallel"]
 #: The file torchrun runs in each forked rank (``--run-path``): it calls :func:`run_rank`.
 RANK_SCRIPT = Path(__file__).with_name("rank_main.py")
-#: ``exec``: start each rank as a fresh interpreter (``python -m pimm_core.cli``), not forked.
+#: ``exec``: start each rank as a fresh interpreter (``python -m pimm_core.cli``), not forked; ``server``:
+#: fork the ranks from a fresh interpreter's fork server, not from one forked from the launcher.
 RANK_START_ENV = "PIMM_RANK_START"
 
 
@@ -75,7 +78,8 @@ def rank_server(wanted: bool = True) -> Iterator[bool]:
         return
     forkserver.stop()  # (one left by an earlier launch in this process holds that launch's environment)
     try:
-        forkserver.start(PRELOAD)
+        # a fork of this launcher, which has imported torch (PIMM_RANK_START=server: a fresh interpreter)
+        forkserver.start(PRELOAD, fork_this=os.environ.get(RANK_START_ENV, "") != "server")
     except OSError as e:
         hint = "; a shorter $TMPDIR avoids this" if "too long" in str(e) else ""
         print(f"warning: the ranks' fork server could not start ({e}){hint}: each rank starts as "

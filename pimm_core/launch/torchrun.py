@@ -103,12 +103,6 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
             use_ordered_shutdown(args)  # the agent hosting the c10d store leaves last (rendezvous.py)
         return args
 
-    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
-    # torchrun's agent announces the forwarded stop signal ("Received 15 death signal, shutting
-    # down workers"): the ranks' stop summary says it for the user. Its loggers set their own level.
-    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
-    # torchrun logs each failed rank at ERROR; pimm prints one line naming the cause instead
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     with lock, tempfile.TemporaryDirectory(prefix="pimm-rank-errors-") as errors_dir:
         os.environ[RANK_ERRORS_ENV] = errors_dir  # the ranks inherit it (see errors.report)
         os.environ[LAUNCH_ENV] = json.dumps(opts.record())  # recorded in provenance for `pimm resume`
@@ -128,8 +122,10 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
                 print(f"stopped ({stop.reason}) before the ranks started: nothing was trained or saved | run {run_dir}",
                       flush=True)
                 return 0
-            with forwarder or contextlib.nullcontext(), watch_restarts(run_dir), \
-                    rank_server(forked_ranks()) as forked:
+            # the ranks' server first: forked from this process, before it has set anything up for torchrun
+            with rank_server(forked_ranks()) as forked, forwarder or contextlib.nullcontext(), \
+                    watch_restarts(run_dir):
+                _quiet_torchrun()
                 return _run_ranks(run, torchrun_args(forked), run_dir, errors_dir, forwarder)
         finally:
             os.environ.pop(RANK_ERRORS_ENV, None)
@@ -143,6 +139,17 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
                 os.environ.pop("PYTHONPATH", None)
             else:
                 os.environ["PYTHONPATH"] = old_pythonpath
+
+
+def _quiet_torchrun() -> None:
+    """The launcher's torchrun logs what pimm says itself (set after the ranks' server is forked from
+    this process: the ranks keep torch's own levels)."""
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    # torchrun's agent announces the forwarded stop signal ("Received 15 death signal, shutting
+    # down workers"): the ranks' stop summary says it for the user. Its loggers set their own level.
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
+    # torchrun logs each failed rank at ERROR; pimm prints one line naming the cause instead
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
 
 
 def _run_ranks(run, args, run_dir: Path, errors_dir: str, forwarder: SignalForwarder | None) -> int:

@@ -7,6 +7,11 @@ child starts with those modules imported. pimm uses one in the launcher for the 
 (:mod:`pimm_core.launch.rank_start`) and one in each rank for its DataLoader workers
 (:mod:`pimm_core.data.workers`).
 
+The launcher, which has imported torch already, starts the ranks' server as a fork of itself
+instead (:func:`start` with ``fork_this``): a fresh interpreter would import torch a second time,
+about 2 CPU-s and as many seconds of wall time before the first rank can start. The fork is made
+to look like that fresh interpreter to the ranks (:func:`_become_fresh`).
+
 Both are started with the stop signals blocked, a mask the server and its children inherit
 (the children unblock what they handle): torchrun stops a rank with ``killpg``, a terminal's
 Ctrl-C reaches the whole foreground process group, and a scheduler signals every process of a
@@ -16,23 +21,35 @@ their parent) while they are still stopping cleanly.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
+import socket
+import sys
+import weakref
+from multiprocessing import connection
 
 #: The signals a run stops on; a fork server never acts on them.
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
                      if hasattr(signal, name))
 
 
-def start(preload: list[str]) -> None:
+def start(preload: list[str], *, fork_this: bool = False) -> None:
     """Start this process's fork server (multiprocessing's, for the ``"forkserver"`` context) if it is
     not running, importing ``preload`` (module names) once, with :data:`STOP_SIGNALS` blocked in it.
 
     ``preload`` has no effect on a server already running (:func:`stop` it first for a fresh one).
     A module of ``preload`` that fails to import is skipped by the server (multiprocessing's rule):
     the children then import it themselves.
+
+    With ``fork_this``, the server is a fork of this process, which keeps what it has imported
+    (see :func:`_become_fresh` for what it does not keep), where that is safe: on Linux, with no
+    Python thread but this one (:func:`_one_thread`). Elsewhere it is a fresh interpreter, as without.
+
+    Raises:
+        OSError: the server's socket could not be made (a path under ``$TMPDIR`` too long for one).
     """
     # The mask of the calling thread is inherited through fork and exec; blocking here (not
     # ignoring) loses nothing: a stop signal that arrives meanwhile is delivered to this
@@ -48,7 +65,8 @@ def start(preload: list[str]) -> None:
     resource_tracker.ensure_running()
     old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        multiprocessing.forkserver.ensure_running()
+        if not (fork_this and _fork_server(preload)):
+            multiprocessing.forkserver.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
@@ -82,3 +100,92 @@ def leave_parent_server() -> None:
         os.close(fd)
         server._forkserver_alive_fd = None
         server._forkserver_address = None
+
+
+def _one_thread() -> bool:
+    """No Python thread runs but this one, on Linux (where pimm forks ranks from a server).
+
+    Threads of native libraries may run: numpy's OpenBLAS starts its pool at import, as torch's
+    intra-op pool does at the first parallel operation. Those libraries make themselves safe to fork
+    (``pthread_atfork``), as PyTorch's own DataLoader relies on when it forks workers (its default
+    on Linux). A Python thread could hold a lock of the interpreter's or of pimm's at the fork.
+    """
+    import threading
+
+    return sys.platform == "linux" and threading.active_count() == 1
+
+
+def _fork_server(preload: list[str]) -> bool:
+    """Start multiprocessing's fork server as a fork of this process, as ``ensure_running`` starts it
+    by ``exec`` (the same socket, "alive" pipe and bookkeeping). False, starting nothing, where a
+    fork is not safe (another thread could hold a lock the fork would copy held) or one runs."""
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_pid is not None or not _one_thread():
+        return False
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the server: it never returns from here
+            code = 1
+            try:
+                os.close(alive_w)
+                _become_fresh(keep=(listener.fileno(), alive_r))
+                multiprocessing.forkserver.main(listener.fileno(), alive_r, preload)
+            except SystemExit:  # (its way out: the last holder of the "alive" pipe is gone)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(alive_r)
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+    return True
+
+
+def _become_fresh(keep: tuple[int, ...]) -> None:
+    """In a forked server: drop what the process it was forked from holds that a fresh interpreter
+    would not, so that the children it forks (the ranks) start as they would from one.
+
+    - open files: every descriptor but stdio and ``keep`` now refers to ``/dev/null`` (not closed:
+      a Python object of the parent's that closes its descriptor later must not close another file
+      that reused the number), so a child holds no lock, socket or pipe of the parent's;
+    - signal handlers set from Python go back to the defaults (``SIGINT``: ``KeyboardInterrupt``);
+    - ``weakref.finalize`` callbacks are dropped (a ``TemporaryDirectory`` of the parent's would be
+      removed at a child's exit);
+    - modules that may have read the parent's environment at import, or hold its state, are
+      forgotten, with the exit functions they registered, so a child imports them again with its own
+      (pimm's: ``faults`` reads ``RANK``; user code: outside the interpreter's installation). Extension
+      modules stay (most cannot be initialized twice), as do the installed packages' exit functions
+      (torch's); ``sitecustomize`` and ``usercustomize``, when forgotten, run again, as at a start.
+    """
+    with open(os.devnull, "rb") as null:
+        for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+            if fd > 2 and fd not in keep and fd != null.fileno():
+                try:
+                    os.dup2(null.fileno(), fd)
+                except OSError:
+                    pass  # (the listing's own descriptor, closed since)
+    signal.set_wakeup_fd(-1)
+    for sig in signal.valid_signals():
+        if callable(signal.getsignal(sig)):
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]
+        finalizer.detach()
+    installed = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix})
+    forgotten = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None) or ""
+        ours = name.split(".", 1)[0] in ("pimm_core", "pimm_tui")
+        if path.endswith(".py") and (ours or not path.startswith(installed)) and name != "__main__":
+            del sys.modules[name]
+            forgotten.append(name)
+            for value in list(vars(module).values()):
+                if callable(value) and getattr(value, "__module__", None) == name:
+                    atexit.unregister(value)
+    for name in ("sitecustomize", "usercustomize"):
+        if name in forgotten:
+            __import__(name)
