@@ -94,6 +94,10 @@ def launch(
         raise typer.Exit(plan_only(cfg, config, resume_from, opts.world_size()))
     if opts.wants_spawn() and not under_launcher():
         argv = strip_launcher_flags(ARGV[ARGV.index("launch") + 1:] if "launch" in ARGV else [])
+        if overrides and "--" not in argv and argv[-len(overrides):] == overrides:
+            # overrides written without `--` (the first positional ends the options): the ranks' flags
+            # (--run.name, --train.resume) are added before them, so mark where they start
+            argv = [*argv[:-len(overrides)], "--", *overrides]
         if auto_resume:  # decided here, once, for every rank of this node
             argv = [a for a in argv if a != "--train.auto-resume"]
             if cfg.train.resume:

@@ -46,7 +46,8 @@ def start(preload: list[str], *, fork_this: bool = False) -> None:
 
     With ``fork_this``, the server is a fork of this process, which keeps what it has imported
     (see :func:`_become_fresh` for what it does not keep), where that is safe: on Linux, with no
-    Python thread but this one (:func:`_one_thread`). Elsewhere it is a fresh interpreter, as without.
+    Python thread but this one (:func:`_one_thread`), and no user code imported (:func:`user_modules`).
+    Elsewhere it is a fresh interpreter, as without.
 
     Raises:
         OSError: the server's socket could not be made (a path under ``$TMPDIR`` too long for one).
@@ -115,12 +116,46 @@ def _one_thread() -> bool:
     return sys.platform == "linux" and threading.active_count() == 1
 
 
+_OURS = ("pimm", "pimm_core", "pimm_tui")
+_SITE_HOOKS = ("sitecustomize", "usercustomize")
+
+
+def _kind(name: str, module: object) -> str:
+    """``"installed"`` (the interpreter's own, or a package installed in it: its ``__file__`` under
+    ``sys.prefix``/``base_prefix``), ``"ours"`` (pimm's packages), ``"site"`` (a site hook) or
+    ``"user"`` (any other module loaded from a file: code outside the installation)."""
+    path = getattr(module, "__file__", None)
+    if not isinstance(path, str) or not os.path.isabs(path) or name == "__main__":
+        return "installed"  # (built-in, frozen or namespace modules, torch.ops' names; the launcher's script)
+    if name.split(".", 1)[0] in _OURS:
+        return "ours"
+    if name in _SITE_HOOKS:
+        return "site"
+    path = os.path.abspath(path)
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    return "installed" if any(path.startswith(os.path.join(p, "")) for p in prefixes) else "user"
+
+
+def user_modules() -> list[str]:
+    """The modules this process imported from outside the interpreter's installation, pimm's and the
+    site hooks aside: user code (a config's ``model.target``, say, which the launcher imports to check
+    it). Sorted names; empty when there is none."""
+    return sorted(name for name, module in list(sys.modules.items()) if _kind(name, module) == "user")
+
+
 def _fork_server(preload: list[str]) -> bool:
     """Start multiprocessing's fork server as a fork of this process, as ``ensure_running`` starts it
     by ``exec`` (the same socket, "alive" pipe and bookkeeping). False, starting nothing, where a
-    fork is not safe (another thread could hold a lock the fork would copy held) or one runs."""
+    fork is not safe (another thread could hold a lock the fork would copy held), where this process
+    has imported user code (:func:`user_modules`), or where a server runs.
+
+    User code is never inherited: a module that read the environment at import (``LOCAL_RANK``)
+    would hold the launcher's values in every child. Nor can it be forgotten and imported again in
+    the child, as pimm's modules are: installed libraries keep what it registered with them at import
+    (``torch.serialization.add_safe_globals``, pytree nodes, ``AutoConfig.register``), so the child
+    would hold two classes of one name, one of them stale, or fail on a second registration."""
     server = multiprocessing.forkserver._forkserver
-    if server._forkserver_pid is not None or not _one_thread():
+    if server._forkserver_pid is not None or not _one_thread() or user_modules():
         return False
     with socket.socket(socket.AF_UNIX) as listener:
         address = connection.arbitrary_address("AF_UNIX")
@@ -156,11 +191,12 @@ def _become_fresh(keep: tuple[int, ...]) -> None:
     - signal handlers set from Python go back to the defaults (``SIGINT``: ``KeyboardInterrupt``);
     - ``weakref.finalize`` callbacks are dropped (a ``TemporaryDirectory`` of the parent's would be
       removed at a child's exit);
-    - modules that may have read the parent's environment at import, or hold its state, are
-      forgotten, with the exit functions they registered, so a child imports them again with its own
-      (pimm's: ``faults`` reads ``RANK``; user code: outside the interpreter's installation). Extension
-      modules stay (most cannot be initialized twice), as do the installed packages' exit functions
-      (torch's); ``sitecustomize`` and ``usercustomize``, when forgotten, run again, as at a start.
+    - pimm's modules, which may have read the parent's environment at import (``faults`` reads
+      ``RANK``) or hold its state, are forgotten, with the exit functions they registered, so a child
+      imports them again with its own (pimm registers nothing with other libraries at import, which
+      would outlive this); ``sitecustomize`` and ``usercustomize`` are forgotten and run again, as at a
+      start. Installed packages stay, with their exit functions (torch's). User code is not here at all
+      (:func:`_fork_server` does not fork a process that imported it).
     """
     with open(os.devnull, "rb") as null:
         for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
@@ -175,17 +211,14 @@ def _become_fresh(keep: tuple[int, ...]) -> None:
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]
         finalizer.detach()
-    installed = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix})
     forgotten = []
     for name, module in list(sys.modules.items()):
-        path = getattr(module, "__file__", None) or ""
-        ours = name.split(".", 1)[0] in ("pimm_core", "pimm_tui")
-        if path.endswith(".py") and (ours or not path.startswith(installed)) and name != "__main__":
+        if _kind(name, module) in ("ours", "site"):
             del sys.modules[name]
             forgotten.append(name)
             for value in list(vars(module).values()):
                 if callable(value) and getattr(value, "__module__", None) == name:
                     atexit.unregister(value)
-    for name in ("sitecustomize", "usercustomize"):
+    for name in _SITE_HOOKS:
         if name in forgotten:
             __import__(name)

@@ -204,3 +204,17 @@ def test_launch_in_a_taken_second_gets_a_numbered_directory(tmp_path, nproc):
     prov = json.loads((run_dir / "provenance.json").read_text())
     assert prov["world_size"] == (nproc or 1)
     assert all(not any((parent / n / "model").iterdir()) for n in taken)  # the others untouched
+
+
+def test_overrides_written_without_dashdash_reach_every_rank(tmp_path):
+    """Seen: ``pimm launch ... --nproc-per-node 2 train.max_steps=3`` (overrides with no ``--``, which one
+    rank takes) failed in each rank with "override '--run.name' is not key=value": the launcher put the
+    ranks' own flags after the overrides."""
+    result = pimm("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "bare",
+                  "--run.no-timestamp", "--nproc-per-node", "2", "train.max_steps=2", "eval.every_epochs=0",
+                  timeout=240)
+    assert result.returncode == 0, describe(result)
+    run_dir = tmp_path / "digits" / "bare"
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "finished" and status["step"] == 2, status
+    assert json.loads((run_dir / "provenance.json").read_text())["world_size"] == 2

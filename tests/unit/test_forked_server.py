@@ -1,7 +1,9 @@
 """The ranks' fork server as a fork of the launcher (pimm_core/process/forkserver.py, ``fork_this``): the
 launcher has imported torch, so the server starts without importing it again, and the children it forks
 start as they would from a fresh interpreter: no file, signal handler or exit function of the launcher's,
-and modules that read the environment at import imported again in the child."""
+and pimm's modules, which read the environment at import, imported again in the child. A launcher that
+has imported user code (a config's target) starts a fresh interpreter as its server instead: that code
+is neither inherited (read at the launcher's import) nor imported twice beside what it registered."""
 
 from __future__ import annotations
 
@@ -12,21 +14,23 @@ import sys
 from pathlib import Path
 
 _PARENT = """
-import atexit, fcntl, json, multiprocessing, os, signal, sys, tempfile
+import fcntl, json, multiprocessing, os, signal, sys, tempfile
 import torch  # (what the launcher has imported when it starts the server)
 sys.path.insert(0, {here!r})
-import envmod  # user code that reads the environment at import, as pimm_core.faults reads RANK
+import pimm_core.faults  # pimm's: reads the environment (PIMM_FAILPOINT) at import
+if {user!r}:
+    import usermod  # user code: a config's target, imported by the launcher to check it
 from pimm_core.process import forkserver
 
 lock = open({lock!r}, "w")
 fcntl.flock(lock, fcntl.LOCK_EX)  # the launcher's run lock
 signal.signal(signal.SIGTERM, lambda *a: None)
-atexit.register(envmod.at_exit)  # (user code's exit function: the child imports envmod again, with its own)
 kept = tempfile.TemporaryDirectory(dir={here!r})  # removed by a finalizer at the launcher's exit
 
-os.environ["PROBE"] = "the child's"
+os.environ["PIMM_FAILPOINT"] = os.environ["PROBE"] = "the child's"
 forkserver.start([], fork_this=True)
 server = multiprocessing.forkserver._forkserver._forkserver_pid
+user = forkserver.user_modules()
 import child
 ctx = multiprocessing.get_context("forkserver")
 queue = ctx.SimpleQueue()
@@ -36,7 +40,7 @@ seen = queue.get()
 proc.join()
 seen.update(server_cmdline=open(f"/proc/{{server}}/cmdline").read(), own_cmdline=open("/proc/self/cmdline").read(),
             server_parent=int(open(f"/proc/{{server}}/stat").read().rsplit(")", 1)[1].split()[1]), parent=os.getpid(),
-            exitcode=proc.exitcode, kept_exists=os.path.isdir(kept.name))
+            exitcode=proc.exitcode, kept_exists=os.path.isdir(kept.name), user_modules=user)
 print(json.dumps(seen))
 """
 
@@ -44,40 +48,74 @@ _CHILD = """
 import atexit, fcntl, os, signal, sys
 
 def probe(queue):
-    fresh = "envmod" not in sys.modules
-    import envmod
+    fresh = "pimm_core.faults" not in sys.modules
+    import pimm_core.faults
+    import torch
+    import usermod
     with open({lock!r}) as f:  # the launcher's lock: free to others once the launcher is gone, not held here
         held = sorted(os.readlink(f"/proc/self/fd/{{fd}}") for fd in os.listdir("/proc/self/fd")
                       if os.path.realpath(f"/proc/self/fd/{{fd}}") == os.path.realpath({lock!r}))
-    queue.put({{"child": os.getpid(), "envmod_fresh": fresh, "envmod_probe": envmod.PROBE, "handles_sigterm": callable(signal.getsignal(
-        signal.SIGTERM)), "lock_fds": len(held) - 1}})
+    phases = [c for c in torch.serialization.get_safe_globals() if getattr(c, "__qualname__", "") == "Phase"]
+    queue.put({{"child": os.getpid(), "faults_fresh": fresh, "faults_spec": pimm_core.faults._SPEC,
+               "usermod_probe": usermod.PROBE, "phases": len(phases), "phase_is_usermods": phases == [usermod.Phase],
+               "handles_sigterm": callable(signal.getsignal(signal.SIGTERM)), "lock_fds": len(held) - 1}})
     atexit._run_exitfuncs()  # (what a rank's exit runs: pimm_core.launch.rank_start._finalize)
     import weakref
     weakref.finalize._exitfunc()
 """
 
+# user code that reads the environment at import and registers a class with torch (what a stream's state
+# holding an enum needs to be resumed: tests/e2e/userpkg/stream.py)
+_USERMOD = """
+import enum, os, torch
+PROBE = os.environ.get("PROBE", "unset")
 
-def test_a_forked_server_starts_children_as_from_a_fresh_interpreter(tmp_path: Path) -> None:
+class Phase(enum.Enum):
+    WARMUP = "warmup"
+
+torch.serialization.add_safe_globals([Phase])
+"""
+
+
+def _run(tmp_path: Path, *, user: bool) -> dict:
     paths = {"here": str(tmp_path), "lock": str(tmp_path / ".lock"), "marker": str(tmp_path / "marker")}
     exit_line = f"def at_exit():\n    open({paths['marker']!r}, 'a').write(f'{{__name__}} {{os.getpid()}}\\n')\n"
-    (tmp_path / "envmod.py").write_text("import os\nPROBE = os.environ.get('PROBE', 'unset')\n" + exit_line)
     # a site hook (coverage's, a profiler's) runs in every fresh interpreter, and so in every child
     (tmp_path / "sitecustomize.py").write_text("import atexit, os\n" + exit_line + "atexit.register(at_exit)\n")
+    (tmp_path / "usermod.py").write_text(_USERMOD)
     (tmp_path / "child.py").write_text(_CHILD.format(**paths))
-    out = subprocess.run([sys.executable, "-c", _PARENT.format(**paths)], capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env.pop("PIMM_FAILPOINT", None)
+    out = subprocess.run([sys.executable, "-c", _PARENT.format(**paths, user=user)], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])
-    # a fork of this process (same command line, its child), not a fresh `python -c ...forkserver main`
-    assert seen["server_cmdline"] == seen["own_cmdline"] and seen["server_parent"] == seen["parent"], seen
     assert seen["exitcode"] == 0
-    assert seen["envmod_fresh"] and seen["envmod_probe"] == "the child's", seen
+    # the child's own environment, as read at a fresh import; one class of the user's, the one it imported
+    assert seen["faults_fresh"] and seen["faults_spec"] == "the child's", seen
+    assert seen["usermod_probe"] == "the child's" and seen["phases"] == 1 and seen["phase_is_usermods"], seen
     assert not seen["handles_sigterm"], seen
     assert seen["lock_fds"] == 0, seen
-    # the child's exit ran the site hook's exit function, not the one the parent's user code registered
-    # (multiprocessing's resource tracker, a fresh interpreter, runs the site hook too: not counted)
-    lines = sorted(line for line in (tmp_path / "marker").read_text().splitlines()
-                   if int(line.split()[1]) in (seen["parent"], seen["child"]))
-    assert lines == sorted([f"envmod {seen['parent']}", f"sitecustomize {seen['parent']}",
-                            f"sitecustomize {seen['child']}"]), lines
     assert seen["kept_exists"], seen
+    seen["markers"] = sorted(line for line in (tmp_path / "marker").read_text().splitlines()
+                             if int(line.split()[1]) in (seen["parent"], seen["child"]))
+    return seen
+
+
+def test_a_forked_server_starts_children_as_from_a_fresh_interpreter(tmp_path: Path) -> None:
+    seen = _run(tmp_path, user=False)
+    assert seen["user_modules"] == [], seen
+    # a fork of this process (same command line, its child), not a fresh `python -c ...forkserver main`
+    assert seen["server_cmdline"] == seen["own_cmdline"] and seen["server_parent"] == seen["parent"], seen
+    # the child's exit ran the site hook's exit function once, its own (multiprocessing's resource
+    # tracker, a fresh interpreter, runs the site hook too: not counted)
+    assert seen["markers"] == sorted([f"sitecustomize {seen['parent']}", f"sitecustomize {seen['child']}"]), seen
+
+
+def test_a_launcher_that_imported_user_code_starts_a_fresh_server(tmp_path: Path) -> None:
+    """Seen: a stream's enum registered with add_safe_globals by the launcher's import and again by the
+    child's: a resume unpickled the launcher's class, not the child's, now and then (a set's order)."""
+    seen = _run(tmp_path, user=True)
+    assert seen["user_modules"] == ["usermod"], seen
+    assert seen["server_cmdline"] != seen["own_cmdline"], seen  # `python -c 'from multiprocessing.forkserver ...'`
+    assert "forkserver" in seen["server_cmdline"], seen
