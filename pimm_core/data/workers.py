@@ -20,8 +20,9 @@ DataLoader argument of that name), ``"forkserver"`` by default:
   measures the choices). A rank that will start workers forks it from itself at its start,
   before it runs any thread of its own (:func:`start_server_early`; torch imported there once, not
   again in the server), with every inherited file pointed at ``/dev/null``, so no run lock is held
-  by it (:func:`pimm_core.process.forkserver.start`); else it is a fresh interpreter started by
-  ``exec`` (only the file descriptors multiprocessing passes).
+  by it (:func:`pimm_core.process.forkserver.start`); else (and where the rank has imported user
+  code, a config's target) it is a fresh interpreter started by ``exec`` (only the file descriptors
+  multiprocessing passes).
 - It is started with the stop signals (SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2) blocked,
   a mask it and the workers it forks inherit: torchrun stops a rank with ``killpg`` and a
   scheduler signals every process of a job step, and a fork server killed by that signal

@@ -9,7 +9,8 @@ forkserver``: torchrun's agent asks multiprocessing's fork server for each rank,
 server, started once per launch with :data:`PRELOAD` imported, forks it in milliseconds
 (``benchmarks/startup.py`` measures both). The server is itself a fork of the launcher, which
 has imported torch already (:func:`pimm_core.process.forkserver.start`, ``fork_this``), where that
-is safe; else, or with ``PIMM_RANK_START=server``, a fresh interpreter that imports torch again.
+is safe and the launcher has imported no user code (a config's target outside the installation);
+else, or with ``PIMM_RANK_START=server``, a fresh interpreter that imports torch again.
 A restarted rank (``--max-restarts``) is forked from the same server.
 
 What a rank started this way keeps from ``python -m pimm_core.cli`` (:func:`run_rank`):
