@@ -335,7 +335,7 @@ class Trainer:
                           before_forward=micro_batch_seeder(self.config.train.seed, self.state, self.data_info)
                           if self.config.data.order == "global" else None,
                           window_flags=functools.partial(window_flags, self),  # (stop flags in its all-reduce)
-                          on_window_flags=self.stop_agreement.window_verdict)
+                          on_window_flags=self.stop_agreement.window_verdict, records_next=self.recorder.records_next)
         self.model.train()
         evaluated_at_end = False
         with self.recorder.training():

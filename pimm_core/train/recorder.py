@@ -265,8 +265,7 @@ class Recorder:
         """
         s = self.state
         self.clock.add(samples * self.info.data_ranks)  # (the ranks of a tensor-parallel group share batches)
-        ends_epoch = s.global_step - s.epoch_start_step == self.steps_per_epoch
-        if s.global_step % self.log_every_steps == 0 or s.global_step == 1 or ends_epoch or s.global_step == self.total:
+        if self._records(s.global_step):
             rate, steps_rate = self.clock.take()
             loss_value = loss.item()
             record = {"step": s.global_step, "epoch": epoch, "iter": s.iter, "split": "train",
@@ -277,6 +276,18 @@ class Recorder:
             self.progress.log(s, loss_value, lr, rate)
             self.heartbeat()
         self.progress.advance(s.global_step)
+
+    def _records(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (a ``global_step``) writes a train record."""
+        s = self.state
+        ends_epoch = step - s.epoch_start_step == self.steps_per_epoch
+        return step % self.log_every_steps == 0 or step == 1 or ends_epoch or step == self.total
+
+    def records_next(self) -> bool:
+        """Whether the optimizer step being taken (``global_step + 1``) writes a train record, and so
+        reads its ``grad_norm``. The same answer on every rank (the position, ``log_every_steps`` and
+        the run's end are the same on all; a rank that writes nothing still answers it)."""
+        return self._records(self.state.global_step + 1)
 
     def on_eval(self, epoch: int, metrics: dict[str, float], metric: str) -> None:
         """An evaluation of ``epoch``: its record and log line (with the best ``metric`` so far)."""

@@ -8,6 +8,7 @@ the micro-batch means (:mod:`~pimm_core.train.window_average`). At the window's 
 :meth:`WindowStep.finish` divides by the window's count, unscales and clips
 (``train.grad_clip``, the global L2 norm), applies the ``train.on_nonfinite`` policy,
 steps the optimizer through the AMP GradScaler, clears the gradients and updates the EMA.
+The gradient norm is skipped on a step where nothing reads it (:meth:`WindowStep.norm_unread`).
 """
 
 from __future__ import annotations
@@ -131,6 +132,8 @@ class WindowStep:
             window), whose sums go to ``on_window_flags`` (float64 tensor) before
             :meth:`finish`. One small collective per window besides the gradients' thus
             carries the loss, the count and the stop agreement.
+        records_next: whether the step being taken writes a train record, which reads its
+            :attr:`grad_norm` (:meth:`~.recorder.Recorder.records_next`; None: the norm every step).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
@@ -139,7 +142,8 @@ class WindowStep:
                  before_step: Callable[[], None] | None = None,
                  before_forward: Callable[[int], None] | None = None,
                  window_flags: Callable[[], list[float] | None] | None = None,
-                 on_window_flags: Callable[[torch.Tensor], None] | None = None):
+                 on_window_flags: Callable[[torch.Tensor], None] | None = None,
+                 records_next: Callable[[], bool] | None = None):
         self.model, self.optimizer, self.scaler, self.ema, self.train = model, optimizer, scaler, ema, train
         if not isinstance(objective, Objective):  # a bare step function: checked and normalised like one
             objective = Objective(getattr(objective, "__name__", "objective"), objective)
@@ -147,6 +151,7 @@ class WindowStep:
         self.grad_norm: torch.Tensor | None = None
         self.before_forward = before_forward
         self.window_flags, self.on_window_flags = window_flags, on_window_flags
+        self.records_next = records_next
         self._param_list: list[nn.Parameter] | None = None
         self._mixed: bool | None = None  # False: no parameter can carry a DTensor gradient (_params)
         self._raw_model: nn.Module = model  # unwrap(model), set with _param_list
@@ -226,13 +231,17 @@ class WindowStep:
 
     def gradients_finite(self) -> bool:
         """Unscale, clip (``train.grad_clip``) and say whether the window's gradients are finite;
-        :attr:`grad_norm` is the window's total L2 gradient norm before clipping (0-d tensor).
+        :attr:`grad_norm` is the window's total L2 gradient norm before clipping (0-d tensor), or
+        None on a step where nothing reads it (:meth:`norm_unread`: then nothing is computed).
 
         The check is on the total gradient norm: after DDP's all-reduce every rank holds
         the same gradients, so every rank reaches the same verdict without a collective
         (a NaN loss on one rank makes the averaged gradients NaN everywhere). With
         ``amp = "fp16"`` the GradScaler's own skip-and-rescale handles overflow instead.
         """
+        if self.norm_unread():
+            self.grad_norm = None
+            return True
         t = self.train
         params = [p for p in self._params() if p.grad is not None]
         if self.scaler.is_enabled():
@@ -249,6 +258,19 @@ class WindowStep:
         if t.on_nonfinite == "continue" or self.scaler.is_enabled():
             return True
         return math.isfinite(norm.item())  # (one host read, as bool() of the tensor was)
+
+    def norm_unread(self) -> bool:
+        """Whether nothing reads this window's gradient norm: no clipping (``train.grad_clip`` unset
+        or 0), no fp16 GradScaler, ``train.on_nonfinite = "continue"`` (no verdict to act on: "stop"
+        and "skip" check every step) and no train record written at this step (``records_next``).
+
+        Then :meth:`gradients_finite` computes nothing: on the quickstart's MLP the norm is a
+        few percent of a step. Without clipping the norm changes no gradient, so skipping it
+        changes no bit of training; every rank skips the same steps (FSDP's norm is a collective).
+        """
+        t = self.train
+        return (self.records_next is not None and not t.grad_clip and t.on_nonfinite == "continue"
+                and not self.scaler.is_enabled() and not self.records_next())
 
     def _params(self) -> list[nn.Parameter]:
         """The model's parameters, listed once per :meth:`windows` call (like the optimizer's, they
