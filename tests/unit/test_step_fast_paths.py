@@ -1,17 +1,25 @@
 """The small-model step's fast paths give the bits of the general ones: the lean gradient norm and
 clipping are torch's, the training loss of the built-in classification is its evaluation loss, the
-host-side window average matches the device-side one, and the EMA follows its parameters."""
+host-side window average matches the device-side one, the EMA follows its parameters, and the
+gradient norm is computed only on a step where something reads it (a record, clipping, or an
+``on_nonfinite`` policy that acts on a NaN/Inf gradient)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import json
+from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
+from pimm_core import Trainer, load_config
 from pimm_core.config import TrainConfig
+from pimm_core.errors import TrainingError
 from pimm_core.train.ema import EMA
 from pimm_core.objectives import BUILTIN, Objective, classification, classification_loss
 from pimm_core.train.state import TrainState
@@ -127,3 +135,115 @@ def test_ema_follows_the_parameters_it_was_made_from():
     for n, avg in ema.shadow.items():
         assert torch.allclose(avg, expected[n], atol=1e-7, rtol=0)
     assert any(not torch.equal(avg, p) for avg, p in zip(ema.shadow.values(), net.parameters()))
+
+
+# ----------------------------------------------------------------------------------------------
+# The gradient norm is computed only where something reads it (WindowStep.norm_unread): a record,
+# clipping, or an on_nonfinite policy that acts on a NaN/Inf gradient.
+
+DIGITS = Path(__file__).resolve().parents[2] / "configs" / "digits.toml"
+STEPS, LOG_EVERY = 12, 5
+RECORD_STEPS = [1, 5, 10, 12]  # every log_every_steps, step 1 and the run's last step
+
+
+class NormsTaken(TorchFunctionMode):
+    """The steps (the ``global_step`` being taken) of ``trainer`` at which torch computed a
+    gradient norm: every way to it in the step (the lean :func:`total_norm`, clipping, torch's
+    ``get_total_norm``) starts with ``torch._foreach_norm``, which nothing else of these runs
+    calls. Observed as torch is called (a function mode), with nothing replaced."""
+
+    def __init__(self, trainer: Trainer):
+        super().__init__()
+        self.trainer, self.steps = trainer, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch._foreach_norm:
+            self.steps.append(self.trainer.state.global_step + 1)
+        return func(*args, **(kwargs or {}))
+
+
+def _train(tmp_path: Path, name: str, *overrides: str, objective=None):
+    cfg = load_config(DIGITS, ["train.epochs=1", f"train.max_steps={STEPS}", f"train.log_every_steps={LOG_EVERY}",
+                               "train.warmup_steps=0", "data.num_workers=0", "train.device=cpu",
+                               "eval.every_epochs=0", "checkpoint.every_epochs=0", "checkpoint.every_steps=0",
+                               *overrides])
+    torch.manual_seed(0)
+    trainer = Trainer(cfg, run_dir=tmp_path / name, objective=objective)
+    applied: list[int] = []  # optimizer steps applied, by the step being taken
+    trainer.optimizer.register_step_post_hook(lambda *_: applied.append(trainer.state.global_step + 1))
+    return trainer, applied
+
+
+def _run(trainer: Trainer) -> list[int]:
+    """Train; the steps at which a gradient norm was computed (:class:`NormsTaken`)."""
+    with NormsTaken(trainer) as norms:
+        trainer.train()
+    return norms.steps
+
+
+def _train_records(run: Path) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == "train"]
+
+
+def test_without_a_reader_the_norm_is_computed_only_at_record_steps_and_training_is_unchanged(tmp_path):
+    """``on_nonfinite = "continue"`` and no clipping: only a record reads the norm. It is computed
+    at those steps (and logged, the same value as when it is computed every step); the weights
+    are the same bits as a run that computes it every step ("stop": the check every step)."""
+    lean, _ = _train(tmp_path, "lean", "train.grad_clip=0", 'train.on_nonfinite="continue"')
+    assert _run(lean) == RECORD_STEPS
+    every, _ = _train(tmp_path, "every", "train.grad_clip=0", 'train.on_nonfinite="stop"')
+    assert _run(every) == list(range(1, STEPS + 1))
+    lean_records, every_records = _train_records(tmp_path / "lean"), _train_records(tmp_path / "every")
+    assert [r["step"] for r in lean_records] == RECORD_STEPS
+    assert all(r["grad_norm"] > 0 for r in lean_records), lean_records
+    assert [(r["step"], r["grad_norm"], r["loss"]) for r in lean_records] == [
+        (r["step"], r["grad_norm"], r["loss"]) for r in every_records]
+    for a, b in zip(lean.model.state_dict().values(), every.model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("overrides", [
+    ("train.grad_clip=0", 'train.on_nonfinite="stop"'),
+    ("train.grad_clip=0", 'train.on_nonfinite="skip"'),
+    ("train.grad_clip=1.0", 'train.on_nonfinite="continue"'),  # clipping needs the norm
+])
+def test_a_policy_or_clipping_that_reads_the_norm_gets_it_every_step(tmp_path, overrides):
+    trainer, _ = _train(tmp_path, "run", *overrides)
+    assert _run(trainer) == list(range(1, STEPS + 1))
+    assert all(r["grad_norm"] > 0 for r in _train_records(tmp_path / "run"))
+
+
+def _nan_at(step: int):
+    """The built-in classification objective, whose loss is NaN at the ``step``-th call (one
+    micro-batch per step: that optimizer step's gradient is NaN)."""
+    calls = [0]
+
+    def objective(model, batch):
+        calls[0] += 1
+        (total, count), metrics = classification(model, batch)
+        return (total * float("nan") if calls[0] == step else total, count), metrics
+    return objective
+
+
+def test_on_nonfinite_still_acts_on_a_nan_gradient_at_a_step_that_writes_no_record(tmp_path):
+    """Step 3 writes no record; its NaN gradient is still caught: "stop" stops before applying it,
+    "skip" skips it and trains on, "continue" applies it and the run fails on its NaN weights."""
+    assert 3 not in RECORD_STEPS
+    stop, applied = _train(tmp_path, "stop", "train.grad_clip=0", 'train.on_nonfinite="stop"', objective=_nan_at(3))
+    assert _run(stop) == [1, 2, 3] and applied == [1, 2]
+    state = stop.state
+    assert state.global_step == 2 and "non-finite" in state.stop_reason and not state.finished
+    assert all(bool(torch.isfinite(p).all()) for p in stop.model.parameters())
+
+    skip, applied = _train(tmp_path, "skip", "train.grad_clip=0", 'train.on_nonfinite="skip"', objective=_nan_at(3))
+    assert _run(skip) == list(range(1, STEPS + 1))
+    state = skip.state
+    assert applied == [s for s in range(1, STEPS + 1) if s != 3] and state.global_step == STEPS and state.finished
+    assert all(bool(torch.isfinite(p).all()) for p in skip.model.parameters())
+
+    cont, applied = _train(tmp_path, "cont", "train.grad_clip=0", 'train.on_nonfinite="continue"',
+                           objective=_nan_at(3))
+    with pytest.raises(TrainingError, match="not finite"):
+        cont.train()  # (no norm read at step 3: nothing acts on it, as documented; the weights do)
+    assert applied == list(range(1, STEPS + 1))
