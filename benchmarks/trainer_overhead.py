@@ -38,7 +38,11 @@ Prints one JSON object::
      "machine": {...}, ...}
 
 Usage: ``uv run python benchmarks/trainer_overhead.py [--steps 60] [--repeats 5] [--hidden 2048] [--batch-size 64]
-[--log-every 10] [--no-features] [--small-steps 300] [--no-small] [--threads N]``
+[--log-every 10] [--no-features] [--small-steps 300] [--no-small] [--threads N] [--on-nonfinite stop]``
+
+``--on-nonfinite continue`` gives pimm the hand loop's policy (a NaN/Inf gradient applied, no
+check): then, with clipping off, the gradient norm is computed only on the steps that write
+a record (``WindowStep``); the default, ``stop``, checks the norm at every step.
 """
 
 from __future__ import annotations
@@ -309,6 +313,9 @@ def main() -> None:
     ap.add_argument("--no-small", action="store_true", help="skip the small_model row")
     ap.add_argument("--no-large", action="store_true", help="only the small_model row")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    ap.add_argument("--on-nonfinite", choices=["stop", "skip", "continue"], default="stop",
+                    help="train.on_nonfinite of every pimm run (default: the config's default, stop; continue: "
+                         "like the hand loop, no finite check, so no gradient norm on a step that writes no record)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -319,13 +326,13 @@ def main() -> None:
     cfg = load_config(REPO / "configs" / "digits.toml", [
         f"model.hidden={args.hidden}", f"data.batch_size={args.batch_size}", "data.num_workers=0",
         "train.epochs=1000", f"train.max_steps={args.steps}", "train.grad_clip=0", "train.scheduler=constant",
-        "train.warmup_steps=0", "train.amp=none", "train.device=cpu",
+        "train.warmup_steps=0", "train.amp=none", "train.device=cpu", f"train.on_nonfinite={args.on_nonfinite}",
         "eval.every_epochs=0", "checkpoint.every_epochs=0", "checkpoint.every_steps=0",
     ])
     features = None if args.no_features else load_config(REPO / "configs" / "digits.toml", [
         f"model.hidden={args.hidden}", f"data.batch_size={args.batch_size}", "data.num_workers=0",
         "train.epochs=1000", f"train.max_steps={args.steps}", "train.grad_clip=0", "train.scheduler=constant",
-        "train.warmup_steps=0", "train.amp=none", "train.device=cpu",
+        "train.warmup_steps=0", "train.amp=none", "train.device=cpu", f"train.on_nonfinite={args.on_nonfinite}",
         "eval.every_epochs=0", "checkpoint.every_epochs=0", "checkpoint.every_steps=0",
         "ema.enabled=true", f"train.log_every_steps={args.log_every}",
     ])
@@ -341,13 +348,15 @@ def main() -> None:
         small_cfg = load_config(REPO / "configs" / "digits.toml", [
             "data.num_workers=0", "train.epochs=1000", f"train.max_steps={args.small_steps}", "train.grad_clip=0",
             "train.scheduler=constant", "train.warmup_steps=0", "train.amp=none", "train.device=cpu",
-            "eval.every_epochs=0", "checkpoint.every_epochs=0", "checkpoint.every_steps=0",
+            f"train.on_nonfinite={args.on_nonfinite}", "eval.every_epochs=0", "checkpoint.every_epochs=0",
+            "checkpoint.every_steps=0",
             "ema.enabled=true", f"train.log_every_steps={args.log_every}",
         ])
         small = {**compare(small_cfg, True, args.repeats, args.small_steps, scratch, "small"),
                  "model": {"name": small_cfg.model.name, "hidden": small_cfg.model.hidden,
                            "params": sum(p.numel() for p in build_model(small_cfg.model, 64, (1, 8, 8), 10).parameters())},
                  "batch_size": small_cfg.data.batch_size, "log_every_steps": args.log_every,
+                 "on_nonfinite": small_cfg.train.on_nonfinite,
                  "features": ["ema", "metrics.jsonl + status.json", "stop agreement (control/stop poll)", "progress"],
                  "parts_us": parts_us(small_cfg, scratch / "parts", args.part_calls)}
     for repeat in range(0 if args.no_large else args.repeats + 1):
