@@ -8,15 +8,15 @@ torchrun a function to run (``--run-path``, :data:`RANK_SCRIPT`) with ``--start-
 forkserver``: torchrun's agent asks multiprocessing's fork server for each rank, and the
 server, started once per launch with :data:`PRELOAD` imported, forks it in milliseconds
 (``benchmarks/startup.py`` measures both). The server is itself a fork of the launcher, which
-has imported torch already (:func:`pimm_core.process.forkserver.start`, ``fork_this``), where that
-is safe and the launcher has imported no user code (a config's target outside the installation);
-else, or with ``PIMM_RANK_START=server``, a fresh interpreter that imports torch again.
+has imported torch already, forked before the launcher imports the config's user code to check it
+(:func:`fork_server_early`), where that is safe; else, or with ``PIMM_RANK_START=server``, a fresh
+interpreter that imports torch again.
 A restarted rank (``--max-restarts``) is forked from the same server.
 
 What a rank started this way keeps from ``python -m pimm_core.cli`` (:func:`run_rank`):
 its own session (torchrun starts each rank with ``start_new_session``); the launch's
-environment (the server is started fresh by :func:`rank_server`, after the launcher has set
-it) plus the variables torchrun's agent sets for the rank; ``sys.path`` with the working
+environment (the server's, plus what the launcher changed in its own since the server was forked,
+:func:`torchrun_args`) plus the variables torchrun's agent sets for the rank; ``sys.path`` with the working
 directory and ``$PYTHONPATH`` first (how the ranks import user code); the stop signals
 unblocked; and the interpreter's exit (threads joined, then ``atexit``).
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib.util
+import json
 import os
 import signal
 import sys
@@ -58,10 +59,58 @@ def forked_ranks() -> bool:
     return os.environ.get(RANK_START_ENV, "") != "exec" and forkserver.can_stop()
 
 
+#: ``os.environ`` when the ranks' server was forked early (:func:`fork_server_early`); None: no such server.
+_forked_at: dict[str, str] | None = None
+
+
 def torchrun_args() -> list[str]:
     """torchrun's flags that make it run :data:`RANK_SCRIPT` in forked ranks (give the ranks'
-    arguments after them)."""
-    return ["--start-method", "forkserver", "--run-path", str(RANK_SCRIPT)]
+    arguments after them). The script's first argument is what this process's environment changed
+    since the server was forked (JSON), which each rank applies to its own (:func:`run_rank`)."""
+    return ["--start-method", "forkserver", "--run-path", str(RANK_SCRIPT), _environ_change()]
+
+
+def fork_server_early() -> None:
+    """Fork the ranks' server from this launcher now, before the launcher imports the config's user
+    code (to check the config), if the ranks will be forked and that is safe (:func:`forkserver.fork`).
+
+    The server then holds torch, imported once, and none of the user's modules, which each rank imports
+    itself: a fork made later, once the launcher has imported them, is not made (a rank would keep
+    what they read from the launcher's environment, or import them twice). What the launcher sets in
+    its environment for the ranks after this reaches each rank through its arguments
+    (:func:`torchrun_args`). Nothing happens where a fork is not safe or not wanted
+    (``PIMM_RANK_START``): :func:`rank_server` starts the server then. :func:`stop_early` stops it if
+    the launch ends before its ranks start.
+    """
+    global _forked_at
+    if _forked_at is not None or not forked_ranks() or os.environ.get(RANK_START_ENV, "") == "server":
+        return
+    import torch  # noqa: F401  (the launcher imports it to check the config anyway: the server inherits it)
+
+    forkserver.stop()  # (one left by an earlier launch in this process)
+    try:
+        if forkserver.fork(PRELOAD):
+            _forked_at = dict(os.environ)
+    except OSError:
+        pass  # (rank_server starts a server later, and says why it cannot)
+
+
+def stop_early() -> None:
+    """Stop the server :func:`fork_server_early` forked, if it runs (no effect otherwise)."""
+    global _forked_at
+    if _forked_at is not None:
+        forkserver.stop()
+        _forked_at = None
+
+
+def _environ_change() -> str:
+    """What ``os.environ`` changed since :func:`fork_server_early`, as JSON: ``{"set": {NAME: VALUE},
+    "unset": [NAME]}``; ``{}`` without a server forked early."""
+    if _forked_at is None:
+        return "{}"
+    now = dict(os.environ)
+    return json.dumps({"set": {k: v for k, v in now.items() if _forked_at.get(k) != v},
+                       "unset": [k for k in _forked_at if k not in now]})
 
 
 @contextlib.contextmanager
@@ -75,18 +124,21 @@ def rank_server(wanted: bool = True) -> Iterator[bool]:
     while torchrun's agent meets the other agents (the rendezvous).
     """
     if not wanted:
+        stop_early()
         yield False
         return
-    forkserver.stop()  # (one left by an earlier launch in this process holds that launch's environment)
-    try:
-        # a fork of this launcher, which has imported torch (PIMM_RANK_START=server: a fresh interpreter)
-        forkserver.start(PRELOAD, fork_this=os.environ.get(RANK_START_ENV, "") != "server")
-    except OSError as e:
-        hint = "; a shorter $TMPDIR avoids this" if "too long" in str(e) else ""
-        print(f"warning: the ranks' fork server could not start ({e}){hint}: each rank starts as "
-              "python -m pimm_core.cli and imports torch itself", file=sys.stderr, flush=True)
-        yield False
-        return
+    if _forked_at is None:  # (else the server forked early, fork_server_early, serves the ranks)
+        forkserver.stop()  # (one left by an earlier launch in this process holds that launch's environment)
+        try:
+            # a fork of this launcher, which has imported torch, unless user code is imported too (or
+            # PIMM_RANK_START=server): a fresh interpreter
+            forkserver.start(PRELOAD, fork_this=os.environ.get(RANK_START_ENV, "") != "server")
+        except OSError as e:
+            hint = "; a shorter $TMPDIR avoids this" if "too long" in str(e) else ""
+            print(f"warning: the ranks' fork server could not start ({e}){hint}: each rank starts as "
+                  "python -m pimm_core.cli and imports torch itself", file=sys.stderr, flush=True)
+            yield False
+            return
     # multiprocessing's start of each rank imports the launcher's __main__ again, by path, before torchrun's
     # agent sets the rank's environment: the `pimm` console script would import pimm_core there, and a module
     # that reads the environment at import (faults: RANK) would see the server's. The ranks run pimm_core.cli:
@@ -101,16 +153,24 @@ def rank_server(wanted: bool = True) -> Iterator[bool]:
         if spec is None:
             main.__spec__ = None
         forkserver.stop()
+        stop_early()
 
 
-def run_rank(argv: list[str], script: str | None = None) -> None:
+def run_rank(argv: list[str], script: str | None = None, environ: str = "{}") -> None:
     """Run ``pimm argv`` as this rank, forked from the fork server (torchrun runs this through
     :data:`RANK_SCRIPT`), as ``python -m pimm_core.cli argv`` would; with ``script``, that file
     instead, as ``python SCRIPT argv`` would (its directory first on ``sys.path``).
 
+    ``environ``: what the launcher's environment changed since the server was forked (JSON, from
+    :func:`torchrun_args`), applied to this rank's first.
+
     Returns (exit code 0, what torchrun's agent waits for: it counts a rank as done by the value
     it returns), or raises ``SystemExit`` with the rank's non-zero exit code.
     """
+    change = json.loads(environ)
+    for name in change.get("unset", ()):
+        os.environ.pop(name, None)
+    os.environ.update(change.get("set", {}))  # (torchrun's agent set the rank's own: RANK, ... are not in it)
     os.setsid()  # its own session, as torchrun gives a rank it starts: only the launcher gets a terminal's ^C
     forkserver.leave_parent_server()  # it dies with the launcher, and this rank with it (lock.follow_launcher)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, forkserver.STOP_SIGNALS)  # (blocked in the server; pending ones arrive now)

@@ -27,7 +27,7 @@ from ..process.threads import USER_OMP_ENV
 from .forward import SignalForwarder
 from .forward import rank_processes
 from .options import LaunchOptions
-from .rank_start import forked_ranks, rank_server, torchrun_args as rank_start_args
+from .rank_start import fork_server_early, forked_ranks, rank_server, stop_early, torchrun_args as rank_start_args
 from .rendezvous import use_ordered_shutdown
 from .requeue import requeue_if_asked
 from .restarts import watch_restarts
@@ -55,6 +55,16 @@ def spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOp
 def _spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOptions,
            worker_args: list[str] | None, leftovers_ok: bool, stop: StopRequest) -> int:
     stop.catch_only(configured_signals(cfg.train.stop_signals))  # (validated with the config)
+    # the ranks' server, forked before the check below imports the config's user code (rank_start.py)
+    fork_server_early()
+    try:
+        return _check_and_spawn(cfg, config_path, argv, opts, worker_args, leftovers_ok, stop)
+    finally:
+        stop_early()  # (already stopped if the ranks ran)
+
+
+def _check_and_spawn(cfg: Config, config_path: Path | None, argv: list[str], opts: LaunchOptions,
+                     worker_args: list[str] | None, leftovers_ok: bool, stop: StopRequest) -> int:
     run_dir = resolve_run_dir(cfg, config_path)
     check_before_launch(cfg, run_dir, leftovers_ok=leftovers_ok, config_path=config_path)
     single_node = opts.single_node()
@@ -122,7 +132,7 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
                 print(f"stopped ({stop.reason}) before the ranks started: nothing was trained or saved | run {run_dir}",
                       flush=True)
                 return 0
-            # the ranks' server first: forked from this process, before it has set anything up for torchrun
+            # the ranks' server first (if not forked early): before this process sets anything up for torchrun
             with rank_server(forked_ranks()) as forked, forwarder or contextlib.nullcontext(), \
                     watch_restarts(run_dir):
                 _quiet_torchrun()

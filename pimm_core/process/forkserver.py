@@ -52,6 +52,25 @@ def start(preload: list[str], *, fork_this: bool = False) -> None:
     Raises:
         OSError: the server's socket could not be made (a path under ``$TMPDIR`` too long for one).
     """
+    _with_signals_blocked(preload, lambda: (fork_this and _fork_server(preload))
+                          or multiprocessing.forkserver.ensure_running())
+
+
+def fork(preload: list[str]) -> bool:
+    """Start this process's fork server as a fork of it, as :func:`start` with ``fork_this`` does,
+    if that is safe now; else start nothing. True if it was started so (False also if one runs).
+
+    For a process that will import what must not be in the server later (the launcher, before it
+    imports the config's user code to check it).
+
+    Raises:
+        OSError: the server's socket could not be made.
+    """
+    return bool(_with_signals_blocked(preload, lambda: _fork_server(preload)))
+
+
+def _with_signals_blocked(preload: list[str], start_server):
+    """``start_server()`` with :data:`STOP_SIGNALS` blocked and ``preload`` set; its value."""
     # The mask of the calling thread is inherited through fork and exec; blocking here (not
     # ignoring) loses nothing: a stop signal that arrives meanwhile is delivered to this
     # process when the mask is restored.
@@ -66,8 +85,7 @@ def start(preload: list[str], *, fork_this: bool = False) -> None:
     resource_tracker.ensure_running()
     old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        if not (fork_this and _fork_server(preload)):
-            multiprocessing.forkserver.ensure_running()
+        return start_server()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 

@@ -52,8 +52,14 @@ def test_ranks_are_forked_from_the_launchers_server_and_exit_as_an_interpreter(t
             assert (tmp_path / f"{name}-{rank}.exit").read_text() == "exited", (name, rank)
             assert seen["sid"] == seen["pid"], (name, rank, seen)  # its own session, as torchrun gives a rank
             assert seen["failpoint_armed"] == (rank == 1), (name, rank, seen)
+            # the config's user code (this callback's module) imported by the rank itself, with its environment
+            assert seen["rank_at_import"] == str(rank), (name, rank, seen)
             if name == "forked":  # a child of the launcher's fork server, not of the launcher
                 assert seen["ppid"] != seen["launcher"] and seen["grandparent"] == seen["launcher"], seen
+                # the server a fork of the launcher (torch imported once), made before the launcher imported
+                # the user code; what the launcher set in its environment later reached the rank all the same
+                assert seen["parent_cmdline"] == seen["launcher_cmdline"], seen
+                assert str(tmp_path) in seen["pythonpath"].split(":"), seen  # (the config's directory: targets.py)
             else:
                 assert seen["ppid"] == seen["launcher"], seen
 

@@ -8,6 +8,9 @@ import json
 import os
 from pathlib import Path
 
+#: What this module read from the environment when it was imported (ExitProbe: in each rank, its own rank).
+RANK_AT_IMPORT = os.environ.get("RANK")
+
 
 class EventCounter:
     def __init__(self, out: str, stop_at: int = 0):
@@ -88,9 +91,13 @@ class ExitProbe:
         rank = trainer.info.rank
         ppid = os.getppid()
         grandparent = int(Path(f"/proc/{ppid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        launcher = int(os.environ["PIMM_LAUNCHER_PID"])
         Path(f"{self.out}-{rank}.json").write_text(json.dumps({
             "pid": os.getpid(), "ppid": ppid, "grandparent": grandparent, "sid": os.getsid(0),
-            "launcher": int(os.environ["PIMM_LAUNCHER_PID"]), "failpoint_armed": bool(faults._SPEC)}))
+            "launcher": launcher, "failpoint_armed": bool(faults._SPEC), "rank_at_import": RANK_AT_IMPORT,
+            "parent_cmdline": Path(f"/proc/{ppid}/cmdline").read_text(),
+            "launcher_cmdline": Path(f"/proc/{launcher}/cmdline").read_text(),
+            "pythonpath": os.environ.get("PYTHONPATH", "")}))
         self.pool = ThreadPoolExecutor(1)
         self.pool.submit(int).result()
         atexit.register(Path(f"{self.out}-{rank}.exit").write_text, "exited")
