@@ -61,6 +61,8 @@ def forked_ranks() -> bool:
 
 #: ``os.environ`` when the ranks' server was forked early (:func:`fork_server_early`); None: no such server.
 _forked_at: dict[str, str] | None = None
+#: The names in ``sys.modules`` then.
+_modules_at_fork: set[str] = set()
 
 
 def torchrun_args() -> list[str]:
@@ -78,11 +80,13 @@ def fork_server_early() -> None:
     itself: a fork made later, once the launcher has imported them, is not made (a rank would keep
     what they read from the launcher's environment, or import them twice). What the launcher sets in
     its environment for the ranks after this reaches each rank through its arguments
-    (:func:`torchrun_args`). Nothing happens where a fork is not safe or not wanted
+    (:func:`torchrun_args`); the installed packages it imports meanwhile (a Hugging Face model's
+    ``transformers``), the server imports before it forks a rank (:func:`rank_server`). Nothing happens
+    where a fork is not safe or not wanted
     (``PIMM_RANK_START``): :func:`rank_server` starts the server then. :func:`stop_early` stops it if
     the launch ends before its ranks start.
     """
-    global _forked_at
+    global _forked_at, _modules_at_fork
     if _forked_at is not None or not forked_ranks() or os.environ.get(RANK_START_ENV, "") == "server":
         return
     import torch  # noqa: F401  (the launcher imports it to check the config anyway: the server inherits it)
@@ -90,7 +94,7 @@ def fork_server_early() -> None:
     forkserver.stop()  # (one left by an earlier launch in this process)
     try:
         if forkserver.fork(PRELOAD):
-            _forked_at = dict(os.environ)
+            _forked_at, _modules_at_fork = dict(os.environ), set(sys.modules)
     except OSError:
         pass  # (rank_server starts a server later, and says why it cannot)
 
@@ -127,7 +131,10 @@ def rank_server(wanted: bool = True) -> Iterator[bool]:
         stop_early()
         yield False
         return
-    if _forked_at is None:  # (else the server forked early, fork_server_early, serves the ranks)
+    if _forked_at is not None:  # the server forked early (fork_server_early) serves the ranks: it imports
+        # what this launcher imported since from installed packages (the config's transformers, timm)
+        forkserver.preload_more(forkserver.installed_since(_modules_at_fork))
+    else:
         forkserver.stop()  # (one left by an earlier launch in this process holds that launch's environment)
         try:
             # a fork of this launcher, which has imported torch, unless user code is imported too (or

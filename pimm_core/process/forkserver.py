@@ -22,6 +22,7 @@ their parent) while they are still stopping cleanly.
 from __future__ import annotations
 
 import atexit
+import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -61,12 +62,28 @@ def fork(preload: list[str]) -> bool:
     if that is safe now; else start nothing. True if it was started so (False also if one runs).
 
     For a process that will import what must not be in the server later (the launcher, before it
-    imports the config's user code to check it).
+    imports the config's user code to check it). The server imports ``preload`` at once, then waits
+    for :func:`preload_more` (or this process's :func:`stop`, or its exit) before it serves a child.
 
     Raises:
         OSError: the server's socket could not be made.
     """
-    return bool(_with_signals_blocked(preload, lambda: _fork_server(preload)))
+    return bool(_with_signals_blocked(preload, lambda: _fork_server(preload, wait_for_more=True)))
+
+
+#: The write end of the pipe a server started by :func:`fork` reads more preload names from.
+_more_fd: int | None = None
+
+
+def preload_more(names: list[str]) -> None:
+    """Have the server :func:`fork` started import ``names`` (modules; one that fails to import is
+    skipped) besides its ``preload``, and then serve. No effect without such a server waiting."""
+    global _more_fd
+    if _more_fd is None:
+        return
+    fd, _more_fd = _more_fd, None
+    with os.fdopen(fd, "wb") as pipe:  # (the server reads to the end: more than a pipe's buffer is fine)
+        pipe.write(json.dumps(names).encode())
 
 
 def _with_signals_blocked(preload: list[str], start_server):
@@ -98,6 +115,7 @@ def can_stop() -> bool:
 def stop() -> None:
     """Stop this process's fork server if it runs (its children live on; a later :func:`start`
     starts a fresh one, with the environment of that moment)."""
+    preload_more([])  # (a server still waiting for more names serves nothing: it reads them first)
     server = multiprocessing.forkserver._forkserver
     if getattr(server, "_forkserver_pid", None) is not None and can_stop():
         server._stop()
@@ -161,7 +179,22 @@ def user_modules() -> list[str]:
     return sorted(name for name, module in list(sys.modules.items()) if _kind(name, module) == "user")
 
 
-def _fork_server(preload: list[str]) -> bool:
+def installed_since(before: set[str]) -> list[str]:
+    """The modules imported since ``before`` (names in ``sys.modules`` then) from installed packages
+    (``site-packages``: transformers, timm, ...; not the standard library, pimm or user code), in the
+    order they were imported; none while a Python thread runs besides this one (one of them may have
+    started it: a server that imports them could then fork a child with a lock held)."""
+    import sysconfig
+
+    if not _one_thread():
+        return []
+    sites = {os.path.join(sysconfig.get_paths()[key], "") for key in ("purelib", "platlib")}
+    return [name for name, module in list(sys.modules.items())
+            if name not in before and _kind(name, module) == "installed"
+            and os.path.abspath(getattr(module, "__file__", None) or "/").startswith(tuple(sites))]
+
+
+def _fork_server(preload: list[str], wait_for_more: bool = False) -> bool:
     """Start multiprocessing's fork server as a fork of this process, as ``ensure_running`` starts it
     by ``exec`` (the same socket, "alive" pipe and bookkeeping). False, starting nothing, where a
     fork is not safe (another thread could hold a lock the fork would copy held), where this process
@@ -171,7 +204,11 @@ def _fork_server(preload: list[str]) -> bool:
     would hold the launcher's values in every child. Nor can it be forgotten and imported again in
     the child, as pimm's modules are: installed libraries keep what it registered with them at import
     (``torch.serialization.add_safe_globals``, pytree nodes, ``AutoConfig.register``), so the child
-    would hold two classes of one name, one of them stale, or fail on a second registration."""
+    would hold two classes of one name, one of them stale, or fail on a second registration.
+
+    ``wait_for_more``: the server first reads a JSON list of more modules to preload from a pipe
+    (:func:`preload_more`; end of file: none)."""
+    global _more_fd
     server = multiprocessing.forkserver._forkserver
     if server._forkserver_pid is not None or not _one_thread() or user_modules():
         return False
@@ -181,22 +218,48 @@ def _fork_server(preload: list[str]) -> bool:
         os.chmod(address, 0o600)
         listener.listen()
         alive_r, alive_w = os.pipe()
+        more_r, more_w = os.pipe() if wait_for_more else (-1, -1)
         pid = os.fork()
         if pid == 0:  # the server: it never returns from here
             code = 1
             try:
                 os.close(alive_w)
-                _become_fresh(keep=(listener.fileno(), alive_r))
+                if more_w >= 0:
+                    os.close(more_w)
+                _become_fresh(keep=(listener.fileno(), alive_r, more_r))
+                if more_r >= 0:  # preload while the parent goes on, then what it names
+                    _import_quietly(preload)
+                    with os.fdopen(more_r, "rb") as pipe:
+                        _import_quietly(json.loads(pipe.read() or b"[]"))
                 multiprocessing.forkserver.main(listener.fileno(), alive_r, preload)
             except SystemExit:  # (its way out: the last holder of the "alive" pipe is gone)
                 code = 0
             finally:
                 os._exit(code)
         os.close(alive_r)
+        if more_r >= 0:
+            os.close(more_r)
+            _more_fd = more_w
     server._forkserver_address = address
     server._forkserver_alive_fd = alive_w
     server._forkserver_pid = pid
     return True
+
+
+def _import_quietly(names: list[str]) -> None:
+    """Import ``names`` in order, skipping any that fails however it fails (multiprocessing's preload
+    skips only an ``ImportError``, and any other error would end the server), with no warning shown:
+    the process that asked imported them already, and said what they say."""
+    import importlib
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001  (a child imports it again itself, and sees the error there)
+                pass
 
 
 def _become_fresh(keep: tuple[int, ...]) -> None:

@@ -119,3 +119,61 @@ def test_a_launcher_that_imported_user_code_starts_a_fresh_server(tmp_path: Path
     assert seen["user_modules"] == ["usermod"], seen
     assert seen["server_cmdline"] != seen["own_cmdline"], seen  # `python -c 'from multiprocessing.forkserver ...'`
     assert "forkserver" in seen["server_cmdline"], seen
+
+
+_EARLY = """
+import json, multiprocessing, os, sys, time
+import torch
+sys.path.insert(0, {here!r})
+from pimm_core.process import forkserver
+
+if {stop_first!r}:  # a launch that ends before its ranks start (its config refused): the waiting server ends too
+    assert forkserver.fork([])
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    t0 = time.monotonic()
+    forkserver.stop()
+    print(json.dumps({{"stopped_in": time.monotonic() - t0, "server_gone": not os.path.exists(f"/proc/{{server}}")}}))
+    sys.exit(0)
+assert forkserver.fork([])  # before the launcher imports the config's code
+before = set(sys.modules)
+import usermod  # the config's target: user code
+import xxhash  # what it imports from an installed package
+forkserver.preload_more(forkserver.installed_since(before))
+import child
+ctx = multiprocessing.get_context("forkserver")
+queue = ctx.SimpleQueue()
+proc = ctx.Process(target=child.probe, args=(queue,))
+proc.start()
+seen = queue.get()
+proc.join()
+print(json.dumps(seen))
+"""
+
+_EARLY_CHILD = """
+import sys
+
+def probe(queue):
+    queue.put({"xxhash": "xxhash" in sys.modules, "usermod": "usermod" in sys.modules,
+               "child_of_fork": True})
+"""
+
+
+def test_a_server_forked_before_user_code_preloads_the_installed_packages_it_imported(tmp_path: Path) -> None:
+    """The launcher forks the ranks' server before it imports a config's user code; the installed packages that
+    code imported (transformers for a Hugging Face model) are imported by the server before its first child, so
+    each rank does not import them again; the user's module itself is not."""
+    (tmp_path / "usermod.py").write_text(_USERMOD)
+    (tmp_path / "child.py").write_text(_EARLY_CHILD)
+    out = subprocess.run([sys.executable, "-c", _EARLY.format(here=str(tmp_path), stop_first=False)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {"xxhash": True, "usermod": False, "child_of_fork": True}, seen
+
+
+def test_a_server_waiting_for_its_preload_list_stops_with_the_launch(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", _EARLY.format(here=str(tmp_path), stop_first=True)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["server_gone"], seen  # (stop() waits for it: no deadlock on the pipe it was reading)
