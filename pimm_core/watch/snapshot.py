@@ -89,6 +89,9 @@ class RunSnapshot:
     memory: tuple[MemoryStep, ...] = ()
     #: ``recovered from memory at step 120 (restart 1)``: status.json's latest recovery, or None
     recovery: str | None = None
+    #: saves replaced the checkpoints during every read of this poll (a run saving in quick succession):
+    #: ``candidates`` and ``chosen`` are the previous poll's, none at the first; the next poll reads again
+    checkpoints_changed: bool = False
 
     def frame_of(self, rank: int) -> str | None:
         return next((f for r, f in self.frames if r == rank), None)
@@ -110,6 +113,7 @@ class RunReader:
         self.log = LogTail(self.run_dir / LOG)
         self.checkpoint_every_s = checkpoint_every_s
         self._cands: tuple[tuple[Candidate, ...], str | None, tuple[Any, ...]] = ((), None, ())
+        self._changed = False  # (the last read of the candidates was overtaken by saves: RunSnapshot.checkpoints_changed)
         self._ids: tuple[tuple[Any, ...], ...] = ()
         self._cands_at = 0.0
         self._model_key: Any = None
@@ -145,6 +149,7 @@ class RunReader:
         if not force and key == self._model_key and now - self._cands_at < self.checkpoint_every_s:
             return self._cands
         self._cands_at = now
+        self._changed = False
         # A save that rotates `last` (or replaces a file and then its sidecar) while the
         # candidates are hashed can make an intact checkpoint look corrupt for a moment:
         # read again until model/ did not change during the read (at most 3 times).
@@ -152,6 +157,7 @@ class RunReader:
             try:
                 chosen, cands = select_resume(model)
             except GenerationChanged:
+                self._changed = True
                 return self._cands  # saves kept replacing `last`: what was shown stays, read again next poll
             except OSError:
                 chosen, cands = None, []
@@ -233,6 +239,8 @@ class RunReader:
         nonfinite = tuple(dataclasses.replace(n) for n in m.nonfinite.values())
         if nonfinite:
             problems.append("; ".join(n.note() for n in nonfinite))
+        if self._changed and not cands:
+            problems.append("checkpoints: saves replaced them while they were read; read again at the next refresh")
         bad_manifests = [c.name for c in cands if c.manifest_problem]
         if bad_manifests:
             problems.append(f"damaged manifest: {', '.join(bad_manifests)}")
@@ -273,6 +281,6 @@ class RunReader:
             nonfinite=nonfinite, candidate_ids=self._ids, ranks=ranks, lagging=tuple(b.rank for b in lagging),
             metrics_history=m.history_pending,
             stragglers=tuple(b.rank for b, _ in slow), frames=self._ranks[2],
-            tiers=tiers, memory=memory, recovery=recovery_text(st.recovery),
+            tiers=tiers, memory=memory, recovery=recovery_text(st.recovery), checkpoints_changed=self._changed,
         )
 

@@ -184,8 +184,33 @@ def _load_weights(net: torch.nn.Module, model_dir: Path, proc: subprocess.Popen)
 def _console(reader: RunReader, model_dir: Path) -> str | None:
     """The console's poll selects a checkpoint and calls none corrupt; its verify never fails `last`."""
     snap = reader.poll(force_checkpoints=True)
+    if snap.checkpoints_changed and snap.chosen is None:  # (saves overtook every read of the first poll: it
+        return "retry"  # says so, and shows the checkpoints at the next; seen under a loaded suite)
     verdict = verify_checkpoint(model_dir, "last", settle_s=0.01)
     corrupt = [c.name for c in snap.candidates if c.verify_problems]
     if snap.chosen is None or corrupt or verdict.outcome == "failed":
         return f"chosen {snap.chosen}, corrupt {corrupt}, verify {verdict.outcome} {verdict.problems}"
     return None
+
+
+def test_a_poll_overtaken_by_saves_says_so_and_keeps_what_it_showed(trained_run, monkeypatch) -> None:
+    """When saves replace the checkpoints during every read of a poll (select_resume gives up with
+    GenerationChanged, as a run saving every step on a loaded machine makes it), the console keeps what
+    it showed and the snapshot says why; at the first poll, with nothing shown yet, it says so in a note."""
+    from pimm_core.checkpoint.records.generation import GenerationChanged
+    from pimm_core.watch import snapshot
+
+    shown = RunReader(trained_run.run_dir)
+    first = shown.poll(force_checkpoints=True)
+    assert first.chosen is not None and not first.checkpoints_changed, first.problems
+
+    def overtaken(model_dir):
+        raise GenerationChanged(f"{model_dir} changed while reading")
+
+    monkeypatch.setattr(snapshot, "select_resume", overtaken)
+    again = shown.poll(force_checkpoints=True)
+    assert again.checkpoints_changed and again.chosen == first.chosen, again
+    assert again.candidates == first.candidates
+    fresh = RunReader(trained_run.run_dir).poll(force_checkpoints=True)
+    assert fresh.checkpoints_changed and fresh.chosen is None, fresh
+    assert any("replaced them while they were read" in p for p in fresh.problems), fresh.problems
