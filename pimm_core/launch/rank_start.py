@@ -175,9 +175,14 @@ def run_rank(argv: list[str], script: str | None = None, environ: str = "{}") ->
     it returns), or raises ``SystemExit`` with the rank's non-zero exit code.
     """
     change = json.loads(environ)
+    # torchrun's agent set this rank's own variables (RANK, LOCAL_RANK, MASTER_PORT, ...) before this call: the
+    # launcher's change never replaces them (user code the launcher imported may have set one, MASTER_PORT by
+    # setdefault say), as a rank started as `python -m` gets the agent's values over the launcher's environment
+    own = _agent_env()
     for name in change.get("unset", ()):
-        os.environ.pop(name, None)
-    os.environ.update(change.get("set", {}))  # (torchrun's agent set the rank's own: RANK, ... are not in it)
+        if name not in own:
+            os.environ.pop(name, None)
+    os.environ.update({name: value for name, value in change.get("set", {}).items() if name not in own})
     os.setsid()  # its own session, as torchrun gives a rank it starts: only the launcher gets a terminal's ^C
     forkserver.leave_parent_server()  # it dies with the launcher, and this rank with it (lock.follow_launcher)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, forkserver.STOP_SIGNALS)  # (blocked in the server; pending ones arrive now)
@@ -209,6 +214,25 @@ def run_rank(argv: list[str], script: str | None = None, environ: str = "{}") ->
     if code:
         raise SystemExit(code)
     _hand_back()
+
+
+#: What torchrun's agent sets for each rank (``LocalElasticAgent._start_workers``): names kept where
+#: :func:`_agent_env` cannot read the agent's own mapping (another torch).
+_AGENT_NAMES = ("RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+                "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+                "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ERROR_FILE", "CUDA_VISIBLE_DEVICES")
+
+
+def _agent_env() -> set[str]:
+    """The names of the variables torchrun's agent set for this rank: the keys of ``env_`` in torch's
+    ``_wrap``, which runs this rank's function; else those of :data:`_AGENT_NAMES` set here."""
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "_wrap" and isinstance(frame.f_locals.get("env_"), dict)):
+        frame = frame.f_back
+    if frame is not None:
+        return set(frame.f_locals["env_"])
+    return {name for name in _AGENT_NAMES if name in os.environ}
 
 
 def _hand_back() -> None:

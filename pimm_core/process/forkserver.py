@@ -161,8 +161,11 @@ def _kind(name: str, module: object) -> str:
     ``sys.prefix``/``base_prefix``), ``"ours"`` (pimm's packages), ``"site"`` (a site hook) or
     ``"user"`` (any other module loaded from a file: code outside the installation)."""
     path = getattr(module, "__file__", None)
-    if not isinstance(path, str) or not os.path.isabs(path) or name == "__main__":
-        return "installed"  # (built-in, frozen or namespace modules, torch.ops' names; the launcher's script)
+    main = name == "__main__" or module is sys.modules.get("__main__")
+    if not isinstance(path, str) or not os.path.isabs(path) or main:
+        # (built-in, frozen or namespace modules, torch.ops' names; the launcher's script, also under the name
+        # `import multiprocessing` gives it, __mp_main__: `python -m pimm_core.cli` from a source checkout)
+        return "installed"
     if name.split(".", 1)[0] in _OURS:
         return "ours"
     if name in _SITE_HOOKS:

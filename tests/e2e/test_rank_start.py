@@ -96,3 +96,55 @@ def test_a_stop_signal_to_the_launcher_ends_it_once_the_forked_ranks_saved(tmp_p
     assert launcher.returncode == 0, out[-3000:]
     assert read_json(run / "status.json")["state"] == "stopped"
     assert "pimm resume" in out
+
+
+_SETS_AT_IMPORT = '''
+import json
+import os
+from pathlib import Path
+
+from torch import nn
+
+# at import, in the launcher (which imports the model's module to check the config) as in each rank: set only
+# where unset
+os.environ.setdefault("ROLE_NAME", "set-by-user-code")
+os.environ.setdefault("LOCAL_WORLD_SIZE", "7")
+
+
+def net() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+
+
+class Probe:
+    def __init__(self, out: str):
+        self.out, self.done = out, False
+
+    def on_step_end(self, trainer):
+        if not self.done:
+            self.done = True
+            names = ("RANK", "LOCAL_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "PIMM_LAUNCHER_PID")
+            Path(f"{self.out}-{trainer.info.rank}.json").write_text(json.dumps({n: os.environ.get(n) for n in names}))
+'''
+
+
+def test_what_user_code_sets_in_the_launcher_never_replaces_a_ranks_own_variables(tmp_path):
+    """User code the launcher imports to check the config may set a variable torchrun's agent sets for each rank
+    (``os.environ.setdefault("MASTER_PORT", ...)`` at import, as tutorials do: the ranks then met at that port
+    and hung). The launcher's changes since the ranks' server was forked reach each rank, but the agent's own
+    values win, as for a rank started as ``python -m`` (its environment: the launcher's, then the agent's)."""
+    (tmp_path / "setsenv.py").write_text(_SETS_AT_IMPORT)
+    text = DIGITS.read_text()
+    text = text[:text.index("[model]")] + '[model]\ntarget = "setsenv:net"\n\n' + text[text.index("[checkpoint]"):]
+    config = tmp_path / "c.toml"
+    config.write_text(text + '\n[[callbacks]]\ntarget = "setsenv:Probe"\n[callbacks.args]\n'
+                      f'out = "{tmp_path / "seen"}"\n')
+    cmd = [sys.executable, "-m", "pimm_core.cli", "launch", "--train.config", str(config), "--run.root",
+           str(tmp_path / "exp"), "--run.name", "r", "--run.no-timestamp", "--nproc-per-node", "2",
+           "train.max_steps=1", "data.num_workers=0"]
+    result = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=hang_s(300))
+    assert result.returncode == 0, f"{result.stdout[-2000:]}{result.stderr[-2000:]}"
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"seen-{rank}.json").read_text())
+        assert seen["RANK"] == seen["LOCAL_RANK"] == str(rank), seen
+        assert seen["ROLE_NAME"] == "default" and seen["LOCAL_WORLD_SIZE"] == "2", seen  # torchrun's, not the user's
+        assert seen["PIMM_LAUNCHER_PID"], seen  # (what the launcher set after the fork reached the rank)

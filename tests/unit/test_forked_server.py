@@ -177,3 +177,16 @@ def test_a_server_waiting_for_its_preload_list_stops_with_the_launch(tmp_path: P
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["server_gone"], seen  # (stop() waits for it: no deadlock on the pipe it was reading)
+
+def test_the_launchers_main_module_is_not_user_code_under_multiprocessings_name_either(tmp_path: Path) -> None:
+    """``import multiprocessing`` names ``__main__`` ``__mp_main__`` too: for ``python -m pimm_core.cli`` from a
+    source checkout (a file outside the installation) that name counted as user code, and the launcher never
+    forked the ranks' server (a fresh interpreter imported torch again)."""
+    script = tmp_path / "launcher.py"
+    script.write_text("import json, multiprocessing, sys\nfrom pimm_core.process import forkserver\n"
+                      "mains = sorted(m for m in sys.modules if m.endswith('main__'))\n"
+                      "print(json.dumps([mains, forkserver.user_modules()]))\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    mains, user = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "__mp_main__" in mains and user == [], (mains, user)
