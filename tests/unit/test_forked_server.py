@@ -178,6 +178,7 @@ def test_a_server_waiting_for_its_preload_list_stops_with_the_launch(tmp_path: P
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["server_gone"], seen  # (stop() waits for it: no deadlock on the pipe it was reading)
 
+
 def test_the_launchers_main_module_is_not_user_code_under_multiprocessings_name_either(tmp_path: Path) -> None:
     """``import multiprocessing`` names ``__main__`` ``__mp_main__`` too: for ``python -m pimm_core.cli`` from a
     source checkout (a file outside the installation) that name counted as user code, and the launcher never
