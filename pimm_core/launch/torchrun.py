@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from ..config import Config
+from ..faults import point
 from ..errors import RANK_ERRORS_ENV, rank_errors
 from ..process.lock import LauncherLock
 from ..process.shell import PROGRAM_ENV, program, resume_command
@@ -94,6 +95,7 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
     if worker_args is None:
         head, sep, tail = _split_at_dashdash(argv)
         worker_args = ["launch", *head, "--run.name", run_dir.name, "--run.no-timestamp", *sep, *tail]
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
     signals = configured_signals(cfg.train.stop_signals)
@@ -128,15 +130,22 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
         old_pythonpath = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = child_env(config_path)["PYTHONPATH"]
         try:
+            # a stop signal from now until torchrun's agent handles them (it starts the ranks) ends the launch at once
+            stop.handle_with(_stop_at_once(stop))
             if stop.requested:  # asked while this launcher started: no rank is started
-                print(f"stopped ({stop.reason}) before the ranks started: nothing was trained or saved | run {run_dir}",
-                      flush=True)
-                return 0
-            # the ranks' server first (if not forked early): before this process sets anything up for torchrun
-            with rank_server(forked_ranks()) as forked, forwarder or contextlib.nullcontext(), \
-                    watch_restarts(run_dir):
-                _quiet_torchrun()
-                return _run_ranks(run, torchrun_args(forked), run_dir, errors_dir, forwarder)
+                return _stopped_before_ranks(stop, run_dir)
+            try:
+                # the ranks' server first (if not forked early): before this process sets anything up for torchrun
+                with rank_server(forked_ranks()) as forked, forwarder or contextlib.nullcontext(), \
+                        watch_restarts(run_dir):
+                    _quiet_torchrun()
+                    return _run_ranks(run, torchrun_args(forked), run_dir, errors_dir, forwarder)
+            except SignalException as e:
+                if not getattr(e, "before_ranks", False):
+                    raise
+                return _stopped_before_ranks(stop, run_dir)
+            finally:
+                stop.handle_with(None)  # (the ranks are gone: a late signal is a request again)
         finally:
             os.environ.pop(RANK_ERRORS_ENV, None)
             os.environ.pop(LAUNCH_ENV, None)
@@ -149,6 +158,29 @@ def _spawn_claimed(cfg: Config, run_dir: Path, opts: LaunchOptions, argv: list[s
                 os.environ.pop("PYTHONPATH", None)
             else:
                 os.environ["PYTHONPATH"] = old_pythonpath
+
+
+def _stop_at_once(stop: StopRequest):
+    """The launcher's handler of the stop signals between its last look at ``stop`` and torchrun's own
+    handlers (installed as the agent starts the ranks): it requests the stop and raises torchrun's
+    ``SignalException`` (marked ``before_ranks``) wherever the launcher is (the rank server's start, the
+    agent's rendezvous), as torchrun's own handler does, so the agent gives up as it does on a signal. A
+    signal only recorded there was lost: the agent then started the ranks, and they trained to the end."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def handler(signum: int, _frame: object) -> None:
+        sig = signal.Signals(signum)
+        stop.request(f"signal:{sig.name}")
+        e = SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
+        e.before_ranks = True  # type: ignore[attr-defined]
+        raise e
+    return handler
+
+
+def _stopped_before_ranks(stop: StopRequest, run_dir: Path) -> int:
+    print(f"stopped ({stop.reason}) before the ranks started: nothing was trained or saved | run {run_dir}",
+          flush=True)
+    return 0
 
 
 def _quiet_torchrun() -> None:
@@ -169,6 +201,7 @@ def _run_ranks(run, args, run_dir: Path, errors_dir: str, forwarder: SignalForwa
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     try:
+        point("launch.agent_starting")  # (tests: a stop signal here, before torchrun's agent handles them)
         run(args)
     except RendezvousError as e:  # the nodes never met (or no longer can, after a restart): one line, no traceback
         line = _rendezvous_failure(e, args, run_dir)
@@ -178,6 +211,8 @@ def _run_ranks(run, args, run_dir: Path, errors_dir: str, forwarder: SignalForwa
         print(line, file=sys.stderr)
         return 1
     except SignalException as e:
+        if getattr(e, "before_ranks", False):
+            raise  # (no rank started: _spawn_claimed says so)
         # torchrun forwarded the signal to the ranks; they stop cleanly and save `last`. A
         # further signal raises again inside torchrun's wait for the ranks and lands here
         # early: ignore any more and wait for the ranks before reporting.

@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from ..fsio import atomic_write_bytes
 from ..run.entries import STOP_FILE, check_entry, ensure_dir, writable_error
@@ -215,6 +215,16 @@ class StopRequest:
             if sig not in previous:
                 previous[sig] = signal.signal(sig, handler)
         _ever_caught.update(signals)
+
+
+    def handle_with(self, handler: Callable[[int, Any], None] | None) -> None:
+        """Inside :meth:`catch_signals` (main thread): handle the signals caught from now on with
+        ``handler`` (which should :meth:`request` the stop too), or again with the request alone
+        (None); their previous handlers still come back on exit. Outside: nothing."""
+        if self._caught is not None:
+            previous, own = self._caught
+            for sig in previous:
+                signal.signal(sig, own if handler is None else handler)
 
 
 _ever_caught: set[signal.Signals] = set()

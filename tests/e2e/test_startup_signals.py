@@ -153,3 +153,14 @@ def test_a_full_disk_at_startup_is_one_error_line(tmp_path: Path) -> None:
     assert result.returncode == 1 and "Traceback" not in result.stderr, describe(result)
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: No space left on device writing "), lines
+
+
+def test_a_stop_signal_before_torchruns_agent_starts_the_ranks_is_not_lost(tmp_path: Path) -> None:
+    """Seen: a SIGTERM to the launcher after its start-up's last look at the stop request and before
+    torchrun's agent handles the signals (the rendezvous) was recorded and never acted on: the agent started
+    the ranks and they trained to the end. Now the launch ends there, as one caught before it."""
+    result = launch(tmp_path, "s", "train.epochs=2", nproc=2, env=_env(PIMM_FAILPOINT="launch.agent_starting=sigterm"))
+    assert result.returncode == 0 and "Traceback" not in result.stderr, describe(result)
+    assert "stopped (signal:SIGTERM) before the ranks started: nothing was trained or saved" in result.stdout, \
+        describe(result)
+    assert "done:" not in result.stdout and not (tmp_path / "digits" / "s").exists(), describe(result)
