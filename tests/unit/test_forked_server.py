@@ -13,6 +13,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+# (in each parent script) the child started from the server, and what it saw
+_PROBE_CHILD = """\
+import child
+ctx = multiprocessing.get_context("forkserver")
+queue = ctx.SimpleQueue()
+proc = ctx.Process(target=child.probe, args=(queue,))
+proc.start()
+seen = queue.get()
+proc.join()
+"""
+
 _PARENT = """
 import fcntl, json, multiprocessing, os, signal, sys, tempfile
 import torch  # (what the launcher has imported when it starts the server)
@@ -31,14 +42,8 @@ os.environ["PIMM_FAILPOINT"] = os.environ["PROBE"] = "the child's"
 forkserver.start([], fork_this=True)
 server = multiprocessing.forkserver._forkserver._forkserver_pid
 user = forkserver.user_modules()
-import child
-ctx = multiprocessing.get_context("forkserver")
-queue = ctx.SimpleQueue()
-proc = ctx.Process(target=child.probe, args=(queue,))
-proc.start()
-seen = queue.get()
-proc.join()
-seen.update(server_cmdline=open(f"/proc/{{server}}/cmdline").read(), own_cmdline=open("/proc/self/cmdline").read(),
+{probe_child}seen.update(server_cmdline=open(f"/proc/{{server}}/cmdline").read(),
+            own_cmdline=open("/proc/self/cmdline").read(),
             server_parent=int(open(f"/proc/{{server}}/stat").read().rsplit(")", 1)[1].split()[1]), parent=os.getpid(),
             exitcode=proc.exitcode, kept_exists=os.path.isdir(kept.name), user_modules=user)
 print(json.dumps(seen))
@@ -86,7 +91,8 @@ def _run(tmp_path: Path, *, user: bool) -> dict:
     (tmp_path / "child.py").write_text(_CHILD.format(**paths))
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     env.pop("PIMM_FAILPOINT", None)
-    out = subprocess.run([sys.executable, "-c", _PARENT.format(**paths, user=user)], capture_output=True, text=True,
+    script = _PARENT.format(**paths, user=user, probe_child=_PROBE_CHILD)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=300, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])
@@ -139,14 +145,7 @@ before = set(sys.modules)
 import usermod  # the config's target: user code
 import xxhash  # what it imports from an installed package
 forkserver.preload_more(forkserver.installed_since(before))
-import child
-ctx = multiprocessing.get_context("forkserver")
-queue = ctx.SimpleQueue()
-proc = ctx.Process(target=child.probe, args=(queue,))
-proc.start()
-seen = queue.get()
-proc.join()
-print(json.dumps(seen))
+{probe_child}print(json.dumps(seen))
 """
 
 _EARLY_CHILD = """
@@ -164,7 +163,8 @@ def test_a_server_forked_before_user_code_preloads_the_installed_packages_it_imp
     each rank does not import them again; the user's module itself is not."""
     (tmp_path / "usermod.py").write_text(_USERMOD)
     (tmp_path / "child.py").write_text(_EARLY_CHILD)
-    out = subprocess.run([sys.executable, "-c", _EARLY.format(here=str(tmp_path), stop_first=False)],
+    script = _EARLY.format(here=str(tmp_path), stop_first=False, probe_child=_PROBE_CHILD)
+    out = subprocess.run([sys.executable, "-c", script],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])
@@ -172,7 +172,8 @@ def test_a_server_forked_before_user_code_preloads_the_installed_packages_it_imp
 
 
 def test_a_server_waiting_for_its_preload_list_stops_with_the_launch(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-c", _EARLY.format(here=str(tmp_path), stop_first=True)],
+    script = _EARLY.format(here=str(tmp_path), stop_first=True, probe_child=_PROBE_CHILD)
+    out = subprocess.run([sys.executable, "-c", script],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])
