@@ -94,6 +94,7 @@ def worker_context(method: str) -> multiprocessing.context.BaseContext:
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         # this is a worker importing the user's script as its __main__, and the script trains
         raise ConfigError(MAIN_GUARD)
+    check_socket_dir()
     if method == "forkserver":
         with _start_lock:
             try:
@@ -102,6 +103,36 @@ def worker_context(method: str) -> multiprocessing.context.BaseContext:
                 _warn_spawn(e)
                 method = "spawn"
     return multiprocessing.get_context(method)
+
+
+#: The longest path a Unix socket may have (``sun_path``: 108 bytes on Linux, with its NUL).
+SOCKET_PATH_MAX = 107
+
+
+def check_socket_dir() -> None:
+    """Refuse, before any worker starts, a temporary directory too deep for the Unix sockets the
+    workers need: whatever starts them, each worker hands its batches' tensors to the rank over one
+    (torch's file-descriptor sharing, through ``multiprocessing.resource_sharer``), made by
+    multiprocessing as ``<tempdir>/pymp-XXXXXXXX/listener-XXXXXXXX``. Past the limit every worker
+    dies on its first batch and the rank waits for batches until ``data.timeout``.
+
+    Raises:
+        ConfigError: names ``$TMPDIR``, the path's length and the fixes.
+    """
+    import os
+    import tempfile
+
+    import torch.multiprocessing
+
+    if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+        return  # ("file_system": shared memory by name, no socket)
+    base = tempfile.gettempdir()
+    longest = len(os.fsencode(os.path.join(base, "pymp-" + "x" * 8, "listener-" + "x" * 8)))
+    if longest > SOCKET_PATH_MAX:
+        raise ConfigError(
+            f"data.num_workers > 0: DataLoader workers pass batches over Unix sockets under the temporary "
+            f"directory {base!r}, whose paths would be {longest} bytes, more than the {SOCKET_PATH_MAX} a socket "
+            "path may have; set TMPDIR to a shorter directory (e.g. TMPDIR=/tmp), or data.num_workers = 0")
 
 
 _warned = False

@@ -108,7 +108,8 @@ def check_config(cfg: Config, config_path: Path | None = None) -> None:
     """Refuse the config values that only building the run would otherwise reject: an
     unknown ``data.name`` or ``model.name``, a wrong target or ``args`` table
     (:func:`pimm_core.train.plugins.check_targets`: user modules are imported, nothing is built),
-    ``train.device = "cuda"`` without CUDA, ``train.amp = "fp16"`` without CUDA.
+    ``train.device = "cuda"`` without CUDA, ``train.amp = "fp16"`` without CUDA, DataLoader workers
+    under a ``$TMPDIR`` too deep for their sockets.
 
     Raises:
         ConfigError: names the key and the values that work.
@@ -119,6 +120,10 @@ def check_config(cfg: Config, config_path: Path | None = None) -> None:
     from ..train.plugins import check_targets
 
     check_targets(cfg, config_path)
+    if cfg.data.num_workers > 0:
+        from ..data.workers import check_socket_dir
+
+        check_socket_dir()  # ($TMPDIR too deep for the workers' sockets: refused here, not at the first batch)
     from ..train.sinks import check_available
 
     check_available(cfg)  # the packages of log.tensorboard, [log.mlflow] and [log.wandb]

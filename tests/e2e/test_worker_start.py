@@ -31,7 +31,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from _helpers import DIGITS, REPO, clean_env, describe, hang_s, read_json
+from _helpers import DIGITS, REPO, clean_env, describe, hang_s, launch, read_json
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -194,3 +194,18 @@ def test_a_dataset_defined_in_an_interactive_session_is_one_config_line():
                        timeout=hang_s(120))
     assert r.stdout.startswith("ConfigError data: the train dataset (Mine) is defined in an interactive session"), \
         describe(r)
+
+
+@pytest.mark.parametrize("nproc", [None, 2])
+def test_a_temporary_directory_too_deep_for_the_workers_sockets_is_one_error_line(tmp_path, nproc):
+    """Seen: with $TMPDIR 80 characters deep and data.num_workers = 2, every worker died on its first batch
+    (``AF_UNIX path too long`` handing the batch's tensors over) and the ranks waited for batches until
+    data.timeout. Refused before the run starts, with the fix named."""
+    deep = tmp_path / ("d" * 40) / ("e" * 40)
+    deep.mkdir(parents=True)
+    result = launch(tmp_path / "exp", "deep", "train.max_steps=2", "data.num_workers=2", nproc=nproc,
+                    env={**clean_env(), "TMPDIR": str(deep)}, timeout=hang_s(120))
+    assert result.returncode != 0 and "Traceback" not in result.stderr, describe(result)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "set TMPDIR to a shorter directory" in errors[0], describe(result)
+    assert not (tmp_path / "exp" / "digits" / "deep").exists()
