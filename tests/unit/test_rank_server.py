@@ -47,11 +47,15 @@ def test_a_server_that_cannot_start_leaves_the_ranks_to_start_as_python_m(tmp_pa
 
 
 def test_dataloader_workers_start_with_spawn_when_their_fork_server_cannot_start(tmp_path):
-    # a rank's DataLoader workers: the same socket-length limit under a long $TMPDIR, one warning, workers by spawn
+    # a rank's DataLoader workers: the same socket-length limit under a long $TMPDIR, one warning, workers by spawn,
+    # where the workers need no socket of their own to hand their batches over (torch's file_system sharing; with
+    # the default, file_descriptor, such a run is refused: tests/e2e/test_worker_start.py)
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     deep.mkdir(parents=True)
     code = ("import logging\n"
             "logging.basicConfig(format='%(message)s')\n"
+            "import torch.multiprocessing\n"
+            "torch.multiprocessing.set_sharing_strategy('file_system')\n"
             "from pimm_core.data.workers import worker_context\n"
             "print(worker_context('forkserver').get_start_method(), worker_context('forkserver').get_start_method())\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
