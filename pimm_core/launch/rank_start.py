@@ -227,12 +227,19 @@ _AGENT_NAMES = ("RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_RANK", "L
 def _agent_env() -> set[str]:
     """The names of the variables torchrun's agent set for this rank: the keys of ``env_`` in torch's
     ``_wrap``, which runs this rank's function; else those of :data:`_AGENT_NAMES` set here."""
-    frame = sys._getframe(1)
-    while frame is not None and not (frame.f_code.co_name == "_wrap" and isinstance(frame.f_locals.get("env_"), dict)):
-        frame = frame.f_back
-    if frame is not None:
-        return set(frame.f_locals["env_"])
+    env = _wrap_local("env_")
+    if isinstance(env, dict):
+        return set(env)
     return {name for name in _AGENT_NAMES if name in os.environ}
+
+
+def _wrap_local(name: str) -> object:
+    """The local ``name`` of torch's ``_wrap`` (``torch.distributed.elastic.multiprocessing.api``), which
+    calls this rank's function, found up the stack; None where it is not there (another torch)."""
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "_wrap" and name in frame.f_locals):
+        frame = frame.f_back
+    return None if frame is None else frame.f_locals[name]
 
 
 def _hand_back() -> None:
@@ -248,12 +255,10 @@ def _hand_back() -> None:
     gone too), so the value is put here and the process ends. Without that queue in reach (another
     torch), this returns, and torch's wrapper puts the value and waits.
     """
-    frame = sys._getframe(1)
-    while frame is not None and not (frame.f_code.co_name == "_wrap" and "ret_val_" in frame.f_locals):
-        frame = frame.f_back
-    if frame is None:
+    ret_val = _wrap_local("ret_val_")
+    if ret_val is None:
         return
-    frame.f_locals["ret_val_"].put(None)
+    ret_val.put(None)  # type: ignore[attr-defined]
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

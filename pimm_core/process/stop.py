@@ -216,7 +216,6 @@ class StopRequest:
                 previous[sig] = signal.signal(sig, handler)
         _ever_caught.update(signals)
 
-
     def handle_with(self, handler: Callable[[int, Any], None] | None) -> None:
         """Inside :meth:`catch_signals` (main thread): handle the signals caught from now on with
         ``handler`` (which should :meth:`request` the stop too), or again with the request alone
