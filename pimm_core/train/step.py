@@ -67,6 +67,29 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
 
 
+def all_finite(grads: list[torch.Tensor]) -> bool | None:
+    """Whether every element of ``grads`` is finite, by one fused pass and one host read; None where
+    the fast path does not apply (not :func:`_plain`: the caller takes the norm instead).
+
+    The pass is torch's own AMP check (:func:`torch._amp_foreach_non_finite_check_and_unscale_`, the
+    one :class:`torch.amp.GradScaler` runs) with an inverse scale of 1: ``x * 1.0`` is ``x`` for
+    every float, NaN and Inf included, so no gradient changes. On the quickstart's MLP it takes
+    ~4 µs against ~12 µs for the norm and its read.
+    """
+    if not _plain(grads):
+        return None
+    key = (grads[0].device, grads[0].dtype)
+    found_inf, one = _AMP_CHECK.get(key) or _AMP_CHECK.setdefault(key, (
+        torch.zeros(1, dtype=torch.float32, device=key[0]), torch.ones(1, dtype=torch.float32, device=key[0])))
+    found_inf.zero_()
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+    return not found_inf.item()
+
+
+#: (device, dtype) -> (found_inf, inverse scale 1.0) of :func:`all_finite`, made once.
+_AMP_CHECK: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """:func:`torch.nn.utils.clip_grad_norm_` (L2; its ops, so its bits) with :func:`total_norm`'s
     fast path; returns the norm before clipping."""
@@ -232,18 +255,25 @@ class WindowStep:
     def gradients_finite(self) -> bool:
         """Unscale, clip (``train.grad_clip``) and say whether the window's gradients are finite;
         :attr:`grad_norm` is the window's total L2 gradient norm before clipping (0-d tensor), or
-        None on a step where nothing reads it (:meth:`norm_unread`: then nothing is computed).
+        None on a step where nothing reads it (:meth:`norm_unread`: then no norm is computed, and
+        the check, unless ``on_nonfinite = "continue"``, is :func:`all_finite`'s).
 
-        The check is on the total gradient norm: after DDP's all-reduce every rank holds
+        The check is on the total gradient norm (or :func:`all_finite`): after DDP's all-reduce every rank holds
         the same gradients, so every rank reaches the same verdict without a collective
         (a NaN loss on one rank makes the averaged gradients NaN everywhere). With
         ``amp = "fp16"`` the GradScaler's own skip-and-rescale handles overflow instead.
         """
-        if self.norm_unread():
+        t = self.train
+        unread = self.norm_unread()
+        if unread and t.on_nonfinite == "continue":
             self.grad_norm = None
             return True
-        t = self.train
         params = [p for p in self._params() if p.grad is not None]
+        if unread:
+            self.grad_norm = None
+            finite = all_finite([p.grad for p in params]) if self._mixed is False else None
+            if finite is not None:
+                return finite  # (else: the norm below, as torch computes it for these gradients)
         if self.scaler.is_enabled():
             self.scaler.unscale_(self.optimizer)  # the norm is of the true gradients
         if self._mixed is not False and mixed_grads(params):  # TP: DTensors of several meshes and plain tensors
@@ -261,16 +291,17 @@ class WindowStep:
 
     def norm_unread(self) -> bool:
         """Whether nothing reads this window's gradient norm: no clipping (``train.grad_clip`` unset
-        or 0), no fp16 GradScaler, ``train.on_nonfinite = "continue"`` (no verdict to act on: "stop"
-        and "skip" check every step) and no train record written at this step (``records_next``).
+        or 0), no fp16 GradScaler and no train record written at this step (``records_next``).
 
-        Then :meth:`gradients_finite` computes nothing: on the quickstart's MLP the norm is a
-        few percent of a step. Without clipping the norm changes no gradient, so skipping it
-        changes no bit of training; every rank skips the same steps (FSDP's norm is a collective).
+        Then :meth:`gradients_finite` computes no norm: on the quickstart's MLP the norm is a
+        few percent of a step. ``train.on_nonfinite = "continue"`` then checks nothing; "stop" and
+        "skip" check that the gradients are finite by :func:`all_finite` (plain tensors; a DTensor's
+        check is the norm, a collective that every rank takes at the same steps). Without clipping
+        the norm changes no gradient, so skipping it changes no bit of training.
         """
         t = self.train
-        return (self.records_next is not None and not t.grad_clip and t.on_nonfinite == "continue"
-                and not self.scaler.is_enabled() and not self.records_next())
+        return (self.records_next is not None and not t.grad_clip and not self.scaler.is_enabled()
+                and not self.records_next())
 
     def _params(self) -> list[nn.Parameter]:
         """The model's parameters, listed once per :meth:`windows` call (like the optimizer's, they

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 
-from _helpers import DIGITS, REPO, clean_env, describe, free_port, hang_s, pimm, pimm_here, read_json, read_jsonl
+from _helpers import DIGITS, REPO, clean_env, describe, free_port, hang_s, newest_train_step, pimm, pimm_here, read_json, read_jsonl
 from pimm_core.checkpoint.records.manifest import verify_files
 
 OVERRIDES = ("train.epochs=3", "train.log_every_steps=1")  # 23 steps per epoch at world size 2
@@ -117,14 +117,16 @@ class TwoNodes:
                 a.kill()
 
     def wait_training(self, min_step: int) -> dict[str, Any]:
-        """Wait until status.json says ``running`` at ``min_step`` or later; returns it."""
+        """Wait until status.json says ``running`` and metrics.jsonl has a train record at
+        ``min_step`` or later; returns the status with ``step`` the newest step logged."""
         deadline = time.monotonic() + TIMEOUT
         while time.monotonic() < deadline:
             if any(a.proc.poll() is not None for a in self.agents):
                 self.fail(f"an agent ended before step {min_step}")
             status = read_json(self.run_dir / "status.json") if (self.run_dir / "status.json").exists() else {}
-            if status.get("state") == "running" and status.get("step", -1) >= min_step:
-                return status
+            step = newest_train_step(self.run_dir / "metrics.jsonl")
+            if status.get("state") == "running" and step is not None and step >= min_step:
+                return {**status, "step": step}
             time.sleep(0.05)
         self.fail(f"no status 'running' at step >= {min_step} within {TIMEOUT} s")
 

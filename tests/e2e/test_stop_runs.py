@@ -2,7 +2,8 @@
 
 Every case launches ``python -m pimm_core.cli launch`` in its own session
 (``start_new_session=True``) so a signal reaches the launcher (or one rank) alone, and
-waits until ``status.json`` says the run is training before signalling.
+waits until ``status.json`` says the run is running and ``metrics.jsonl`` has a step of this
+session's before signalling.
 
 To keep the suite short each world size runs one *chain* of sessions on one run
 directory, each session ended a different way, and the last one resumed to the end:
@@ -34,13 +35,13 @@ from typing import Any
 
 import pytest
 
-from _helpers import DIGITS, REPO, clean_env, describe, hang_s, launch, pimm, pimm_here, read_json
+from _helpers import DIGITS, REPO, clean_env, describe, hang_s, launch, newest_train_step, pimm, pimm_here, read_json
 from pimm_core.launch.forward import live_processes
 from pimm_core.checkpoint.select.selection import select_resume
 from pimm_core.process.shell import program
 from pimm_core.process.stop import stop_file, write_stop_file
 
-# dropout on, two DataLoader workers per rank, status.json updated every step (so the
+# dropout on, two DataLoader workers per rank, a metrics.jsonl record every step (so the
 # test can see progress); the reference runs use exactly the same overrides.
 COMMON = ("model.dropout=0.3", "data.num_workers=2", "train.log_every_steps=1")
 # 45 steps per epoch, 360 in all: about 3 s on an idle core, so that `pimm stop` (a CLI start
@@ -82,6 +83,8 @@ class Session:
             args.append("--train.resume")
         args += ["--", *overrides]
         self.run_dir = root / "digits" / name
+        metrics = self.run_dir / "metrics.jsonl"
+        self.metrics_from = metrics.stat().st_size if metrics.exists() else 0  # (this session's records after it)
         self.log_path = root / f"{tag}.out"
         self._out = open(self.log_path, "w")
         self.started = time.monotonic()
@@ -104,7 +107,8 @@ class Session:
         return (f"exit {self.proc.returncode}\n--- output\n{self.output()[-4000:]}\n--- train.log tail\n{tail}")
 
     def wait_training(self, min_step: int) -> dict[str, Any]:
-        """Wait until status.json says ``running`` at ``min_step`` or later; returns it."""
+        """Wait until status.json says ``running`` and this session has logged step ``min_step`` or
+        later (metrics.jsonl); returns the status with ``step`` the newest step logged."""
         deadline = time.monotonic() + TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -113,8 +117,9 @@ class Session:
                 status = json.loads((self.run_dir / "status.json").read_text())
             except (OSError, ValueError):
                 status = {}
-            if status.get("state") == "running" and status.get("step", -1) >= min_step:
-                return status
+            step = newest_train_step(self.run_dir / "metrics.jsonl", self.metrics_from)
+            if status.get("state") == "running" and step is not None and step >= min_step:
+                return {**status, "step": step}
             time.sleep(0.02)
         self.kill()
         pytest.fail(f"no status 'running' at step >= {min_step} within {TIMEOUT} s:\n{self.describe()}")

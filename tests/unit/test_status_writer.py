@@ -94,3 +94,26 @@ def test_a_record_the_writer_thread_cannot_encode_fails_the_next_logged_step(tmp
     rec.close()  # (the thread has written, or failed to, once this returns)
     with pytest.raises(TypeError, match="not JSON serializable"):
         rec.heartbeat()
+
+
+def test_logged_steps_are_written_at_most_once_an_interval_the_newest_at_close(tmp_path: Path) -> None:
+    # (a small model logs every few ms: each record handed over is not a file replacement; the
+    # newest is, min_interval_s after the previous write, and close() writes the one waiting at once)
+    from pimm_core.run import StatusWriter
+
+    written: list[int] = []
+    first = threading.Event()
+    writer = StatusWriter(tmp_path, lambda e: (written.append(read_json(tmp_path / "status.json")["step"]),
+                                               first.set()), min_interval_s=3600.0)
+    writer.post({"step": 1})
+    assert first.wait(30), "the first record was never written"  # (the first one at once)
+    for step in range(2, 50):
+        writer.post({"step": step})
+    assert read_json(tmp_path / "status.json")["step"] == 1  # (the next write waits an hour)
+    closing = threading.Thread(target=writer.close)
+    closing.start()
+    closing.join(60)  # (a timeout that only catches close() waiting the hour out)
+    assert not closing.is_alive(), "close() waited for the interval instead of writing the newest record"
+    assert written == [1, 49]  # the newest, once; none of those it replaced
+    writer.write("stopped", {"step": 50})  # a state change: at once
+    assert read_json(tmp_path / "status.json")["state"] == "stopped" and written[-1] == 50

@@ -1,8 +1,9 @@
 """The small-model step's fast paths give the bits of the general ones: the lean gradient norm and
 clipping are torch's, the training loss of the built-in classification is its evaluation loss, the
 host-side window average matches the device-side one, the EMA follows its parameters, and the
-gradient norm is computed only on a step where something reads it (a record, clipping, or an
-``on_nonfinite`` policy that acts on a NaN/Inf gradient)."""
+gradient norm is computed only on a step where something reads it (a record or clipping; an
+``on_nonfinite`` policy that acts on a NaN/Inf gradient checks the other steps with one fused pass
+that changes no bit)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pimm_core.errors import TrainingError
 from pimm_core.train.ema import EMA
 from pimm_core.objectives import BUILTIN, Objective, classification, classification_loss
 from pimm_core.train.state import TrainState
-from pimm_core.train.step import WindowStep, clip_grad_norm, total_norm
+from pimm_core.train.step import WindowStep, all_finite, clip_grad_norm, total_norm
 from pimm_core.train.window_average import WindowAverage, WindowLoss
 
 
@@ -51,6 +52,20 @@ def test_total_norm_and_clipping_are_torch_bit_for_bit():
             assert torch.equal(clip_grad_norm(list(ours.parameters()), max_norm),
                                torch.nn.utils.clip_grad_norm_(list(theirs.parameters()), max_norm))
             assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters()))
+
+
+def test_the_fused_finite_check_finds_nan_and_inf_and_changes_no_bit():
+    tiny = torch.finfo(torch.float32).tiny / 4  # (a subnormal)
+    grads = [torch.tensor([0.0, -0.0, tiny, -tiny, 3.4e38]), torch.randn(4, 3)]
+    before = [g.clone() for g in grads]
+    assert all_finite(grads) is True
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(grads, before))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        grads[1][2, 1] = bad
+        assert all_finite(grads) is False
+        assert all_finite([grads[0]]) is True  # (the flag is cleared between calls)
+    assert all_finite([torch.ones(2, dtype=torch.bfloat16), torch.ones(2)]) is None  # mixed dtypes: the norm's way
+    assert all_finite([]) is None
 
 
 def test_mixed_dtypes_go_through_torch():
@@ -138,27 +153,33 @@ def test_ema_follows_the_parameters_it_was_made_from():
 
 
 # ----------------------------------------------------------------------------------------------
-# The gradient norm is computed only where something reads it (WindowStep.norm_unread): a record,
-# clipping, or an on_nonfinite policy that acts on a NaN/Inf gradient.
+# The gradient norm is computed only where something reads it (WindowStep.norm_unread): a record or
+# clipping. An on_nonfinite policy that acts on a NaN/Inf gradient ("stop", "skip") checks the
+# other steps with one fused finiteness pass (step.all_finite); "continue" checks nothing.
 
 DIGITS = Path(__file__).resolve().parents[2] / "configs" / "digits.toml"
 STEPS, LOG_EVERY = 12, 5
 RECORD_STEPS = [1, 5, 10, 12]  # every log_every_steps, step 1 and the run's last step
+OTHER_STEPS = [s for s in range(1, STEPS + 1) if s not in RECORD_STEPS]
 
 
 class NormsTaken(TorchFunctionMode):
     """The steps (the ``global_step`` being taken) of ``trainer`` at which torch computed a
-    gradient norm: every way to it in the step (the lean :func:`total_norm`, clipping, torch's
-    ``get_total_norm``) starts with ``torch._foreach_norm``, which nothing else of these runs
-    calls. Observed as torch is called (a function mode), with nothing replaced."""
+    gradient norm (:attr:`steps`) and at which it ran the fused finiteness check (:attr:`checks`):
+    every way to a norm in the step (the lean :func:`total_norm`, clipping, torch's
+    ``get_total_norm``) starts with ``torch._foreach_norm``, the check is
+    ``torch._amp_foreach_non_finite_check_and_unscale_``, and nothing else of these runs calls
+    either. Observed as torch is called (a function mode), with nothing replaced."""
 
     def __init__(self, trainer: Trainer):
         super().__init__()
-        self.trainer, self.steps = trainer, []
+        self.trainer, self.steps, self.checks = trainer, [], []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch._foreach_norm:
             self.steps.append(self.trainer.state.global_step + 1)
+        elif func is torch._amp_foreach_non_finite_check_and_unscale_:
+            self.checks.append(self.trainer.state.global_step + 1)
         return func(*args, **(kwargs or {}))
 
 
@@ -174,11 +195,12 @@ def _train(tmp_path: Path, name: str, *overrides: str, objective=None):
     return trainer, applied
 
 
-def _run(trainer: Trainer) -> list[int]:
-    """Train; the steps at which a gradient norm was computed (:class:`NormsTaken`)."""
+def _run_checked(trainer: Trainer) -> tuple[list[int], list[int]]:
+    """Train; the steps at which a gradient norm was computed, and those at which the fused
+    finiteness check ran (:class:`NormsTaken`)."""
     with NormsTaken(trainer) as norms:
         trainer.train()
-    return norms.steps
+    return norms.steps, norms.checks
 
 
 def _train_records(run: Path) -> list[dict]:
@@ -187,30 +209,29 @@ def _train_records(run: Path) -> list[dict]:
 
 
 def test_without_a_reader_the_norm_is_computed_only_at_record_steps_and_training_is_unchanged(tmp_path):
-    """``on_nonfinite = "continue"`` and no clipping: only a record reads the norm. It is computed
-    at those steps (and logged, the same value as when it is computed every step); the weights
-    are the same bits as a run that computes it every step ("stop": the check every step)."""
-    lean, _ = _train(tmp_path, "lean", "train.grad_clip=0", 'train.on_nonfinite="continue"')
-    assert _run(lean) == RECORD_STEPS
-    every, _ = _train(tmp_path, "every", "train.grad_clip=0", 'train.on_nonfinite="stop"')
-    assert _run(every) == list(range(1, STEPS + 1))
-    lean_records, every_records = _train_records(tmp_path / "lean"), _train_records(tmp_path / "every")
-    assert [r["step"] for r in lean_records] == RECORD_STEPS
-    assert all(r["grad_norm"] > 0 for r in lean_records), lean_records
-    assert [(r["step"], r["grad_norm"], r["loss"]) for r in lean_records] == [
-        (r["step"], r["grad_norm"], r["loss"]) for r in every_records]
-    for a, b in zip(lean.model.state_dict().values(), every.model.state_dict().values()):
-        assert torch.equal(a, b)
+    """No clipping: only a record reads the norm. It is computed at those steps (and logged);
+    ``"continue"`` checks nothing else, ``"stop"`` and ``"skip"`` run the fused finiteness check
+    at every other step. The check changes no gradient: the weights and the logged norms and
+    losses of the three are the same bits."""
+    runs = {}
+    for policy in ("continue", "stop", "skip"):
+        trainer, _ = _train(tmp_path, policy, "train.grad_clip=0", f'train.on_nonfinite="{policy}"')
+        norms, checks = _run_checked(trainer)
+        assert norms == RECORD_STEPS, policy
+        assert checks == ([] if policy == "continue" else OTHER_STEPS), policy
+        records = _train_records(tmp_path / policy)
+        assert [r["step"] for r in records] == RECORD_STEPS
+        assert all(r["grad_norm"] > 0 for r in records), records
+        runs[policy] = ([(r["step"], r["grad_norm"], r["loss"]) for r in records], trainer.model.state_dict())
+    for policy in ("stop", "skip"):
+        assert runs[policy][0] == runs["continue"][0]
+        for a, b in zip(runs[policy][1].values(), runs["continue"][1].values()):
+            assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("overrides", [
-    ("train.grad_clip=0", 'train.on_nonfinite="stop"'),
-    ("train.grad_clip=0", 'train.on_nonfinite="skip"'),
-    ("train.grad_clip=1.0", 'train.on_nonfinite="continue"'),  # clipping needs the norm
-])
-def test_a_policy_or_clipping_that_reads_the_norm_gets_it_every_step(tmp_path, overrides):
-    trainer, _ = _train(tmp_path, "run", *overrides)
-    assert _run(trainer) == list(range(1, STEPS + 1))
+def test_clipping_reads_the_norm_every_step(tmp_path):
+    trainer, _ = _train(tmp_path, "run", "train.grad_clip=1.0", 'train.on_nonfinite="continue"')
+    assert _run_checked(trainer) == (list(range(1, STEPS + 1)), [])
     assert all(r["grad_norm"] > 0 for r in _train_records(tmp_path / "run"))
 
 
@@ -227,17 +248,17 @@ def _nan_at(step: int):
 
 
 def test_on_nonfinite_still_acts_on_a_nan_gradient_at_a_step_that_writes_no_record(tmp_path):
-    """Step 3 writes no record; its NaN gradient is still caught: "stop" stops before applying it,
+    """Step 3 writes no record; its NaN gradient is still caught (by the fused check, no norm): "stop" stops before applying it,
     "skip" skips it and trains on, "continue" applies it and the run fails on its NaN weights."""
     assert 3 not in RECORD_STEPS
     stop, applied = _train(tmp_path, "stop", "train.grad_clip=0", 'train.on_nonfinite="stop"', objective=_nan_at(3))
-    assert _run(stop) == [1, 2, 3] and applied == [1, 2]
+    assert _run_checked(stop) == ([1], [2, 3]) and applied == [1, 2]  # (caught by the fused check)
     state = stop.state
     assert state.global_step == 2 and "non-finite" in state.stop_reason and not state.finished
     assert all(bool(torch.isfinite(p).all()) for p in stop.model.parameters())
 
     skip, applied = _train(tmp_path, "skip", "train.grad_clip=0", 'train.on_nonfinite="skip"', objective=_nan_at(3))
-    assert _run(skip) == list(range(1, STEPS + 1))
+    assert _run_checked(skip) == (RECORD_STEPS, OTHER_STEPS)
     state = skip.state
     assert applied == [s for s in range(1, STEPS + 1) if s != 3] and state.global_step == STEPS and state.finished
     assert all(bool(torch.isfinite(p).all()) for p in skip.model.parameters())
