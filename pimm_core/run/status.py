@@ -3,10 +3,10 @@
 Rank 0 replaces the file atomically at every state change and after logged steps: a state change
 at once, on the training thread; a logged step's ``running`` on a writer thread
 (:class:`StatusWriter`), so the training thread pays no JSON encoding and no file system call for
-it, at most every :attr:`StatusWriter.min_interval_s` (the newest logged step's record). The
-step-by-step record is ``metrics.jsonl``. Readers (the console, ``pimm stop``, the launch's finished-run check, the run lock) take it
-through :func:`read_run_status`, which never raises: a missing or damaged file reads as a record
-with ``state`` None and ``problem`` saying why.
+it, at most every :attr:`StatusWriter.min_interval_s` (the newest logged step's record; the
+step-by-step record is ``metrics.jsonl``). Readers (the console, ``pimm stop``, the launch's
+finished-run check, the run lock) take it through :func:`read_run_status`, which never raises: a
+missing or damaged file reads as a record with ``state`` None and ``problem`` saying why.
 """
 
 from __future__ import annotations

@@ -258,8 +258,8 @@ class WindowStep:
         None on a step where nothing reads it (:meth:`norm_unread`: then no norm is computed, and
         the check, unless ``on_nonfinite = "continue"``, is :func:`all_finite`'s).
 
-        The check is on the total gradient norm (or :func:`all_finite`): after DDP's all-reduce every rank holds
-        the same gradients, so every rank reaches the same verdict without a collective
+        The check is on the total gradient norm (or :func:`all_finite`): after DDP's all-reduce
+        every rank holds the same gradients, so every rank reaches the same verdict without a collective
         (a NaN loss on one rank makes the averaged gradients NaN everywhere). With
         ``amp = "fp16"`` the GradScaler's own skip-and-rescale handles overflow instead.
         """
