@@ -15,11 +15,18 @@ import time
 import urllib.request
 
 import pytest
-from mlflow import MlflowClient
 
 from _helpers import DIGITS, clean_env, describe, hang_s, launch, pimm_here, read_json, read_jsonl
 
 _RUN = ("train.max_steps=14", "train.log_every_steps=1", "checkpoint.every_steps=5", "checkpoint.every_epochs=0")
+
+
+def _client(tracking_uri: str):
+    """mlflow's own client (imported here: mlflow's import, ~1.6 CPU-s, is paid only by the worker that
+    runs these tests, not by every worker that collects them)."""
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri)
 
 
 @pytest.fixture
@@ -66,7 +73,7 @@ def test_a_resumed_run_continues_the_same_mlflow_run_with_each_step_once(tmp_pat
     assert killed.returncode in (-9, 137), describe(killed)
     run_dir = tmp_path / "digits" / "ml"
     run_id = read_json(run_dir / "mlflow.json")["run_id"]
-    client = MlflowClient(tracking_uri=uri)
+    client = _client(tracking_uri=uri)
     # (sent in the background: what the killed process had sent, at least up to a few steps before the kill)
     resumed = pimm_here("resume", str(run_dir))
     assert resumed.returncode == 0, describe(resumed)
@@ -95,7 +102,7 @@ def test_a_step_the_killed_sender_never_delivered_is_sent_on_resume(tmp_path, ml
     from pimm_core.config import load_config
     from pimm_core.train.mlflow_sink import MlflowSink
 
-    client = MlflowClient(tracking_uri=mlflow_server)
+    client = _client(tracking_uri=mlflow_server)
     exp = client.create_experiment("gaps")
     run_id = client.create_run(exp).info.run_id
     client.log_batch(run_id, metrics=[Metric("train/loss", 1.0, 0, s) for s in (*range(1, 9), 10)])
@@ -136,7 +143,7 @@ def test_the_mlflow_run_stays_running_while_the_ranks_restart_and_is_failed_at_t
     first = MlflowSink(cfg, run_dir, resumed=False, params={"a": "1"})
     first.write({"step": 1, "loss": 2.0})
     first.close("restarting")
-    client = MlflowClient(tracking_uri=uri)
+    client = _client(tracking_uri=uri)
     assert client.get_run(first.run_id).info.status == "RUNNING"
     again = MlflowSink(cfg, run_dir, resumed=True, params={"a": "1"})
     assert again.run_id == first.run_id
