@@ -161,10 +161,12 @@ def _kind(name: str, module: object) -> str:
     ``sys.prefix``/``base_prefix``), ``"ours"`` (pimm's packages), ``"site"`` (a site hook) or
     ``"user"`` (any other module loaded from a file: code outside the installation)."""
     path = getattr(module, "__file__", None)
-    main = name == "__main__" or module is sys.modules.get("__main__")
+    main = name in ("__main__", "__mp_main__") or module is sys.modules.get("__main__")
     if not isinstance(path, str) or not os.path.isabs(path) or main:
         # (built-in, frozen or namespace modules, torch.ops' names; the launcher's script, also under the name
-        # `import multiprocessing` gives it, __mp_main__: `python -m pimm_core.cli` from a source checkout)
+        # `import multiprocessing` gives it, __mp_main__: `python -m pimm_core.cli` from a source checkout. In a
+        # rank forked from the launcher's server, __main__ is the rank's script and __mp_main__ still the
+        # launcher's, which every rank has: not the user code this rule keeps out of a server)
         return "installed"
     if name.split(".", 1)[0] in _OURS:
         return "ours"

@@ -192,3 +192,25 @@ def test_the_launchers_main_module_is_not_user_code_under_multiprocessings_name_
     assert out.returncode == 0, out.stderr
     mains, user = json.loads(out.stdout.strip().splitlines()[-1])
     assert "__mp_main__" in mains and user == [], (mains, user)
+
+
+def test_in_a_rank_the_launchers_main_module_under_multiprocessings_name_is_not_user_code(tmp_path: Path) -> None:
+    """A rank forked from the launcher's server runs its own script as ``__main__`` and still holds the
+    launcher's as ``__mp_main__`` (``python -m pimm_core.cli`` from a checkout: a file outside the
+    installation). That counted as user code, so every rank with DataLoader workers started their fork
+    server as a fresh interpreter that imported torch again (~1.2 CPU-s a rank); a module the user's
+    code imported is still user code there."""
+    (tmp_path / "launcher.py").write_text("")
+    (tmp_path / "usermod.py").write_text("")
+    script = tmp_path / "rank.py"
+    script.write_text("import importlib.util, json, sys\nfrom pimm_core.process import forkserver\n"
+                      f"spec = importlib.util.spec_from_file_location('__mp_main__', {str(tmp_path / 'launcher.py')!r})\n"
+                      "sys.modules['__mp_main__'] = importlib.util.module_from_spec(spec)\n"
+                      "spec.loader.exec_module(sys.modules['__mp_main__'])\n"
+                      "before = forkserver.user_modules()\n"
+                      "import usermod\n"
+                      "print(json.dumps([before, forkserver.user_modules()]))\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    before, after = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (before, after) == ([], ["usermod"]), (before, after)
