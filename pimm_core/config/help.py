@@ -31,7 +31,7 @@ KEY_HELP: dict[str, str] = {
     "train.warmup_steps": "optimizer steps of linear warmup to `train.lr`",
     "train.min_lr": "the LR the cosine (or linear) schedule ends at",
     "train.grad_clip": "max global L2 norm of the gradients; unset disables clipping",
-    "train.on_nonfinite": "a NaN/Inf gradient norm: stop before applying the step, skip the step, or apply it anyway",
+    "train.on_nonfinite": "a NaN/Inf gradient (or gradient norm): stop before applying the step, skip the step, or apply it anyway",
     "train.amp": "autocast dtype: none, bf16 or fp16 (fp16 adds a GradScaler; CUDA only)",
     "train.device": "where to train: auto (CUDA when available), cpu or cuda",
     "train.log_every_steps": "optimizer steps between train records in `train.log` and `metrics.jsonl`",

@@ -69,25 +69,32 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 def all_finite(grads: list[torch.Tensor]) -> bool | None:
     """Whether every element of ``grads`` is finite, by one fused pass and one host read; None where
-    the fast path does not apply (not :func:`_plain`: the caller takes the norm instead).
+    the fast path does not apply (not :func:`_plain`, sparse, complex or other dtypes than float16,
+    bfloat16, float32 and float64, a gradient that is an expanded view): the caller takes the norm.
 
     The pass is torch's own AMP check (:func:`torch._amp_foreach_non_finite_check_and_unscale_`, the
     one :class:`torch.amp.GradScaler` runs) with an inverse scale of 1: ``x * 1.0`` is ``x`` for
     every float, NaN and Inf included, so no gradient changes. On the quickstart's MLP it takes
     ~4 µs against ~12 µs for the norm and its read.
     """
-    if not _plain(grads):
-        return None
-    key = (grads[0].device, grads[0].dtype)
-    found_inf, one = _AMP_CHECK.get(key) or _AMP_CHECK.setdefault(key, (
-        torch.zeros(1, dtype=torch.float32, device=key[0]), torch.ones(1, dtype=torch.float32, device=key[0])))
+    if not _plain(grads) or grads[0].dtype not in _AMP_DTYPES or any(g.layout != torch.strided for g in grads):
+        return None  # (sparse or complex gradients: the kernel has none for them)
+    device = grads[0].device
+    found_inf, one = _AMP_CHECK.get(device) or _AMP_CHECK.setdefault(device, (
+        torch.zeros(1, dtype=torch.float32, device=device), torch.ones(1, dtype=torch.float32, device=device)))
     found_inf.zero_()
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+    except (RuntimeError, NotImplementedError):  # (a gradient that is an expanded view: it writes in place)
+        return None
     return not found_inf.item()
 
 
-#: (device, dtype) -> (found_inf, inverse scale 1.0) of :func:`all_finite`, made once.
-_AMP_CHECK: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+#: device -> (found_inf, inverse scale 1.0) of :func:`all_finite` (float32, as the kernel wants), made once.
+_AMP_CHECK: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+#: The gradient dtypes :func:`all_finite` checks (the AMP kernel's); others take the norm.
+_AMP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -258,7 +265,10 @@ class WindowStep:
         None on a step where nothing reads it (:meth:`norm_unread`: then no norm is computed, and
         the check, unless ``on_nonfinite = "continue"``, is :func:`all_finite`'s).
 
-        The check is on the total gradient norm (or :func:`all_finite`): after DDP's all-reduce
+        The check is on the total gradient norm, or on a step that computes none on each element
+        (:func:`all_finite`; the difference: a norm that overflows while every element is finite,
+        as fp16 parameters trained without AMP can give, is non-finite on a step that computes
+        it, the same on each rank). After DDP's all-reduce
         every rank holds the same gradients, so every rank reaches the same verdict without a collective
         (a NaN loss on one rank makes the averaged gradients NaN everywhere). With
         ``amp = "fp16"`` the GradScaler's own skip-and-rescale handles overflow instead.

@@ -156,14 +156,12 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def newest_train_step(path: Path, offset: int = 0) -> int | None:
-    """The step of the newest train record in ``metrics.jsonl`` from byte ``offset`` on (a session's
-    own records: the file's size when it started), or None. Every logged step is a line there at
+def newest_train_step(path: Path) -> int | None:
+    """The step of the newest train record in ``metrics.jsonl``, or None. Every logged step is a line there at
     once (``status.json`` follows logged steps at most 4 times a second): what a test waits on to
     see a run training past a step."""
     try:
         with open(path, "rb") as f:
-            f.seek(offset)
             lines = f.read().splitlines()
     except OSError:
         return None

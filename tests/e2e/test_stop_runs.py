@@ -2,8 +2,8 @@
 
 Every case launches ``python -m pimm_core.cli launch`` in its own session
 (``start_new_session=True``) so a signal reaches the launcher (or one rank) alone, and
-waits until ``status.json`` says the run is running and ``metrics.jsonl`` has a step of this
-session's before signalling.
+waits until ``status.json`` says the run is running and ``metrics.jsonl`` has a step past the
+session's start before signalling.
 
 To keep the suite short each world size runs one *chain* of sessions on one run
 directory, each session ended a different way, and the last one resumed to the end:
@@ -83,8 +83,6 @@ class Session:
             args.append("--train.resume")
         args += ["--", *overrides]
         self.run_dir = root / "digits" / name
-        metrics = self.run_dir / "metrics.jsonl"
-        self.metrics_from = metrics.stat().st_size if metrics.exists() else 0  # (this session's records after it)
         self.log_path = root / f"{tag}.out"
         self._out = open(self.log_path, "w")
         self.started = time.monotonic()
@@ -107,8 +105,8 @@ class Session:
         return (f"exit {self.proc.returncode}\n--- output\n{self.output()[-4000:]}\n--- train.log tail\n{tail}")
 
     def wait_training(self, min_step: int) -> dict[str, Any]:
-        """Wait until status.json says ``running`` and this session has logged step ``min_step`` or
-        later (metrics.jsonl); returns the status with ``step`` the newest step logged."""
+        """Wait until status.json says ``running`` and metrics.jsonl has a train record at ``min_step``
+        or later; returns the status with ``step`` the newest step logged."""
         deadline = time.monotonic() + TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -117,7 +115,8 @@ class Session:
                 status = json.loads((self.run_dir / "status.json").read_text())
             except (OSError, ValueError):
                 status = {}
-            step = newest_train_step(self.run_dir / "metrics.jsonl", self.metrics_from)
+            # (an earlier session's records end at its stop, before start_step + LEAD)
+            step = newest_train_step(self.run_dir / "metrics.jsonl")
             if status.get("state") == "running" and step is not None and step >= min_step:
                 return {**status, "step": step}
             time.sleep(0.02)

@@ -102,14 +102,19 @@ def test_logged_steps_are_written_at_most_once_an_interval_the_newest_at_close(t
     from pimm_core.run import StatusWriter
 
     written: list[int] = []
-    first = threading.Event()
-    writer = StatusWriter(tmp_path, lambda e: (written.append(read_json(tmp_path / "status.json")["step"]),
-                                               first.set()), min_interval_s=3600.0)
+    first, second = threading.Event(), threading.Event()
+
+    def report(error) -> None:
+        written.append(read_json(tmp_path / "status.json")["step"])
+        (second if first.is_set() else first).set()
+
+    writer = StatusWriter(tmp_path, report, min_interval_s=3600.0)
     writer.post({"step": 1})
     assert first.wait(30), "the first record was never written"  # (the first one at once)
     for step in range(2, 50):
         writer.post({"step": step})
-    assert read_json(tmp_path / "status.json")["step"] == 1  # (the next write waits an hour)
+    # (the next write waits an hour: no second write comes; without the interval it came at once)
+    assert not second.wait(1.0) and read_json(tmp_path / "status.json")["step"] == 1
     closing = threading.Thread(target=writer.close)
     closing.start()
     closing.join(60)  # (a timeout that only catches close() waiting the hour out)

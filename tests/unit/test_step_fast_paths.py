@@ -54,18 +54,44 @@ def test_total_norm_and_clipping_are_torch_bit_for_bit():
             assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters()))
 
 
-def test_the_fused_finite_check_finds_nan_and_inf_and_changes_no_bit():
-    tiny = torch.finfo(torch.float32).tiny / 4  # (a subnormal)
-    grads = [torch.tensor([0.0, -0.0, tiny, -tiny, 3.4e38]), torch.randn(4, 3)]
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_the_fused_finite_check_finds_nan_and_inf_and_changes_no_bit(dtype):
+    info = torch.finfo(dtype)
+    special = torch.tensor([0.0, -0.0, info.tiny / 4, -info.tiny / 4, info.max, -info.max], dtype=dtype)
+    torch.manual_seed(0)
+    # (small and large tensors: the kernel's scalar and vectorised paths)
+    grads = [special, torch.cat([special.repeat(100), torch.randn(1003).to(dtype)]), torch.randn(4, 3).to(dtype)]
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[special.element_size()]
     before = [g.clone() for g in grads]
     assert all_finite(grads) is True
-    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(grads, before))
-    for bad in (float("nan"), float("inf"), -float("inf")):
-        grads[1][2, 1] = bad
+    assert all(torch.equal(a.view(bits), b.view(bits)) for a, b in zip(grads, before))
+    for where, bad in ((2, float("nan")), (1, float("inf")), (2, -float("inf"))):
+        grads[where].view(-1)[-1] = bad
+        before = [g.clone() for g in grads]
         assert all_finite(grads) is False
+        assert all(torch.equal(a.view(bits), b.view(bits)) for a, b in zip(grads, before))  # (NaN payloads too)
         assert all_finite([grads[0]]) is True  # (the flag is cleared between calls)
-    assert all_finite([torch.ones(2, dtype=torch.bfloat16), torch.ones(2)]) is None  # mixed dtypes: the norm's way
-    assert all_finite([]) is None
+        grads[where].view(-1)[-1] = 0
+
+
+def test_gradients_the_fused_check_cannot_take_go_the_norms_way():
+    embedding = nn.Embedding(5, 4, sparse=True)
+    embedding(torch.tensor([1, 2])).sum().backward()
+    assert embedding.weight.grad.is_sparse
+    cases = {"sparse": [embedding.weight.grad],
+             "complex": [torch.ones(3, dtype=torch.complex64)],
+             "an expanded view": [torch.ones(1).expand(4)],
+             "mixed dtypes": [torch.ones(2, dtype=torch.bfloat16), torch.ones(2)],
+             "none": []}
+    for name, grads in cases.items():
+        assert all_finite(grads) is None, name
+    # and a real step with a sparse gradient trains under the default policy (the norm decides there)
+    model = nn.Sequential(nn.Embedding(5, 4, sparse=True), nn.Flatten(), nn.Linear(8, 3))
+    step = WindowStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu", enabled=False),
+                      None, TrainConfig(grad_clip=0.0, on_nonfinite="stop"), autocast=contextlib.nullcontext,
+                      distributed=False, records_next=lambda: False)
+    model(torch.tensor([[1, 2]])).sum().backward()
+    assert step.finish() == "applied"
 
 
 def test_mixed_dtypes_go_through_torch():
