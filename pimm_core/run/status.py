@@ -158,7 +158,9 @@ class StatusWriter:
     record not yet taken. So a ``running`` handed over before a state change is written before it or
     never, and never after it. After a state other than ``running`` is written (``stopping``,
     ``finished``, ``failed``...), :meth:`post` is ignored until a ``running`` is written again with
-    :meth:`write`: a stale ``running`` cannot replace an end state.
+    :meth:`write`: a stale ``running`` cannot replace an end state. Nor a state another process wrote
+    (the launcher's :func:`mark_restarting` or :func:`mark_failed`, while this rank is being stopped):
+    the thread writes only over a ``running`` record (or a missing or torn one).
 
     Only the newest record handed over is written (a reader only ever needs the newest): the
     thread writes when woken, a record handed over while it writes replaces the one waiting, and
@@ -244,6 +246,11 @@ class StatusWriter:
                 with self._cond:  # (taken under the write lock: write() drops it or comes after)
                     fields, self._pending = self._pending, None
                 if fields is None:
+                    continue
+                if read_run_status(self.run_dir).state not in (None, "running"):
+                    # another process took the record over since this one wrote `running` (the launcher's
+                    # mark_restarting or mark_failed while this rank is being stopped): a late heartbeat
+                    # must not hide it (cheap at this pace: a read of a small file, 4 times a second at most)
                     continue
                 try:
                     self._write("running", fields)

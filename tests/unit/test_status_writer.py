@@ -122,3 +122,18 @@ def test_logged_steps_are_written_at_most_once_an_interval_the_newest_at_close(t
     assert written == [1, 49]  # the newest, once; none of those it replaced
     writer.write("stopped", {"step": 50})  # a state change: at once
     assert read_json(tmp_path / "status.json")["state"] == "stopped" and written[-1] == 50
+
+
+def test_a_heartbeat_does_not_replace_what_the_launcher_wrote_meanwhile(tmp_path: Path) -> None:
+    # (torchrun's agent reports a failed rank, the launcher marks the run restarting, and only then are
+    # the other ranks stopped: rank 0's heartbeat still waiting must not turn it back into running)
+    from pimm_core.run import StatusWriter, read_run_status
+    from pimm_core.run.status import mark_restarting
+
+    writer = StatusWriter(tmp_path, lambda e: None, min_interval_s=0.0)
+    writer.write("running", {"step": 1})
+    mark_restarting(tmp_path, 4321, "rank 1 was killed by SIGKILL")
+    writer.post({"step": 2})
+    writer.close()
+    status = read_run_status(tmp_path)
+    assert (status.state, status.step) == ("restarting", 1), status
