@@ -126,7 +126,8 @@ def resume(
 ) -> None:
     """Resume a run from its own directory: its config.toml and recorded launch, plus explicit overrides."""
     from ..process.dist import under_launcher
-    from ..launch import LaunchOptions, dry_run as plan_only, recorded_launch, resume_config, spawn, train_here
+    from ..launch import LaunchOptions, dry_run as plan_only, resume_config, spawn, train_here
+    from ..run import recorded_launch
 
     from ..run.provenance import recorded_search_path
     from ..targets import add_search_dirs, mark_run_record

@@ -23,10 +23,10 @@ from ..process.console_log import setup_logging
 from .local import train_here
 from .options import LaunchOptions, strip_launcher_flags
 from .preview import dry_run
-from .rundir import (auto_resume, check_before_launch, check_config, claim, finished, recorded_launch, resolve_run_dir,
-                     resume_config, resume_source, set_aside)
+from .rundir import (auto_resume, check_before_launch, check_config, claim, finished, resolve_run_dir, resume_config,
+                     resume_source, set_aside)
 from .torchrun import spawn
 
 __all__ = ["LaunchOptions", "auto_resume", "check_before_launch", "check_config", "claim", "dry_run", "finished",
-           "recorded_launch", "resolve_run_dir", "resume_config", "resume_source", "set_aside", "setup_logging",
+           "resolve_run_dir", "resume_config", "resume_source", "set_aside", "setup_logging",
            "spawn", "strip_launcher_flags", "train_here"]

@@ -19,7 +19,7 @@ from ..config import Config
 from ..errors import CheckpointError, ConfigError, UsageError
 from ..process.shell import resume_command
 from ..run import (CONFIG, METRICS, SUPERSEDED, MODEL, STATUS, RunDirClaim, append_provenance, claim_run_dir,
-                   free_run_dir, now_iso, read_run_status, recorded_launch, run_dir_for, run_name)
+                   free_run_dir, now_iso, read_run_status, run_dir_for, run_name)
 from ..run.entries import check_run_entries, ensure_dir
 from ..run.layout import NAME_SUFFIX_MAX, name_problem
 from ..run.topology import continue_override, finished_message, is_finished
