@@ -17,6 +17,7 @@ from ..checkpoint.select.resume_path import resolve_resume_path
 from ..checkpoint.select.selection import explain, list_candidates, select_resume
 from ..config import Config
 from ..errors import CheckpointError, ConfigError, UsageError
+from ..process.lock import check_not_in_use
 from ..process.shell import resume_command
 from ..run import (CONFIG, METRICS, SUPERSEDED, MODEL, STATUS, RunDirClaim, append_provenance, claim_run_dir,
                    free_run_dir, now_iso, read_run_status, run_dir_for, run_name)
@@ -93,6 +94,7 @@ def check_before_launch(cfg: Config, run_dir: Path, *, leftovers_ok: bool = Fals
         return
     names = ", ".join(c.name for c in found[:4])
     if any(c.complete and c.resumable for c in found):
+        check_not_in_use(run_dir)  # (a live run: `pimm resume` would be refused too; stopping it is the way)
         raise UsageError(f"{run_dir} already has checkpoints ({names}); continue it with: {resume_command(run_dir)} "
                          "(or add --train.resume), or choose another --run.name")
     # Nothing resumable (e.g. killed during its first save): neither a fresh start nor a resume

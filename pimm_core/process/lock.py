@@ -88,17 +88,13 @@ class RunLock:
         try:
             self._lock.acquire(timeout=0)
         except Timeout:
-            raise UsageError(self._in_use(self._holder() or "pid ? on host ? (since ?)")) from None
+            raise UsageError(_in_use(self.run_dir, _holder(self.run_dir) or "pid ? on host ? (since ?)")) from None
         except OSError as e:  # read-only, no permission; (a link appearing since the check: refused too)
             check_entry(self.run_dir / LOCK, "file")
             raise writable_error(self.run_dir, e) from None
         if _ranks_alive(self.run_dir):
             self._lock.release()
-            status = read_run_status(self.run_dir)
-            pids = [p for p in status.pids if status.host != socket.gethostname() or _alive(p)]
-            ranks = f"ranks {', '.join(map(str, pids))}" if pids else "ranks"
-            raise UsageError(self._in_use(f"processes of {self._holder() or 'an earlier launch'} that are still "
-                                          f"running ({ranks} or their DataLoader workers)"))
+            raise UsageError(_ranks_in_use(self.run_dir))
         try:
             atomic_write_bytes(self.run_dir / HOLDER, json.dumps(
                 {"pid": os.getpid(), "host": socket.gethostname(), "since": now_iso(), "time": time.time()}).encode(), durable=False)
@@ -106,16 +102,6 @@ class RunLock:
             self._lock.release()
             raise writable_error(self.run_dir, e) from None
         return self
-
-    def _holder(self) -> str | None:
-        holder = read_json(self.run_dir / HOLDER)
-        if holder is None:
-            return None
-        return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} (since {holder.get('since', '?')})"
-
-    def _in_use(self, who: str) -> str:
-        return (f"{self.run_dir} is in use by {who}; stop that run first "
-                f"({command('stop', self.run_dir)}) or choose another --run.name")
 
     def release(self) -> None:
         if self._lock.is_locked:
@@ -218,6 +204,53 @@ class _RanksLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def check_not_in_use(run_dir: Path) -> None:
+    """Refuse a run directory another live process holds (its launch, or ranks of one), as
+    :meth:`RunLock.acquire` would, without writing anything (a probe of the locks' files, read-only):
+    what a launch would say later, said first where another refusal would point at a command the live
+    run makes fail (``pimm resume`` of a run still training).
+
+    Raises:
+        UsageError: the run is in use; the message names the holder and how to stop it.
+    """
+    try:
+        fd = os.open(run_dir / LOCK, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        fd = None  # no lock file (or a link, refused by the launch itself): nobody holds it
+    if fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (filelock's own lock: flock on this file)
+        except BlockingIOError:
+            raise UsageError(_in_use(run_dir, _holder(run_dir) or "pid ? on host ? (since ?)")) from None
+        except OSError:
+            pass  # a file system without flock
+        finally:
+            os.close(fd)  # (also drops the probe's lock)
+    if _ranks_alive(run_dir):
+        raise UsageError(_ranks_in_use(run_dir))
+
+
+def _holder(run_dir: Path) -> str | None:
+    holder = read_json(run_dir / HOLDER)
+    if holder is None:
+        return None
+    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} (since {holder.get('since', '?')})"
+
+
+def _in_use(run_dir: Path, who: str) -> str:
+    # (read by `pimm launch`, `pimm resume` and the other writers: the second way out is a launch's alone)
+    return (f"{run_dir} is in use by {who}; stop that run first "
+            f"({command('stop', run_dir)}), or launch the new run under another --run.name")
+
+
+def _ranks_in_use(run_dir: Path) -> str:
+    status = read_run_status(run_dir)
+    pids = [p for p in status.pids if status.host != socket.gethostname() or _alive(p)]
+    ranks = f"ranks {', '.join(map(str, pids))}" if pids else "ranks"
+    return _in_use(run_dir, f"processes of {_holder(run_dir) or 'an earlier launch'} that are still "
+                            f"running ({ranks} or their DataLoader workers)")
 
 
 def _ranks_alive(run_dir: Path) -> bool:

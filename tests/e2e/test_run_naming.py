@@ -78,6 +78,28 @@ def test_fresh_launch_refuses_run_with_checkpoints(trained_run, tmp_path):
     assert snapshot(run_dir) == before  # same files, bytes and mtimes
 
 
+def test_a_fresh_launch_on_a_live_run_with_checkpoints_says_stop_it_not_resume_it(trained_run, tmp_path):
+    """Seen by a newcomer: launching again under the name of a run still training (it has checkpoints)
+    answered "continue it with: pimm resume ...", and that command, pasted, was refused: the run is in
+    use. The refusal now says so and names the command that stops it; it writes nothing."""
+    from pimm_core.process.lock import RunLock
+
+    run_dir = trained_run.copy_to(tmp_path)
+    with RunLock(run_dir):  # held as a live launch holds it
+        before = snapshot(run_dir)
+        for extra in ([], ["--train.resume"]):
+            result = pimm_here("launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "t",
+                               "--run.no-timestamp", *extra, "--", "train.epochs=1")
+            assert result.returncode == 2 and "Traceback" not in result.stderr, describe(result)
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith(f"error: {run_dir} is in use by pid "), describe(result)
+            assert "pimm stop" in lines[0] and "resume" not in lines[0], lines[0]
+        assert snapshot(run_dir) == before
+    assert "already has checkpoints" in _refused(pimm_here(  # (and once it is not live, the checkpoints' refusal)
+        "launch", "--train.config", DIGITS, "--run.root", tmp_path, "--run.name", "t", "--run.no-timestamp", "--",
+        "train.epochs=1"), run_dir)
+
+
 def test_distributed_launch_refuses_before_spawning(trained_run, tmp_path):
     run_dir = trained_run.copy_to(tmp_path)
     before = snapshot(run_dir)
