@@ -291,6 +291,17 @@ def test_trained_run_export_reproduces_val_accuracy(trained_run, tmp_path: Path)
     assert rec["step"] == json.loads((run / "model" / "last" / "manifest.json").read_text())["step"]
 
 
+
+def test_a_wrong_name_lists_best_where_the_run_has_it(trained_run, tmp_path: Path, capsys) -> None:
+    # (a newcomer's `export ... bestt ...` was told "pass one of: last" though `best` exports fine)
+    run = trained_run.run_dir
+    assert (run / "model" / "model_best.pth").is_file()
+    assert main(["export", "--run-dir", str(run), "bestt", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "pass one of: last, best" in err and err.count("\n") == 1, err
+    assert main(["export", "--run-dir", str(run), "best", str(tmp_path / "b")]) == 0  # (the name it lists works)
+
+
 # ------------------------------------------------------------------ reproducible exports
 WEIGHTS_FILE = {"safetensors": "model.safetensors", "bin": "pytorch_model.bin"}
 

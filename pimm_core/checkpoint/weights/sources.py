@@ -108,7 +108,8 @@ def _names_in_run(run_dir: Path) -> str:
         entries = sorted(e.name for e in model.iterdir())
     except OSError:
         entries = []
-    names = [n for n in POINTERS if n in entries or (n == "last" and "last.prev" in entries)]
+    names = [n for n in POINTERS if n in entries or (n == "last" and "last.prev" in entries)
+             or (n == "best" and "model_best.pth" in entries)]  # (best: model_best.pth first, resolve_run_checkpoint)
     steps = sorted((int(m.group(2)), m.group(0).removesuffix(".pth")) for e in entries if (m := ITER_NAME_RE.match(e)))
     names += [name for _, name in steps]
     if not names:
