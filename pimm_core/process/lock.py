@@ -215,19 +215,8 @@ def check_not_in_use(run_dir: Path) -> None:
     Raises:
         UsageError: the run is in use; the message names the holder and how to stop it.
     """
-    try:
-        fd = os.open(run_dir / LOCK, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        fd = None  # no lock file (or a link, refused by the launch itself): nobody holds it
-    if fd is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (filelock's own lock: flock on this file)
-        except BlockingIOError:
-            raise UsageError(_in_use(run_dir, _holder(run_dir) or "pid ? on host ? (since ?)")) from None
-        except OSError:
-            pass  # a file system without flock
-        finally:
-            os.close(fd)  # (also drops the probe's lock)
+    if _held(run_dir / LOCK):  # (filelock's lock: an flock of this file)
+        raise UsageError(_in_use(run_dir, _holder(run_dir) or "pid ? on host ? (since ?)"))
     if _ranks_alive(run_dir):
         raise UsageError(_ranks_in_use(run_dir))
 
@@ -255,10 +244,25 @@ def _ranks_in_use(run_dir: Path) -> str:
 
 def _ranks_alive(run_dir: Path) -> bool:
     """True while some process holds ``.ranks.lock`` (a rank of a launch, or one of its workers)."""
+    return _held(run_dir / RANKS)
+
+
+def _held(path: Path) -> bool:
+    """True while another process holds an flock on ``path``: a probe that creates and writes nothing
+    (no file, or a link, or a file system without flock: not held; RunLock alone guards the run then)."""
     try:
-        fd = os.open(run_dir / RANKS, os.O_RDWR)  # never created here: no ranks file, no ranks
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # also drops the probe's exclusive lock
+    return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -268,9 +268,9 @@ class WindowStep:
         The check is on the total gradient norm, or on a step that computes none on each element
         (:func:`all_finite`; the difference: a norm that overflows while every element is finite,
         as fp16 parameters trained without AMP can give, is non-finite on a step that computes
-        it, the same on each rank). After DDP's all-reduce
-        every rank holds the same gradients, so every rank reaches the same verdict without a collective
-        (a NaN loss on one rank makes the averaged gradients NaN everywhere). With
+        it, the same on each rank). After DDP's all-reduce every rank holds the same gradients,
+        so every rank reaches the same verdict without a collective (a NaN loss on one rank makes
+        the averaged gradients NaN everywhere). With
         ``amp = "fp16"`` the GradScaler's own skip-and-rescale handles overflow instead.
         """
         t = self.train
