@@ -175,6 +175,19 @@ def newest_train_step(path: Path) -> int | None:
     return None
 
 
+def training_past(run_dir: Path, min_step: int) -> dict[str, Any] | None:
+    """``status.json`` (whose ``pids`` a test signals) once it says ``running`` and ``metrics.jsonl`` has a
+    train record at ``min_step`` or later, with ``step`` that newest logged step; else None."""
+    try:
+        status = json.loads((Path(run_dir) / "status.json").read_text())
+    except (OSError, ValueError):
+        return None
+    step = newest_train_step(Path(run_dir) / "metrics.jsonl")
+    if status.get("state") == "running" and step is not None and step >= min_step:
+        return {**status, "step": step}
+    return None
+
+
 def resumed_records(path: Path, resumed_at: int) -> list[dict[str, Any]]:
     """The records of ``metrics.jsonl`` past global step ``resumed_at``: what a session resumed there
     wrote (a resume moves the interrupted run's later records to ``metrics.superseded.jsonl``, so

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 
-from _helpers import DIGITS, REPO, clean_env, describe, free_port, hang_s, newest_train_step, pimm, pimm_here, read_json, read_jsonl
+from _helpers import DIGITS, REPO, clean_env, describe, free_port, hang_s, pimm, pimm_here, read_json, read_jsonl, training_past
 from pimm_core.checkpoint.records.manifest import verify_files
 
 OVERRIDES = ("train.epochs=3", "train.log_every_steps=1")  # 23 steps per epoch at world size 2
@@ -123,10 +123,9 @@ class TwoNodes:
         while time.monotonic() < deadline:
             if any(a.proc.poll() is not None for a in self.agents):
                 self.fail(f"an agent ended before step {min_step}")
-            status = read_json(self.run_dir / "status.json") if (self.run_dir / "status.json").exists() else {}
-            step = newest_train_step(self.run_dir / "metrics.jsonl")
-            if status.get("state") == "running" and step is not None and step >= min_step:
-                return {**status, "step": step}
+            running = training_past(self.run_dir, min_step)
+            if running is not None:
+                return running
             time.sleep(0.05)
         self.fail(f"no status 'running' at step >= {min_step} within {TIMEOUT} s")
 

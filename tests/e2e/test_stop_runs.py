@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from _helpers import DIGITS, REPO, clean_env, describe, hang_s, launch, newest_train_step, pimm, pimm_here, read_json
+from _helpers import DIGITS, REPO, clean_env, describe, hang_s, launch, pimm, pimm_here, read_json, training_past
 from pimm_core.launch.forward import live_processes
 from pimm_core.checkpoint.select.selection import select_resume
 from pimm_core.process.shell import program
@@ -111,14 +111,9 @@ class Session:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(f"the run ended before reaching step {min_step}:\n{self.describe()}")
-            try:
-                status = json.loads((self.run_dir / "status.json").read_text())
-            except (OSError, ValueError):
-                status = {}
-            # (an earlier session's records end at its stop, before start_step + LEAD)
-            step = newest_train_step(self.run_dir / "metrics.jsonl")
-            if status.get("state") == "running" and step is not None and step >= min_step:
-                return {**status, "step": step}
+            running = training_past(self.run_dir, min_step)  # (an earlier session's records end before min_step)
+            if running is not None:
+                return running
             time.sleep(0.02)
         self.kill()
         pytest.fail(f"no status 'running' at step >= {min_step} within {TIMEOUT} s:\n{self.describe()}")
