@@ -38,6 +38,7 @@ from pathlib import Path
 
 #: What torch.save's legacy (non-zip) format starts with: protocol 2, then the magic number as LONG1.
 _TORCH_LEGACY_HEAD = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
+_SAFETENSORS_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header (bytes)
 _SCAN_BYTES = 4 << 20  # enough of data.pkl to see a checkpoint's top-level keys
 
 ACCELERATE_STATE = re.compile(r"^(optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|sampler(_\d+)?\.bin|"
@@ -102,13 +103,26 @@ def sniff(path: Path) -> Sniffed:
         return _sniff_zip(path)
     if head.startswith(_TORCH_LEGACY_HEAD):
         return Sniffed("torch-legacy")
-    if len(head) >= 9 and head[8:9] == b"{" and head[4:8] == b"\0\0\0\0":  # u64 header length, then JSON
+    if is_safetensors_head(head, path.stat().st_size):
         return Sniffed("safetensors")
     if head[:1] == b"\x80" and 2 <= head[1] <= 5:
         return Sniffed("pickle")
     if _is_text(head):
         return Sniffed("text")
     return Sniffed("data")
+
+
+def is_safetensors_head(head: bytes, size: int) -> bool:
+    """Whether ``head`` (a file's first bytes; ``size``: the file's size in bytes) starts a safetensors file.
+
+    The format (huggingface/safetensors, "Format"): a little-endian u64 N, then an N-byte JSON
+    header that starts with ``{``, then the tensor data. N must fit in the file and, as the
+    library itself enforces, be under 100 MB: a random file whose ninth byte is ``{`` is not one.
+    """
+    if len(head) < 9 or head[8:9] != b"{":
+        return False
+    n = int.from_bytes(head[:8], "little")
+    return 2 <= n <= min(size - 8, _SAFETENSORS_MAX_HEADER)
 
 
 def _is_text(head: bytes) -> bool:

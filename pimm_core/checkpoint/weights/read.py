@@ -42,6 +42,7 @@ import torch
 
 from ...errors import CheckpointError, CheckpointParseError, UsageError
 from ..formats.sharded import read_checkpoint_weights
+from ..records.foreign import is_safetensors_head
 from ..records.generation import read_whole
 from ..tensors.safe_read import load_torch_file
 from .sources import checkpoint_record, resolve_weight_source
@@ -139,10 +140,9 @@ def _read(path: Path) -> tuple[dict[str, StateDict], dict[str, Any]]:
 
 
 def _is_safetensors(path: Path) -> bool:
-    """Sniff the header: safetensors starts with a u64 length then ``{``; torch files are zip or pickle."""
+    """Sniff the header (one rule with :func:`..records.foreign.sniff`): a u64 length that fits, then ``{``."""
     with open(path, "rb") as f:
-        head = f.read(9)
-    return len(head) == 9 and not head.startswith((b"PK", b"\x80")) and head[8:9] == b"{"
+        return is_safetensors_head(f.read(9), os.fstat(f.fileno()).st_size)
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, StateDict], dict[str, Any]]:
