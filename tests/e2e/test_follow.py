@@ -120,3 +120,89 @@ def test_files_written_through_writing_are_hashed_by_their_writer_without_a_thre
     assert torch.equal(torch.load(tmp_path / "weights.pth")["state_dict"]["w"], obj["state_dict"]["w"])
     total = sum((tmp_path / n).stat().st_size for n in ("weights.pth", "__0_0.distcp", "seeked.bin", "failed.bin"))
     assert seen == sorted(seen) and seen[-1] == total + 1  # every byte written through it, in order (+ the rewrite)
+
+
+def _block_hashing_threads():
+    """Occupy both hashing threads until the returned event is set."""
+    from pimm_core.checkpoint.publish.follow import _hashing_pool
+
+    release, started = threading.Event(), [threading.Event(), threading.Event()]
+
+    def hold(i):
+        started[i].set()
+        release.wait(hang_s(30))
+
+    for i in range(2):
+        _hashing_pool().submit(hold, i)
+    assert all(e.wait(hang_s(10)) for e in started)
+    return release
+
+
+def test_the_writer_goes_on_while_the_hash_trails_and_its_buffers_are_not_kept(tmp_path):
+    """With both hashing threads busy, 6 MiB (under LAG_MAX) are written and the file closed:
+    the writer does not wait for its hash. The buffer written is changed after each write
+    returns: the hash is of the file's bytes, computed once the threads are free."""
+    release = _block_hashing_threads()
+    hasher = FollowingHasher(tmp_path, None).start()
+    buf = bytearray(os.urandom(2 << 20))
+    done = threading.Event()
+
+    def write():
+        with hasher.writing(open(tmp_path / "__0_0.distcp", "wb")) as f:
+            for i in range(3):
+                f.write(buf)
+                buf[:8] = b"changed%d" % i  # the caller reuses its buffer once write() returns
+        done.set()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        assert done.wait(hang_s(30)), "the writer waited for the hash"
+    finally:
+        release.set()
+    writer.join()
+    known = hasher.finish()
+    assert [v["sha256"] for v in known.values()] == [sha256_file(tmp_path / "__0_0.distcp")]
+    assert [v["size"] for v in known.values()] == [6 << 20]
+
+
+def test_the_hash_trails_the_writer_by_at_most_lag_max(tmp_path, monkeypatch):
+    from pimm_core.checkpoint.publish import follow
+
+    monkeypatch.setattr(follow, "LAG_MAX", 2 << 20)
+    lags: list[int] = []
+    hasher = FollowingHasher(tmp_path, None).start()
+    data = os.urandom(9 << 20)
+    with hasher.writing(open(tmp_path / "weights.pth", "wb")) as f:
+        for i in range(0, len(data), 1 << 20):
+            f.write(data[i:i + (1 << 20)])
+            lags.append(f._trail.mark - f._trail.hashed)
+    assert max(lags) <= 2 << 20
+    assert [v["sha256"] for v in hasher.finish().values()] == [hashlib.sha256(data).hexdigest()]
+
+
+def test_close_without_finish_stops_the_trails_and_closes_their_files(tmp_path):
+    def open_fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    release = _block_hashing_threads()  # the hash of what is written is still pending at close()
+    hasher = FollowingHasher(tmp_path, None).start()
+    try:
+        with hasher.writing(open(tmp_path / "__0_0.distcp", "wb")) as f:
+            f.write(os.urandom(3 << 20))
+    finally:
+        release.set()
+    hasher.close()
+    assert open_fds() == before
+    assert hasher.finish() == {}
+
+
+def test_a_file_that_cannot_be_opened_again_by_its_name_is_left_to_the_ordinary_hash(tmp_path):
+    hasher = FollowingHasher(tmp_path, None).start()
+    fd = os.open(tmp_path / "weights.pth", os.O_WRONLY | os.O_CREAT)
+    with hasher.writing(open(fd, "wb")) as f:  # (its name is the descriptor's number)
+        f.write(os.urandom(2 << 20))
+    known = hasher.finish()
+    assert known == {}
+    assert describe_files(tmp_path, known=known)["weights.pth"]["sha256"] == sha256_file(tmp_path / "weights.pth")

@@ -7,11 +7,14 @@ on a second thread as the writers append to them, so the hash is ready about whe
 write is, the way a pipelined ``tee | sha256sum`` would be.
 
 The files this process writes itself (rank 0's own DCP shards, ``weights.pth``) are
-hashed by their writer instead, as the bytes pass through a :class:`HashedFile` on their
-way to the kernel: no second read of the page cache, no thread that falls behind the
-writer on a busy machine (where the left-over hash was 10-15 % of a save), and no
-polling. The follower thread remains for the files other processes write (the node's
-other ranks' shards); with one local rank it is not started.
+written through a :class:`HashedFile`, which tells the hashing threads how far the bytes
+have reached the kernel: no polling, and the hash of each file trails its writer by at
+most ``LAG_MAX`` while the writer goes on to the next file and the save's other work
+(benchmarks/README.md, "The hash trails the writer"). Reading the bytes back from the page
+cache into a small buffer costs no more CPU than hashing the writer's own buffer did (the
+copy lands in a cache-warm buffer). The follower thread remains for the files
+other processes write (the node's other ranks' shards); with one local rank it is not
+started.
 
 Sound only for files written append-only, once: DCP's shard files (each tensor is
 ``torch.save``-d into the stream in order; nothing seeks back) and ``torch.save`` to a
@@ -31,10 +34,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 CHUNK = 8 << 20
-# A write through a HashedFile at least this large is hashed on a hashing thread while the
-# calling thread writes it (both release the GIL): the save's time is the longer of the two,
-# not their sum. Smaller ones (zip headers, pickles) are hashed inline: a hand-off costs more.
-PARALLEL_MIN = 1 << 20
+# A file written through a HashedFile is hashed from its own bytes on a hashing thread,
+# trailing its writer: the writer hands its bytes to the kernel every REPORT bytes and goes
+# on, and waits only if the hash falls more than LAG_MAX behind (so what is hashed is still in
+# the page cache). The hash of one file then overlaps the writes of the next and the save's
+# other work, and two files are hashed at once on two cores.
+REPORT = 1 << 20
+LAG_MAX = 128 << 20
+TRAIL_CHUNK = 4 << 20  # each hashing thread's read buffer (kept: its pages fault in once)
 STEP = 32 << 20  # hashed per file per pass, so the writers' progress is seen (on_written) at least this often
 POLL_S = 0.005
 
@@ -53,11 +60,12 @@ class _Followed:
 
 _hash_pool: ThreadPoolExecutor | None = None
 _hash_pool_lock = threading.Lock()
+_thread_buffers = threading.local()
 
 
 def _hashing_pool() -> ThreadPoolExecutor:
-    """The hashing threads, started once, shared by every :class:`HashedFile` (each has at most
-    one update in flight: two files written at once are hashed at once)."""
+    """The hashing threads, started once, shared by every :class:`HashedFile` (a file's bytes
+    are hashed by one job at a time, in order; two files are hashed at once)."""
     global _hash_pool
     with _hash_pool_lock:
         if _hash_pool is None:
@@ -65,46 +73,137 @@ def _hashing_pool() -> ThreadPoolExecutor:
         return _hash_pool
 
 
+def _thread_buffer() -> memoryview:
+    buf = getattr(_thread_buffers, "buf", None)
+    if buf is None:
+        buf = _thread_buffers.buf = memoryview(bytearray(TRAIL_CHUNK))
+    return buf
+
+
+class _Trail:
+    """The sha256 of one file, computed on the hashing threads from the file's bytes (a
+    read-only descriptor of its own) up to ``mark``: what its writer has handed to the kernel."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.sha = hashlib.sha256()
+        self.hashed = 0
+        self.mark = 0
+        self.running = False  # a drain job is queued or running
+        self.stopped = False
+        self.error: BaseException | None = None
+        self.cv = threading.Condition()
+
+    def advance(self, mark: int, *, wait: bool = True) -> None:
+        """Hash up to ``mark`` bytes; with ``wait``, wait while the hash trails it by more than ``LAG_MAX``."""
+        lag_max = LAG_MAX if wait else None
+        with self.cv:
+            self.mark = mark
+            if not self.running and self.hashed < mark:
+                self.running = True
+                _hashing_pool().submit(self._drain)
+            while lag_max is not None and self.running and self.mark - self.hashed > lag_max:
+                self.cv.wait()
+
+    def _drain(self) -> None:
+        try:
+            buf = _thread_buffer()
+            while True:
+                with self.cv:
+                    start, end = self.hashed, min(self.mark, self.hashed + len(buf))
+                    if self.stopped or end <= start:
+                        self.running = False
+                        self.cv.notify_all()
+                        return
+                n = os.preadv(self.fd, [buf[:end - start]], start)
+                if n <= 0:
+                    raise OSError(f"the file ended at {start} bytes, {self.mark} were written")
+                self.sha.update(buf[:n])  # (hashlib releases the GIL for large updates)
+                with self.cv:
+                    self.hashed = start + n
+                    self.cv.notify_all()
+        except BaseException as e:  # the file is then hashed the ordinary way
+            with self.cv:
+                self.error, self.running = e, False
+                self.cv.notify_all()
+
+    def result(self) -> str | None:
+        """Wait for the hash to reach ``mark``; its hex digest, or None if it failed or was stopped."""
+        with self.cv:
+            while self.running:
+                self.cv.wait()
+            ok = self.error is None and not self.stopped and self.hashed == self.mark
+        self.close()
+        return self.sha.hexdigest() if ok else None
+
+    def stop(self) -> None:
+        """Stop hashing (a drain job ends after its current read) and close the descriptor."""
+        with self.cv:
+            self.stopped = True
+            while self.running:
+                self.cv.wait()
+        self.close()
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def _open_trail(f: Any) -> _Trail | None:
+    """A trail reading the file ``f`` (open for writing) through a descriptor of its own, or None
+    when the file cannot be opened again by its name as the same file (then it is not hashed here)."""
+    name = getattr(f, "name", None)
+    if not isinstance(name, (str, os.PathLike)):
+        return None
+    try:
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    mine, theirs = os.fstat(fd), os.fstat(f.fileno())
+    if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):  # (renamed over since it was opened)
+        os.close(fd)
+        return None
+    return _Trail(fd)
+
+
 class HashedFile:
     """A binary file open for writing whose bytes are hashed as they are written through it.
 
-    Made by :meth:`FollowingHasher.writing`; the result is recorded when it is closed, and
-    only if every byte went through :meth:`write` in order (a ``seek`` or ``truncate``, or a
-    position that is not the bytes written so far, leaves the file to the ordinary hash).
-
-    A large write (>= ``PARALLEL_MIN`` bytes, a tensor's storage) is hashed on a hashing
-    thread while this thread writes the same buffer; :meth:`write` returns once both are
-    done, so the caller's buffer is never read after it returns and the updates stay in order.
+    Made by :meth:`FollowingHasher.writing`. Every ``REPORT`` bytes the writer's buffer is
+    flushed to the kernel and a hashing thread reads those bytes back (from the page cache,
+    through a descriptor of its own) into the file's sha256, trailing the writer by up to
+    ``LAG_MAX``; :meth:`write` never holds on to the caller's buffer. The hash is finished by
+    :meth:`FollowingHasher.finish`, not at :meth:`close`, and recorded only if every byte went
+    through :meth:`write` in order (a ``seek`` or ``truncate``, or a position that is not the
+    bytes written so far, leaves the file to the ordinary hash).
     """
 
     def __init__(self, f: Any, owner: FollowingHasher) -> None:
         self._f, self._owner = f, owner
-        self._sha = hashlib.sha256()
         self._pos = f.tell()
         self._broken = self._pos != 0  # (a file not written from its start is not hashed here)
+        self._trail = None if self._broken else _open_trail(f)
+        self._broken = self._broken or self._trail is None
         self._closed = False
         self._unreported = 0
 
     def write(self, b: Any) -> int:
         view = memoryview(b)
-        if view.nbytes >= PARALLEL_MIN:
-            hashed = _hashing_pool().submit(self._sha.update, view)  # (hashlib releases the GIL)
-            try:
-                n = self._f.write(view)
-            finally:
-                hashed.result()  # (also on a failed write: the thread reads `view` until then)
-        else:
-            n = self._f.write(view)
-            self._sha.update(view)
+        n = self._f.write(view)
         if n is not None and n != view.nbytes:  # (a raw file's short write: the caller writes the rest)
             self._broken = True
         self._pos += view.nbytes
         self._unreported += view.nbytes
-        if self._unreported >= PARALLEL_MIN:  # (progress in steps: a zip header's write is a few bytes)
-            self._report()
+        if self._unreported >= REPORT:  # (in steps: a zip header's write is a few bytes)
+            self._hand_over()
         return view.nbytes if n is None else n
 
-    def _report(self) -> None:
+    def _hand_over(self) -> None:
+        """Flush to the kernel, let the hash follow, report the progress."""
+        self._f.flush()
+        if self._trail is not None and not self._broken:
+            self._trail.advance(self._pos)
         n, self._unreported = self._unreported, 0
         if n:
             self._owner._wrote(n)
@@ -140,14 +239,19 @@ class HashedFile:
         if self._closed:
             return
         self._closed = True
-        self._report()
+        whole = False
         try:
-            self._f.flush()
+            self._hand_over()
             st = os.fstat(self._f.fileno())
-            if not self._broken and st.st_size == self._pos:
-                self._owner._record((st.st_dev, st.st_ino), {"size": self._pos, "sha256": self._sha.hexdigest()})
+            whole = not self._broken and st.st_size == self._pos
         finally:
             self._f.close()
+            if self._trail is not None:
+                if whole:  # the hash goes on after the close; finish() waits for it
+                    self._trail.advance(self._pos, wait=False)
+                    self._owner._trailing((st.st_dev, st.st_ino), self._pos, self._trail)
+                else:
+                    self._trail.stop()
 
     def __enter__(self) -> HashedFile:
         return self
@@ -171,7 +275,7 @@ class FollowingHasher:
         match: called with the path relative to ``root`` (POSIX); True to follow it.
             None: no file is followed (no thread; only :meth:`writing`'s files are hashed).
         on_written: called at least once per ``STEP`` bytes hashed of each followed file
-            and whenever the files grew (on the hashing thread), and for each ``PARALLEL_MIN``
+            and whenever the files grew (on the hashing thread), and for each ``REPORT``
             bytes written through :meth:`writing` and at its close (on the writer's thread),
             with the bytes written so far to all of them
             together (the previous checkpoint's pages are released in step with it:
@@ -191,7 +295,7 @@ class FollowingHasher:
         self._lock = threading.Lock()
         self._followed_bytes = 0
         self._own_bytes = 0
-        self._own: dict[tuple[int, int], dict[str, Any]] = {}
+        self._trails: list[tuple[tuple[int, int], int, _Trail]] = []
 
     def start(self) -> FollowingHasher:
         if self.match is not None:
@@ -209,9 +313,9 @@ class FollowingHasher:
             if self.on_written is not None:
                 self.on_written(self._own_bytes + self._followed_bytes)
 
-    def _record(self, key: tuple[int, int], value: dict[str, Any]) -> None:
+    def _trailing(self, key: tuple[int, int], size: int, trail: _Trail) -> None:
         with self._lock:
-            self._own[key] = value
+            self._trails.append((key, size, trail))
 
     def _scan(self) -> None:
         for dirpath, _dirs, names in os.walk(self.root):
@@ -274,14 +378,23 @@ class FollowingHasher:
         if self._thread.is_alive():
             self._thread.join()
         with self._lock:
-            out: dict[tuple[int, int], dict[str, Any]] = dict(self._own)
+            trails, self._trails = self._trails, []
+        out: dict[tuple[int, int], dict[str, Any]] = {}
         try:
+            for i, (key, size, trail) in enumerate(trails):
+                digest = trail.result()
+                trails[i] = (key, size, None)
+                if digest is not None:
+                    out[key] = {"size": size, "sha256": digest}
             if self._error is None:
                 for f in self._files.values():
                     st = os.fstat(f.fd)
                     if not f.broken and st.st_size == f.pos:
                         out[(st.st_dev, st.st_ino)] = {"size": f.pos, "sha256": f.sha.hexdigest()}
         finally:
+            for _key, _size, trail in trails:
+                if trail is not None:
+                    trail.stop()
             self.close()
         return out
 
@@ -290,6 +403,10 @@ class FollowingHasher:
         self._done.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
+        with self._lock:
+            trails, self._trails = self._trails, []
+        for _key, _size, trail in trails:
+            trail.stop()
         files, self._files = self._files, {}
         for f in files.values():
             try:
