@@ -72,3 +72,91 @@ def test_a_model_with_a_load_hook_is_loaded_through_load_state_dict(tmp_path: Pa
     assert not torch.equal(fresh[0].weight, model[0].weight)  # nothing was read into it
     load_standard(ckpt, model=fresh, optimizer=None, info=DistInfo())
     assert seen == ["0."] and torch.equal(fresh[0].weight, model[0].weight)
+
+
+def test_large_tensors_are_read_in_pieces_on_the_reading_threads(tmp_path: Path) -> None:
+    """A 20 MiB layer (three pieces of READ_PIECE) and small ones (read at once): the weights and the
+    optimizer's state come back bit for bit, through the reads queued on the two threads."""
+    from pimm_core.checkpoint.formats import direct_read
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2560, 2048), nn.Linear(2048, 3))  # 20 MiB, then 24 KiB
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 2560)).sum().backward()
+    opt.step()
+    ckpt = _save(tmp_path, model, opt)
+    assert model[0].weight.nbytes > 2 * direct_read.READ_PIECE
+    fresh = nn.Sequential(nn.Linear(2560, 2048), nn.Linear(2048, 3))
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    load_standard(ckpt, model=fresh, optimizer=fresh_opt, info=DistInfo())
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], fresh_opt.state[q][key]), key
+
+
+def _block_reading_threads():
+    import threading
+
+    from pimm_core.checkpoint.formats.direct_read import _reading_pool
+
+    release, started = threading.Event(), [threading.Event(), threading.Event()]
+
+    def hold(i):
+        started[i].set()
+        release.wait(60)
+
+    for i in range(2):
+        _reading_pool().submit(hold, i)
+    assert all(e.wait(60) for e in started)
+    return release
+
+
+def test_a_queued_read_goes_on_while_the_caller_does_and_wait_gives_its_bytes(tmp_path: Path) -> None:
+    """With both reading threads busy, pread_into queues a 1 MiB read and returns at once (the caller
+    unpickles the next record meanwhile); wait() returns when the bytes are in."""
+    import os
+
+    from pimm_core.checkpoint.formats.direct_read import Reads
+
+    src = torch.randn(512, 512)
+    torch.save({"w": src}, tmp_path / "w.pth")
+    sd, whole = mapped_load(tmp_path / "w.pth")
+    target = torch.zeros(512, 512)
+    fd = os.open(tmp_path / "w.pth", os.O_RDONLY)
+    release = _block_reading_threads()
+    try:
+        reads = Reads()
+        assert reads.pread_into(fd, whole, sd["w"], target)
+        assert not torch.equal(target, src)  # queued, not read yet: the caller went on
+    finally:
+        release.set()
+    reads.wait()
+    os.close(fd)
+    assert torch.equal(target, src)
+
+
+def test_a_failed_queued_read_is_raised_by_wait_after_the_others_end(tmp_path: Path) -> None:
+    """The file shrank after it was mapped: the read past its end fails, and wait() raises it."""
+    import os
+
+    import pytest
+
+    from pimm_core.checkpoint.formats.direct_read import Reads
+
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    torch.save({"a": a, "b": b}, tmp_path / "w.pth")
+    sd, whole = mapped_load(tmp_path / "w.pth")
+    ta, tb = torch.zeros(512, 512), torch.zeros(512, 512)
+    end_of_a = sd["a"].data_ptr() - whole.data_ptr() + a.nbytes
+    os.truncate(tmp_path / "w.pth", end_of_a + 100)  # b's bytes are gone
+    fd = os.open(tmp_path / "w.pth", os.O_RDONLY)
+    try:
+        reads = Reads()
+        assert reads.pread_into(fd, whole, sd["a"], ta) and reads.pread_into(fd, whole, sd["b"], tb)
+        with pytest.raises(OSError, match="bytes missing"):
+            reads.wait()
+        assert torch.equal(ta, a)  # the read that could be done was done
+    finally:
+        os.close(fd)

@@ -6,11 +6,19 @@ faults the map's pages in one by one, which costs 2-3x a ``preadv`` of the same 
 the parameter (80 MiB: 110 against 40 ms here, alternated; ``benchmarks/README.md``). The
 map is kept for the unpickling: it gives each tensor's place in the file (its address minus
 the map's), from which :func:`pread_into` reads.
+
+The reads of a file go to two reading threads (:class:`Reads`): ``preadv`` releases the GIL,
+so the unpickling of a shard's next records goes on while the bytes of the last ones are read,
+and a large tensor's bytes are read in pieces on both cores (most of a read's time is the
+first touch of freshly allocated optimizer state; benchmarks/README.md, "Loads read on two
+threads").
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,26 +40,98 @@ def _place(whole: torch.UntypedStorage, mapped: torch.Tensor, target: Any) -> tu
     return None
 
 
+READ_PIECE = 8 << 20  # a large tensor's bytes are read in pieces of this size, on both threads
+INLINE_MAX = 256 << 10  # smaller reads are done at once on the calling thread (a hand-off costs more)
+
+_read_pool: ThreadPoolExecutor | None = None
+_read_pool_lock = threading.Lock()
+
+
+def _reading_pool() -> ThreadPoolExecutor:
+    global _read_pool
+    with _read_pool_lock:
+        if _read_pool is None:
+            _read_pool = ThreadPoolExecutor(2, thread_name_prefix="pimm-read")
+        return _read_pool
+
+
+def _read_exact(fd: int, view: memoryview, offset: int) -> None:
+    got = 0
+    while got < view.nbytes:
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise OSError(f"{view.nbytes - got} bytes missing at offset {offset + got}")
+        got += n
+
+
+class Reads:
+    """Reads of tensor bytes on the reading threads; :meth:`wait` (or leaving the ``with``
+    block) returns once every read queued has ended. The caller keeps ``fd`` open and does not
+    use the targets until then."""
+
+    def __init__(self) -> None:
+        self._pending: list[Future[None]] = []
+
+    def pread_into(self, fd: int, whole: torch.UntypedStorage, mapped: torch.Tensor, target: torch.Tensor) -> bool:
+        """Queue the read of the bytes of ``mapped`` (a tensor over ``whole``, the map of file ``fd``)
+        into ``target``. False, with nothing queued, where that would not be what
+        ``target.copy_(mapped)`` does (:func:`_place`) or there is nothing to read; the caller copies then.
+
+        Raises:
+            OSError: a read done at once (under ``INLINE_MAX`` bytes) failed; a queued read's
+                failure is raised by :meth:`wait`.
+        """
+        place = _place(whole, mapped, target)
+        if place is None or not place[1]:
+            return False
+        start, nbytes = place
+        view = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
+        if nbytes < INLINE_MAX:
+            _read_exact(fd, view, start)
+            return True
+        pool = _reading_pool()
+        for offset in range(0, nbytes, READ_PIECE):
+            self._pending.append(pool.submit(_read_exact, fd, view[offset:offset + READ_PIECE], start + offset))
+        return True
+
+    def wait(self) -> None:
+        """Wait for every queued read.
+
+        Raises:
+            OSError: a read failed, or the file is shorter than its map (it shrank); raised
+                after every other read has ended.
+        """
+        pending, self._pending = self._pending, []
+        error: BaseException | None = None
+        for f in pending:
+            try:
+                f.result()
+            except BaseException as e:  # (the others still run: wait for them before raising)
+                error = error or e
+        if error is not None:
+            raise error
+
+    def __enter__(self) -> Reads:
+        return self
+
+    def __exit__(self, kind: Any, *exc: Any) -> None:
+        if kind is None:
+            self.wait()
+        else:
+            try:
+                self.wait()
+            except OSError:
+                pass  # (the exception already raised is the one reported)
+
+
 def pread_into(fd: int, whole: torch.UntypedStorage, mapped: torch.Tensor, target: torch.Tensor) -> bool:
-    """Read the bytes of ``mapped`` (a tensor over ``whole``, the map of file ``fd``) into ``target``
-    with ``preadv``. False, with nothing read, where that would not be what
-    ``target.copy_(mapped)`` does (:func:`_place`) or there is nothing to read; the caller copies then.
+    """:meth:`Reads.pread_into` and wait: the bytes of ``mapped`` are in ``target`` when it returns True.
 
     Raises:
         OSError: the read failed, or the file is shorter than its map (it shrank).
     """
-    place = _place(whole, mapped, target)
-    if place is None or not place[1]:
-        return False
-    start, nbytes = place
-    view = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
-    got = 0
-    while got < nbytes:
-        n = os.preadv(fd, [view[got:]], start + got)
-        if n <= 0:
-            raise OSError(f"{nbytes - got} bytes missing at offset {start + got}")
-        got += n
-    return True
+    with Reads() as reads:
+        return reads.pread_into(fd, whole, mapped, target)
 
 
 def mapped_load(path: Path) -> tuple[Any, torch.UntypedStorage] | None:
@@ -103,9 +183,9 @@ def read_into_module(path: Path, whole: torch.UntypedStorage, module: nn.Module,
         return False
     fd = os.open(path, os.O_RDONLY)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), Reads() as reads:
             for k, src in sd.items():
-                pread_into(fd, whole, src, own[k])
+                reads.pread_into(fd, whole, src, own[k])
     finally:
         os.close(fd)
     return True

@@ -32,7 +32,7 @@ from torch.futures import Future
 
 from ...errors import CheckpointParseError
 from ..tensors.safe_read import load_failure, read_dcp_metadata
-from .direct_read import pread_into
+from .direct_read import Reads
 
 try:
     from torch import _weights_only_unpickler
@@ -101,7 +101,8 @@ class MappedFileSystemReader(dcp.FileSystemReader):
 
     def _read_mapped(self, path: Path, items: list[Any], planner: LoadPlanner) -> None:
         whole = torch.UntypedStorage.from_file(str(path), False, path.stat().st_size)  # MAP_PRIVATE, lazy
-        with open(path, "rb") as stream:
+        read: list[tuple[Any, torch.Tensor]] = []
+        with open(path, "rb") as stream, Reads() as reads:  # (the reads end before the file is closed)
             for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
                 info = self.storage_data[item.storage_index]
                 try:
@@ -118,7 +119,9 @@ class MappedFileSystemReader(dcp.FileSystemReader):
                 if target.size() != tensor.size():
                     raise ValueError(f"{path}: item {item.storage_index} has size {tuple(tensor.size())}, "
                                      f"expected {tuple(target.size())}")
-                if not pread_into(stream.fileno(), whole, tensor, target):
+                if not reads.pread_into(stream.fileno(), whole, tensor, target):
                     target.copy_(tensor)
-                planner.commit_tensor(item, target)
+                read.append((item, target))
+        for item, target in read:  # (each once its bytes are in)
+            planner.commit_tensor(item, target)
 
