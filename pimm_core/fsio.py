@@ -11,12 +11,12 @@ import os
 import re
 import shutil
 import sys
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Collection
 
 from .faults import point, register
+from .pools import SharedPool
 
 register("atomic.written", "atomic.synced", "atomic.renamed")
 
@@ -63,16 +63,7 @@ def fsync_tree(root: Path) -> None:
 # fsyncs issued together: ext4's journal (jbd2) commits concurrent fsyncs in one transaction, so
 # the 5-8 small fsyncs before a checkpoint's rename cost about one (16.8 -> 3.5 ms for 8 here;
 # benchmarks/README.md). A few threads, started once, reused by every save.
-_sync_pool: ThreadPoolExecutor | None = None
-_sync_lock = threading.Lock()
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _sync_pool
-    with _sync_lock:
-        if _sync_pool is None:
-            _sync_pool = ThreadPoolExecutor(4, thread_name_prefix="pimm-fsync")
-        return _sync_pool
+_sync_pool = SharedPool(4, "fsync")
 
 
 def _fsync_key(fd: int) -> tuple[int, int]:
@@ -105,7 +96,7 @@ def fsync_tree_together(root: Path, skip: Collection[tuple[int, int]] = ()) -> N
             if (st.st_dev, st.st_ino) not in skip:
                 paths.append(p)
         paths.append(Path(dirpath))
-    futures = [_pool().submit(_fsync_path, p) for p in paths]
+    futures = [_sync_pool.submit(_fsync_path, p) for p in paths]
     errors = [f.exception() for f in futures]
     first = next((e for e in errors if e is not None), None)
     if first is not None:
@@ -130,7 +121,7 @@ class BackgroundSync:
         self._fds.append(os.dup(fd))
 
     def start(self) -> BackgroundSync:
-        self._futures = [_pool().submit(_fsync_key, fd) for fd in self._fds]
+        self._futures = [_sync_pool.submit(_fsync_key, fd) for fd in self._fds]
         return self
 
     def wait(self) -> set[tuple[int, int]]:

@@ -124,7 +124,7 @@ def test_files_written_through_writing_are_hashed_by_their_writer_without_a_thre
 
 def _block_hashing_threads():
     """Occupy both hashing threads until the returned event is set."""
-    from pimm_core.checkpoint.publish.follow import _hashing_pool
+    from pimm_core.checkpoint.publish.follow import _hash_pool
 
     release, started = threading.Event(), [threading.Event(), threading.Event()]
 
@@ -133,7 +133,7 @@ def _block_hashing_threads():
         release.wait(hang_s(30))
 
     for i in range(2):
-        _hashing_pool().submit(hold, i)
+        _hash_pool.submit(hold, i)
     assert all(e.wait(hang_s(10)) for e in started)
     return release
 

@@ -99,7 +99,7 @@ def test_large_tensors_are_read_in_pieces_on_the_reading_threads(tmp_path: Path)
 def _block_reading_threads():
     import threading
 
-    from pimm_core.checkpoint.formats.direct_read import _reading_pool
+    from pimm_core.checkpoint.formats.direct_read import _read_pool
 
     release, started = threading.Event(), [threading.Event(), threading.Event()]
 
@@ -108,7 +108,7 @@ def _block_reading_threads():
         release.wait(60)
 
     for i in range(2):
-        _reading_pool().submit(hold, i)
+        _read_pool.submit(hold, i)
     assert all(e.wait(60) for e in started)
     return release
 
@@ -160,3 +160,29 @@ def test_a_failed_queued_read_is_raised_by_wait_after_the_others_end(tmp_path: P
         assert torch.equal(ta, a)  # the read that could be done was done
     finally:
         os.close(fd)
+
+
+def test_a_forked_child_saves_and_loads_after_its_parent_did(tmp_path: Path) -> None:
+    """The hashing and reading threads are the parent's: a child forked after a save and a load
+    (a fork server, a DataLoader worker) starts its own instead of queueing work for threads it
+    does not have (it waited forever)."""
+    import multiprocessing
+
+    model = nn.Sequential(nn.Linear(1024, 1024))  # 4 MiB: read and hashed on the threads
+    opt = torch.optim.AdamW(model.parameters())
+    load_standard(_save(tmp_path / "parent", model, opt), model=model, optimizer=opt, info=DistInfo())
+
+    def child() -> None:
+        torch.set_num_threads(1)  # (as a DataLoader worker does: the parent's OpenMP threads are gone too)
+        (tmp_path / "child").mkdir()
+        fresh = nn.Sequential(nn.Linear(1024, 1024))
+        load_standard(_save(tmp_path / "child", model, opt), model=fresh, optimizer=None, info=DistInfo())
+        raise SystemExit(0 if torch.equal(fresh[0].weight, model[0].weight) else 3)
+
+    (tmp_path / "parent").mkdir(exist_ok=True)
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    proc.join(120)
+    if proc.is_alive():
+        proc.kill()
+    assert proc.exitcode == 0

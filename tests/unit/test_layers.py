@@ -3,7 +3,8 @@
 Layers, bottom to top (a module's layer is the longest prefix below that names it):
 
 0. **fsio**: ``errors``, ``faults`` (fault-injection points), ``fsio`` (atomic write,
-   directory swap, fsync), ``text`` (user text made safe for a terminal). Standard library only
+   directory swap, fsync), ``text`` (user text made safe for a terminal), ``pools`` (the
+   shared thread pools, started afresh in a forked child). Standard library only
    (``text`` builds ``rich.text.Text`` objects when asked).
 1. **run**: the run directory and the process it runs in: ``run.*`` (layout, status,
    metrics, log, provenance), ``lock``, ``stop``, ``shell``, ``console_log``, ``config``,
@@ -47,6 +48,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "pimm_core.faults": (0, "fsio"),
     "pimm_core.fsio": (0, "fsio"),
     "pimm_core.text": (0, "fsio"),
+    "pimm_core.pools": (0, "fsio"),
     "pimm_core.run": (1, "run"),
     "pimm_core.process": (1, "run"),
     "pimm_core.config": (1, "run"),

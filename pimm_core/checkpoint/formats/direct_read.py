@@ -17,13 +17,14 @@ threads").
 from __future__ import annotations
 
 import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from ...pools import SharedPool
 
 
 def _place(whole: torch.UntypedStorage, mapped: torch.Tensor, target: Any) -> tuple[int, int] | None:
@@ -43,16 +44,7 @@ def _place(whole: torch.UntypedStorage, mapped: torch.Tensor, target: Any) -> tu
 READ_PIECE = 8 << 20  # a large tensor's bytes are read in pieces of this size, on both threads
 INLINE_MAX = 256 << 10  # smaller reads are done at once on the calling thread (a hand-off costs more)
 
-_read_pool: ThreadPoolExecutor | None = None
-_read_pool_lock = threading.Lock()
-
-
-def _reading_pool() -> ThreadPoolExecutor:
-    global _read_pool
-    with _read_pool_lock:
-        if _read_pool is None:
-            _read_pool = ThreadPoolExecutor(2, thread_name_prefix="pimm-read")
-        return _read_pool
+_read_pool = SharedPool(2, "read")
 
 
 def _read_exact(fd: int, view: memoryview, offset: int) -> None:
@@ -89,9 +81,8 @@ class Reads:
         if nbytes < INLINE_MAX:
             _read_exact(fd, view, start)
             return True
-        pool = _reading_pool()
         for offset in range(0, nbytes, READ_PIECE):
-            self._pending.append(pool.submit(_read_exact, fd, view[offset:offset + READ_PIECE], start + offset))
+            self._pending.append(_read_pool.submit(_read_exact, fd, view[offset:offset + READ_PIECE], start + offset))
         return True
 
     def wait(self) -> None:

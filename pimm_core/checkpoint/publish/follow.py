@@ -29,9 +29,10 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
+
+from ...pools import SharedPool
 
 CHUNK = 8 << 20
 # A file written through a HashedFile is hashed from its own bytes on a hashing thread,
@@ -58,19 +59,10 @@ class _Followed:
         self.broken = False
 
 
-_hash_pool: ThreadPoolExecutor | None = None
-_hash_pool_lock = threading.Lock()
+# The hashing threads, shared by every HashedFile (a file's bytes are hashed by one job at a
+# time, in order; two files are hashed at once).
+_hash_pool = SharedPool(2, "sha256-w")
 _thread_buffers = threading.local()
-
-
-def _hashing_pool() -> ThreadPoolExecutor:
-    """The hashing threads, started once, shared by every :class:`HashedFile` (a file's bytes
-    are hashed by one job at a time, in order; two files are hashed at once)."""
-    global _hash_pool
-    with _hash_pool_lock:
-        if _hash_pool is None:
-            _hash_pool = ThreadPoolExecutor(2, thread_name_prefix="pimm-sha256-w")
-        return _hash_pool
 
 
 def _thread_buffer() -> memoryview:
@@ -101,7 +93,7 @@ class _Trail:
             self.mark = mark
             if not self.running and self.hashed < mark:
                 self.running = True
-                _hashing_pool().submit(self._drain)
+                _hash_pool.submit(self._drain)
             while lag_max is not None and self.running and self.mark - self.hashed > lag_max:
                 self.cv.wait()
 

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,6 +32,7 @@ from ...fsio import (
     release_cached_pages,
     remove_tree,
 )
+from ...pools import SharedPool
 from ...process import dist
 from ...process.dist import DistInfo
 from ..records.manifest import COMPLETE, MANIFEST, describe_files, write_manifest
@@ -196,8 +197,17 @@ def _keep_generation(prev: Path, keep_full: int) -> Path | None:
 # new checkpoint is already complete and in place. A removal that fails is a warning naming
 # the path; the tree is moved aside and removed again later (retry_stale).
 _purge_lock = threading.Lock()
-_purge_pool: ThreadPoolExecutor | None = None
 _purges: list[Future] = []
+
+
+def _forget_purges() -> None:
+    global _purge_lock
+    _purge_lock = threading.Lock()  # (a forked child: the parent's purges are not the child's to wait for)
+    _purges.clear()
+
+
+# its thread is joined at interpreter exit, so a purge is never cut short
+_purge_pool = SharedPool(1, "purge", after_fork=_forget_purges)
 _stale: set[Path] = set()  # trees that could not be removed (retried by later rotations)
 STALE_INFIX = ".stale-"
 
@@ -238,7 +248,6 @@ def _set_aside(path: Path, final: Path, error: OSError, shown: Path | None = Non
 def _purge_in_background(path: Path | None, final: Path, shown: Path | None = None) -> None:
     """Remove ``path`` (the superseded ``final.prev``, renamed away from ``shown``; None: none)
     on the purge thread, then retry the trees set aside before (:func:`retry_stale`)."""
-    global _purge_pool
 
     def purge() -> None:
         if path is not None:
@@ -251,8 +260,6 @@ def _purge_in_background(path: Path | None, final: Path, shown: Path | None = No
         retry_stale(final.parent, final.name)
 
     with _purge_lock:
-        if _purge_pool is None:  # its thread is joined at interpreter exit, so a purge is never cut short
-            _purge_pool = ThreadPoolExecutor(1, thread_name_prefix="pimm-purge")
         _purges.append(_purge_pool.submit(purge))
 
 
