@@ -57,9 +57,17 @@ def _pause_then_kill(root: Path, name: str, *remove: str, extra: tuple[str, ...]
                   *extra)
     run = root / "digits" / name
     wait_while_running(lambda: (gate / "memory.step.reached.8").exists(), "rank 1 paused at step 8", proc)
-    wait_while_running(lambda: all((memory_index(run, r).get("own") or {}).get("step") == 6 and
-                          (memory_index(run, r).get("buddy") or {}).get("step") == 6 for r in (0, 1)),
-              "both ranks' copies of step 6", proc)
+
+    def only_step_6() -> bool:
+        # the index names a copy once written; the copies of step 3 go once every rank's round of step 6
+        # is complete (keep_only, on the ranks' memory threads, which go on while rank 1 is paused)
+        shm = next((root / "shm").glob(f"pimm-{name}-*"), None)
+        return shm is not None and all(
+            (memory_index(run, r).get("own") or {}).get("step") == 6 and
+            (memory_index(run, r).get("buddy") or {}).get("step") == 6 for r in (0, 1)) and all(
+            sorted(p.parent.name for p in shm.glob(pattern)) == ["step_6", "step_6"] for pattern in remove)
+
+    wait_while_running(only_step_6, "both ranks' copies of step 6, and no older one", proc)
     shm = next((root / "shm").glob(f"pimm-{name}-*"))
     doomed = [p for pattern in remove for p in shm.glob(pattern)]
     assert len(doomed) == 2 * len(remove), doomed  # each copy with its sidecar
