@@ -284,6 +284,18 @@ def memory_index(run: Path, rank: int) -> dict[str, Any]:
         return {}
 
 
+def memory_holds_only(run: Path, shm_root: Path, name: str, step: int, patterns: tuple[str, ...]) -> bool:
+    """Both ranks' memory indexes name their own and their buddy copy of ``step``, and each glob of
+    ``patterns`` under the run's shared memory (``<shm_root>/pimm-<name>-*``) matches ``step``'s copy and
+    its sidecar only: a rank indexes a new copy once written, and removes the older ones (``keep_only``)
+    only once every rank's round of ``step`` is complete."""
+    shm = next(shm_root.glob(f"pimm-{name}-*"), None)
+    return shm is not None and all(
+        (memory_index(run, r).get("own") or {}).get("step") == step and
+        (memory_index(run, r).get("buddy") or {}).get("step") == step for r in (0, 1)) and all(
+        sorted(p.parent.name for p in shm.glob(pattern)) == [f"step_{step}"] * 2 for pattern in patterns)
+
+
 def wait_while_running(check, what: str, proc: subprocess.Popen, timeout: float = 120) -> None:
     """Wait until ``check()`` is true, failing at once (with the launch's output) if ``proc`` (started with
     ``stdout=PIPE, stderr=STDOUT, text=True``) ends first; ``timeout`` (scaled by :func:`hang_s`) catches hangs."""

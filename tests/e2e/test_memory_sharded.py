@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import DIGITS, REPO, clean_env, hang_s, memory_index, wait_while_running
+from _helpers import DIGITS, REPO, clean_env, hang_s, memory_holds_only, memory_index, wait_while_running
 
 CHARLM = REPO / "configs" / "charlm.toml"
 FSDP = ("train.epochs=1", "model.hidden=16", "train.log_every_steps=5", "checkpoint.memory_every_steps=3",
@@ -54,9 +54,8 @@ def _killed(root: Path, case: str, *remove: str) -> subprocess.Popen:
                                      "PIMM_FAILPOINT": f"memory.step@{pause}=pause", "PIMM_FAILPOINT_DIR": str(gate)})
     run = root / config_name / name
     wait_while_running(lambda: (gate / f"memory.step.reached.{pause}").exists(), "rank 1 paused", proc, timeout=240)
-    wait_while_running(lambda: all((memory_index(run, r).get("own") or {}).get("step") == copied and
-                                   (memory_index(run, r).get("buddy") or {}).get("step") == copied for r in (0, 1)),
-                       f"both ranks' copies of step {copied}", proc)
+    wait_while_running(lambda: memory_holds_only(run, root / "shm", name, copied, remove),
+                       f"both ranks' copies of step {copied}, and no older one", proc)
     shm = next((root / "shm").glob(f"pimm-{name}-*"))
     (root / f"{case}-copy.pt").write_bytes((shm / "0" / f"step_{copied}" / "rank_0.pt").read_bytes())
     doomed = [p for pattern in remove for p in shm.glob(pattern)]

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import DIGITS, REPO, clean_env, hang_s, memory_index, wait_while_running
+from _helpers import DIGITS, REPO, clean_env, hang_s, memory_holds_only, memory_index, wait_while_running
 
 OVERRIDES = ("train.epochs=1", "model.hidden=16", "train.log_every_steps=5", "checkpoint.memory_every_steps=3",
              "checkpoint.every_epochs=1", "data.num_workers=0")
@@ -57,17 +57,8 @@ def _pause_then_kill(root: Path, name: str, *remove: str, extra: tuple[str, ...]
                   *extra)
     run = root / "digits" / name
     wait_while_running(lambda: (gate / "memory.step.reached.8").exists(), "rank 1 paused at step 8", proc)
-
-    def only_step_6() -> bool:
-        # the index names a copy once written; the copies of step 3 go once every rank's round of step 6
-        # is complete (keep_only, on the ranks' memory threads, which go on while rank 1 is paused)
-        shm = next((root / "shm").glob(f"pimm-{name}-*"), None)
-        return shm is not None and all(
-            (memory_index(run, r).get("own") or {}).get("step") == 6 and
-            (memory_index(run, r).get("buddy") or {}).get("step") == 6 for r in (0, 1)) and all(
-            sorted(p.parent.name for p in shm.glob(pattern)) == ["step_6", "step_6"] for pattern in remove)
-
-    wait_while_running(only_step_6, "both ranks' copies of step 6, and no older one", proc)
+    wait_while_running(lambda: memory_holds_only(run, root / "shm", name, 6, remove),
+                       "both ranks' copies of step 6, and no older one", proc)
     shm = next((root / "shm").glob(f"pimm-{name}-*"))
     doomed = [p for pattern in remove for p in shm.glob(pattern)]
     assert len(doomed) == 2 * len(remove), doomed  # each copy with its sidecar
