@@ -206,3 +206,20 @@ def test_a_file_that_cannot_be_opened_again_by_its_name_is_left_to_the_ordinary_
     known = hasher.finish()
     assert known == {}
     assert describe_files(tmp_path, known=known)["weights.pth"]["sha256"] == sha256_file(tmp_path / "weights.pth")
+
+
+def test_at_interpreter_exit_the_file_is_left_to_the_ordinary_hash(tmp_path, monkeypatch):
+    """A save while the interpreter exits (its thread pools take no new work: RuntimeError, as
+    ThreadPoolExecutor.submit raises then) still completes: the file's hash is computed after."""
+    from pimm_core.checkpoint.publish import follow
+
+    def refuse(*_args):
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(follow._hash_pool, "submit", refuse)
+    hasher = FollowingHasher(tmp_path, None).start()
+    with hasher.writing(open(tmp_path / "weights.pth", "wb")) as f:
+        f.write(os.urandom(3 << 20))
+    known = hasher.finish()
+    assert known == {}
+    assert describe_files(tmp_path, known=known)["weights.pth"]["sha256"] == sha256_file(tmp_path / "weights.pth")

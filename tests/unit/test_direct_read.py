@@ -186,3 +186,22 @@ def test_a_forked_child_saves_and_loads_after_its_parent_did(tmp_path: Path) -> 
     if proc.is_alive():
         proc.kill()
     assert proc.exitcode == 0
+
+
+def test_at_interpreter_exit_the_reads_are_done_on_the_calling_thread(tmp_path: Path, monkeypatch) -> None:
+    from pimm_core.checkpoint.formats import direct_read
+
+    def refuse(*_args):
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(direct_read._read_pool, "submit", refuse)
+    model, opt = _trained(0)
+    model[0] = nn.Linear(8, 40000)  # 1.3 MiB: above the size read at once
+    model[2] = nn.Linear(40000, 4)
+    model(torch.randn(3, 8)).sum().backward()
+    opt = torch.optim.AdamW(model.parameters())
+    opt.step()
+    ckpt = _save(tmp_path, model, opt)
+    fresh = nn.Sequential(nn.Linear(8, 40000), nn.ReLU(), nn.Linear(40000, 4))
+    load_standard(ckpt, model=fresh, optimizer=torch.optim.AdamW(fresh.parameters()), info=DistInfo())
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))

@@ -82,7 +82,11 @@ class Reads:
             _read_exact(fd, view, start)
             return True
         for offset in range(0, nbytes, READ_PIECE):
-            self._pending.append(_read_pool.submit(_read_exact, fd, view[offset:offset + READ_PIECE], start + offset))
+            piece = view[offset:offset + READ_PIECE]
+            try:
+                self._pending.append(_read_pool.submit(_read_exact, fd, piece, start + offset))
+            except RuntimeError:  # (no new threads at interpreter exit): read here
+                _read_exact(fd, piece, start + offset)
         return True
 
     def wait(self) -> None:

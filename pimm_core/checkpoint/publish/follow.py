@@ -91,9 +91,12 @@ class _Trail:
         lag_max = LAG_MAX if wait else None
         with self.cv:
             self.mark = mark
-            if not self.running and self.hashed < mark:
-                self.running = True
-                _hash_pool.submit(self._drain)
+            if not self.running and self.hashed < mark and self.error is None:
+                try:
+                    _hash_pool.submit(self._drain)
+                    self.running = True
+                except RuntimeError as e:  # (no new threads at interpreter exit): hashed the ordinary way
+                    self.error = e
             while lag_max is not None and self.running and self.mark - self.hashed > lag_max:
                 self.cv.wait()
 
