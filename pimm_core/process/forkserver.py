@@ -280,7 +280,8 @@ def _become_fresh(keep: tuple[int, ...]) -> None:
     - pimm's modules, which may have read the parent's environment at import (``faults`` reads
       ``RANK``) or hold its state, are forgotten, with the exit functions they registered, so a child
       imports them again with its own (pimm registers nothing with other libraries at import, which
-      would outlive this); ``sitecustomize`` and ``usercustomize`` are forgotten and run again, as at a
+      would outlive this, but ``pools``' fork hook: the forgotten module's hook only forgets the
+      forgotten module's pools); ``sitecustomize`` and ``usercustomize`` are forgotten and run again, as at a
       start. Installed packages stay, with their exit functions (torch's). User code is not here at all
       (:func:`_fork_server` does not fork a process that imported it).
     """

@@ -223,3 +223,43 @@ def test_at_interpreter_exit_the_file_is_left_to_the_ordinary_hash(tmp_path, mon
     known = hasher.finish()
     assert known == {}
     assert describe_files(tmp_path, known=known)["weights.pth"]["sha256"] == sha256_file(tmp_path / "weights.pth")
+
+
+_FULL_DISK = r"""
+import os, resource, signal, sys, torch
+from pathlib import Path
+from pimm_core.checkpoint.publish.rotation import follow_hashes, save_torch_file
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as a full disk's with ENOSPC
+d = Path(sys.argv[1])
+hasher = follow_hashes(d)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, resource.RLIM_INFINITY))
+try:
+    save_torch_file(d / "weights.pth", {f"w{i}": torch.randn(1000) for i in range(2000)}, hasher)  # 8 MB
+except OSError as e:
+    print("save failed:", e.strerror)
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+hasher.close()
+print("left:", sorted(os.listdir(d)))
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        print("open:", os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        pass
+"""
+
+
+def test_a_save_that_fails_at_its_last_flush_keeps_no_descriptor_of_its_removed_file(tmp_path):
+    """The write fails when the file outgrows the limit (the kernel's EFBIG, a full disk's ENOSPC alike),
+    the last flush at close() fails again: the temporary file is removed, and no descriptor of it (the
+    hash's own) stays open to keep its blocks allocated."""
+    import subprocess
+    import sys
+
+    from _helpers import REPO, clean_env
+
+    out = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path)], cwd=REPO, env=clean_env(),
+                         capture_output=True, text=True, timeout=hang_s(120))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "save failed: File too large" in out.stdout, out.stdout
+    assert "left: []" in out.stdout, out.stdout
+    assert not [line for line in out.stdout.splitlines() if line.startswith("open:") and str(tmp_path) in line], out.stdout

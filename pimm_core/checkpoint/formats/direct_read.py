@@ -115,7 +115,7 @@ class Reads:
         else:
             try:
                 self.wait()
-            except OSError:
+            except Exception:
                 pass  # (the exception already raised is the one reported)
 
 

@@ -180,8 +180,8 @@ def save_standard(
 
 def _shard_writer(path: Path, hasher: FollowingHasher | None, syncs: BackgroundSync | None = None) -> Any:
     """DCP's ``FileSystemWriter`` for ``path``; with ``hasher``, each shard (``*.distcp``) this
-    process writes is hashed as its bytes go to the file
-    (:meth:`~..publish.follow.FollowingHasher.writing`), not read back after. Every file is
+    process writes is hashed on the hashing threads as its bytes reach the file, trailing the
+    writer (:meth:`~..publish.follow.FollowingHasher.writing`). Every file is
     fsynced: by DCP before its last collective, or, with ``syncs``, not by DCP: each file it
     writes is added to ``syncs`` (the caller starts and waits for those fsyncs)."""
     import torch.distributed.checkpoint as dcp

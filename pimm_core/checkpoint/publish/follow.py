@@ -2,9 +2,9 @@
 
 The manifest records the sha256 of every file of a checkpoint. Hashing after the
 write re-reads every byte on the save's critical path (~0.8 s per GiB on one core
-here, as long as the write itself). :class:`FollowingHasher` instead tails the files
-on a second thread as the writers append to them, so the hash is ready about when the
-write is, the way a pipelined ``tee | sha256sum`` would be.
+here, as long as the write itself). :class:`FollowingHasher` instead hashes the files
+on other threads as the writers append to them, the way a pipelined ``tee | sha256sum``
+would: the hash overlaps the writes and is finished by :meth:`FollowingHasher.finish`.
 
 The files this process writes itself (rank 0's own DCP shards, ``weights.pth``) are
 written through a :class:`HashedFile`, which tells the hashing threads how far the bytes
@@ -234,19 +234,36 @@ class HashedFile:
         if self._closed:
             return
         self._closed = True
-        whole = False
+        key = None  # the file's (st_dev, st_ino) when it was written whole through write()
         try:
             self._hand_over()
             st = os.fstat(self._f.fileno())
-            whole = not self._broken and st.st_size == self._pos
+            if not self._broken and st.st_size == self._pos:
+                key = (st.st_dev, st.st_ino)
         finally:
-            self._f.close()
-            if self._trail is not None:
-                if whole:  # the hash goes on after the close; finish() waits for it
-                    self._trail.advance(self._pos, wait=False)
-                    self._owner._trailing((st.st_dev, st.st_ino), self._pos, self._trail)
-                else:
-                    self._trail.stop()
+            try:
+                self._f.close()
+            except BaseException:
+                key = None  # (its last bytes may not have reached the file)
+                raise
+            finally:
+                self._settle_trail(key)
+
+    def _settle_trail(self, key: tuple[int, int] | None) -> None:
+        """Hand the trail to the owner (its hash goes on; :meth:`FollowingHasher.finish` waits for
+        it), or stop it and close its descriptor when the file is not recorded (``key`` None)."""
+        trail, self._trail = self._trail, None
+        if trail is None:
+            return
+        if key is None:
+            trail.stop()
+            return
+        try:
+            trail.advance(self._pos, wait=False)
+            self._owner._trailing(key, self._pos, trail)
+        except BaseException:
+            trail.stop()
+            raise
 
     def __enter__(self) -> HashedFile:
         return self
@@ -291,6 +308,7 @@ class FollowingHasher:
         self._followed_bytes = 0
         self._own_bytes = 0
         self._trails: list[tuple[tuple[int, int], int, _Trail]] = []
+        self._accepting = True  # until finish() or close() takes the trails
 
     def start(self) -> FollowingHasher:
         if self.match is not None:
@@ -310,7 +328,10 @@ class FollowingHasher:
 
     def _trailing(self, key: tuple[int, int], size: int, trail: _Trail) -> None:
         with self._lock:
-            self._trails.append((key, size, trail))
+            if self._accepting:
+                self._trails.append((key, size, trail))
+                return
+        trail.stop()  # (closed after finish() or close(): nobody would wait for it)
 
     def _scan(self) -> None:
         for dirpath, _dirs, names in os.walk(self.root):
@@ -373,7 +394,7 @@ class FollowingHasher:
         if self._thread.is_alive():
             self._thread.join()
         with self._lock:
-            trails, self._trails = self._trails, []
+            trails, self._trails, self._accepting = self._trails, [], False
         out: dict[tuple[int, int], dict[str, Any]] = {}
         try:
             for i, (key, size, trail) in enumerate(trails):
@@ -399,7 +420,7 @@ class FollowingHasher:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
         with self._lock:
-            trails, self._trails = self._trails, []
+            trails, self._trails, self._accepting = self._trails, [], False
         for _key, _size, trail in trails:
             trail.stop()
         files, self._files = self._files, {}

@@ -299,9 +299,10 @@ def wait_for_purges() -> list[Path]:
 def follow_hashes(tmp: Path, previous: Path | None = None, own_shards: bool = False) -> FollowingHasher:
     """Rank 0: hash the DCP shards written on this node (``__<rank>_<n>.distcp`` for ranks
     ``0 .. LOCAL_WORLD_SIZE-1``: torchrun gives rank 0's node the first ranks) as they are
-    written, on a second thread; ``weights.pth`` is hashed by its writer (:func:`publish`),
-    and so are rank 0's own shards with ``own_shards`` (their writer goes through
-    :meth:`FollowingHasher.writing`; with one local rank no thread is started).
+    written, on a second thread; ``weights.pth`` (:func:`publish`), and rank 0's own shards
+    with ``own_shards``, are written through :meth:`FollowingHasher.writing`, which hashes
+    them on the hashing threads as their bytes reach the file (with one local rank no
+    following thread is started).
 
     Other nodes' shards are hashed after their writers have closed them: on a shared
     filesystem (NFS) a file opened while another client writes it may show a stale size.
