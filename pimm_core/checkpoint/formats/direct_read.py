@@ -5,7 +5,7 @@ unpickled without reading its tensor data; copying a mapped tensor into a parame
 faults the map's pages in one by one, which costs 2-3x a ``preadv`` of the same bytes into
 the parameter (80 MiB: 110 against 40 ms here, alternated; ``benchmarks/README.md``). The
 map is kept for the unpickling: it gives each tensor's place in the file (its address minus
-the map's), from which :func:`pread_into` reads.
+the map's), from which :meth:`Reads.pread_into` reads.
 
 The reads of a file go to two reading threads (:class:`Reads`): ``preadv`` releases the GIL,
 so the unpickling of a shard's next records goes on while the bytes of the last ones are read,
@@ -110,23 +110,11 @@ class Reads:
         return self
 
     def __exit__(self, kind: Any, *exc: Any) -> None:
-        if kind is None:
+        try:
             self.wait()
-        else:
-            try:
-                self.wait()
-            except Exception:
-                pass  # (the exception already raised is the one reported)
-
-
-def pread_into(fd: int, whole: torch.UntypedStorage, mapped: torch.Tensor, target: torch.Tensor) -> bool:
-    """:meth:`Reads.pread_into` and wait: the bytes of ``mapped`` are in ``target`` when it returns True.
-
-    Raises:
-        OSError: the read failed, or the file is shorter than its map (it shrank).
-    """
-    with Reads() as reads:
-        return reads.pread_into(fd, whole, mapped, target)
+        except Exception:
+            if kind is None:
+                raise  # (else the exception already raised is the one reported)
 
 
 def mapped_load(path: Path) -> tuple[Any, torch.UntypedStorage] | None:

@@ -65,6 +65,15 @@ _hash_pool = SharedPool(2, "sha256-w")
 _thread_buffers = threading.local()
 
 
+def _hash_next(fd: int, sha: Any, buf: memoryview, pos: int, end: int) -> int:
+    """Read the file's bytes from ``pos`` (at most to ``end``, at most ``len(buf)``) into ``buf`` and
+    add them to ``sha``; the bytes read, 0 at the file's end."""
+    n = os.preadv(fd, [buf[:min(len(buf), end - pos)]], pos)
+    if n > 0:
+        sha.update(buf[:n])  # (hashlib releases the GIL for large updates)
+    return n
+
+
 def _thread_buffer() -> memoryview:
     buf = getattr(_thread_buffers, "buf", None)
     if buf is None:
@@ -110,10 +119,9 @@ class _Trail:
                         self.running = False
                         self.cv.notify_all()
                         return
-                n = os.preadv(self.fd, [buf[:end - start]], start)
+                n = _hash_next(self.fd, self.sha, buf, start, end)
                 if n <= 0:
                     raise OSError(f"the file ended at {start} bytes, {self.mark} were written")
-                self.sha.update(buf[:n])  # (hashlib releases the GIL for large updates)
                 with self.cv:
                     self.hashed = start + n
                     self.cv.notify_all()
@@ -354,10 +362,9 @@ class FollowingHasher:
         moved = False
         end = min(size, f.pos + STEP)
         while f.pos < end:
-            n = os.preadv(f.fd, [view[:min(CHUNK, end - f.pos)]], f.pos)
+            n = _hash_next(f.fd, f.sha, view, f.pos, end)
             if n <= 0:
                 break
-            f.sha.update(view[:n])  # hashlib releases the GIL for large updates
             f.pos += n
             moved = True
         return moved
@@ -397,9 +404,8 @@ class FollowingHasher:
             trails, self._trails, self._accepting = self._trails, [], False
         out: dict[tuple[int, int], dict[str, Any]] = {}
         try:
-            for i, (key, size, trail) in enumerate(trails):
+            for key, size, trail in trails:
                 digest = trail.result()
-                trails[i] = (key, size, None)
                 if digest is not None:
                     out[key] = {"size": size, "sha256": digest}
             if self._error is None:
@@ -409,8 +415,7 @@ class FollowingHasher:
                         out[(st.st_dev, st.st_ino)] = {"size": f.pos, "sha256": f.sha.hexdigest()}
         finally:
             for _key, _size, trail in trails:
-                if trail is not None:
-                    trail.stop()
+                trail.stop()  # (a no-op once its result is taken)
             self.close()
         return out
 
